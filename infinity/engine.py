@@ -1,0 +1,308 @@
+"""Engine: the training loop's surface (forward, backward, step) over sharded, tiered state.
+
+`initialize` builds an Engine: it resolves the process group and device,
+splits the model into units, plans where every state kind lives, checks the
+budgets, and materializes the model one unit at a time into its tiers. The
+engine then drives the units through hooks (unshard before use, reshard after,
+reduce-scatter gradients as soon as they are final) and runs the optimizer over
+the shards at each accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable
+
+import psutil
+import torch
+import torch.nn as nn
+
+from io_engine import IOConfig, IOEngine, SwapSpace
+
+from .config import Config
+from .environment import check_nvme_paths, resolve, resolve_budgets
+from .grad_reduce import GradReducer
+from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
+from .loss_scale import LossScaler
+from .materialize import materialize_flat, unit_seed
+from .memory.manager import TieredMemoryManager
+from .memory.placement import UnitSizes, plan_placement
+from .memory.tier import Kind, OPTIMIZER_KINDS, Tier
+from .optim.cpu_adam import AdamHyper
+from .optim.offloaded import OffloadedOptimizer
+from .optim.schedule import lr_at
+from .sharded_param import collect_slots, layout
+from .state_dict import full_state_dict
+from .streams import Streams
+from .unit import Comm, Unit, assign_parameters, find_unit_modules, padded_numel
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CHUNK_ALIGN = 4096  # elements; keeps NVMe chunk boundaries 4 KiB-aligned for every dtype
+
+
+class NonFiniteGradError(FloatingPointError):
+    """Gradients were NaN or Inf and `[train] on_nonfinite = "error"`."""
+
+
+def chunk_numels(shard_numel: int, sub_group_size: int) -> tuple[int, ...]:
+    """Split a shard into optimizer sub-groups of at most `sub_group_size` elements."""
+    size = max(CHUNK_ALIGN, sub_group_size // CHUNK_ALIGN * CHUNK_ALIGN)
+    full, rest = divmod(shard_numel, size)
+    return (size,) * full + ((rest,) if rest else ())
+
+
+class Engine:
+    """One rank's view of a sharded model. Create with `infinity.initialize`."""
+
+    def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
+                 lr_schedule: Callable[[int], float] | None = None, group=None):
+        self.module, self.config = model, config
+        self.lr_schedule = lr_schedule
+        self.env = resolve(group)
+        self.compute_dtype = DTYPES[config.precision.compute_dtype]
+        self.streams = Streams.for_device(self.env.device)
+        comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
+                    device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams)
+        self.units = self._build_units(model, comm)
+        self.plan = self._plan()
+        self.io, self.swap = self._open_swap()
+        self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
+                                           pin_host=self.env.device.type == "cuda")
+        self._materialize(init_fn)
+        self.reducer = GradReducer(self.manager, self.env.world_size)
+        self.optimizer = OffloadedOptimizer(self.units, self.manager, self.env.device)
+        self.scaler = LossScaler.for_config(config.precision)
+        self._handles, self._counters = [], []
+        callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
+                                  pre_backward=self._pre_forward, grads_ready=self._grads_ready)
+        for unit in self.units:
+            handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
+            self._handles += handles
+            self._counters.append(counter)
+        self.micro_step = 0  # backward passes since initialize
+        self.optimizer_steps = 0  # updates applied (skipped steps not counted)
+        self.last_grad_norm: float | None = None
+        self._backward_pending = False
+        self._closed = False
+
+    # ----------------------------------------------------------------- construction
+    def _build_units(self, model: nn.Module, comm: Comm) -> list[Unit]:
+        found = find_unit_modules(model, list(self.config.units.classes))
+        per_unit = assign_parameters(model, [m for _, m in found])
+        names = ["<root>"] + [n for n, _ in found]
+        modules = [[model]] + [[m] for _, m in found]
+        units = []
+        for i, entries in enumerate(per_unit):
+            slots = collect_slots(entries)
+            trainable = layout(slots)
+            units.append(Unit(i, names[i], modules[i], slots, trainable, comm))
+        return units
+
+    def _plan(self):
+        cfg = self.config
+        sizes = tuple(UnitSizes(name=u.name, shard_numel=u.shard_numel, unsharded_numel=u.padded_numel,
+                                chunk_numels=chunk_numels(u.shard_numel, cfg.optimizer.sub_group_size))
+                      for u in self.units)
+        nvme_free = check_nvme_paths(list(cfg.nvme.paths)) if cfg.nvme.paths else 0
+        budgets = resolve_budgets(cfg.memory, self.env.device, self.env.local_world_size, nvme_free)
+        static = {"params": cfg.placement.params, "grads": cfg.placement.grads, "optimizer": cfg.placement.optimizer}
+        return plan_placement(sizes, self.compute_dtype, policy=cfg.placement.policy, static=static,
+                              budgets=budgets, units_ahead=cfg.prefetch.units_ahead)
+
+    def _open_swap(self):
+        if not self.plan.uses(Tier.NVME):
+            return None, None
+        io_cfg = self.config.io
+        io = IOEngine(IOConfig(block_size=io_cfg.block_size, queue_depth=io_cfg.queue_depth, threads=io_cfg.threads,
+                               direct=io_cfg.direct, checksum=io_cfg.checksum))
+        swap = SwapSpace(dirs=list(self.config.nvme.paths), io=io, rank=self.env.rank, name="infinity",
+                         checksum=io_cfg.checksum)
+        nvme_bytes = sum(self.plan.state_bytes()[Tier.NVME].values())
+        swap.reserve(nvme_bytes + len(self.units) * 5 * 4096 * 2)  # plus each extent's alignment
+        return io, swap
+
+    def _materialize(self, init_fn) -> None:
+        """Unit by unit: full fp32 values -> this rank's shard -> tiers; the full copy is dropped."""
+        seed = self.config.train.seed
+        for unit in self.units:
+            for kind in Kind:
+                self.manager.allocate(unit.index, kind)
+            flat = materialize_flat(unit.name, unit.slots, unit.padded_numel, unit_seed(seed, unit.index), init_fn)
+            start, end = unit.shard_range()
+            master = flat[start:end].clone()
+            del flat
+            pending = [self.manager.store(unit.index, Kind.MASTER, None, master, release=False),
+                       self.manager.store(unit.index, Kind.PARAMS, None, master.to(self.compute_dtype), release=False)]
+            for p in pending:
+                p.wait()  # the shard's values must be stored before its full copy goes away
+            unit.install_views()
+        self.manager.drain()
+
+    # ----------------------------------------------------------------- hooks
+    def _pre_forward(self, unit: Unit) -> None:
+        unit.unshard(self.manager)
+        unit.wait_for_unshard(self.manager)
+
+    def _post_forward(self, unit: Unit) -> None:
+        unit.reshard()
+
+    def _grads_ready(self, unit: Unit) -> None:
+        self.reducer.issue(unit, final=self._final_micro_batch())
+        if unit.index != 0 and unit.trainable_numel == unit.flat_numel:
+            unit.reshard()  # every parameter has its gradient, so no backward op needs them any more
+
+    def _final_micro_batch(self) -> bool:
+        return (self.micro_step + 1) % self.config.train.grad_accum_steps == 0
+
+    # ----------------------------------------------------------------- training surface
+    def __call__(self, *args, **kwargs):
+        """Forward: returns what the model returns."""
+        self._check_open()
+        root = self.units[0]
+        self._pre_forward(root)
+        output = self.module(*args, **kwargs)
+        if tensors_needing_grad(output):
+            self._backward_pending = True  # the root stays unsharded until backward has used it
+        else:
+            root.reshard()
+        return output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale)."""
+        self._check_open()
+        if not self._backward_pending:
+            raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
+                               "outside torch.no_grad() (and with the model's parameters trainable)")
+        scale = self.scaler.scale / self.config.train.grad_accum_steps
+        (loss * scale).backward()
+        final = self._final_micro_batch()
+        for unit, counter in zip(self.units, self._counters):
+            if not counter.fired and unit.trainable_numel > 0:
+                self.reducer.issue(unit, final=final)  # parameters that got no gradient contribute zeros
+            counter.reset()
+        self.reducer.drain()
+        for unit in self.units:
+            unit.reshard()
+        self._backward_pending = False
+        self.micro_step += 1
+
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary; returns whether parameters changed."""
+        self._check_open()
+        cfg = self.config
+        if self.micro_step == 0 or self.micro_step % cfg.train.grad_accum_steps != 0 or self._stepped_at == self.micro_step:
+            return False
+        self._stepped_at = self.micro_step
+        self.reducer.flush_writes()
+        sumsq = self.reducer.take_sumsq(self.env.device)
+        from .collectives import all_reduce_sum
+        all_reduce_sum(sumsq, self.env.group)
+        norm = math.sqrt(float(sumsq)) / self.scaler.scale  # one host sync per step: clipping and skipping need it
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            self._nonfinite(norm)
+            return False
+        self.scaler.update(found_inf=False)
+        clip_coef = 1.0
+        if cfg.optimizer.grad_clip > 0:
+            clip_coef = min(1.0, cfg.optimizer.grad_clip / (norm + 1e-6))
+        lr = self.lr_schedule(self.optimizer_steps) if self.lr_schedule else lr_at(self.optimizer_steps, cfg.optimizer)
+        o = cfg.optimizer
+        hyper = AdamHyper(lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
+                          decoupled=o.name == "adamw")
+        grad_scale = self.scaler.scale / clip_coef
+        self.optimizer.step(step=self.optimizer_steps + 1, hyper=hyper, grad_scale=None if grad_scale == 1.0 else grad_scale)
+        self.optimizer_steps += 1
+        return True
+
+    _stepped_at = 0
+
+    def _nonfinite(self, norm: float) -> None:
+        for unit in self.units:
+            self.manager.mark_zero(unit.index, Kind.GRADS)  # the window's gradients are discarded
+        if self.scaler.dynamic:
+            self.scaler.update(found_inf=True)
+            return
+        if self.config.train.on_nonfinite == "error":
+            raise NonFiniteGradError(
+                f"gradient norm is {norm} at optimizer step {self.optimizer_steps}: the loss or a gradient overflowed. "
+                f"Lower optimizer.lr, check the data, or set train.on_nonfinite = \"skip\" to skip such steps")
+
+    # ----------------------------------------------------------------- reporting and state
+    def memory_report(self) -> dict:
+        """Bytes per tier and per state kind on this rank, and the buffers and peaks around them."""
+        report = self.manager.memory_report()
+        report["plan"] = {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in self.plan.state_bytes().items()}
+        report["working_planned"] = {t.value: v for t, v in self.plan.working.items()}
+        report["unsharded_peak_bytes"] = max((u.peak_unsharded for u in self.units), default=0)
+        report["process_rss_bytes"] = psutil.Process(os.getpid()).memory_info().rss
+        if self.env.device.type == "cuda":
+            report["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
+        return report
+
+    def full_state_dict(self) -> dict:
+        """fp32 master weights gathered on rank 0 (empty dict elsewhere), keys as model.state_dict()."""
+        self._check_open()
+        return full_state_dict(self.module, self.units, self.manager, self.env.rank)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine is closed; create a new one with infinity.initialize")
+
+    def close(self) -> None:
+        """Wait for in-flight I/O, remove hooks and this run's swap files."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        self.manager.close()
+        if self.swap is not None:
+            self.swap.close()
+        if self.io is not None:
+            self.io.close()
+        if self.env.owns_group:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def initialize(model: nn.Module, config: Config | dict | str | None = None, *,
+               init_fn: Callable[[nn.Module], None] | None = None,
+               lr_schedule: Callable[[int], float] | None = None, group=None) -> Engine:
+    """Shard `model`, plan its state over the tiers, and materialize it unit by unit.
+
+    `config` is a Config, a dict, a path to a TOML file, or None for defaults.
+    """
+    if config is None:
+        config = Config()
+    elif isinstance(config, dict):
+        config = Config.from_dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        config = Config.from_file(config)
+    return Engine(model, config, init_fn=init_fn, lr_schedule=lr_schedule, group=group)

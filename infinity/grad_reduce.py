@@ -1,0 +1,70 @@
+"""Gradient reduction: reduce-scatter each unit's gradients and accumulate them into its shard.
+
+Reductions are issued from the backward hooks as soon as a unit's gradients
+are complete and completed in order, with at most `max_in_flight` outstanding
+(each holds a full fp32 flat gradient). On the last micro-batch of an
+accumulation window the squared norm of each finished gradient shard is kept
+for clipping, so the step never reads gradients twice.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from .memory.manager import TieredMemoryManager
+from .memory.tier import Kind
+from .unit import Unit
+
+
+class GradReducer:
+    """Issues reduce-scatters, averages, accumulates into the gradient tier, tracks norms."""
+
+    def __init__(self, manager: TieredMemoryManager, world_size: int, max_in_flight: int = 2):
+        self.manager, self.world_size, self.max_in_flight = manager, world_size, max_in_flight
+        self._in_flight: deque = deque()
+        self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient shard
+        self._writes: list = []
+
+    def issue(self, unit: Unit, final: bool) -> None:
+        """Start reducing `unit`'s gradients (its `.grad`s are consumed and cleared)."""
+        out, work = unit.reduce_grads()
+        self._in_flight.append((unit, out, work, final))
+        while len(self._in_flight) > self.max_in_flight:
+            self._complete(*self._in_flight.popleft())
+
+    def drain(self) -> None:
+        """Complete every reduction issued so far."""
+        while self._in_flight:
+            self._complete(*self._in_flight.popleft())
+
+    def _complete(self, unit: Unit, out: torch.Tensor, work, final: bool) -> None:
+        work.wait()  # the summed shard must be complete before it is averaged and accumulated
+        if self.world_size > 1:
+            out.div_(self.world_size)
+        m = self.manager
+        if m.is_zero(unit.index, Kind.GRADS):
+            acc = out  # first micro-batch of the window: the reduced shard is the gradient
+        else:
+            acc = m.fetch(unit.index, Kind.GRADS, None, out.device).wait()
+            acc.add_(out)
+        if final:
+            n = unit.trainable_in_shard()
+            self._sumsq[unit.index] = torch.linalg.vector_norm(acc[:n], dtype=torch.float64).square()
+        self._writes.append(m.store(unit.index, Kind.GRADS, None, acc, release=acc is not out))
+        if len(self._writes) > 2 * self.max_in_flight:
+            self._writes.pop(0).wait()  # bound the staging held by write-behind of gradient shards
+
+    def take_sumsq(self, device: torch.device) -> torch.Tensor:
+        """This rank's squared gradient norm over the finished window (fp64 scalar); resets it."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for v in self._sumsq.values():
+            total += v.to(device)
+        self._sumsq.clear()
+        return total
+
+    def flush_writes(self) -> None:
+        for w in self._writes:
+            w.wait()  # the optimizer reads these gradient shards next
+        self._writes.clear()

@@ -1,0 +1,82 @@
+"""Module and autograd hooks: when a unit is unsharded, resharded and its gradients reduced.
+
+Per unit module:
+  forward pre-hook   -> unshard the unit and wait (compute needs its parameters)
+  forward hook       -> reshard; if the outputs need gradients, register a
+                        pre-backward hook on them (unshard again before the
+                        unit's backward runs)
+Per trainable parameter:
+  post-accumulate-grad hook -> when every trainable parameter of the unit has
+                        its gradient for this backward, reduce-scatter them.
+The hooks only call back into the engine; the callbacks own all state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from .unit import Unit
+
+
+@dataclass
+class UnitCallbacks:
+    pre_forward: Callable[[Unit], None]
+    post_forward: Callable[[Unit], None]
+    pre_backward: Callable[[Unit], None]
+    grads_ready: Callable[[Unit], None]
+
+
+def tensors_needing_grad(output) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(output)
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class GradCounter:
+    """Counts, per backward, the unit's trainable parameters whose gradient has accumulated."""
+
+    def __init__(self, unit: Unit, grads_ready: Callable[[Unit], None]):
+        self.unit, self.grads_ready = unit, grads_ready
+        self.expected = len(unit.trainable_params())
+        self.seen: set[int] = set()
+        self.fired = False  # grads_ready was called in this backward
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        self.seen.add(id(param))
+        if len(self.seen) == self.expected and not self.fired:
+            self.fired = True
+            self.grads_ready(self.unit)
+
+    def reset(self) -> None:
+        """At the end of a backward: parameters that got no gradient start from zero next time."""
+        self.seen.clear()
+        self.fired = False
+
+
+def install_unit_hooks(unit: Unit, callbacks: UnitCallbacks, with_module_hooks: bool = True) -> tuple[list, GradCounter]:
+    """Register the hooks of one unit; returns the handles and its gradient counter.
+
+    The root unit gets only gradient hooks: the engine unshards it around the whole
+    forward and backward instead.
+    """
+    handles = []
+    for module in unit.modules if with_module_hooks else ():
+        handles.append(module.register_forward_pre_hook(lambda _m, _a, u=unit: callbacks.pre_forward(u)))
+
+        def post(_module, _args, output, u=unit):
+            callbacks.post_forward(u)
+            needing = tensors_needing_grad(output)
+            if needing:
+                register_multi_grad_hook(needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any")
+            return None
+
+        handles.append(module.register_forward_hook(post))
+    counter = GradCounter(unit, callbacks.grads_ready)
+    for p in unit.trainable_params():
+        handles.append(p.register_post_accumulate_grad_hook(counter.on_grad))
+    return handles, counter

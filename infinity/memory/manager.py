@@ -1,0 +1,311 @@
+"""TieredMemoryManager: where every shard's bytes are, and moving them on request.
+
+The manager owns the storage of every (unit, kind) shard on the tier the plan
+gave it: a device tensor, a host tensor, or NVMe extents (one per optimizer
+sub-group, "chunk"). Callers move data with issue/wait pairs:
+
+    pending = manager.fetch(unit, Kind.MASTER, chunk, device)   # issue
+    master = pending.wait()                                    # a tensor on `device`
+    ... update master in place ...
+    manager.store(unit, Kind.MASTER, chunk, master)            # write back (async on NVMe)
+
+For resident tiers a fetch on the same device returns a view of the stored
+tensor (no copy) and storing that view back is free. Staging buffers handed out
+by fetch go back to the pool when stored or released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from io_engine import Extent, SwapSpace
+
+from .buffers import StagingBuffers
+from .placement import Plan
+from .tier import Kind, Residency, Tier, check_transition
+from ..streams import Streams
+
+
+@dataclass
+class _Chunk:
+    start: int  # element offset within the shard
+    numel: int
+    state: Residency = Residency.ZERO
+    extent: Extent | None = None  # NVMe only
+    write: object = None  # the IOFuture of a write-back in flight (NVMe only)
+
+
+@dataclass
+class _Shard:
+    unit: int
+    kind: Kind
+    tier: Tier
+    dtype: torch.dtype
+    numel: int
+    chunks: list[_Chunk] = field(default_factory=list)
+    resident: torch.Tensor | None = None  # DEVICE / HOST storage of the whole shard
+
+    def span(self, chunk: int | None) -> tuple[int, int]:
+        if chunk is None:
+            return 0, self.numel
+        c = self.chunks[chunk]
+        return c.start, c.numel
+
+    def chunk_ids(self, chunk: int | None) -> range:
+        return range(len(self.chunks)) if chunk is None else range(chunk, chunk + 1)
+
+
+class Pending:
+    """An issued fetch or store. `wait()` returns the tensor (fetch) or None (store)."""
+
+    def __init__(self, result=None, futures=(), after=None):
+        self._result, self._futures, self._after = result, list(futures), after
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done or all(f.done() for f in self._futures)
+
+    def wait(self):
+        if not self._done:
+            for fut in self._futures:
+                fut.wait()  # the bytes must be on disk / in the buffer before the caller touches them
+            if self._after is not None:
+                self._after()
+            self._done = True
+        return self._result
+
+
+class TieredMemoryManager:
+    """Residency table and byte counters of every shard on this rank."""
+
+    def __init__(self, plan: Plan, device: torch.device, streams: Streams, swap: SwapSpace | None,
+                 pin_host: bool):
+        self.plan, self.device, self.streams, self.swap = plan, device, streams, swap
+        self.pin_host = pin_host
+        self.staging = StagingBuffers(device, pin=pin_host)
+        self._shards: dict[tuple[int, Kind], _Shard] = {}
+        self.bytes_moved: dict[str, int] = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
+
+    # ----------------------------------------------------------------- allocation
+    def allocate(self, unit: int, kind: Kind) -> None:
+        """Create the storage of one shard on its planned tier; its contents start as ZERO."""
+        sizes = self.plan.units[unit]
+        tier = self.plan.tier(unit, kind)
+        dtype = kind.dtype(self.plan.compute_dtype)
+        shard = _Shard(unit=unit, kind=kind, tier=tier, dtype=dtype, numel=sizes.shard_numel)
+        start = 0
+        for n in sizes.chunk_numels:
+            shard.chunks.append(_Chunk(start=start, numel=n))
+            start += n
+        assert start == sizes.shard_numel, (start, sizes.shard_numel)
+        if tier is Tier.DEVICE:
+            shard.resident = torch.empty(shard.numel, dtype=dtype, device=self.device)
+        elif tier is Tier.HOST:
+            shard.resident = torch.empty(shard.numel, dtype=dtype, pin_memory=self.pin_host)
+        else:
+            assert self.swap is not None, "NVMe placement without a swap space"
+            for c in shard.chunks:
+                c.extent = self.swap.allocate(c.numel * dtype.itemsize)
+        self._shards[(unit, kind)] = shard
+
+    def tier(self, unit: int, kind: Kind) -> Tier:
+        return self._shards[(unit, kind)].tier
+
+    def num_chunks(self, unit: int) -> int:
+        return len(self.plan.units[unit].chunk_numels)
+
+    def chunk_span(self, unit: int, chunk: int | None) -> tuple[int, int]:
+        return self._shards[(unit, Kind.MASTER)].span(chunk)
+
+    # ----------------------------------------------------------------- state
+    def _set(self, shard: _Shard, c: _Chunk, new: Residency) -> None:
+        check_transition(c.state, new, f"unit {shard.unit} {shard.kind.value} chunk@{c.start}")
+        c.state = new
+
+    def is_zero(self, unit: int, kind: Kind) -> bool:
+        return all(c.state is Residency.ZERO for c in self._shards[(unit, kind)].chunks)
+
+    def mark_zero(self, unit: int, kind: Kind) -> None:
+        """Declare a shard's contents zero (no I/O): the next fetch yields zeros."""
+        shard = self._shards[(unit, kind)]
+        for c in shard.chunks:
+            self._wait_write(c)
+            self._set(shard, c, Residency.ZERO)
+
+    def _wait_write(self, c: _Chunk) -> None:
+        if c.write is not None:
+            c.write.wait()  # read-after-write: the previous write-back must land before the bytes are reused
+
+    # ----------------------------------------------------------------- fetch
+    def fetch(self, unit: int, kind: Kind, chunk: int | None = None, device: torch.device | None = None) -> Pending:
+        """Issue: bring a shard (or one chunk) to `device` (default: the compute device)."""
+        device = device or self.device
+        shard = self._shards[(unit, kind)]
+        start, numel = shard.span(chunk)
+        if shard.tier is Tier.NVME:
+            return self._fetch_nvme(shard, chunk, start, numel, device)
+        view = shard.resident.narrow(0, start, numel)
+        for i in shard.chunk_ids(chunk):
+            c = shard.chunks[i]
+            if c.state is Residency.ZERO:
+                view.narrow(0, c.start - start, c.numel).zero_()
+            self._set(shard, c, Residency.RESIDENT)
+        if view.device == device:
+            return Pending(view)
+        return self._copy_across(view, device)
+
+    def _copy_across(self, src: torch.Tensor, device: torch.device) -> Pending:
+        if device.type == "cpu":
+            dst = self.staging.host_buffer(src.numel(), src.dtype)
+            stream, key = self.streams.d2h, "d2h"
+        else:
+            dst = self.staging.device_buffer(src.numel(), src.dtype)
+            stream, key = self.streams.h2d, "h2d"
+        self.streams.wait_event(self.streams.record(), stream)  # the copy must see compute's last writes to src
+        with self.streams.use(stream):
+            dst.copy_(src, non_blocking=True)
+            done = self.streams.record(stream)
+        self.bytes_moved[key] += src.numel() * src.element_size()
+        return Pending(dst, after=done.synchronize)
+
+    def _fetch_nvme(self, shard: _Shard, chunk, start: int, numel: int, device: torch.device) -> Pending:
+        host = self.staging.host_buffer(numel, shard.dtype)
+        futures = []
+        for i in shard.chunk_ids(chunk):
+            c = shard.chunks[i]
+            self._wait_write(c)
+            dst = host.narrow(0, c.start - start, c.numel)
+            if c.state is Residency.ZERO:
+                dst.zero_()  # nothing on disk yet: zeros need no read
+                continue
+            self._set(shard, c, Residency.READING)
+            futures.append(self.swap.read(c.extent, dst))
+            self.bytes_moved["nvme_read"] += c.numel * shard.dtype.itemsize
+
+        def landed():
+            for i in shard.chunk_ids(chunk):
+                c = shard.chunks[i]
+                if c.state is Residency.READING:
+                    self._set(shard, c, Residency.RESIDENT)  # the disk copy stays valid until a store
+        pend = Pending(host, futures, after=landed)
+        if device.type == "cpu":
+            return pend
+        return _Chained(pend, lambda t: self._to_device_and_release(t, device))
+
+    def _to_device_and_release(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        pend = self._copy_across(host, device)
+        out = pend.wait()
+        self.staging.release(host)
+        return out
+
+    def target(self, unit: int, kind: Kind, chunk: int | None, device: torch.device) -> torch.Tensor:
+        """A tensor on `device` to fill with new contents for `store`, without reading the old ones:
+        the resident view itself when the shard lives on `device`, else a staging buffer."""
+        shard = self._shards[(unit, kind)]
+        start, numel = shard.span(chunk)
+        if shard.resident is not None and shard.resident.device == device:
+            return shard.resident.narrow(0, start, numel)
+        if device.type == "cpu":
+            return self.staging.host_buffer(numel, shard.dtype)
+        return self.staging.device_buffer(numel, shard.dtype)
+
+    # ----------------------------------------------------------------- store
+    def store(self, unit: int, kind: Kind, chunk: int | None, tensor: torch.Tensor, release: bool = True) -> Pending:
+        """Issue: write `tensor` as the new contents of the shard / chunk.
+
+        A view of the resident storage is already in place (free). Staging buffers
+        from `fetch` go back to the pool once written (`release`).
+        """
+        shard = self._shards[(unit, kind)]
+        start, numel = shard.span(chunk)
+        assert tensor.numel() == numel and tensor.dtype == shard.dtype, (
+            f"store of {tensor.numel()} {tensor.dtype} into {numel} {shard.dtype} ({shard.kind.value}, unit {unit})")
+        if shard.tier is not Tier.NVME:
+            view = shard.resident.narrow(0, start, numel)
+            if tensor.data_ptr() != view.data_ptr():
+                stream = self.streams.d2h if view.device.type == "cpu" and tensor.device.type != "cpu" else None
+                with self.streams.use(stream):
+                    view.copy_(tensor, non_blocking=stream is not None)
+                if stream is not None:
+                    self.streams.record(stream).synchronize()  # the staging buffer is reused as soon as we return
+            for i in shard.chunk_ids(chunk):
+                self._set(shard, shard.chunks[i], Residency.RESIDENT)
+            if release:
+                self.staging.release(tensor)
+            return Pending(None)
+        host = tensor
+        if tensor.device.type != "cpu":
+            host = self.staging.host_buffer(numel, shard.dtype)
+            with self.streams.use(self.streams.d2h):
+                host.copy_(tensor, non_blocking=True)
+                self.streams.record(self.streams.d2h).synchronize()  # the disk write reads host memory
+            self.bytes_moved["d2h"] += numel * shard.dtype.itemsize
+            if release:
+                self.staging.release(tensor)
+            release = True
+        futures, chunks = [], [shard.chunks[i] for i in shard.chunk_ids(chunk)]
+        for c in chunks:
+            self._wait_write(c)
+            self._set(shard, c, Residency.WRITING)
+            futures.append(self.swap.write(c.extent, host.narrow(0, c.start - start, c.numel)))
+            self.bytes_moved["nvme_write"] += c.numel * shard.dtype.itemsize
+
+        def written():
+            for c in chunks:
+                if c.state is Residency.WRITING:
+                    self._set(shard, c, Residency.RESIDENT)
+                    c.write = None
+            if release:
+                self.staging.release(host)
+        pending = Pending(None, futures, after=written)
+        for c in chunks:
+            c.write = pending  # whoever waits first (caller, a later fetch, drain) completes it once
+        return pending
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Return a fetched staging buffer without writing it (clean)."""
+        self.staging.release(tensor)
+
+    # ----------------------------------------------------------------- accounting
+    def memory_report(self) -> dict:
+        """Exact bytes of state per tier and kind, plus staging and swap reservation."""
+        state = {t.value: {k.value: 0 for k in Kind} for t in Tier}
+        for shard in self._shards.values():
+            state[shard.tier.value][shard.kind.value] += shard.numel * shard.dtype.itemsize
+        return {
+            "state": state,
+            "tier_totals": {t: sum(v.values()) for t, v in state.items()},
+            "staging_host_bytes": self.staging.host_bytes_allocated,
+            "staging_peak_bytes_out": self.staging.peak_bytes_out,
+            "nvme_reserved_bytes": self.swap.bytes_reserved if self.swap is not None else 0,
+            "bytes_moved": dict(self.bytes_moved),
+        }
+
+    def drain(self) -> None:
+        """Wait for every write-back in flight."""
+        for shard in self._shards.values():
+            for c in shard.chunks:
+                self._wait_write(c)
+
+    def close(self) -> None:
+        self.drain()
+        self.staging.close()
+
+
+class _Chained(Pending):
+    """A fetch followed by a step that runs at wait() time (e.g. NVMe read, then host-to-device)."""
+
+    def __init__(self, first: Pending, then):
+        super().__init__()
+        self._first, self._then = first, then
+
+    def done(self) -> bool:
+        return self._first.done()
+
+    def wait(self):
+        if not self._done:
+            self._result = self._then(self._first.wait())
+            self._done = True
+        return self._result

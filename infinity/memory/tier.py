@@ -1,0 +1,79 @@
+"""Tiers, state kinds and the residency states of one stored shard.
+
+A *shard* is one rank's slice of one unit's flattened state of one kind. Every
+shard lives on exactly one tier, decided once by the placement plan. On the
+NVMe tier a shard is split into chunks (optimizer sub-groups), each of which
+moves between the disk and a staging buffer through the states below.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+
+class Tier(enum.Enum):
+    """Where a shard lives."""
+
+    DEVICE = "device"  # GPU HBM; the compute device's memory on a machine without a GPU
+    HOST = "host"  # CPU RAM, pinned when CUDA is present
+    NVME = "nvme"  # io_engine swap space
+
+    @classmethod
+    def parse(cls, name: str) -> "Tier":
+        return cls(name)
+
+
+class Kind(enum.Enum):
+    """The state kinds of a unit. PARAMS is in the compute dtype, the rest fp32."""
+
+    PARAMS = "params"
+    GRADS = "grads"
+    MASTER = "master"
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+
+    @property
+    def group(self) -> str:
+        """The `[placement]` key that places this kind."""
+        return {Kind.PARAMS: "params", Kind.GRADS: "grads"}.get(self, "optimizer")
+
+    def dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype if self is Kind.PARAMS else torch.float32
+
+
+OPTIMIZER_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+
+
+class Residency(enum.Enum):
+    """Lifecycle of one stored chunk.
+
+    Legal transitions (asserted by the manager)::
+
+        ZERO      -> RESIDENT (resident tiers: zeroed on first touch) | WRITING (NVMe store) | ZERO
+        RESIDENT  -> READING (NVMe fetch issued) | WRITING (NVMe store) | RESIDENT | ZERO
+        READING   -> RESIDENT (read waited) | READING (a second reader)
+        WRITING   -> RESIDENT (write waited)
+
+    ZERO means the contents are all zeros and nothing needs to be read: fresh
+    optimizer moments and gradients at the start of an accumulation window.
+    A chunk is never declared ZERO while a read or write of it is in flight.
+    """
+
+    ZERO = "zero"
+    RESIDENT = "resident"
+    READING = "reading"
+    WRITING = "writing"
+
+
+LEGAL_TRANSITIONS = {
+    Residency.ZERO: {Residency.RESIDENT, Residency.WRITING, Residency.ZERO},
+    Residency.RESIDENT: {Residency.READING, Residency.WRITING, Residency.RESIDENT, Residency.ZERO},
+    Residency.READING: {Residency.RESIDENT, Residency.READING},
+    Residency.WRITING: {Residency.RESIDENT},
+}
+
+
+def check_transition(old: Residency, new: Residency, what: str) -> None:
+    assert new in LEGAL_TRANSITIONS[old], f"illegal residency transition {old.name} -> {new.name} for {what}"

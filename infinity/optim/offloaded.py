@@ -1,0 +1,88 @@
+"""The optimizer step over every unit's shards, streamed through bounded buffers.
+
+Work is a list of (unit, chunk) tasks, a chunk being one optimizer sub-group of
+a unit's shard. For each task the fp32 master, both Adam moments and the
+gradient are fetched to where the optimizer runs (the device when the
+optimizer state lives there, else the CPU), updated in place, written back,
+and the new master weights are cast to the compute dtype and stored to the
+parameters' tier. With state on NVMe this is a pipeline: the reads of task
+j+1 are issued before task j is stepped, and the writes of task j drain while
+later tasks run (read ahead, step, write behind). Resident tiers are updated
+in place with no copies.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..memory.manager import TieredMemoryManager
+from ..memory.tier import Kind, Tier
+from ..unit import Unit
+from .cpu_adam import AdamHyper, adam_step
+
+FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
+
+
+@dataclass(frozen=True)
+class _Task:
+    unit: Unit
+    chunk: int
+    numel: int  # trainable elements of the chunk (the rest is frozen parameters or padding)
+
+
+class OffloadedOptimizer:
+    """Adam / AdamW over all units' flat fp32 shards, wherever they live."""
+
+    def __init__(self, units: list[Unit], manager: TieredMemoryManager, compute_device: torch.device,
+                 read_ahead: int = 1, max_writes_in_flight: int = 8):
+        self.units, self.manager, self.compute_device = units, manager, compute_device
+        self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
+        self.tasks = self._plan_tasks()
+
+    def _plan_tasks(self) -> list[_Task]:
+        tasks = []
+        for unit in self.units:
+            trainable = unit.trainable_in_shard()
+            for chunk in range(self.manager.num_chunks(unit.index)):
+                start, numel = self.manager.chunk_span(unit.index, chunk)
+                if start < trainable:
+                    tasks.append(_Task(unit, chunk, min(numel, trainable - start)))
+        return tasks
+
+    def device_of(self, unit: Unit) -> torch.device:
+        """The optimizer runs where its state lives: the device tier's device, else the CPU."""
+        return self.compute_device if self.manager.tier(unit.index, Kind.MASTER) is Tier.DEVICE else torch.device("cpu")
+
+    def _issue(self, task: _Task) -> dict:
+        device = self.device_of(task.unit)
+        return {k: self.manager.fetch(task.unit.index, k, task.chunk, device) for k in FETCHED}
+
+    def step(self, *, step: int, hyper: AdamHyper, grad_scale: float | None) -> None:
+        """One update of every trainable element; `step` is the 1-based count after it."""
+        m = self.manager
+        ahead: deque = deque()
+        writes: deque = deque()
+        next_task = 0
+        for task in self.tasks:
+            while next_task < len(self.tasks) and len(ahead) <= self.read_ahead:
+                ahead.append(self._issue(self.tasks[next_task]))  # read ahead while earlier tasks compute
+                next_task += 1
+            pending = ahead.popleft()
+            bufs = {k: p.wait() for k, p in pending.items()}  # this sub-group's state must be in memory to step it
+            n = task.numel
+            adam_step(bufs[Kind.MASTER][:n], bufs[Kind.GRADS][:n], bufs[Kind.EXP_AVG][:n], bufs[Kind.EXP_AVG_SQ][:n],
+                      step=step, hyper=hyper, grad_scale=grad_scale)
+            u, c = task.unit.index, task.chunk
+            params = m.target(u, Kind.PARAMS, c, bufs[Kind.MASTER].device)
+            params.copy_(bufs[Kind.MASTER])
+            for kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ):
+                writes.append(m.store(u, kind, c, bufs[kind]))
+            writes.append(m.store(u, Kind.PARAMS, c, params))
+            m.release(bufs[Kind.GRADS])
+            while len(writes) > self.max_writes_in_flight:
+                writes.popleft().wait()  # bound the staging buffers held by write-behind
+        for unit in self.units:
+            m.mark_zero(unit.index, Kind.GRADS)

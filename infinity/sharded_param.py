@@ -1,0 +1,77 @@
+"""One parameter's record: where it sits in its unit's flat buffer, and the modules that hold it.
+
+The record lives beside the parameter (a side table), never as attributes on
+the `nn.Parameter`. After `install` every owner module holds an `nn.Parameter`
+that is a view into the unit's unsharded buffer: valid while the unit is
+unsharded, zero bytes otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+@dataclass
+class ParamSlot:
+    """A parameter of a unit (a tied parameter is one slot with several names)."""
+
+    names: list[str]  # fully qualified names, first = canonical (the state_dict keys)
+    owners: list[tuple[nn.Module, str]]  # (module, attribute) pairs that hold it
+    shape: torch.Size
+    requires_grad: bool
+    offset: int = 0  # element offset in the unit's flat buffer
+    param: nn.Parameter | None = field(default=None, repr=False)  # the installed view
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def collect_slots(named: list[tuple[str, nn.Module, str, nn.Parameter]]) -> list[ParamSlot]:
+    """Group (fqn, module, attr, param) entries by parameter identity, keeping first-seen order."""
+    by_id: dict[int, ParamSlot] = {}
+    for fqn, module, attr, param in named:
+        slot = by_id.get(id(param))
+        if slot is None:
+            slot = by_id[id(param)] = ParamSlot(names=[], owners=[], shape=param.shape,
+                                                requires_grad=param.requires_grad)
+        slot.names.append(fqn)
+        slot.owners.append((module, attr))
+    return list(by_id.values())
+
+
+def layout(slots: list[ParamSlot]) -> int:
+    """Assign flat offsets, trainable parameters first (the optimizer steps only that prefix).
+
+    Returns the number of trainable elements.
+    """
+    slots.sort(key=lambda s: not s.requires_grad)  # stable: keeps module order within each group
+    offset = trainable = 0
+    for slot in slots:
+        slot.offset = offset
+        offset += slot.numel
+        trainable += slot.numel if slot.requires_grad else 0
+    return trainable
+
+
+def install(slots: list[ParamSlot], flat: torch.Tensor) -> None:
+    """Replace each owner's parameter by an `nn.Parameter` viewing `flat` (once, at initialize)."""
+    for slot in slots:
+        view = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+        slot.param = nn.Parameter(view, requires_grad=slot.requires_grad)
+        for module, attr in slot.owners:
+            module._parameters[attr] = slot.param
+
+
+def gather_flat(slots: list[ParamSlot], out: torch.Tensor) -> None:
+    """Copy the slots' current parameter values (as found on their first owner) into `out`."""
+    for slot in slots:
+        module, attr = slot.owners[0]
+        out.narrow(0, slot.offset, slot.numel).copy_(module._parameters[attr].detach().reshape(-1))

@@ -1,0 +1,75 @@
+"""CUDA streams for compute, host-to-device, device-to-host and collectives, with a CPU no-op fallback.
+
+On a GPU, copies and collectives run on their own streams so they overlap
+compute; ordering between streams is expressed with events (`record` on the
+producer, `wait` on the consumer), never with a host synchronization. On the
+CPU every stream is the same synchronous executor, and events are no-ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+
+class _NoEvent:
+    """CPU stand-in for torch.cuda.Event: the work it marks is already complete."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@dataclass
+class Streams:
+    """The four streams of one rank. On CPU all are None and `use` does nothing."""
+
+    device: torch.device
+    compute: object = None
+    h2d: object = None
+    d2h: object = None
+    comm: object = None
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> "Streams":
+        if device.type != "cuda":
+            return cls(device=device)
+        return cls(device=device, compute=torch.cuda.current_stream(device),
+                   h2d=torch.cuda.Stream(device), d2h=torch.cuda.Stream(device), comm=torch.cuda.Stream(device))
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.compute is not None
+
+    def use(self, stream):
+        """Context manager: run the enclosed ops on `stream` (no-op on CPU)."""
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def event(self):
+        return torch.cuda.Event() if self.is_cuda else _NoEvent()
+
+    def record(self, stream=None):
+        """An event marking the work queued so far on `stream` (the current one by default)."""
+        ev = self.event()
+        ev.record(stream) if self.is_cuda else None
+        return ev
+
+    def wait_event(self, event, stream=None) -> None:
+        """Make `stream` (default: current) wait for `event` on the device, not the host."""
+        if self.is_cuda:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(event)
+
+    def hold(self, tensor: torch.Tensor, stream) -> None:
+        """Tell the caching allocator that `tensor` is used on `stream` (so it is not reused early)."""
+        if self.is_cuda and stream is not None and tensor.is_cuda:
+            tensor.record_stream(stream)

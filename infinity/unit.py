@@ -1,0 +1,209 @@
+"""Unit: the parameters of one block, which move and communicate together.
+
+A unit's parameters are flattened into one buffer, padded to a multiple of the
+world size; each rank stores one contiguous shard of it on the tiers the plan
+chose. Before the unit runs (forward, and again in backward) its shard is
+fetched to the device and all-gathered into the unsharded buffer, whose storage
+the parameters view; afterwards that storage is resized to zero bytes.
+Gradients are flattened, reduce-scattered in fp32 and accumulated into the
+unit's gradient shard.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from . import collectives
+from .memory.manager import Pending, TieredMemoryManager
+from .memory.tier import Kind
+from .sharded_param import ParamSlot, install
+from .streams import Streams
+
+
+class UnitState(enum.Enum):
+    """SHARDED -> UNSHARDING (unshard issued) -> UNSHARDED (gathered, views valid) -> SHARDED (reshard)."""
+
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"
+    UNSHARDED = "unsharded"
+
+
+@dataclass(frozen=True)
+class Comm:
+    """What a unit needs to know about the process group and the device."""
+
+    group: object  # None for a single process
+    rank: int
+    world_size: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    streams: Streams
+
+
+def padded_numel(numel: int, world_size: int) -> int:
+    return -(-numel // world_size) * world_size if numel else 0
+
+
+class Unit:
+    """One unit's parameters, their unsharded buffer, and its state."""
+
+    def __init__(self, index: int, name: str, modules: list[nn.Module], slots: list[ParamSlot],
+                 trainable_numel: int, comm: Comm):
+        self.index, self.name, self.modules, self.slots, self.comm = index, name, modules, slots, comm
+        self.flat_numel = sum(s.numel for s in slots)
+        self.trainable_numel = trainable_numel
+        self.padded_numel = padded_numel(self.flat_numel, comm.world_size)
+        self.shard_numel = self.padded_numel // comm.world_size
+        self.state = UnitState.SHARDED
+        itemsize = comm.compute_dtype.itemsize
+        self._nbytes = self.padded_numel * itemsize
+        self._storage = torch.empty(0, dtype=comm.compute_dtype, device=comm.device).untyped_storage()
+        self._pending: Pending | None = None
+        self.peak_unsharded = 0
+
+    def install_views(self) -> None:
+        """Make every owner module hold parameters that view the unsharded buffer (once, after
+        the unit's values have been stored in its shards)."""
+        install(self.slots, self._flat())
+        self._storage.resize_(0)  # set_ grew the storage to the view's size; sharded means zero bytes
+
+    # ----------------------------------------------------------------- views
+    def _flat(self) -> torch.Tensor:
+        """A fresh tensor over the unsharded storage (its own version counter, so filling it
+        does not trip autograd's checks on the parameter views saved for backward)."""
+        t = torch.empty(0, dtype=self.comm.compute_dtype, device=self.comm.device)
+        return t.set_(self._storage, 0, (self.padded_numel,), (1,))
+
+    @property
+    def unsharded_bytes(self) -> int:
+        return self._storage.nbytes()
+
+    def shard_range(self) -> tuple[int, int]:
+        """[start, end) of this rank's shard in the unit's flat buffer."""
+        start = self.comm.rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def trainable_in_shard(self) -> int:
+        """Elements at the head of this rank's shard that belong to trainable parameters."""
+        start, _ = self.shard_range()
+        return max(0, min(self.shard_numel, self.trainable_numel - start))
+
+    # ----------------------------------------------------------------- unshard / reshard
+    def unshard(self, manager: TieredMemoryManager) -> None:
+        """Issue: start bringing this rank's parameter shard to the device."""
+        if self.state is not UnitState.SHARDED or self.flat_numel == 0:
+            return
+        self._pending = manager.fetch(self.index, Kind.PARAMS, None, self.comm.device)
+        self.state = UnitState.UNSHARDING
+
+    def wait_for_unshard(self, manager: TieredMemoryManager) -> None:
+        """Wait: all-gather the shard into the unsharded buffer; the views are valid after this."""
+        if self.flat_numel == 0:
+            return
+        if self.state is UnitState.SHARDED:
+            self.unshard(manager)
+        if self.state is UnitState.UNSHARDED:
+            return
+        shard = self._pending.wait()  # compute needs this unit's bytes on the device
+        self._pending = None
+        streams = self.comm.streams
+        if self._storage.nbytes() != self._nbytes:
+            self._storage.resize_(self._nbytes)
+        streams.wait_event(streams.record(), streams.comm)  # the comm stream must see the fetched shard
+        with streams.use(streams.comm):
+            work = collectives.all_gather_into(self._flat(), shard, self.comm.group)
+            work.wait()  # the parameters are read right after this returns
+            done = streams.record(streams.comm)
+        streams.wait_event(done)  # compute waits on the device for the gathered bytes, not the host
+        streams.hold(shard, streams.comm)
+        manager.release(shard)
+        self.state = UnitState.UNSHARDED
+        self.peak_unsharded = max(self.peak_unsharded, self._nbytes)
+
+    def reshard(self) -> None:
+        """Free the unsharded buffer (storage resized to zero bytes)."""
+        if self.state is UnitState.UNSHARDED:
+            self._storage.resize_(0)
+            self.state = UnitState.SHARDED
+
+    # ----------------------------------------------------------------- gradients
+    def reduce_grads(self) -> tuple[torch.Tensor, object]:
+        """Issue: flatten this unit's gradients (fp32), reduce-scatter them (sum).
+
+        Returns (this rank's summed gradient shard, the collective's handle).
+        Parameters without a gradient contribute zeros; `.grad` is cleared.
+        """
+        comm = self.comm
+        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=comm.device)
+        for slot in self.slots:
+            if slot.param is not None and slot.param.grad is not None:
+                flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.grad.reshape(-1))
+                slot.param.grad = None
+        out = torch.empty(self.shard_numel, dtype=torch.float32, device=comm.device)
+        comm.streams.wait_event(comm.streams.record(), comm.streams.comm)  # the flat gradient is written on compute
+        with comm.streams.use(comm.streams.comm):
+            work = collectives.reduce_scatter_sum(out, flat, comm.group)
+        comm.streams.hold(flat, comm.streams.comm)
+        return out, work
+
+    def trainable_params(self) -> list[nn.Parameter]:
+        return [s.param for s in self.slots if s.requires_grad]
+
+
+def find_unit_modules(model: nn.Module, classes: list[str]) -> list[tuple[str, nn.Module]]:
+    """The modules that form units, in module order.
+
+    With `classes` (from `[units] classes`): every module whose class name is listed
+    (not descending into one once found). Otherwise: the children of each
+    `nn.ModuleList` that hold parameters (the repeated blocks).
+    """
+    found: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if classes:
+                if type(child).__name__ in classes:
+                    found.append((path, child))
+                    continue
+            elif isinstance(module, nn.ModuleList) and any(True for _ in child.parameters()):
+                found.append((path, child))
+                continue
+            walk(path, child)
+
+    walk("", model)
+    if classes and not found:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"units.classes = {classes} matches no module of the model; its module classes are "
+                         f"{present}: list the class of the repeated block (e.g. the transformer layer)")
+    return found
+
+
+def assign_parameters(model: nn.Module, unit_modules: list[nn.Module]) -> list[list[tuple]]:
+    """(fqn, module, attr, param) entries per unit; index 0 is the root unit.
+
+    A parameter used by several units (a tied embedding and output head) goes to
+    the root unit, which stays unsharded for the whole forward and backward.
+    """
+    unit_of_module: dict[int, int] = {}
+    for i, um in enumerate(unit_modules, start=1):
+        for sub in um.modules():
+            unit_of_module.setdefault(id(sub), i)
+    entries: dict[int, list] = {}
+    units_of_param: dict[int, set] = {}
+    for mname, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{mname}.{attr}" if mname else attr
+            entries.setdefault(id(param), []).append((fqn, module, attr, param))
+            units_of_param.setdefault(id(param), set()).add(unit_of_module.get(id(module), 0))
+    per_unit: list[list[tuple]] = [[] for _ in range(len(unit_modules) + 1)]
+    for pid, items in entries.items():
+        owners = units_of_param[pid]
+        per_unit[next(iter(owners)) if len(owners) == 1 else 0].extend(items)
+    return per_unit

@@ -1,0 +1,59 @@
+"""Training through the engine with a Recipe, on one rank of a (possibly single-process) group."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import infinity
+
+from reference import Recipe
+
+
+def engine_run(recipe: Recipe, placement: dict, swap_dir: str | None = None, extra: dict | None = None,
+               rank: int = 0, world: int = 1):
+    """Losses (mean over ranks) per micro-batch, the engine's grad norms, and the state dict (rank 0)."""
+    cfg = recipe.config(**placement)
+    if swap_dir is not None:
+        os.makedirs(swap_dir, exist_ok=True)
+        cfg["nvme"] = {"paths": [swap_dir]}
+    for section, values in (extra or {}).items():
+        cfg.setdefault(section, {}).update(values)
+    engine = infinity.initialize(recipe.build(), cfg)
+    losses, norms = [], []
+    per_rank = recipe.micro_batch // world
+    try:
+        for micro_batches in recipe.batches():
+            for x, y in micro_batches:
+                sl = slice(rank * per_rank, (rank + 1) * per_rank)
+                loss = engine(x[sl], y[sl])
+                engine.backward(loss)
+                value = loss.detach().clone()
+                if world > 1:
+                    dist.all_reduce(value)
+                    value /= world
+                losses.append(value.item())
+                engine.step()
+            norms.append(engine.last_grad_norm)
+        state = engine.full_state_dict()
+        report = engine.memory_report()
+    finally:
+        engine.close()
+    return losses, norms, state, report
+
+
+ALL_PLACEMENTS = [{"params": p, "grads": g, "optimizer": o}
+                  for p in ("device", "host", "nvme") for g in ("device", "host", "nvme")
+                  for o in ("device", "host", "nvme")]
+
+
+def all_placements_on_rank(rank: int, world: int, recipe: Recipe, swap_root: str):
+    """Every placement in turn on this rank; returns [(placement, losses, norms, state)] (state on rank 0)."""
+    out = []
+    for i, placement in enumerate(ALL_PLACEMENTS):
+        swap = os.path.join(swap_root, f"p{i}") if "nvme" in placement.values() else None
+        losses, norms, state, _ = engine_run(recipe, placement, swap, rank=rank, world=world)
+        out.append((placement, losses, norms, state))
+    return out

@@ -1,0 +1,94 @@
+"""Bad placements, budgets and paths fail at initialize with the bytes and the fix; bad steps are named."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+import infinity
+from reference import Recipe
+
+
+def test_budget_too_small_names_bytes_and_a_placement_that_fits(tmp_path):
+    cfg = {"placement": {"params": "device", "grads": "device", "optimizer": "device"},
+           "memory": {"device_budget": "700KiB", "host_budget": "64MiB"}, "nvme": {"paths": [str(tmp_path)]}}
+    with pytest.raises(infinity.PlacementError) as e:
+        infinity.initialize(Recipe().build(), cfg)
+    msg = str(e.value)
+    assert "memory.device_budget" in msg and "bytes" in msg and "needs" in msg
+    assert "A placement that fits" in msg and "[placement]" in msg
+    # The suggested placement really fits.
+    suggested = dict(re.findall(r'(params|grads|optimizer) = "(\w+)"', msg.split("[placement]")[1]))
+    assert set(suggested) == {"params", "grads", "optimizer"}, msg
+    cfg["placement"] = suggested
+    infinity.initialize(Recipe().build(), cfg).close()
+
+
+def test_budget_with_no_fitting_placement_says_so():
+    cfg = {"memory": {"device_budget": "1KiB", "host_budget": "1KiB"}}
+    with pytest.raises(infinity.PlacementError, match="No placement fits"):
+        infinity.initialize(Recipe().build(), cfg)
+
+
+def test_missing_nvme_path(tmp_path):
+    cfg = {"placement": {"params": "nvme", "grads": "host", "optimizer": "host"},
+           "nvme": {"paths": [str(tmp_path / "absent")]}}
+    with pytest.raises(infinity.PreflightError, match="does not exist.*mkdir -p"):
+        infinity.initialize(Recipe().build(), cfg)
+
+
+def test_auto_policy_fits_a_host_budget_too_small_for_everything_on_host(tmp_path):
+    model = Recipe().build()
+    total = sum(p.numel() for p in model.parameters())
+    cfg = {"placement": {"policy": "auto"},
+           "memory": {"device_budget": str(8 * total), "host_budget": str(4 * total)},
+           "nvme": {"paths": [str(tmp_path)]}}
+    with infinity.initialize(model, cfg) as engine:
+        state = engine.memory_report()["state"]
+        assert sum(state["nvme"].values()) > 0
+        assert sum(state["device"].values()) + engine.plan.working[infinity.Tier.DEVICE] <= 8 * total
+
+
+def test_backward_without_forward_is_explained():
+    with infinity.initialize(Recipe().build(), {}) as engine:
+        with pytest.raises(RuntimeError, match="needs a forward"):
+            engine.backward(torch.tensor(1.0, requires_grad=True))
+
+
+def test_closed_engine_is_explained():
+    engine = infinity.initialize(Recipe().build(), {})
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine(torch.zeros(1, 4, dtype=torch.long))
+
+
+def _nan_steps(on_nonfinite):
+    recipe = Recipe()
+    engine = infinity.initialize(recipe.build(), recipe.config() | {"train": {"grad_accum_steps": 1,
+                                                                              "on_nonfinite": on_nonfinite}})
+    x, y = recipe.batches()[0][0]
+    before = engine.full_state_dict()
+    loss = engine(x, y) * math.nan
+    engine.backward(loss)
+    return engine, before
+
+
+def test_nonfinite_gradients_raise_when_configured():
+    engine, _ = _nan_steps("error")
+    with engine, pytest.raises(infinity.NonFiniteGradError, match="on_nonfinite"):
+        engine.step()
+
+
+def test_nonfinite_gradients_skip_when_configured():
+    engine, before = _nan_steps("skip")
+    with engine:
+        assert engine.step() is False
+        after = engine.full_state_dict()
+        for key in before:
+            assert torch.equal(before[key], after[key]), key
+        x, y = Recipe().batches()[0][0]
+        engine.backward(engine(x, y))
+        assert engine.step() is True, "the next window trains normally"

@@ -1,0 +1,82 @@
+"""memory_report() equals the plan's formula, per tier and kind, padding included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from dist_utils import run_distributed
+from infinity.models.gpt import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=67, seq_len=16, n_layer=3, n_head=4, d_model=36)  # odd sizes: padding shows
+
+
+def unit_numels(cfg: GPTConfig) -> list[int]:
+    """Elements per unit: the root (tied embedding/head, positions, final LayerNorm), then each block."""
+    d = cfg.d_model
+    token_embedding = cfg.vocab_size * d  # shared with the output head: counted once
+    position_embedding = cfg.seq_len * d
+    final_layernorm = 2 * d
+    attention = (d * 3 * d + 3 * d) + (d * d + d)
+    mlp = (d * 4 * d + 4 * d) + (4 * d * d + d)
+    layernorms = 2 * (2 * d)
+    return [token_embedding + position_embedding + final_layernorm] + [attention + mlp + layernorms] * cfg.n_layer
+
+
+def expected_state(world: int, placement: dict, compute_bytes: int) -> dict:
+    shards = [-(-n // world) for n in unit_numels(CFG)]  # each unit padded to a multiple of the world size
+    per_rank = sum(shards)
+    bytes_of = {"params": per_rank * compute_bytes, "grads": per_rank * 4,
+                "master": per_rank * 4, "exp_avg": per_rank * 4, "exp_avg_sq": per_rank * 4}
+    group = {"params": "params", "grads": "grads", "master": "optimizer", "exp_avg": "optimizer",
+             "exp_avg_sq": "optimizer"}
+    out = {t: {k: 0 for k in bytes_of} for t in ("device", "host", "nvme")}
+    for kind, n in bytes_of.items():
+        out[placement[group[kind]]][kind] = n
+    return out
+
+
+def report_for(rank, world, placement, dtype, swap_dir):
+    torch.manual_seed(0)
+    cfg = {"placement": placement, "precision": {"compute_dtype": dtype}}
+    if "nvme" in placement.values():
+        cfg["nvme"] = {"paths": [swap_dir]}
+    with infinity.initialize(GPT(CFG), cfg) as engine:
+        return engine.memory_report()
+
+
+PLACEMENTS = [
+    {"params": "device", "grads": "device", "optimizer": "device"},
+    {"params": "host", "grads": "device", "optimizer": "nvme"},
+    {"params": "nvme", "grads": "host", "optimizer": "host"},
+    {"params": "nvme", "grads": "nvme", "optimizer": "nvme"},
+]
+
+
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: "-".join(p.values()))
+@pytest.mark.parametrize("dtype,compute_bytes", [("fp32", 4), ("bf16", 2)])
+def test_report_equals_formula(placement, dtype, compute_bytes, tmp_path):
+    report = report_for(0, 1, placement, dtype, str(tmp_path))
+    assert report["state"] == expected_state(1, placement, compute_bytes)
+    assert report["plan"] == report["state"]
+    nvme_state = sum(report["state"]["nvme"].values())
+    assert report["nvme_reserved_bytes"] >= nvme_state
+
+
+def _reports_ws2(rank, world, swap_dir):
+    return [report_for(rank, world, p, "fp32", f"{swap_dir}/r{rank}") for p in PLACEMENTS]
+
+
+def test_world_size_2_halves_per_rank_bytes(tmp_path):
+    import os
+    for r in range(2):
+        os.makedirs(tmp_path / f"r{r}", exist_ok=True)
+    per_rank = run_distributed(_reports_ws2, 2, str(tmp_path))
+    for rank_reports in per_rank:
+        for placement, report in zip(PLACEMENTS, rank_reports):
+            assert report["state"] == expected_state(2, placement, 4), placement
+    # Half of world size 1, up to the padding of each unit to a multiple of 2.
+    whole = sum(unit_numels(CFG))
+    half = sum(-(-n // 2) for n in unit_numels(CFG))
+    assert 0 <= half - whole / 2 <= len(unit_numels(CFG)) / 2
