@@ -18,6 +18,9 @@ class _Done:
         return True
 
 
+DONE = _Done()
+
+
 def world_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

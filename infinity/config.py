@@ -294,7 +294,7 @@ class OptimizerConfig(_Section):
                                "(must exceed warmup_steps; unused by constant).", "int", ge=0)
     min_lr_ratio: float = _option(0.0, "Final learning rate of cosine / linear decay, as a fraction of lr.",
                                   "float", ge=0.0, le=1.0, example=0.1)
-    sub_group_size: int = _option(16_777_216, "Elements per optimizer sub-group: the unit streamed through "
+    sub_group_size: int = _option(8_388_608, "Elements per optimizer sub-group: the unit streamed through "
                                   "buffers (read, step, write) when optimizer state is on NVMe.", "int", gt=0)
 
     def _check(self) -> None:
@@ -429,8 +429,9 @@ class OverlapConfig(_Section):
 
     SECTION: ClassVar[str] = "overlap"
 
-    optimizer_with_backward: bool = _option(True, "Step each unit's optimizer on the CPU as soon as its "
-                                            "gradients are final, while backward continues.", "bool")
+    optimizer_with_backward: bool = _option(False, "Step each unit's optimizer on the CPU as soon as its "
+                                            "gradients are final, while backward continues. Not available "
+                                            "in this version: initialize rejects true.", "bool")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -452,7 +453,8 @@ class ProfileConfig(_Section):
 
     SECTION: ClassVar[str] = "profile"
 
-    enabled: bool = _option(False, "Record spans (fetch, copy, collective, optimizer, compute).", "bool")
+    enabled: bool = _option(False, "Record spans (fetch, copy, collective, optimizer, compute). Not "
+                            "available in this version: initialize rejects true.", "bool")
     trace_dir: str = _option("runs/trace", "Directory for the Chrome trace and overlap summary.", "str")
 
 
@@ -601,6 +603,15 @@ class Config:
             for section, cls in _SECTIONS.items()
             for f in dataclasses.fields(cls)
         ]
+
+    @staticmethod
+    def reference_markdown() -> str:
+        """The README's config reference: one table row per key."""
+        rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, type_name, default, help_text in Config.reference():
+            shown, kind = (text.replace("|", "\\|") for text in (_show(default), type_name))
+            rows.append(f"| `{key}` | {kind} | `{shown}` | {help_text} |")
+        return "\n".join(rows)
 
     @staticmethod
     def defaults_text() -> str:

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from io_engine import IOConfig, IOEngine, SwapSpace
 
-from .config import Config
+from .config import Config, ConfigError
 from .environment import check_nvme_paths, resolve, resolve_budgets
 from .grad_reduce import GradReducer
 from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
@@ -32,6 +32,7 @@ from .memory.tier import Kind, OPTIMIZER_KINDS, Tier
 from .optim.cpu_adam import AdamHyper
 from .optim.offloaded import OffloadedOptimizer
 from .optim.schedule import lr_at
+from .prefetch import Prefetcher
 from .sharded_param import collect_slots, layout
 from .state_dict import full_state_dict
 from .streams import Streams
@@ -58,6 +59,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
                  lr_schedule: Callable[[int], float] | None = None, group=None):
         self.module, self.config = model, config
+        _reject_unavailable(config)
         self.lr_schedule = lr_schedule
         self.env = resolve(group)
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
@@ -71,11 +73,13 @@ class Engine:
                                            pin_host=self.env.device.type == "cuda")
         self._materialize(init_fn)
         self.reducer = GradReducer(self.manager, self.env.world_size)
+        self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
+                                     config.prefetch.max_bytes_in_flight)
         self.optimizer = OffloadedOptimizer(self.units, self.manager, self.env.device)
         self.scaler = LossScaler.for_config(config.precision)
         self._handles, self._counters = [], []
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
-                                  pre_backward=self._pre_forward, grads_ready=self._grads_ready)
+                                  pre_backward=self._pre_backward, grads_ready=self._grads_ready)
         for unit in self.units:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
@@ -141,6 +145,13 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, unit: Unit) -> None:
+        if unit.index != 0:
+            self.prefetcher.before_forward(unit)
+        unit.unshard(self.manager)
+        unit.wait_for_unshard(self.manager)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self.prefetcher.before_backward(unit)
         unit.unshard(self.manager)
         unit.wait_for_unshard(self.manager)
 
@@ -162,9 +173,11 @@ class Engine:
         root = self.units[0]
         self._pre_forward(root)
         output = self.module(*args, **kwargs)
+        self.prefetcher.end_forward()
         if tensors_needing_grad(output):
             self._backward_pending = True  # the root stays unsharded until backward has used it
         else:
+            self.prefetcher.release_unused()
             root.reshard()
         return output
 
@@ -182,6 +195,7 @@ class Engine:
                 self.reducer.issue(unit, final=final)  # parameters that got no gradient contribute zeros
             counter.reset()
         self.reducer.drain()
+        self.prefetcher.release_unused()
         for unit in self.units:
             unit.reshard()
         self._backward_pending = False
@@ -290,6 +304,16 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _reject_unavailable(config: Config) -> None:
+    """Keys this version accepts but cannot honour yet fail loudly instead of being ignored."""
+    if config.overlap.optimizer_with_backward:
+        raise ConfigError("overlap.optimizer_with_backward = true is not available in this version (the optimizer "
+                          "step runs after backward, exactly): set it to false")
+    if config.profile.enabled:
+        raise ConfigError("profile.enabled = true is not available in this version (no profiler yet): set it to "
+                          "false, or use torch.profiler around the training loop")
 
 
 def initialize(model: nn.Module, config: Config | dict | str | None = None, *,

@@ -13,6 +13,7 @@ from collections import deque
 
 import torch
 
+from . import collectives
 from .memory.manager import TieredMemoryManager
 from .memory.tier import Kind
 from .unit import Unit
@@ -21,7 +22,7 @@ from .unit import Unit
 class GradReducer:
     """Issues reduce-scatters, averages, accumulates into the gradient tier, tracks norms."""
 
-    def __init__(self, manager: TieredMemoryManager, world_size: int, max_in_flight: int = 2):
+    def __init__(self, manager: TieredMemoryManager, world_size: int, max_in_flight: int = 1):
         self.manager, self.world_size, self.max_in_flight = manager, world_size, max_in_flight
         self._in_flight: deque = deque()
         self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient shard
@@ -31,7 +32,8 @@ class GradReducer:
         """Start reducing `unit`'s gradients (its `.grad`s are consumed and cleared)."""
         out, work = unit.reduce_grads()
         self._in_flight.append((unit, out, work, final))
-        while len(self._in_flight) > self.max_in_flight:
+        limit = 0 if work is collectives.DONE else self.max_in_flight  # one rank: nothing to overlap
+        while len(self._in_flight) > limit:
             self._complete(*self._in_flight.popleft())
 
     def drain(self) -> None:
@@ -52,9 +54,9 @@ class GradReducer:
         if final:
             n = unit.trainable_in_shard()
             self._sumsq[unit.index] = torch.linalg.vector_norm(acc[:n], dtype=torch.float64).square()
+        while self._writes:
+            self._writes.pop(0).wait()  # one gradient shard in write-behind at a time bounds the memory it holds
         self._writes.append(m.store(unit.index, Kind.GRADS, None, acc, release=acc is not out))
-        if len(self._writes) > 2 * self.max_in_flight:
-            self._writes.pop(0).wait()  # bound the staging held by write-behind of gradient shards
 
     def take_sumsq(self, device: torch.device) -> torch.Tensor:
         """This rank's squared gradient norm over the finished window (fp64 scalar); resets it."""

@@ -42,11 +42,13 @@ class GradCounter:
 
     def __init__(self, unit: Unit, grads_ready: Callable[[Unit], None]):
         self.unit, self.grads_ready = unit, grads_ready
-        self.expected = len(unit.trainable_params())
+        self.slot_of = {id(s.param): s for s in unit.slots if s.requires_grad}
+        self.expected = len(self.slot_of)
         self.seen: set[int] = set()
         self.fired = False  # grads_ready was called in this backward
 
     def on_grad(self, param: nn.Parameter) -> None:
+        self.unit.absorb_grad(self.slot_of[id(param)])
         self.seen.add(id(param))
         if len(self.seen) == self.expected and not self.fired:
             self.fired = True

@@ -63,6 +63,7 @@ class Unit:
         self._nbytes = self.padded_numel * itemsize
         self._storage = torch.empty(0, dtype=comm.compute_dtype, device=comm.device).untyped_storage()
         self._pending: Pending | None = None
+        self._grad_flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
         self.peak_unsharded = 0
 
     def install_views(self) -> None:
@@ -77,6 +78,10 @@ class Unit:
         does not trip autograd's checks on the parameter views saved for backward)."""
         t = torch.empty(0, dtype=self.comm.compute_dtype, device=self.comm.device)
         return t.set_(self._storage, 0, (self.padded_numel,), (1,))
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard_numel * self.comm.compute_dtype.itemsize
 
     @property
     def unsharded_bytes(self) -> int:
@@ -97,7 +102,12 @@ class Unit:
         """Issue: start bringing this rank's parameter shard to the device."""
         if self.state is not UnitState.SHARDED or self.flat_numel == 0:
             return
-        self._pending = manager.fetch(self.index, Kind.PARAMS, None, self.comm.device)
+        if self._storage.nbytes() != self._nbytes:
+            self._storage.resize_(self._nbytes)
+            self.peak_unsharded = max(self.peak_unsharded, self._nbytes)
+        start, _ = self.shard_range()
+        # The shard lands in its own slot of the unsharded buffer; the all-gather fills the rest in place.
+        self._pending = manager.fetch(self.index, Kind.PARAMS, None, into=self._flat().narrow(0, start, self.shard_numel))
         self.state = UnitState.UNSHARDING
 
     def wait_for_unshard(self, manager: TieredMemoryManager) -> None:
@@ -111,18 +121,22 @@ class Unit:
         shard = self._pending.wait()  # compute needs this unit's bytes on the device
         self._pending = None
         streams = self.comm.streams
-        if self._storage.nbytes() != self._nbytes:
-            self._storage.resize_(self._nbytes)
-        streams.wait_event(streams.record(), streams.comm)  # the comm stream must see the fetched shard
-        with streams.use(streams.comm):
-            work = collectives.all_gather_into(self._flat(), shard, self.comm.group)
-            work.wait()  # the parameters are read right after this returns
-            done = streams.record(streams.comm)
-        streams.wait_event(done)  # compute waits on the device for the gathered bytes, not the host
-        streams.hold(shard, streams.comm)
-        manager.release(shard)
+        if self.comm.group is not None:
+            streams.wait_event(streams.record(), streams.comm)  # the comm stream must see the fetched shard
+            with streams.use(streams.comm):
+                work = collectives.all_gather_into(self._flat(), shard, self.comm.group)
+                work.wait()  # the parameters are read right after this returns
+                done = streams.record(streams.comm)
+            streams.wait_event(done)  # compute waits on the device for the gathered bytes, not the host
         self.state = UnitState.UNSHARDED
-        self.peak_unsharded = max(self.peak_unsharded, self._nbytes)
+
+    def cancel_unshard(self, manager: TieredMemoryManager) -> None:
+        """Abandon an issued unshard that will not be used (a prefetch the order did not need)."""
+        if self.state is UnitState.UNSHARDING:
+            self._pending.wait()  # the read must finish before its buffer is freed
+            self._pending = None
+            self._storage.resize_(0)
+            self.state = UnitState.SHARDED
 
     def reshard(self) -> None:
         """Free the unsharded buffer (storage resized to zero bytes)."""
@@ -131,18 +145,26 @@ class Unit:
             self.state = UnitState.SHARDED
 
     # ----------------------------------------------------------------- gradients
+    def absorb_grad(self, slot: ParamSlot) -> None:
+        """Move one parameter's fresh `.grad` into the unit's fp32 flat gradient (and free it), so at
+        most one parameter's gradient exists beside the flat buffer."""
+        if self._grad_flat is None:
+            self._grad_flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.comm.device)
+        self._grad_flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.grad.reshape(-1))
+        slot.param.grad = None
+
     def reduce_grads(self) -> tuple[torch.Tensor, object]:
-        """Issue: flatten this unit's gradients (fp32), reduce-scatter them (sum).
+        """Issue: reduce-scatter (sum) the unit's flat fp32 gradient of this backward.
 
         Returns (this rank's summed gradient shard, the collective's handle).
-        Parameters without a gradient contribute zeros; `.grad` is cleared.
+        Parameters without a gradient contribute zeros.
         """
         comm = self.comm
-        flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=comm.device)
-        for slot in self.slots:
-            if slot.param is not None and slot.param.grad is not None:
-                flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.grad.reshape(-1))
-                slot.param.grad = None
+        flat, self._grad_flat = self._grad_flat, None
+        if flat is None:
+            flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=comm.device)
+        if comm.group is None:
+            return flat, collectives.DONE  # one rank: the flat gradient is the shard, no copy
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=comm.device)
         comm.streams.wait_event(comm.streams.record(), comm.streams.comm)  # the flat gradient is written on compute
         with comm.streams.use(comm.streams.comm):

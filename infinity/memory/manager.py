@@ -139,39 +139,51 @@ class TieredMemoryManager:
             c.write.wait()  # read-after-write: the previous write-back must land before the bytes are reused
 
     # ----------------------------------------------------------------- fetch
-    def fetch(self, unit: int, kind: Kind, chunk: int | None = None, device: torch.device | None = None) -> Pending:
-        """Issue: bring a shard (or one chunk) to `device` (default: the compute device)."""
-        device = device or self.device
+    def fetch(self, unit: int, kind: Kind, chunk: int | None = None, device: torch.device | None = None,
+              into: torch.Tensor | None = None) -> Pending:
+        """Issue: bring a shard (or one chunk) to `device` (default: the compute device).
+
+        With `into`, the bytes land there (e.g. straight in a unit's unsharded buffer,
+        with no staging copy); otherwise in a resident view or a pooled staging buffer.
+        """
+        device = into.device if into is not None else (device or self.device)
         shard = self._shards[(unit, kind)]
         start, numel = shard.span(chunk)
+        assert into is None or (into.numel() == numel and into.dtype == shard.dtype), (
+            f"fetch into {into.numel()} {into.dtype} of {numel} {shard.dtype}")
         if shard.tier is Tier.NVME:
-            return self._fetch_nvme(shard, chunk, start, numel, device)
+            return self._fetch_nvme(shard, chunk, start, numel, device, into)
         view = shard.resident.narrow(0, start, numel)
         for i in shard.chunk_ids(chunk):
             c = shard.chunks[i]
             if c.state is Residency.ZERO:
                 view.narrow(0, c.start - start, c.numel).zero_()
             self._set(shard, c, Residency.RESIDENT)
-        if view.device == device:
+        if into is None and view.device == device:
             return Pending(view)
-        return self._copy_across(view, device)
+        return self._copy_across(view, device, into)
 
-    def _copy_across(self, src: torch.Tensor, device: torch.device) -> Pending:
+    def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None) -> Pending:
         if device.type == "cpu":
-            dst = self.staging.host_buffer(src.numel(), src.dtype)
+            dst = self.staging.host_buffer(src.numel(), src.dtype) if dst is None else dst
             stream, key = self.streams.d2h, "d2h"
         else:
-            dst = self.staging.device_buffer(src.numel(), src.dtype)
+            dst = self.staging.device_buffer(src.numel(), src.dtype) if dst is None else dst
             stream, key = self.streams.h2d, "h2d"
+        if src.device == dst.device:
+            stream, key = None, None
         self.streams.wait_event(self.streams.record(), stream)  # the copy must see compute's last writes to src
         with self.streams.use(stream):
-            dst.copy_(src, non_blocking=True)
+            dst.copy_(src, non_blocking=stream is not None)
             done = self.streams.record(stream)
-        self.bytes_moved[key] += src.numel() * src.element_size()
+        if key is not None:
+            self.bytes_moved[key] += src.numel() * src.element_size()
         return Pending(dst, after=done.synchronize)
 
-    def _fetch_nvme(self, shard: _Shard, chunk, start: int, numel: int, device: torch.device) -> Pending:
-        host = self.staging.host_buffer(numel, shard.dtype)
+    def _fetch_nvme(self, shard: _Shard, chunk, start: int, numel: int, device: torch.device,
+                    into: torch.Tensor | None) -> Pending:
+        direct = into is not None and into.device.type == "cpu"
+        host = into if direct else self.staging.host_buffer(numel, shard.dtype)
         futures = []
         for i in shard.chunk_ids(chunk):
             c = shard.chunks[i]
@@ -192,10 +204,10 @@ class TieredMemoryManager:
         pend = Pending(host, futures, after=landed)
         if device.type == "cpu":
             return pend
-        return _Chained(pend, lambda t: self._to_device_and_release(t, device))
+        return _Chained(pend, lambda t: self._to_device_and_release(t, device, into))
 
-    def _to_device_and_release(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        pend = self._copy_across(host, device)
+    def _to_device_and_release(self, host: torch.Tensor, device: torch.device, into=None) -> torch.Tensor:
+        pend = self._copy_across(host, device, into)
         out = pend.wait()
         self.staging.release(host)
         return out

@@ -37,7 +37,7 @@ class OffloadedOptimizer:
     """Adam / AdamW over all units' flat fp32 shards, wherever they live."""
 
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, compute_device: torch.device,
-                 read_ahead: int = 1, max_writes_in_flight: int = 8):
+                 read_ahead: int = 1, max_writes_in_flight: int = 4):
         self.units, self.manager, self.compute_device = units, manager, compute_device
         self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
         self.tasks = self._plan_tasks()

@@ -1,0 +1,108 @@
+"""Prefetch: predict which units run next and issue their unshard early.
+
+The forward order of the units is recorded on the first step and replayed on
+the next ones; while unit i computes, the fetches of the next `units_ahead`
+units are in flight (NVMe reads, host-to-device copies), within
+`max_bytes_in_flight`. Backward runs in the reverse of the forward order this
+step actually took, so it is always predicted exactly. When the forward order
+changes (a branch, a skipped or repeated unit, eval), the mismatch stops the
+replay for the rest of the step: what was not predicted is fetched on demand,
+what was predicted but not used is released, and the new order is recorded.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from .memory.manager import TieredMemoryManager
+from .unit import Unit, UnitState
+
+
+class TraceState(enum.Enum):
+    RECORDING = "recording"  # no valid order yet: fetch on demand, record
+    REPLAYING = "replaying"  # the recorded order held so far this step
+    DIVERGED = "diverged"  # this step left the recorded order: on demand until the step ends
+
+
+class OrderTrace:
+    """The forward order of unit indices: record, replay, invalidate."""
+
+    def __init__(self):
+        self.recorded: list[int] = []
+        self.current: list[int] = []
+        self.state = TraceState.RECORDING
+
+    def on_forward(self, index: int, ahead: int) -> list[int]:
+        """Note that `index` runs now; returns the units predicted to run next."""
+        pos = len(self.current)
+        self.current.append(index)
+        if self.state is TraceState.REPLAYING:
+            if pos < len(self.recorded) and self.recorded[pos] == index:
+                return self.recorded[pos + 1: pos + 1 + ahead]
+            self.state = TraceState.DIVERGED
+        return []
+
+    def end_forward(self) -> list[int]:
+        """Close this step's forward; returns its order (the backward runs it in reverse)."""
+        order, self.current = self.current, []
+        if order:
+            if order != self.recorded:
+                self.recorded = order  # re-record: the next step replays what this one did
+            self.state = TraceState.REPLAYING
+        return order
+
+    def invalidate(self) -> None:
+        self.recorded, self.current, self.state = [], [], TraceState.RECORDING
+
+
+class Prefetcher:
+    """Issues unshards ahead of use within the window; releases what was not used."""
+
+    def __init__(self, units: list[Unit], manager: TieredMemoryManager, units_ahead: int, max_bytes_in_flight: int):
+        self.units, self.manager = units, manager
+        self.units_ahead, self.max_bytes = units_ahead, max_bytes_in_flight
+        self.trace = OrderTrace()
+        self._backward_order: list[int] = []
+        self.issued = 0  # prefetches issued (for tests and the profile)
+        self.wasted = 0  # prefetches released unused
+
+    def _in_flight_bytes(self) -> int:
+        return sum(u.shard_bytes for u in self.units if u.state is UnitState.UNSHARDING)
+
+    def _issue(self, indices: list[int]) -> None:
+        for i in indices:
+            unit = self.units[i]
+            if unit.state is not UnitState.SHARDED or unit.flat_numel == 0:
+                continue
+            if self._in_flight_bytes() + unit.shard_bytes > self.max_bytes:
+                break
+            unit.unshard(self.manager)
+            self.issued += 1
+
+    def before_forward(self, unit: Unit) -> None:
+        if self.units_ahead:
+            self._issue(self.trace.on_forward(unit.index, self.units_ahead))
+        else:
+            self.trace.on_forward(unit.index, 0)
+
+    def end_forward(self) -> None:
+        order = self.trace.end_forward()
+        backward, seen = [], set()
+        for i in reversed(order):  # a unit that ran twice is needed first by its last call's backward
+            if i not in seen:
+                seen.add(i)
+                backward.append(i)
+        self._backward_order = backward
+
+    def before_backward(self, unit: Unit) -> None:
+        order = self._backward_order
+        if self.units_ahead and unit.index in order:
+            pos = order.index(unit.index)
+            self._issue(order[pos + 1: pos + 1 + self.units_ahead])
+
+    def release_unused(self) -> None:
+        """Drop prefetched units that were not used (order changed, or no backward came)."""
+        for unit in self.units:
+            if unit.state is UnitState.UNSHARDING:
+                unit.cancel_unshard(self.manager)
+                self.wasted += 1
