@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from io_engine import IOConfig, IOEngine, SwapSpace
 
+from .collectives import all_reduce_max, all_reduce_sum
 from .config import Config, ConfigError
 from .environment import check_nvme_paths, resolve, resolve_budgets
 from .grad_reduce import GradReducer
@@ -210,7 +211,6 @@ class Engine:
         self._stepped_at = self.micro_step
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
-        from .collectives import all_reduce_sum
         all_reduce_sum(sumsq, self.env.group)
         norm = math.sqrt(float(sumsq)) / self.scaler.scale  # one host sync per step: clipping and skipping need it
         self.last_grad_norm = norm
@@ -226,15 +226,39 @@ class Engine:
         hyper = AdamHyper(lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
                           decoupled=o.name == "adamw")
         grad_scale = self.scaler.scale / clip_coef
-        self.optimizer.step(step=self.optimizer_steps + 1, hyper=hyper, grad_scale=None if grad_scale == 1.0 else grad_scale)
+        flags = self._grad_flags()
+        active = {u.index: u.active_ranges(f) for u, f in zip(self.units, flags)}
+        self.optimizer.step(hyper=hyper, grad_scale=None if grad_scale == 1.0 else grad_scale, active=active)
+        for unit, unit_flags in zip(self.units, flags):
+            unit.commit_steps(unit_flags)
+        self._end_window()
         self.optimizer_steps += 1
         return True
+
+    def _grad_flags(self) -> list[list[bool]]:
+        """Per unit and trainable parameter: did it get a gradient on any rank this window?"""
+        per_unit = [u.grad_flags() for u in self.units]
+        flags = torch.tensor([f for unit_flags in per_unit for f in unit_flags], dtype=torch.int32)
+        if self.env.group is not None and flags.numel():
+            reduced = flags.to(self.env.device)  # NCCL reduces device tensors; gloo CPU ones
+            all_reduce_max(reduced, self.env.group)
+            flags = reduced.cpu()
+        out, pos = [], 0
+        for unit_flags in per_unit:
+            out.append([bool(f) for f in flags[pos: pos + len(unit_flags)].tolist()])
+            pos += len(unit_flags)
+        return out
+
+    def _end_window(self) -> None:
+        for unit in self.units:
+            unit.slots_with_grad.clear()
 
     _stepped_at = 0
 
     def _nonfinite(self, norm: float) -> None:
         for unit in self.units:
             self.manager.mark_zero(unit.index, Kind.GRADS)  # the window's gradients are discarded
+        self._end_window()
         if self.scaler.dynamic:
             self.scaler.update(found_inf=True)
             return

@@ -53,7 +53,8 @@ class GradReducer:
             acc.add_(out)
         if final:
             n = unit.trainable_in_shard()
-            self._sumsq[unit.index] = torch.linalg.vector_norm(acc[:n], dtype=torch.float64).square()
+            # fp32 norm (a reduction, no temporary copy of the shard), squared in fp64 for the global sum.
+            self._sumsq[unit.index] = torch.linalg.vector_norm(acc[:n]).double().square()
         while self._writes:
             self._writes.pop(0).wait()  # one gradient shard in write-behind at a time bounds the memory it holds
         self._writes.append(m.store(unit.index, Kind.GRADS, None, acc, release=acc is not out))

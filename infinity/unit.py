@@ -64,6 +64,8 @@ class Unit:
         self._storage = torch.empty(0, dtype=comm.compute_dtype, device=comm.device).untyped_storage()
         self._pending: Pending | None = None
         self._grad_flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
+        self.slots_with_grad: set[int] = set()  # ids of slots that got a gradient in this accumulation window
+        self.param_steps: dict[str, int] = {}  # optimizer steps each parameter has taken (Adam bias correction)
         self.peak_unsharded = 0
 
     def install_views(self) -> None:
@@ -152,6 +154,38 @@ class Unit:
             self._grad_flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.comm.device)
         self._grad_flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.grad.reshape(-1))
         slot.param.grad = None
+        self.slots_with_grad.add(id(slot))
+
+    def grad_flags(self) -> list[bool]:
+        """Per trainable slot (flat order): did it get a gradient in this accumulation window?"""
+        return [id(s) in self.slots_with_grad for s in self.slots if s.requires_grad]
+
+    def active_ranges(self, flags: list[bool]) -> list[tuple[int, int, int]]:
+        """(start, length, adam_step) runs of this rank's shard to update this step.
+
+        `flags` (from `grad_flags`, reduced over ranks) says which trainable parameters
+        got a gradient on some rank. Like torch.optim, a parameter whose gradient is
+        None is not stepped (no decay, no moment update) and its own step count, used
+        for bias correction, does not advance. Runs merge neighbours of equal step count.
+        """
+        shard_start, shard_end = self.shard_range()
+        runs: list[tuple[int, int, int]] = []
+        for slot, flag in zip((s for s in self.slots if s.requires_grad), flags):
+            lo, hi = max(slot.offset, shard_start), min(slot.offset + slot.numel, shard_end)
+            if not flag or lo >= hi:
+                continue
+            step = self.param_steps.get(slot.name, 0) + 1
+            if runs and runs[-1][0] + runs[-1][1] == lo - shard_start and runs[-1][2] == step:
+                runs[-1] = (runs[-1][0], runs[-1][1] + hi - lo, step)
+            else:
+                runs.append((lo - shard_start, hi - lo, step))
+        return runs
+
+    def commit_steps(self, flags: list[bool]) -> None:
+        """Advance the step count of the parameters that were updated (every rank, shard or not)."""
+        for slot, flag in zip((s for s in self.slots if s.requires_grad), flags):
+            if flag:
+                self.param_steps[slot.name] = self.param_steps.get(slot.name, 0) + 1
 
     def reduce_grads(self) -> tuple[torch.Tensor, object]:
         """Issue: reduce-scatter (sum) the unit's flat fp32 gradient of this backward.

@@ -30,7 +30,7 @@ FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
 class _Task:
     unit: Unit
     chunk: int
-    numel: int  # trainable elements of the chunk (the rest is frozen parameters or padding)
+    ranges: tuple[tuple[int, int, int], ...]  # (start, length, adam step) within the chunk; the rest is left as is
 
 
 class OffloadedOptimizer:
@@ -40,16 +40,18 @@ class OffloadedOptimizer:
                  read_ahead: int = 1, max_writes_in_flight: int = 4):
         self.units, self.manager, self.compute_device = units, manager, compute_device
         self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
-        self.tasks = self._plan_tasks()
 
-    def _plan_tasks(self) -> list[_Task]:
+    def plan_tasks(self, active: dict[int, list[tuple[int, int, int]]]) -> list[_Task]:
+        """Chunks that hold elements to step, given each unit's active (start, length, step) shard ranges."""
         tasks = []
         for unit in self.units:
-            trainable = unit.trainable_in_shard()
+            runs = active.get(unit.index, [])
             for chunk in range(self.manager.num_chunks(unit.index)):
                 start, numel = self.manager.chunk_span(unit.index, chunk)
-                if start < trainable:
-                    tasks.append(_Task(unit, chunk, min(numel, trainable - start)))
+                inside = tuple((max(a, start) - start, min(a + n, start + numel) - max(a, start), step)
+                               for a, n, step in runs if a < start + numel and a + n > start)
+                if inside:
+                    tasks.append(_Task(unit, chunk, inside))
         return tasks
 
     def device_of(self, unit: Unit) -> torch.device:
@@ -60,21 +62,23 @@ class OffloadedOptimizer:
         device = self.device_of(task.unit)
         return {k: self.manager.fetch(task.unit.index, k, task.chunk, device) for k in FETCHED}
 
-    def step(self, *, step: int, hyper: AdamHyper, grad_scale: float | None) -> None:
-        """One update of every trainable element; `step` is the 1-based count after it."""
+    def step(self, *, hyper: AdamHyper, grad_scale: float | None,
+             active: dict[int, list[tuple[int, int, int]]]) -> None:
+        """One update of the active elements (each run carries its 1-based Adam step)."""
         m = self.manager
+        tasks = self.plan_tasks(active)
         ahead: deque = deque()
         writes: deque = deque()
         next_task = 0
-        for task in self.tasks:
-            while next_task < len(self.tasks) and len(ahead) <= self.read_ahead:
-                ahead.append(self._issue(self.tasks[next_task]))  # read ahead while earlier tasks compute
+        for task in tasks:
+            while next_task < len(tasks) and len(ahead) <= self.read_ahead:
+                ahead.append(self._issue(tasks[next_task]))  # read ahead while earlier tasks compute
                 next_task += 1
             pending = ahead.popleft()
             bufs = {k: p.wait() for k, p in pending.items()}  # this sub-group's state must be in memory to step it
-            n = task.numel
-            adam_step(bufs[Kind.MASTER][:n], bufs[Kind.GRADS][:n], bufs[Kind.EXP_AVG][:n], bufs[Kind.EXP_AVG_SQ][:n],
-                      step=step, hyper=hyper, grad_scale=grad_scale)
+            for a, n, step in task.ranges:
+                master, exp_avg, exp_avg_sq, grad = (bufs[k].narrow(0, a, n) for k in FETCHED)
+                adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale)
             u, c = task.unit.index, task.chunk
             params = m.target(u, Kind.PARAMS, c, bufs[Kind.MASTER].device)
             params.copy_(bufs[Kind.MASTER])
