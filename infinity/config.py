@@ -469,12 +469,25 @@ class UnitsConfig(_Section):
                                        example=["Block"])
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(_Section):
+    """Checkpoint saving."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+
+    keep_last: int = _option(0, "Keep only the newest N checkpoints this run saved (older ones it wrote are "
+                             "removed once a newer one is complete); 0 keeps all.", "int", ge=0)
+    background: bool = _option(False, "Write checkpoint files in a background thread while the next forward "
+                               "and backward run; the checkpoint becomes visible (atomic rename) at the next "
+                               "step() or close().", "bool")
+
+
 # ---------------------------------------------------------------- top level
 
 _SECTIONS: dict[str, type[_Section]] = {
     cls.SECTION: cls
     for cls in (OptimizerConfig, PrecisionConfig, PlacementConfig, MemoryConfig, NvmeConfig, IOConfig,
-                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig)
+                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig)
 }
 
 
@@ -527,6 +540,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     units: UnitsConfig = field(default_factory=UnitsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def __post_init__(self) -> None:
         for name, cls in _SECTIONS.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 from typing import Callable
 
 import psutil
@@ -20,7 +21,9 @@ import torch.nn as nn
 
 from io_engine import IOConfig, IOEngine, SwapSpace
 
-from .collectives import all_reduce_max, all_reduce_sum
+from .checkpoint import apply_retention, begin_save
+from .checkpoint import load as load_checkpoint
+from .collectives import all_reduce_max, all_reduce_sum, broadcast_object
 from .config import Config, ConfigError
 from .environment import check_nvme_paths, resolve, resolve_budgets
 from .grad_reduce import GradReducer
@@ -28,30 +31,21 @@ from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
 from .loss_scale import LossScaler
 from .materialize import materialize_flat, unit_seed
 from .memory.manager import TieredMemoryManager
-from .memory.placement import UnitSizes, plan_placement
-from .memory.tier import Kind, OPTIMIZER_KINDS, Tier
+from .memory.placement import plan_placement
+from .memory.tier import Kind, Tier
 from .optim.cpu_adam import AdamHyper
 from .optim.offloaded import OffloadedOptimizer
 from .optim.schedule import lr_at
 from .prefetch import Prefetcher
-from .sharded_param import collect_slots, layout
 from .state_dict import full_state_dict
 from .streams import Streams
-from .unit import Comm, Unit, assign_parameters, find_unit_modules, padded_numel
+from .unit import Comm, Unit, build_units, unit_sizes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CHUNK_ALIGN = 4096  # elements; keeps NVMe chunk boundaries 4 KiB-aligned for every dtype
 
 
 class NonFiniteGradError(FloatingPointError):
     """Gradients were NaN or Inf and `[train] on_nonfinite = "error"`."""
-
-
-def chunk_numels(shard_numel: int, sub_group_size: int) -> tuple[int, ...]:
-    """Split a shard into optimizer sub-groups of at most `sub_group_size` elements."""
-    size = max(CHUNK_ALIGN, sub_group_size // CHUNK_ALIGN * CHUNK_ALIGN)
-    full, rest = divmod(shard_numel, size)
-    return (size,) * full + ((rest,) if rest else ())
 
 
 class Engine:
@@ -67,7 +61,7 @@ class Engine:
         self.streams = Streams.for_device(self.env.device)
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams)
-        self.units = self._build_units(model, comm)
+        self.units = build_units(model, list(config.units.classes), comm)
         self.plan = self._plan()
         self.io, self.swap = self._open_swap()
         self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
@@ -90,25 +84,14 @@ class Engine:
         self.last_grad_norm: float | None = None
         self._backward_pending = False
         self._closed = False
+        self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
+        self._pending_checkpoint = None
+        self._saved_checkpoints: list[str] = []
 
     # ----------------------------------------------------------------- construction
-    def _build_units(self, model: nn.Module, comm: Comm) -> list[Unit]:
-        found = find_unit_modules(model, list(self.config.units.classes))
-        per_unit = assign_parameters(model, [m for _, m in found])
-        names = ["<root>"] + [n for n, _ in found]
-        modules = [[model]] + [[m] for _, m in found]
-        units = []
-        for i, entries in enumerate(per_unit):
-            slots = collect_slots(entries)
-            trainable = layout(slots)
-            units.append(Unit(i, names[i], modules[i], slots, trainable, comm))
-        return units
-
     def _plan(self):
         cfg = self.config
-        sizes = tuple(UnitSizes(name=u.name, shard_numel=u.shard_numel, unsharded_numel=u.padded_numel,
-                                chunk_numels=chunk_numels(u.shard_numel, cfg.optimizer.sub_group_size))
-                      for u in self.units)
+        sizes = unit_sizes(self.units, cfg.optimizer.sub_group_size)
         nvme_free = check_nvme_paths(list(cfg.nvme.paths)) if cfg.nvme.paths else 0
         budgets = resolve_budgets(cfg.memory, self.env.device, self.env.local_world_size, nvme_free)
         static = {"params": cfg.placement.params, "grads": cfg.placement.grads, "optimizer": cfg.placement.optimizer}
@@ -209,6 +192,7 @@ class Engine:
         if self.micro_step == 0 or self.micro_step % cfg.train.grad_accum_steps != 0 or self._stepped_at == self.micro_step:
             return False
         self._stepped_at = self.micro_step
+        self.wait_for_checkpoint()  # the optimizer must not change state a background save is still writing
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)
@@ -267,6 +251,58 @@ class Engine:
                 f"gradient norm is {norm} at optimizer step {self.optimizer_steps}: the loss or a gradient overflowed. "
                 f"Lower optimizer.lr, check the data, or set train.on_nonfinite = \"skip\" to skip such steps")
 
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str, user_state: dict | None = None) -> None:
+        """Save every rank's shards to the directory `path` (all ranks call it, right after a step).
+
+        `user_state` (JSON-serializable, e.g. the data position) comes back from
+        `load_checkpoint`. With `[checkpoint] background = true` the files are written
+        while training goes on and the checkpoint appears at the next `step()` / `close()`.
+        """
+        self._check_open()
+        self.wait_for_checkpoint()
+        self.reducer.flush_writes()
+        self.manager.drain()  # the optimizer's write-behind must land before the state is copied
+        self._pending_checkpoint = begin_save(self, path, user_state, self.config.checkpoint.background)
+        if not self.config.checkpoint.background:
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Finish a save in progress and make it visible; returns its path (None if none was pending)."""
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is None:
+            return None
+        path = pending.commit()
+        if self.rank == 0:
+            self._saved_checkpoints.append(path)
+            self._saved_checkpoints = apply_retention(self._saved_checkpoints, self.config.checkpoint.keep_last,
+                                                      self.run_id)
+        return path
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore the state saved at `path` (at this or another world size); returns its user state."""
+        self._check_open()
+        self.wait_for_checkpoint()
+        self.manager.drain()
+        return load_checkpoint(self, path)
+
+    def export_state_dict(self, path: str, dtype: torch.dtype | None = None) -> str:
+        """Write the consolidated state dict (safetensors for `.safetensors`, else torch.save), streaming.
+
+        Saves a checkpoint next to `path` first (all ranks call this), then rank 0 assembles
+        the tensors one by one from it; the checkpoint stays, for resuming.
+        """
+        from .export import export_checkpoint
+        ckpt = f"{os.fspath(path)}.checkpoint"
+        self.save_checkpoint(ckpt)
+        self.wait_for_checkpoint()
+        if self.rank == 0:
+            export_checkpoint(ckpt, path, dtype=dtype)
+        if self.env.group is not None:
+            import torch.distributed as dist
+            dist.barrier(group=self.env.group)  # the file is complete when every rank returns
+        return os.fspath(path)
+
     # ----------------------------------------------------------------- reporting and state
     def memory_report(self) -> dict:
         """Bytes per tier and per state kind on this rank, and the buffers and peaks around them."""
@@ -282,6 +318,7 @@ class Engine:
     def full_state_dict(self) -> dict:
         """fp32 master weights gathered on rank 0 (empty dict elsewhere), keys as model.state_dict()."""
         self._check_open()
+        self.wait_for_checkpoint()  # a background save may be reading the same master extents
         return full_state_dict(self.module, self.units, self.manager, self.env.rank)
 
     @property
@@ -308,20 +345,23 @@ class Engine:
             raise RuntimeError("this Engine is closed; create a new one with infinity.initialize")
 
     def close(self) -> None:
-        """Wait for in-flight I/O, remove hooks and this run's swap files."""
+        """Finish a pending checkpoint, wait for in-flight I/O, remove hooks and this run's swap files."""
         if self._closed:
             return
-        self._closed = True
-        for h in self._handles:
-            h.remove()
-        self.manager.close()
-        if self.swap is not None:
-            self.swap.close()
-        if self.io is not None:
-            self.io.close()
-        if self.env.owns_group:
-            import torch.distributed as dist
-            dist.destroy_process_group()
+        try:
+            self.wait_for_checkpoint()
+        finally:
+            self._closed = True
+            for h in self._handles:
+                h.remove()
+            self.manager.close()
+            if self.swap is not None:
+                self.swap.close()
+            if self.io is not None:
+                self.io.close()
+            if self.env.owns_group:
+                import torch.distributed as dist
+                dist.destroy_process_group()
 
     def __enter__(self) -> "Engine":
         return self

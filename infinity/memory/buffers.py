@@ -6,6 +6,8 @@ tensors it handed out (by data pointer: no state is attached to the tensors).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from io_engine import AlignedBufferPool
@@ -18,6 +20,7 @@ class StagingBuffers:
         self.device = device
         self.host = AlignedBufferPool(alignment=4096, pin=pin, lock=True)
         self._out: dict[int, tuple[str, torch.Tensor]] = {}  # data_ptr -> (where, the pooled tensor)
+        self._lock = threading.Lock()  # a background checkpoint writer shares the pool with training
         self.peak_bytes_out = 0
         self._bytes_out = 0
 
@@ -36,19 +39,21 @@ class StagingBuffers:
     def _track(self, t: torch.Tensor, where: str) -> None:
         if t.numel() == 0:
             return
-        self._out[t.data_ptr()] = (where, t)
-        self._bytes_out += t.numel() * t.element_size()
-        self.peak_bytes_out = max(self.peak_bytes_out, self._bytes_out)
+        with self._lock:
+            self._out[t.data_ptr()] = (where, t)
+            self._bytes_out += t.numel() * t.element_size()
+            self.peak_bytes_out = max(self.peak_bytes_out, self._bytes_out)
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.numel() > 0 and t.data_ptr() in self._out
 
     def release(self, t: torch.Tensor) -> None:
         """Give a buffer back; tensors the pool did not hand out are ignored (resident views)."""
-        if not self.owns(t):
-            return
-        where, pooled = self._out.pop(t.data_ptr())
-        self._bytes_out -= pooled.numel() * pooled.element_size()
+        with self._lock:
+            if not self.owns(t):
+                return
+            where, pooled = self._out.pop(t.data_ptr())
+            self._bytes_out -= pooled.numel() * pooled.element_size()
         if where == "host":
             self.host.put(pooled)
 
