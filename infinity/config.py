@@ -429,9 +429,12 @@ class OverlapConfig(_Section):
 
     SECTION: ClassVar[str] = "overlap"
 
-    optimizer_with_backward: bool = _option(False, "Step each unit's optimizer on the CPU as soon as its "
-                                            "gradients are final, while backward continues. Not available "
-                                            "in this version: initialize rejects true.", "bool")
+    optimizer_with_backward: bool = _option(True, "Run the optimizer on a worker thread, overlapped with compute: "
+                                            "without clipping or fp16, each unit is updated as soon as its "
+                                            "gradients are final, while backward continues; with them, after "
+                                            "the global norm, in the next forward's order (each unit's forward "
+                                            "waits only for its own update). Exactly the non-overlapped result "
+                                            "either way.", "bool")
 
 
 @dataclass(frozen=True, kw_only=True)

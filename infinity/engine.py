@@ -35,6 +35,7 @@ from .memory.placement import plan_placement
 from .memory.tier import Kind, Tier
 from .optim.cpu_adam import AdamHyper
 from .optim.offloaded import OffloadedOptimizer
+from .optim.worker import OptimizerWorker
 from .optim.schedule import lr_at
 from .prefetch import Prefetcher
 from .state_dict import full_state_dict
@@ -68,9 +69,21 @@ class Engine:
                                            pin_host=self.env.device.type == "cuda")
         self._materialize(init_fn)
         self.reducer = GradReducer(self.manager, self.env.world_size)
-        self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
-                                     config.prefetch.max_bytes_in_flight)
         self.optimizer = OffloadedOptimizer(self.units, self.manager, self.env.device)
+        # Note [overlap]: with no global dependency (no clipping, no fp16 scaling, non-finite gradients
+        # are errors) a unit's update needs only its own gradients, so it runs on the worker as soon as
+        # they are final, during backward ("eager"). Otherwise step() computes the global norm first and
+        # hands the units to the worker in forward order; the next forward waits per unit ("deferred").
+        # Both are exactly the non-overlapped update.
+        self.worker = OptimizerWorker(self.optimizer, len(self.units)) if config.overlap.optimizer_with_backward else None
+        self._eager = (self.worker is not None and config.optimizer.grad_clip == 0 and self.compute_dtype != torch.float16
+                       and config.train.on_nonfinite == "error")
+        self._eager_nonfinite: tuple[str, float] | None = None
+        if self._eager:
+            self.reducer.on_final = self._unit_grads_final
+        self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
+                                     config.prefetch.max_bytes_in_flight,
+                                     ready=(lambda i: not self.worker.pending(i)) if self.worker else None)
         self.scaler = LossScaler.for_config(config.precision)
         self._handles, self._counters = [], []
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
@@ -129,6 +142,8 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, unit: Unit) -> None:
+        if self.worker is not None:
+            self.worker.wait_unit(unit.index)  # its parameters may still be being updated
         if unit.index != 0:
             self.prefetcher.before_forward(unit)
         unit.unshard(self.manager)
@@ -138,6 +153,28 @@ class Engine:
         self.prefetcher.before_backward(unit)
         unit.unshard(self.manager)
         unit.wait_for_unshard(self.manager)
+
+    def _unit_grads_final(self, unit: Unit) -> None:
+        """Eager overlap: this unit's gradient for the window is complete; update it now."""
+        flags = self._reduce_flags([unit.grad_flags()])[0]
+        sumsq = float(self.reducer.unit_sumsq(unit.index))  # host sync: a non-finite unit must not be stepped
+        if not math.isfinite(sumsq):
+            self._eager_nonfinite = self._eager_nonfinite or (unit.name, sumsq)
+            return
+        self.worker.submit([unit], hyper=self._hyper(), grad_scale=None,
+                           active={unit.index: unit.active_ranges(flags)}, after_unit=self._after_update(flags, unit))
+
+    def _after_update(self, flags: list[bool], unit: Unit):
+        def after(u: Unit) -> None:
+            u.commit_steps(flags)
+            u.slots_with_grad.clear()
+        return after
+
+    def _hyper(self) -> AdamHyper:
+        o = self.config.optimizer
+        lr = self.lr_schedule(self.optimizer_steps) if self.lr_schedule else lr_at(self.optimizer_steps, o)
+        return AdamHyper(lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
+                         decoupled=o.name == "adamw")
 
     def _post_forward(self, unit: Unit) -> None:
         unit.reshard()
@@ -155,7 +192,7 @@ class Engine:
         """Forward: returns what the model returns."""
         self._check_open()
         root = self.units[0]
-        self._pre_forward(root)
+        self._pre_forward(root)  # (waits for the root's update first, with overlap)
         output = self.module(*args, **kwargs)
         self.prefetcher.end_forward()
         if tensors_needing_grad(output):
@@ -171,6 +208,10 @@ class Engine:
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
+        if self.worker is not None:
+            self.worker.wait_all()  # units unused by this forward may still be updating: their gradient shards are next
+            if self._eager and self._final_micro_batch():
+                self.wait_for_checkpoint()  # eager updates start during this backward
         scale = self.scaler.scale / self.config.train.grad_accum_steps
         (loss * scale).backward()
         final = self._final_micro_batch()
@@ -186,7 +227,11 @@ class Engine:
         self.micro_step += 1
 
     def step(self) -> bool:
-        """Apply the optimizer at an accumulation boundary; returns whether parameters changed."""
+        """Apply the optimizer at an accumulation boundary; returns whether parameters changed.
+
+        With `[overlap] optimizer_with_backward` the update runs on a worker thread (Note
+        [overlap]) and this returns once it is issued; the next forward waits per unit.
+        """
         self._check_open()
         cfg = self.config
         if self.micro_step == 0 or self.micro_step % cfg.train.grad_accum_steps != 0 or self._stepped_at == self.micro_step:
@@ -198,6 +243,8 @@ class Engine:
         all_reduce_sum(sumsq, self.env.group)
         norm = math.sqrt(float(sumsq)) / self.scaler.scale  # one host sync per step: clipping and skipping need it
         self.last_grad_norm = norm
+        if self._eager:
+            return self._finish_eager_step(norm)
         if not math.isfinite(norm):
             self._nonfinite(norm)
             return False
@@ -205,23 +252,41 @@ class Engine:
         clip_coef = 1.0
         if cfg.optimizer.grad_clip > 0:
             clip_coef = min(1.0, cfg.optimizer.grad_clip / (norm + 1e-6))
-        lr = self.lr_schedule(self.optimizer_steps) if self.lr_schedule else lr_at(self.optimizer_steps, cfg.optimizer)
-        o = cfg.optimizer
-        hyper = AdamHyper(lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                          decoupled=o.name == "adamw")
         grad_scale = self.scaler.scale / clip_coef
-        flags = self._grad_flags()
+        grad_scale = None if grad_scale == 1.0 else grad_scale
+        flags = self._reduce_flags([u.grad_flags() for u in self.units])
         active = {u.index: u.active_ranges(f) for u, f in zip(self.units, flags)}
-        self.optimizer.step(hyper=hyper, grad_scale=None if grad_scale == 1.0 else grad_scale, active=active)
-        for unit, unit_flags in zip(self.units, flags):
-            unit.commit_steps(unit_flags)
-        self._end_window()
+        hyper = self._hyper()
+        if self.worker is not None:
+            for unit in self._update_order():
+                self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale, active={unit.index: active[unit.index]},
+                                   after_unit=self._after_update(flags[unit.index], unit))
+        else:
+            self.optimizer.step(hyper=hyper, grad_scale=grad_scale, active=active,
+                                on_unit_done=lambda u: self._after_update(flags[u.index], u)(u))
         self.optimizer_steps += 1
         return True
 
-    def _grad_flags(self) -> list[list[bool]]:
+    def _finish_eager_step(self, norm: float) -> bool:
+        bad, self._eager_nonfinite = self._eager_nonfinite, None
+        if bad is not None or not math.isfinite(norm):
+            self.worker.wait_all()
+            unit = bad[0] if bad else "?"
+            raise NonFiniteGradError(
+                f"gradient norm is {norm} at optimizer step {self.optimizer_steps} (unit {unit}): the loss or a gradient "
+                f"overflowed. With overlap.optimizer_with_backward and no clipping, units whose gradients were finite "
+                f"were already updated: resume from the last checkpoint. Lower optimizer.lr or check the data")
+        self.optimizer_steps += 1
+        return True
+
+    def _update_order(self) -> list[Unit]:
+        """Deferred overlap: update the units in the order the next forward will use them."""
+        order = [0] + [i for i in self.prefetcher.trace.recorded if i != 0]
+        seen = set(order)
+        return [self.units[i] for i in order + [u.index for u in self.units if u.index not in seen]]
+
+    def _reduce_flags(self, per_unit: list[list[bool]]) -> list[list[bool]]:
         """Per unit and trainable parameter: did it get a gradient on any rank this window?"""
-        per_unit = [u.grad_flags() for u in self.units]
         flags = torch.tensor([f for unit_flags in per_unit for f in unit_flags], dtype=torch.int32)
         if self.env.group is not None and flags.numel():
             reduced = flags.to(self.env.device)  # NCCL reduces device tensors; gloo CPU ones
@@ -232,6 +297,16 @@ class Engine:
             out.append([bool(f) for f in flags[pos: pos + len(unit_flags)].tolist()])
             pos += len(unit_flags)
         return out
+
+    def synchronize(self) -> None:
+        """Wait for all work in flight (optimizer updates, a background checkpoint); raise its errors."""
+        self._check_open()
+        self._wait_updates()
+        self.wait_for_checkpoint()
+
+    def _wait_updates(self) -> None:
+        if self.worker is not None:
+            self.worker.wait_all()  # the state must be the stepped one before it is read or replaced
 
     def _end_window(self) -> None:
         for unit in self.units:
@@ -260,6 +335,7 @@ class Engine:
         while training goes on and the checkpoint appears at the next `step()` / `close()`.
         """
         self._check_open()
+        self._wait_updates()
         self.wait_for_checkpoint()
         self.reducer.flush_writes()
         self.manager.drain()  # the optimizer's write-behind must land before the state is copied
@@ -282,6 +358,7 @@ class Engine:
     def load_checkpoint(self, path: str) -> dict:
         """Restore the state saved at `path` (at this or another world size); returns its user state."""
         self._check_open()
+        self._wait_updates()
         self.wait_for_checkpoint()
         self.manager.drain()
         return load_checkpoint(self, path)
@@ -318,6 +395,7 @@ class Engine:
     def full_state_dict(self) -> dict:
         """fp32 master weights gathered on rank 0 (empty dict elsewhere), keys as model.state_dict()."""
         self._check_open()
+        self._wait_updates()
         self.wait_for_checkpoint()  # a background save may be reading the same master extents
         return full_state_dict(self.module, self.units, self.manager, self.env.rank)
 
@@ -349,9 +427,13 @@ class Engine:
         if self._closed:
             return
         try:
+            if self.worker is None or not (self.worker.failed and self.worker.error_reported):
+                self._wait_updates()  # an update error nobody has seen yet is raised here
             self.wait_for_checkpoint()
         finally:
             self._closed = True
+            if self.worker is not None:
+                self.worker.close()
             for h in self._handles:
                 h.remove()
             self.manager.close()
@@ -372,9 +454,6 @@ class Engine:
 
 def _reject_unavailable(config: Config) -> None:
     """Keys this version accepts but cannot honour yet fail loudly instead of being ignored."""
-    if config.overlap.optimizer_with_backward:
-        raise ConfigError("overlap.optimizer_with_backward = true is not available in this version (the optimizer "
-                          "step runs after backward, exactly): set it to false")
     if config.profile.enabled:
         raise ConfigError("profile.enabled = true is not available in this version (no profiler yet): set it to "
                           "false, or use torch.profiler around the training loop")

@@ -27,6 +27,7 @@ class GradReducer:
         self._in_flight: deque = deque()
         self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient shard
         self._writes: list = []
+        self.on_final = None  # called with a unit once its gradient for the window is complete
 
     def issue(self, unit: Unit, final: bool) -> None:
         """Start reducing `unit`'s gradients (its `.grad`s are consumed and cleared)."""
@@ -58,6 +59,11 @@ class GradReducer:
         while self._writes:
             self._writes.pop(0).wait()  # one gradient shard in write-behind at a time bounds the memory it holds
         self._writes.append(m.store(unit.index, Kind.GRADS, None, acc, release=acc is not out))
+        if final and self.on_final is not None:
+            self.on_final(unit)
+
+    def unit_sumsq(self, index: int) -> torch.Tensor:
+        return self._sumsq[index]
 
     def take_sumsq(self, device: torch.device) -> torch.Tensor:
         """This rank's squared gradient norm over the finished window (fp64 scalar); resets it."""

@@ -58,8 +58,10 @@ class OrderTrace:
 class Prefetcher:
     """Issues unshards ahead of use within the window; releases what was not used."""
 
-    def __init__(self, units: list[Unit], manager: TieredMemoryManager, units_ahead: int, max_bytes_in_flight: int):
+    def __init__(self, units: list[Unit], manager: TieredMemoryManager, units_ahead: int, max_bytes_in_flight: int,
+                 ready=None):
         self.units, self.manager = units, manager
+        self.ready = ready or (lambda index: True)  # False while a unit's parameters are being updated
         self.units_ahead, self.max_bytes = units_ahead, max_bytes_in_flight
         self.trace = OrderTrace()
         self._backward_order: list[int] = []
@@ -72,7 +74,7 @@ class Prefetcher:
     def _issue(self, indices: list[int]) -> None:
         for i in indices:
             unit = self.units[i]
-            if unit.state is not UnitState.SHARDED or unit.flat_numel == 0:
+            if unit.state is not UnitState.SHARDED or unit.flat_numel == 0 or not self.ready(i):
                 continue
             if self._in_flight_bytes() + unit.shard_bytes > self.max_bytes:
                 break

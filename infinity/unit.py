@@ -20,7 +20,8 @@ import torch.nn as nn
 from . import collectives
 from .memory.manager import Pending, TieredMemoryManager
 from .memory.tier import Kind
-from .sharded_param import ParamSlot, install
+from .memory.placement import UnitSizes
+from .sharded_param import ParamSlot, collect_slots, install, layout
 from .streams import Streams
 
 
@@ -42,6 +43,16 @@ class Comm:
     device: torch.device
     compute_dtype: torch.dtype
     streams: Streams
+
+
+CHUNK_ALIGN = 4096  # elements; NVMe chunk boundaries stay 4 KiB-aligned, and fused Adam's 64-element blocks
+
+
+def chunk_numels(shard_numel: int, sub_group_size: int) -> tuple[int, ...]:
+    """Split a shard into optimizer sub-groups of at most `sub_group_size` elements."""
+    size = max(CHUNK_ALIGN, sub_group_size // CHUNK_ALIGN * CHUNK_ALIGN)
+    full, rest = divmod(shard_numel, size)
+    return (size,) * full + ((rest,) if rest else ())
 
 
 def padded_numel(numel: int, world_size: int) -> int:
@@ -263,3 +274,23 @@ def assign_parameters(model: nn.Module, unit_modules: list[nn.Module]) -> list[l
         owners = units_of_param[pid]
         per_unit[next(iter(owners)) if len(owners) == 1 else 0].extend(items)
     return per_unit
+
+
+def build_units(model: nn.Module, classes: list[str], comm: Comm) -> list[Unit]:
+    """Split `model` into units (root first). Nothing is allocated: parameters may be on meta."""
+    found = find_unit_modules(model, classes)
+    per_unit = assign_parameters(model, [m for _, m in found])
+    names = ["<root>"] + [n for n, _ in found]
+    modules = [[model]] + [[m] for _, m in found]
+    units = []
+    for i, entries in enumerate(per_unit):
+        slots = collect_slots(entries)
+        trainable = layout(slots)
+        units.append(Unit(i, names[i], modules[i], slots, trainable, comm))
+    return units
+
+
+def unit_sizes(units: list[Unit], sub_group_size: int) -> tuple[UnitSizes, ...]:
+    """What placement needs to know of each unit on this rank."""
+    return tuple(UnitSizes(name=u.name, shard_numel=u.shard_numel, unsharded_numel=u.padded_numel,
+                           chunk_numels=chunk_numels(u.shard_numel, sub_group_size)) for u in units)

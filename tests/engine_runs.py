@@ -49,11 +49,12 @@ ALL_PLACEMENTS = [{"params": p, "grads": g, "optimizer": o}
                   for o in ("device", "host", "nvme")]
 
 
-def all_placements_on_rank(rank: int, world: int, recipe: Recipe, swap_root: str):
+def all_placements_on_rank(rank: int, world: int, recipe: Recipe, swap_root: str, overlap: bool = False):
     """Every placement in turn on this rank; returns [(placement, losses, norms, state)] (state on rank 0)."""
     out = []
     for i, placement in enumerate(ALL_PLACEMENTS):
         swap = os.path.join(swap_root, f"p{i}") if "nvme" in placement.values() else None
-        losses, norms, state, _ = engine_run(recipe, placement, swap, rank=rank, world=world)
+        extra = {"overlap": {"optimizer_with_backward": overlap}}
+        losses, norms, state, _ = engine_run(recipe, placement, swap, extra, rank=rank, world=world)
         out.append((placement, losses, norms, state))
     return out

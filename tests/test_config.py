@@ -111,7 +111,7 @@ def test_defaults():
     assert config.placement.params == "device" and config.memory.host_budget == "auto"
     assert config.nvme.paths == () and config.units.classes == ()
     assert config.io.block_size == 2**20 and config.prefetch.max_bytes_in_flight == 4 * GiB
-    assert config.overlap.optimizer_with_backward is False and config.train.grad_accum_steps == 1
+    assert config.overlap.optimizer_with_backward is True and config.train.grad_accum_steps == 1
     assert config.profile.enabled is False and config.precision.compute_dtype == "fp32"
     assert Config.from_dict({}) == config
 

@@ -33,15 +33,45 @@ def assert_matches(reference, losses, norms, state, what):
         torch.testing.assert_close(state[key], ref_state[key], msg=lambda m, k=key: f"{what} {k}: {m}")
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS, ids=lambda p: "-".join(p.values()))
-def test_world_size_1_matches_pytorch(reference, placement, tmp_path):
+def test_world_size_1_matches_pytorch(reference, placement, overlap, tmp_path):
     swap = str(tmp_path / "swap") if "nvme" in placement.values() else None
-    losses, norms, state, _ = engine_run(RECIPE, placement, swap)
-    assert_matches(reference, losses, norms, state, f"world 1 {placement}")
+    losses, norms, state, _ = engine_run(RECIPE, placement, swap, {"overlap": {"optimizer_with_backward": overlap}})
+    assert_matches(reference, losses, norms, state, f"world 1 {placement} overlap={overlap}")
 
 
-def test_world_size_2_matches_pytorch_every_placement(reference, tmp_path):
-    results = run_distributed(all_placements_on_rank, 2, RECIPE, str(tmp_path))
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+def test_world_size_2_matches_pytorch_every_placement(reference, overlap, tmp_path):
+    results = run_distributed(all_placements_on_rank, 2, RECIPE, str(tmp_path), overlap)
     for placement, losses, norms, state in results[0]:
-        assert_matches(reference, losses, norms, state, f"world 2 {placement}")
+        assert_matches(reference, losses, norms, state, f"world 2 {placement} overlap={overlap}")
     assert all(state == {} for _, _, _, state in results[1]), "full_state_dict is gathered on rank 0 only"
+
+
+NO_CLIP = Recipe(grad_clip=0.0)
+
+
+@pytest.mark.parametrize("placement", [ALL_PLACEMENTS[0], ALL_PLACEMENTS[13], ALL_PLACEMENTS[-1]],
+                         ids=lambda p: "-".join(p.values()))
+@pytest.mark.parametrize("world", [1, 2])
+def test_eager_overlap_is_bitwise_the_sequential_step(placement, world, tmp_path):
+    """Without clipping, units are updated during backward; the result is bit for bit the sequential one."""
+    ref_losses, _, ref_state = reference_run(NO_CLIP)
+    runs = {}
+    for overlap in (False, True):
+        swap = str(tmp_path / f"swap{overlap}")
+        runs[overlap] = run_distributed(_run_on_rank, world, NO_CLIP, placement, swap, overlap)[0]
+    (seq_losses, seq_state), (ovl_losses, ovl_state) = runs[False], runs[True]
+    assert seq_losses == ovl_losses
+    assert all(torch.equal(seq_state[k], ovl_state[k]) for k in seq_state)
+    torch.testing.assert_close(torch.tensor(ovl_losses), torch.tensor(ref_losses))
+    for key in ref_state:
+        torch.testing.assert_close(ovl_state[key], ref_state[key])
+
+
+def _run_on_rank(rank, world, recipe, placement, swap, overlap):
+    swap = f"{swap}-{rank}" if "nvme" in placement.values() else None
+    losses, _, state, _ = engine_run(recipe, placement, swap, {"overlap": {"optimizer_with_backward": overlap}},
+                                     rank=rank, world=world)
+    return losses, state

@@ -16,6 +16,7 @@ by fetch go back to the pool when stored or released.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -63,17 +64,21 @@ class Pending:
     def __init__(self, result=None, futures=(), after=None):
         self._result, self._futures, self._after = result, list(futures), after
         self._done = False
+        self._lock = threading.Lock()  # the training thread and the optimizer worker may wait on the same write
 
     def done(self) -> bool:
         return self._done or all(f.done() for f in self._futures)
 
     def wait(self):
-        if not self._done:
-            for fut in self._futures:
-                fut.wait()  # the bytes must be on disk / in the buffer before the caller touches them
-            if self._after is not None:
-                self._after()
-            self._done = True
+        if self._done:
+            return self._result
+        with self._lock:
+            if not self._done:
+                for fut in self._futures:
+                    fut.wait()  # the bytes must be on disk / in the buffer before the caller touches them
+                if self._after is not None:
+                    self._after()
+                self._done = True
         return self._result
 
 
@@ -317,7 +322,8 @@ class _Chained(Pending):
         return self._first.done()
 
     def wait(self):
-        if not self._done:
-            self._result = self._then(self._first.wait())
-            self._done = True
+        with self._lock:
+            if not self._done:
+                self._result = self._then(self._first.wait())
+                self._done = True
         return self._result

@@ -5,6 +5,16 @@ the `[placement]` policy, and returns a `Plan`. The runtime asks the plan
 (`plan.tier(unit, Kind.EXP_AVG)`) and never re-decides placement on its own.
 Budgets are checked here, before any work: a plan that does not fit raises a
 `PlacementError` with the bytes needed, the budget, and a placement that fits.
+
+Note [auto placement]: `policy = "auto"` places each unit's params, grads and
+optimizer state separately. It reserves the worst-case working buffers, puts
+every (unit, group) on the slowest tier with room (largest first), then
+repeatedly applies the promotion to a faster tier with room that gains the
+most predicted step time per byte it occupies (`cost_model`, Note [step time]),
+ties broken by the transfer time saved, until no promotion helps. Units of the
+same size and tiers are interchangeable, so one of each class is evaluated per
+round. Every (unit, group) keeps a reason: what its tier saves over the next
+slower one, and why it is not on a faster one (no room, or no gain).
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cost_model
 from .tier import Kind, OPTIMIZER_KINDS, Tier
 
 GROUPS = ("params", "grads", "optimizer")
@@ -54,6 +65,7 @@ class Plan:
     compute_dtype: torch.dtype
     working: dict[Tier, int] = field(default_factory=dict)  # staging / unsharded buffers, bytes
     reasons: tuple[str, ...] = ()
+    unit_reasons: tuple[dict[str, str], ...] = ()  # per unit: group -> why it is on its tier (auto policy)
 
     def tier(self, unit: int, kind: Kind) -> Tier:
         return self.tiers[unit][kind]
@@ -126,14 +138,16 @@ def _build(units, compute_dtype, tiers_of: dict[str, Tier], units_ahead: int, re
 
 
 def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, policy: str,
-                   static: dict[str, str], budgets: Budgets, units_ahead: int) -> Plan:
+                   static: dict[str, str], budgets: Budgets, units_ahead: int,
+                   rates: cost_model.LinkRates | None = None, grad_accum_steps: int = 1,
+                   compute_seconds: float = 0.0) -> Plan:
     """Decide the tier of every unit's state kinds and check it against the budgets.
 
     policy "static": every unit's params / grads / optimizer state on the tiers of
-    `static` (the `[placement]` keys). "auto": the fastest tiers that fit, filling
-    the device, then the host, then NVMe, in the order params, grads, optimizer
-    (params move twice per step, gradients once, optimizer state is touched by the
-    CPU only at the step).
+    `static` (the `[placement]` keys). "auto": Note [auto placement], with the link
+    `rates` (default: this machine's cached measurement, else `cost_model.DEFAULT_RATES`),
+    `grad_accum_steps` micro-batches per step and `compute_seconds` of forward and
+    backward per step (0 when unknown: transfers are then minimized outright).
     """
     if policy == "static":
         tiers_of = {g: Tier.parse(static[g]) for g in GROUPS}
@@ -144,8 +158,21 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
             raise PlacementError(_explain_misfit(problems, units, compute_dtype, budgets, units_ahead))
         return plan
     if policy == "auto":
-        return _auto(units, compute_dtype, budgets, units_ahead)
+        return _auto(units, compute_dtype, budgets, units_ahead, rates=rates, accum=grad_accum_steps,
+                     compute_seconds=compute_seconds)
     raise PlacementError(f"placement.policy = {policy!r} is not one of 'static', 'auto'")
+
+
+def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
+                    rates: cost_model.LinkRates | None = None) -> Plan:
+    """`plan_placement` with every argument taken from a `Config` the way `initialize` takes them, so
+    `infinity estimate` and the engine plan the same run identically (the engine should call this)."""
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    p = config.placement
+    return plan_placement(units, dtypes[config.precision.compute_dtype], policy=p.policy,
+                          static={"params": p.params, "grads": p.grads, "optimizer": p.optimizer},
+                          budgets=budgets, units_ahead=config.prefetch.units_ahead, rates=rates,
+                          grad_accum_steps=config.train.grad_accum_steps)
 
 
 def _candidates(units, compute_dtype, budgets, units_ahead):
@@ -172,40 +199,249 @@ def _explain_misfit(problems, units, compute_dtype, budgets, units_ahead) -> str
     return msg
 
 
-def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int) -> Plan:
-    """Greedy per-unit filling of the fastest tier with room left."""
-    # Working buffers assume the worst case (everything streamed from NVMe).
-    work = working_bytes(units, compute_dtype, {g: Tier.NVME for g in GROUPS}, units_ahead)
-    free = {Tier.DEVICE: budgets.device - work[Tier.DEVICE], Tier.HOST: budgets.host - work[Tier.HOST],
-            Tier.NVME: budgets.nvme}
-    ram_left = max(budgets.device, budgets.host) - work[Tier.DEVICE] - work[Tier.HOST] if budgets.shared_ram else None
-    tiers = [dict() for _ in units]
-    reasons = []
-    order = sorted(range(len(units)), key=lambda i: -units[i].shard_numel)
-    for group in GROUPS:
-        placed = {t: 0 for t in Tier}
-        for i in order:
-            need = sum(units[i].shard_numel * k.dtype(compute_dtype).itemsize for k in KINDS_OF_GROUP[group])
-            for tier in FASTEST_FIRST:
-                ram_ok = ram_left is None or tier is Tier.NVME or need <= ram_left
-                if need <= free[tier] and ram_ok:
-                    free[tier] -= need
-                    if ram_left is not None and tier is not Tier.NVME:
-                        ram_left -= need
-                    placed[tier] += 1
-                    for k in KINDS_OF_GROUP[group]:
-                        tiers[i][k] = tier
+def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, *, rates, accum: int,
+          compute_seconds: float) -> Plan:
+    """Note [auto placement]: the per-unit tiers that minimize the predicted step time."""
+    rates = rates or cost_model.cached_link_rates(not budgets.shared_ram)
+    search = _Search(units, compute_dtype, budgets, units_ahead, rates, accum, compute_seconds)
+    starts = search.uniform_starts(limit=4) + [s for s in (search.slowest_fill(),) if s is not None]
+    if not starts:
+        raise PlacementError(search.misfit())
+    combos = min((search.descend(s) for s in starts), key=search.score)
+    tiers = [dict(zip(GROUPS, COMBOS[c])) for c in combos]
+    kinds = tuple({k: t[g] for g in GROUPS for k in KINDS_OF_GROUP[g]} for t in tiers)
+    used = {g: Tier.NVME if any(t[g] is Tier.NVME for t in tiers) else Tier.HOST for g in GROUPS}
+    work = working_bytes(units, compute_dtype, used, units_ahead)
+    predicted = search.time_of(combos)
+    return Plan(tiers=kinds, units=units, compute_dtype=compute_dtype, working=work,
+                reasons=_summary(tiers, rates, predicted), unit_reasons=search.reasons(combos))
+
+
+SLOWEST_FIRST = (Tier.NVME, Tier.HOST, Tier.DEVICE)
+COMBOS = tuple(itertools.product(SLOWEST_FIRST, repeat=3))  # (params, grads, optimizer) tiers of one unit
+_TIER_INDEX = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.NVME: 2}
+
+
+class _Search:
+    """Local search over each unit's (params, grads, optimizer) tiers, on arrays of per-unit costs.
+
+    For unit u and combo c: fb[u, c] / opt[u, c] = traffic per step of the forward/backward
+    and optimizer phases (nvme_read, nvme_write, h2d, d2h; opt adds Adam elements on the CPU
+    and on the GPU), state[u, c] = bytes per tier, nvme[u, c] = which groups are on NVMe
+    (their staging buffers exist only then). Moves change the combos of one or two units;
+    units of the same size, root-ness and combo are interchangeable, so one (or two) of each
+    class are tried per round.
+    """
+
+    def __init__(self, units, compute_dtype, budgets: Budgets, units_ahead, rates, accum, compute_seconds):
+        import numpy as np
+        self.np, self.units, self.budgets, self.rates = np, units, budgets, rates
+        self.compute_seconds = compute_seconds
+        cuda = not budgets.shared_ram
+        n, k = len(units), len(COMBOS)
+        self.fb, self.opt = np.zeros((n, k, 4)), np.zeros((n, k, 6))
+        self.state, self.nvme = np.zeros((n, k, 3)), np.zeros((n, k, 3), dtype=np.int64)
+        for u, sizes in enumerate(units):
+            for c, combo in enumerate(COMBOS):
+                tiers = dict(zip(GROUPS, combo))
+                t = cost_model.unit_traffic(sizes.shard_numel, tiers, compute_bytes=compute_dtype.itemsize, cuda=cuda,
+                                            accum=accum, is_root=u == 0)
+                self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
+                self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
+                for g, tier in tiers.items():
+                    nbytes = sum(sizes.shard_numel * kind.dtype(compute_dtype).itemsize for kind in KINDS_OF_GROUP[g])
+                    self.state[u, c, _TIER_INDEX[tier]] += nbytes
+                    self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
+        self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe
+        for mask in range(8):
+            tiers_of = {g: Tier.NVME if mask >> i & 1 else Tier.HOST for i, g in enumerate(GROUPS)}
+            w = working_bytes(units, compute_dtype, tiers_of, units_ahead)
+            self.work[mask] = [w.get(Tier.DEVICE, 0), w.get(Tier.HOST, 0), 0]
+        self.rows = np.arange(n)
+
+    # ---- evaluation (vectorized over leading axes)
+    def _eval(self, fb, opt, state, nvme):
+        """(predicted seconds, transfer seconds, fits) of totals with trailing axes 4 / 6 / 3 / 3."""
+        np, r = self.np, self.rates
+        inv = lambda rate: 0.0 if rate == float("inf") else 1.0 / rate  # noqa: E731
+        disk_fb = fb[..., 0] / r.nvme_read + fb[..., 1] / r.nvme_write
+        disk_opt = opt[..., 0] / r.nvme_read + opt[..., 1] / r.nvme_write
+        h2d, d2h = inv(r.h2d), inv(r.d2h)
+        t_fb = np.maximum.reduce([np.full(disk_fb.shape, self.compute_seconds), disk_fb, fb[..., 2] * h2d, fb[..., 3] * d2h])
+        adam = opt[..., 4] / r.cpu_adam + opt[..., 5] / r.device_adam
+        t_opt = np.maximum.reduce([adam, disk_opt, opt[..., 2] * h2d, opt[..., 3] * d2h])
+        links = disk_fb + disk_opt + (fb[..., 2] + opt[..., 2]) * h2d + (fb[..., 3] + opt[..., 3]) * d2h
+        total = state + self.work[((nvme > 0) * np.array([1, 2, 4])).sum(-1)]
+        b = self.budgets
+        fits = (total[..., 0] <= b.device) & (total[..., 1] <= b.host) & (total[..., 2] <= b.nvme)
+        if b.shared_ram:
+            fits &= total[..., 0] + total[..., 1] <= max(b.device, b.host)
+        return t_fb + t_opt, links, fits
+
+    def _totals(self, combos):
+        pick = lambda a: a[self.rows, combos].sum(0)  # noqa: E731
+        return pick(self.fb), pick(self.opt), pick(self.state), pick(self.nvme)
+
+    def score(self, combos) -> tuple[float, float]:
+        t, links, _ = self._eval(*self._totals(combos))
+        return float(t), float(links)
+
+    def fits(self, combos) -> bool:
+        return bool(self._eval(*self._totals(combos))[2])
+
+    def time_of(self, combos) -> cost_model.StepTime:
+        fb, opt, _, _ = self._totals(combos)
+        traffic = cost_model.StepTraffic(fb=dict(zip(cost_model.LINKS, fb.tolist())),
+                                         opt=dict(zip(cost_model.LINKS, opt[:4].tolist())),
+                                         adam_cpu=int(opt[4]), adam_device=int(opt[5]))
+        return cost_model.predict_step_time(traffic, self.rates, self.compute_seconds)
+
+    # ---- starting points
+    def uniform_starts(self, limit: int):
+        """The `limit` fastest placements with the same tiers for every unit that fit."""
+        np = self.np
+        fitting = [np.full(len(self.units), c) for c in range(len(COMBOS))]
+        fitting = [c for c in fitting if self.fits(c)]
+        return sorted(fitting, key=self.score)[:limit]
+
+    def slowest_fill(self):
+        """Every (unit, group) on the slowest tier with room, largest first; None if something fits nowhere."""
+        np = self.np
+        state, nvme = np.zeros(3), np.zeros(3)
+        chosen = [[Tier.DEVICE] * 3 for _ in self.units]
+        for u, g in sorted(((u, g) for u in range(len(self.units)) for g in range(3)),
+                           key=lambda ug: -self.units[ug[0]].shard_numel):
+            nbytes = self._group_bytes(u, g)
+            for tier in SLOWEST_FIRST:
+                trial_state, trial_nvme = state.copy(), nvme.copy()
+                trial_state[_TIER_INDEX[tier]] += nbytes
+                trial_nvme[g] += tier is Tier.NVME
+                if self._eval(np.zeros(4), np.zeros(6), trial_state, trial_nvme)[2]:
+                    state, nvme, chosen[u][g] = trial_state, trial_nvme, tier
                     break
             else:
-                raise PlacementError(
-                    f"placement.policy = \"auto\" found no room for the {group} of unit {units[i].name} "
-                    f"({_fmt(need)}): raise memory.host_budget / memory.device_budget or add nvme.paths with more free space.")
-        reasons.append(f"{group}: " + ", ".join(f"{n} unit(s) on {t.value}" for t, n in placed.items() if n)
-                       + " (fastest tier with room, largest units first)")
-    used = {g: Tier.NVME if any(tiers[i][KINDS_OF_GROUP[g][0]] is Tier.NVME for i in range(len(units))) else Tier.HOST
-            for g in GROUPS}
-    real_work = working_bytes(units, compute_dtype, used, units_ahead)
-    return Plan(tiers=tuple(tiers), units=units, compute_dtype=compute_dtype, working=real_work, reasons=tuple(reasons))
+                return None
+        return np.array([COMBOS.index(tuple(c)) for c in chosen])
+
+    def _group_bytes(self, u: int, g: int) -> float:
+        """Bytes of group g of unit u (whatever its tier)."""
+        alone_on_nvme = COMBOS.index(tuple(Tier.NVME if i == g else Tier.DEVICE for i in range(3)))
+        return float(self.state[u, alone_on_nvme, 2])
+
+    # ---- descent
+    def _classes(self, combos) -> list[list[int]]:
+        members: dict[tuple, list[int]] = {}
+        for u, sizes in enumerate(self.units):
+            members.setdefault((u == 0, sizes.shard_numel, int(combos[u])), []).append(u)
+        return list(members.values())
+
+    def descend(self, combos):
+        """Apply the best move of one or two units until none shortens the step (then the transfers)."""
+        np = self.np
+        combos = combos.copy()
+        for _ in range(10 * len(self.units) * 3 + 10):
+            now = self.score(combos)
+            totals = self._totals(combos)
+            classes = self._classes(combos)
+            reps = [m[0] for m in classes]
+            pairs = [(a, b) for i, a in enumerate(reps) for b in reps[i + 1:]]
+            pairs += [(m[0], m[1]) for m in classes if len(m) > 1]
+            best = None
+            for a in reps:  # one unit changes combo
+                cand = [x + (arr[a] - arr[a, combos[a]]) for x, arr in zip(totals, (self.fb, self.opt, self.state, self.nvme))]
+                best = self._better(best, cand, lambda idx, a=a: {a: idx[0]})
+            for a, b in pairs:  # two units change together (one frees the room the other takes)
+                cand = [x + (arr[a] - arr[a, combos[a]])[:, None] + (arr[b] - arr[b, combos[b]])[None, :]
+                        for x, arr in zip(totals, (self.fb, self.opt, self.state, self.nvme))]
+                best = self._better(best, cand, lambda idx, a=a, b=b: {a: idx[0], b: idx[1]})
+            if best is None or not _improves(now, best[0]):
+                return combos
+            for u, c in best[1].items():
+                combos[u] = c
+        return combos
+
+    def _better(self, best, cand, move):
+        np = self.np
+        t, links, fits = self._eval(*cand)
+        if not fits.any():
+            return best
+        t = np.where(fits, t, np.inf)
+        lowest = t.min()
+        links = np.where(t <= lowest * (1 + 1e-9) + 1e-15, links, np.inf)
+        idx = np.unravel_index(int(np.argmin(links)), links.shape)
+        score = (float(lowest), float(links[idx]))
+        if best is None or score < best[0]:
+            return score, move(idx)
+        return best
+
+    # ---- explanations
+    def misfit(self) -> str:
+        np = self.np
+        combos = np.full(len(self.units), COMBOS.index((Tier.NVME,) * 3 if self.budgets.nvme else (Tier.HOST,) * 3))
+        fb, opt, state, nvme = self._totals(combos)
+        total = state + self.work[int(((nvme > 0) * np.array([1, 2, 4])).sum())]
+        problems = _fits({Tier.DEVICE: int(total[0]), Tier.HOST: int(total[1]), Tier.NVME: int(total[2])}, self.budgets)
+        return ('placement.policy = "auto" found no placement that fits: with everything on the slowest tier, '
+                + "; ".join(problems) + ". Raise memory.device_budget / memory.host_budget, add nvme.paths with "
+                "more free space, or lower prefetch.units_ahead (unsharded units held on the device).")
+
+    def reasons(self, combos) -> tuple[dict[str, str], ...]:
+        """Per unit and group: what its tier saves over the next slower one, and why not a faster one."""
+        now = self.score(combos)
+        fb, opt, state, nvme = self._totals(combos)
+        used = state + self.work[int(((nvme > 0) * self.np.array([1, 2, 4])).sum())]
+        free = {Tier.DEVICE: self.budgets.device - used[0], Tier.HOST: self.budgets.host - used[1],
+                Tier.NVME: self.budgets.nvme - used[2]}
+        out = []
+        for u in range(len(self.units)):
+            combo = COMBOS[combos[u]]
+            why = {}
+            for g, group in enumerate(GROUPS):
+                tier = combo[g]
+
+                def moved(to: Tier):
+                    trial = combos.copy()
+                    trial[u] = COMBOS.index(tuple(to if i == g else combo[i] for i in range(3)))
+                    return trial
+                parts = []
+                rank = SLOWEST_FIRST.index(tier)
+                if rank > 0:
+                    slower = SLOWEST_FIRST[rank - 1]
+                    worse = self.score(moved(slower))
+                    parts.append(f"saves {_ms(worse[0] - now[0])}/step of predicted time and {_ms(worse[1] - now[1])} "
+                                 f"of transfers vs {slower.value}")
+                for faster in SLOWEST_FIRST[rank + 1:]:
+                    trial = moved(faster)
+                    if not self.fits(trial):
+                        parts.append(f"{faster.value}: no room ({_fmt(self._group_bytes(u, g))} needed, "
+                                     f"{_fmt(max(0, int(free[faster])))} free)")
+                    else:
+                        better = self.score(trial)
+                        parts.append(f"{faster.value}: not faster ({_ms(better[0] - now[0])}/step predicted)")
+                why[group] = f"{group} on {tier.value}: " + ("; ".join(parts) or "fastest tier")
+            out.append(why)
+        return tuple(out)
+
+
+def _improves(now: tuple[float, float], new: tuple[float, float]) -> bool:
+    """A move helps when it shortens the predicted step, or keeps it and moves fewer bytes."""
+    eps_t = 1e-9 * max(now[0], 1e-12)
+    return new[0] < now[0] - eps_t or (new[0] <= now[0] + eps_t and new[1] < now[1] - 1e-9 * max(now[1], 1e-12))
+
+
+def _summary(tiers, rates, predicted) -> tuple[str, ...]:
+    lines = []
+    for group in GROUPS:
+        counts = {t: sum(1 for u in tiers if u[group] is t) for t in Tier}
+        lines.append(f"{group}: " + ", ".join(f"{n} unit(s) on {t.value}" for t, n in counts.items() if n))
+    fb, opt = predicted.bottlenecks()
+    lines.append(f"predicted step {predicted.total * 1e3:.1f} ms (forward/backward bound by {fb}, optimizer by {opt}); "
+                 f"link rates: {rates.source}")
+    return tuple(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:+.2f} ms" if seconds < 0 else f"{seconds * 1e3:.2f} ms"
 
 
 def _fmt(n: int) -> str:

@@ -41,10 +41,10 @@ class OffloadedOptimizer:
         self.units, self.manager, self.compute_device = units, manager, compute_device
         self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
 
-    def plan_tasks(self, active: dict[int, list[tuple[int, int, int]]]) -> list[_Task]:
+    def plan_tasks(self, active: dict[int, list[tuple[int, int, int]]], units: list[Unit]) -> list[_Task]:
         """Chunks that hold elements to step, given each unit's active (start, length, step) shard ranges."""
         tasks = []
-        for unit in self.units:
+        for unit in units:
             runs = active.get(unit.index, [])
             for chunk in range(self.manager.num_chunks(unit.index)):
                 start, numel = self.manager.chunk_span(unit.index, chunk)
@@ -62,15 +62,35 @@ class OffloadedOptimizer:
         device = self.device_of(task.unit)
         return {k: self.manager.fetch(task.unit.index, k, task.chunk, device) for k in FETCHED}
 
-    def step(self, *, hyper: AdamHyper, grad_scale: float | None,
-             active: dict[int, list[tuple[int, int, int]]]) -> None:
-        """One update of the active elements (each run carries its 1-based Adam step)."""
+    def step(self, *, hyper: AdamHyper, grad_scale: float | None, active: dict[int, list[tuple[int, int, int]]],
+             units: list[Unit] | None = None, on_unit_done=None) -> None:
+        """One update of the active elements of `units` (default: all), in that order.
+
+        Each run carries its 1-based Adam step. `on_unit_done(unit)` is called once a
+        unit's last sub-group has been stepped and its write-backs issued (later reads of
+        its shards wait for those writes); its gradients are then declared zero.
+        """
         m = self.manager
-        tasks = self.plan_tasks(active)
+        units = self.units if units is None else units
+        tasks = self.plan_tasks(active, units)
+        last_task = {}
+        for i, task in enumerate(tasks):
+            last_task[task.unit.index] = i
         ahead: deque = deque()
         writes: deque = deque()
         next_task = 0
-        for task in tasks:
+        finished = set()
+
+        def finish(unit: Unit) -> None:
+            m.mark_zero(unit.index, Kind.GRADS)
+            finished.add(unit.index)
+            if on_unit_done is not None:
+                on_unit_done(unit)
+
+        for unit in units:
+            if unit.index not in last_task:
+                finish(unit)  # nothing to step (no gradient anywhere): done at once
+        for i, task in enumerate(tasks):
             while next_task < len(tasks) and len(ahead) <= self.read_ahead:
                 ahead.append(self._issue(tasks[next_task]))  # read ahead while earlier tasks compute
                 next_task += 1
@@ -88,5 +108,5 @@ class OffloadedOptimizer:
             m.release(bufs[Kind.GRADS])
             while len(writes) > self.max_writes_in_flight:
                 writes.popleft().wait()  # bound the staging buffers held by write-behind
-        for unit in self.units:
-            m.mark_zero(unit.index, Kind.GRADS)
+            if last_task[u] == i:
+                finish(task.unit)

@@ -1,0 +1,489 @@
+"""`infinity estimate`: bytes per tier and kind, the plan and its reasons, step time, preflight.
+
+Everything is computed without allocating the model: it is built on the meta
+device, split into units exactly as `initialize` splits it (rank 0 of
+`world_size`; every rank's shard has the same size), planned with the same
+`plan_placement`, and one forward + backward is traced on meta tensors to count
+the activations saved for backward and the FLOPs.
+
+Note [peak memory]: the predicted peak of one rank's process memory (RSS without
+a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
+named terms:
+
+    runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
+    state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
+    working       the plan's working buffers: unsharded units, the flat gradient, NVMe staging
+    activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
+                  again for the transient of its gradient
+    allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
+                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
+    init          while a unit is materialized: its full fp32 values, its shard and their casts
+                  (replaces working + activations + allocator when larger)
+
+Preflight checks (shared with `initialize` through `preflight`): the plan fits the
+budgets, free RAM for every rank on this node, free disk on each NVMe path, and
+the locked-memory limit for the pinned / mlock'ed staging buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+import torch
+import torch.nn as nn
+
+from .config import Config, format_size
+from .environment import PreflightError
+from .memory import cost_model
+from .memory.placement import Budgets, Plan, PlacementError, plan_for_config
+from .memory.tier import Kind, Tier
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
+
+
+@dataclass(frozen=True)
+class Check:
+    """One preflight check; a failed "error" stops the run, a failed "warning" slows it."""
+
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    level: str = "error"
+
+    def line(self) -> str:
+        mark = "ok  " if self.ok else ("FAIL" if self.level == "error" else "WARN")
+        text = f"[{mark}] {self.name}: {self.detail}"
+        return text + (f"\n         fix: {self.fix}" if not self.ok and self.fix else "")
+
+
+@dataclass
+class Trace:
+    """One traced forward + backward on meta tensors."""
+
+    activation_bytes: int = 0  # saved for backward, parameters excluded
+    largest_saved_bytes: int = 0
+    flops: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class Estimate:
+    """Everything `infinity estimate` prints, for one rank of `world_size`."""
+
+    world_size: int
+    local_world_size: int
+    cuda: bool
+    num_params: int
+    units: int
+    budgets: Budgets
+    plan: Plan | None
+    plan_error: str | None
+    rates: cost_model.LinkRates
+    trace: Trace
+    traffic: cost_model.StepTraffic | None = None
+    step_time: cost_model.StepTime | None = None
+    peak: dict[str, int] = field(default_factory=dict)  # "ram" (and "device" with a GPU): bytes per rank
+    peak_terms: dict[str, int] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok or c.level != "error" for c in self.checks)
+
+    def state(self) -> dict[str, dict[str, int]]:
+        """Bytes per tier and kind on one rank, as memory_report()["state"]."""
+        if self.plan is None:
+            return {}
+        return {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in self.plan.state_bytes().items()}
+
+    def to_json(self) -> dict:
+        st = self.step_time
+        return {
+            "world_size": self.world_size, "local_world_size": self.local_world_size, "cuda": self.cuda,
+            "num_params": self.num_params, "units": self.units, "budgets": dataclasses.asdict(self.budgets),
+            "state": self.state(),
+            "working": {t.value: v for t, v in self.plan.working.items()} if self.plan else {},
+            "plan_error": self.plan_error,
+            "reasons": list(self.plan.reasons) if self.plan else [],
+            "unit_reasons": [{"unit": u.name, **r} for u, r in zip(self.plan.units, self.plan.unit_reasons)]
+            if self.plan else [],
+            "rates": self.rates.to_json(),
+            "activations_bytes": self.trace.activation_bytes, "flops_per_step": self.trace.flops,
+            "traffic_per_step": self.traffic.total() if self.traffic else None,
+            "step_time": None if st is None else {"total_s": st.total, "forward_backward": st.fb, "optimizer": st.opt},
+            "peak": self.peak, "peak_terms": self.peak_terms,
+            "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok,
+        }
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
+    """The units `initialize` would build for `model` at `world_size` (rank 0), as placement sees them."""
+    from .streams import Streams
+    from .unit import Comm, build_units, unit_sizes
+    comm = Comm(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
+                compute_dtype=DTYPES[config.precision.compute_dtype], streams=Streams.for_device(torch.device("cpu")))
+    units = build_units(model, list(config.units.classes), comm)
+    return unit_sizes(units, config.optimizer.sub_group_size)
+
+
+def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int) -> Trace:
+    """Forward + backward of one micro-batch on meta tensors: saved activations and FLOPs (no memory used)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = model.to("meta")
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if id(t) not in params and id(base) not in params:
+            saved[id(base)] = base.numel() * base.element_size()
+        return t
+    x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    try:
+        with FlopCounterMode(display=False) as flops:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = loss_fn(model, x, x)
+            loss.backward()
+    except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors still gets the rest
+        return Trace(error=f"{type(e).__name__}: {e}")
+    return Trace(activation_bytes=sum(saved.values()), largest_saved_bytes=max(saved.values(), default=0),
+                 flops=float(flops.get_total_flops()))
+
+
+def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int) -> Budgets:
+    """Budgets as `initialize` resolves them on this machine ("auto" = this rank's share of free memory)."""
+    available = psutil.virtual_memory().available // max(1, local_world_size)
+    device_auto = torch.cuda.mem_get_info()[0] if cuda else available
+    mem = config.memory
+    return Budgets(device=device_auto if mem.device_budget == "auto" else int(mem.device_budget),
+                   host=available if mem.host_budget == "auto" else int(mem.host_budget),
+                   nvme=nvme_free // max(1, local_world_size), shared_ram=not cuda)
+
+
+_RUNTIME_PROBE = """
+import psutil, torch, infinity
+from infinity.models.gpt import GPT, GPTConfig
+with infinity.meta_init():  # meta tensors load torch's meta kernels (tens of MiB), as every real run does
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16))
+with infinity.initialize(model, {}) as engine:
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        engine.backward(engine(x, x))
+        engine.step()
+    print(psutil.Process().memory_info().rss)
+"""
+
+
+def runtime_rss(remeasure: bool = False) -> int:
+    """Note [peak memory] runtime: RSS of a fresh process after torch, infinity and their kernels are loaded
+    (it builds a tiny model on the meta device and trains it for two steps); measured once per machine and
+    torch version, then cached."""
+    def measure() -> int:
+        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, check=True,
+                             timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+        return int(out.stdout.strip().splitlines()[-1])
+    return int(cost_model.cached_measurement("runtime_rss", measure, remeasure=remeasure))
+
+
+def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
+             batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
+             cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None) -> Estimate:
+    """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
+    `infinity.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
+
+    `batch_size` is sequences per micro-batch on one rank. Link rates: given, else measured on the first
+    NVMe path (once per machine; `remeasure` to measure again), else the cached / default ones.
+    """
+    local = local_world_size or world_size
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    dtype = DTYPES[config.precision.compute_dtype]
+    bundle = make_model()
+    sizes = unit_sizes_of(bundle.model, config, world_size)
+    num_params = sum(p.numel() for p in {id(p): p for p in bundle.model.parameters()}.values())
+    paths = list(config.nvme.paths)
+    disk_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    if rates is None:
+        existing = next((p for p in paths if os.path.isdir(p)), None)
+        if existing is not None or remeasure:
+            rates = cost_model.link_rates(existing, remeasure=remeasure, io_config=config.io)
+        else:
+            rates = cost_model.cached_link_rates(cuda)
+    traced = make_model()  # a second copy: tracing moves its buffers to the meta device
+    trace = trace_step(traced.model, traced.loss, batch_size, seq_len)
+    compute = cost_model.compute_seconds(trace.flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
+    budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free)
+    plan, plan_error = None, None
+    try:
+        plan = plan_for_config(sizes, config, budgets)  # exactly as initialize plans (cached rates, no compute time)
+    except PlacementError as e:
+        plan_error = str(e)
+    est = Estimate(world_size=world_size, local_world_size=local, cuda=cuda, num_params=num_params, units=len(sizes),
+                   budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace)
+    if plan is not None:
+        est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
+        est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
+        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss())
+        est.peak = peak_from_terms(est.peak_terms, cuda)
+    est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
+                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
+    return est
+
+
+def staging_pool_bytes(plan: Plan, *, read_ahead: int = 1, max_writes_in_flight: int = 4) -> int:
+    """Host staging bytes the pool ends up holding: a replay of two optimizer steps' buffer requests.
+
+    Mirrors `optim.offloaded.OffloadedOptimizer` (read `read_ahead` tasks ahead, at most
+    `max_writes_in_flight` stores pending, the last stores left pending into the next step)
+    over the size classes of `io_engine.AlignedBufferPool`, which keeps every buffer it
+    allocated. Only NVMe shards are staged on the host; resident ones are used in place.
+    """
+    from io_engine.aligned import _size_class
+    csize = plan.compute_dtype.itemsize
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+
+    def get(nbytes: int) -> int | None:
+        if nbytes == 0:
+            return None
+        c = _size_class(nbytes, 4096)
+        live[c] = live.get(c, 0) + 1
+        peak[c] = max(peak.get(c, 0), live[c])
+        return c
+
+    def put(c: int | None) -> None:
+        if c is not None:
+            live[c] -= 1
+
+    tasks = [(u, n) for u, sizes in enumerate(plan.units) for n in sizes.chunk_numels]
+    nvme = lambda u, k: plan.tier(u, k) is Tier.NVME  # noqa: E731
+    left: dict[int, list] = {}  # task -> buffers of its stores still pending from the last step
+    for _step in range(2):
+        for task, pending in left.items():
+            for is_params, c in pending:
+                put(c if is_params else None)  # the forward's parameter fetch waits the pending parameter write
+            left[task] = [(False, c) for is_params, c in pending if not is_params]
+        ahead, writes, nxt = [], [], 0
+        for _ in tasks:
+            while nxt < len(tasks) and len(ahead) <= read_ahead:
+                u, n = tasks[nxt]
+                for _, c in left.pop(nxt, []):
+                    put(c)  # fetching a chunk waits its pending write first
+                ahead.append((nxt, u, n, {k: get(n * 4) if nvme(u, k) else None
+                                          for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)}))
+                nxt += 1
+            task, u, n, bufs = ahead.pop(0)
+            params = get(n * csize) if nvme(u, Kind.PARAMS) else None
+            writes += [(task, False, bufs[k]) for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+            writes.append((task, True, params))
+            put(bufs[Kind.GRADS])  # released right after the step
+            while len(writes) > max_writes_in_flight:
+                put(writes.pop(0)[2])
+        for task, is_params, c in writes:
+            left.setdefault(task, []).append((is_params, c))
+    return sum(c * n for c, n in peak.items())
+
+
+def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int) -> dict[str, int]:
+    """Note [peak memory], term by term (bytes, one rank)."""
+    state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
+    largest = max((u.unsharded_numel for u in plan.units), default=0)
+    largest_shard = max((u.shard_numel for u in plan.units), default=0)
+    csize = plan.compute_dtype.itemsize
+    return {
+        "runtime": runtime,
+        "state_device": state[Tier.DEVICE],
+        "state_host": state[Tier.HOST],
+        "working_device": plan.working.get(Tier.DEVICE, 0),
+        "working_host": staging_pool_bytes(plan) if plan.uses(Tier.NVME) else 0,
+        "activations": trace.activation_bytes + trace.largest_saved_bytes,
+        # materializing one unit: full fp32 values, the fp32 shard, its compute-dtype cast
+        "init": largest * 4 + largest_shard * (4 + csize),
+        # glibc keeps the heap pages of freed transient tensors (activations, unsharded units): measured
+        # ~1.5x their live bytes on Linux over a few steps, so half of them again
+        "allocator": (plan.working.get(Tier.DEVICE, 0) + trace.activation_bytes + trace.largest_saved_bytes) // 2
+        if not cuda else 0,
+    }
+
+
+def peak_from_terms(terms: dict[str, int], cuda: bool) -> dict[str, int]:
+    """Sum the terms into the peak of each memory (Note [peak memory])."""
+    train_device = terms["working_device"] + terms["activations"]
+    if cuda:
+        return {"ram": terms["runtime"] + terms["state_host"] + max(terms["working_host"], terms["init"]),
+                "device": terms["state_device"] + train_device}
+    return {"ram": terms["runtime"] + terms["state_device"] + terms["state_host"]
+            + max(train_device + terms["working_host"] + terms["allocator"], terms["init"])}
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def _existing_parent(path: str) -> Path:
+    p = Path(path).resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int) -> tuple[list[Check], int]:
+    """Each swap path is (or can be created as) a writable directory with room for its stripe of
+    `nvme_bytes` per rank; returns the checks and the free bytes over distinct filesystems."""
+    checks, free_total, seen = [], 0, {}
+    for path in paths:
+        where = _existing_parent(path)
+        creates = str(where) != str(Path(path).resolve())
+        if not where.is_dir() or not os.access(where, os.W_OK):
+            checks.append(Check(f"nvme path {path}", False, f"{where} is not a writable directory",
+                                f"create it (mkdir -p {path}) on a fast local disk, or change nvme.paths"))
+            continue
+        st = os.stat(where)
+        free = shutil.disk_usage(where).free
+        if st.st_dev not in seen:
+            seen[st.st_dev] = [free, 0]
+            free_total += free
+        seen[st.st_dev][1] += 1
+    stripe = nvme_bytes * local_world_size / max(1, len(paths))  # striping spreads every extent over the paths
+    for path in paths:
+        where = _existing_parent(path)
+        if not where.is_dir():
+            continue
+        free, sharing = seen[os.stat(where).st_dev]
+        need = int(stripe * sharing)
+        note = " (created at start)" if str(where) != str(Path(path).resolve()) else ""
+        checks.append(Check(f"free disk on {path}{note}", need <= free,
+                            f"{_fmt(need)} of swap for {local_world_size} rank(s), {_fmt(free)} free",
+                            "free space there, add more nvme.paths (stripes), or keep more state in RAM "
+                            "(placement.* = \"host\" or policy = \"auto\")"))
+    return checks, free_total
+
+
+def _has_cap_ipc_lock() -> bool:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def check_locked_memory(locked_bytes: int, local_world_size: int) -> Check:
+    """mlock'ed (pinned) staging buffers against RLIMIT_MEMLOCK, unless CAP_IPC_LOCK lifts the limit."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    need = locked_bytes  # the limit is per process: one rank
+    if soft == resource.RLIM_INFINITY or _has_cap_ipc_lock():
+        why = "unlimited" if soft == resource.RLIM_INFINITY else "CAP_IPC_LOCK (not limited)"
+        return Check("locked memory", True, f"{_fmt(need)} per rank to lock; limit {why}", level="warning")
+    return Check("locked memory", need <= soft, f"{_fmt(need)} per rank of staging buffers to lock; "
+                 f"RLIMIT_MEMLOCK is {_fmt(soft)}",
+                 "raise the limit: `ulimit -l unlimited` in the launching shell (Docker: --ulimit memlock=-1; "
+                 "systemd: LimitMEMLOCK=infinity; /etc/security/limits.conf: `* - memlock unlimited`). "
+                 "Unlocked buffers work, with direct I/O up to ~2x slower", level="warning")
+
+
+def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, local_world_size: int, cuda: bool,
+              ram_per_rank: int = 0, device_per_rank: int = 0) -> list[Check]:
+    """The checks `infinity estimate` prints and `initialize` should refuse to start without (see `require`)."""
+    checks = [Check("placement fits the budgets", plan is not None, "yes" if plan else (plan_error or "no plan"),
+                    "see above: change [placement] or [memory] as it says")]
+    if plan is None:
+        return checks
+    ram = ram_per_rank or sum(plan.state_bytes()[Tier.HOST].values()) + plan.working.get(Tier.HOST, 0) + (
+        0 if cuda else sum(plan.state_bytes()[Tier.DEVICE].values()) + plan.working.get(Tier.DEVICE, 0))
+    available = psutil.virtual_memory().available
+    checks.append(Check("free RAM", ram * local_world_size <= available,
+                        f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available",
+                        "move state to NVMe (placement.optimizer / grads / params = \"nvme\", or policy = \"auto\" "
+                        "with a smaller memory.host_budget), run fewer ranks per node, or lower the batch size"))
+    if cuda:
+        free, _total = torch.cuda.mem_get_info()
+        checks.append(Check("free GPU memory", device_per_rank <= free,
+                            f"{_fmt(device_per_rank)} per rank, {_fmt(free)} free",
+                            "move state off the GPU (placement.* = \"host\" / \"nvme\", or policy = \"auto\"), "
+                            "lower prefetch.units_ahead, or lower the batch size"))
+    nvme_bytes = sum(plan.state_bytes()[Tier.NVME].values())
+    if plan.uses(Tier.NVME):
+        disk, _ = check_disks(list(config.nvme.paths), nvme_bytes=nvme_bytes, local_world_size=local_world_size)
+        checks += disk
+        checks.append(check_locked_memory(plan.working.get(Tier.HOST, 0), local_world_size))
+    return checks
+
+
+def require(checks: list[Check]) -> None:
+    """Raise PreflightError listing every failed error-level check and its fix (for `initialize`)."""
+    failed = [c for c in checks if not c.ok and c.level == "error"]
+    if failed:
+        raise PreflightError("the run cannot start:\n" + "\n".join(c.line() for c in failed))
+
+
+# ---------------------------------------------------------------- text
+
+
+def _fmt(n: float) -> str:
+    return format_size(int(n), exact=False)
+
+
+def format_estimate(est: Estimate, *, explain: bool = False) -> str:
+    """The human-readable report of `infinity estimate`."""
+    lines = [f"model: {est.num_params / 1e6:.2f}M parameters in {est.units} units; world size {est.world_size} "
+             f"({est.local_world_size} per node), {'GPU' if est.cuda else 'CPU only'}",
+             f"budgets per rank: device {_fmt(est.budgets.device)}, host {_fmt(est.budgets.host)}, "
+             f"nvme {_fmt(est.budgets.nvme)}" + (" (device and host share the RAM)" if est.budgets.shared_ram else ""),
+             ""]
+    if est.plan is not None:
+        kinds = [k.value for k in Kind]
+        lines.append("bytes per rank, per tier and state kind:")
+        lines.append("  " + f"{'tier':8}" + "".join(f"{k:>12}" for k in kinds + ["working", "total"]))
+        state = est.state()
+        for tier in Tier:
+            row = [state[tier.value][k] for k in kinds]
+            work = est.plan.working.get(tier, 0)
+            lines.append("  " + f"{tier.value:8}" + "".join(f"{_fmt(v):>12}" for v in row + [work, sum(row) + work]))
+        lines.append("")
+        lines.append(f"plan ({'policy ' + ('auto' if est.plan.unit_reasons else 'static')}):")
+        lines += [f"  {r}" for r in est.plan.reasons]
+        if explain and est.plan.unit_reasons:
+            for unit, reasons in zip(est.plan.units, est.plan.unit_reasons):
+                lines.append(f"  {unit.name} ({unit.shard_numel:,} elements per rank):")
+                lines += [f"    {reasons[g]}" for g in ("params", "grads", "optimizer")]
+        lines.append("")
+        st, tr = est.step_time, est.traffic
+        lines.append(f"predicted step: {st.total * 1e3:.1f} ms = forward/backward {st.fb_seconds * 1e3:.1f} ms "
+                     f"(bound by {st.bottlenecks()[0]}) + optimizer {st.opt_seconds * 1e3:.1f} ms "
+                     f"(bound by {st.bottlenecks()[1]})")
+        lines.append(f"  compute {st.compute * 1e3:.1f} ms ({est.trace.flops / 1e9:.1f} GFLOP per micro-batch at half "
+                     f"the measured matmul rate)" if est.trace.flops else "  compute: not traced")
+        lines.append("traffic per step and link (this rank):")
+        for link in cost_model.LINKS:
+            total = tr.fb[link] + tr.opt[link]
+            if total:
+                rate = getattr(est.rates, link)
+                lines.append(f"  {link:10} {_fmt(total):>10}  ({_fmt(tr.fb[link])} forward/backward, "
+                             f"{_fmt(tr.opt[link])} optimizer) at {_fmt(rate)}/s")
+        if not any(tr.fb[k] + tr.opt[k] for k in cost_model.LINKS):
+            lines.append("  none: every state kind stays where it is used")
+        lines.append(f"  Adam: {tr.adam_cpu:,} elements on the CPU, {tr.adam_device:,} on the GPU")
+        lines.append(f"link rates: {est.rates.source}")
+        lines.append("")
+        lines.append("predicted peak memory per rank: " + ", ".join(f"{k} {_fmt(v)}" for k, v in est.peak.items())
+                     + "  (" + ", ".join(f"{k} {_fmt(v)}" for k, v in est.peak_terms.items()) + ")")
+        if est.trace.error:
+            lines.append(f"  activations not traced ({est.trace.error})")
+        lines.append("")
+    lines.append("preflight:")
+    lines += [f"  {c.line()}" for c in est.checks]
+    return "\n".join(lines)

@@ -1,0 +1,315 @@
+"""Recording spans: the `Profiler` and its do-nothing twin `NullProfiler`.
+
+A span is one interval of work on one link (a unit's forward on COMPUTE, an
+NVMe read of a unit's parameters on NVME_READ), or one interval in which
+compute waited on a link (kind WAIT: that link's exposed time). Times are
+`time.perf_counter()` seconds (CLOCK_MONOTONIC on Linux, so the ranks of one
+host share a clock).
+
+Thread safety: spans are appended under one lock, so I/O worker threads may
+`record` completions while the training thread opens spans. Each `span`/`wait`
+context manager belongs to the thread that entered it.
+
+Cost: with `NullProfiler`, `span`/`wait` return one shared null context
+manager (no allocation); hot paths that build names with f-strings can check
+`prof.enabled` first. With `Profiler`, a span costs one small object, two
+clock reads and a locked append; its `torch.profiler.record_function` range is
+opened only while a torch profiler is active.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import threading
+import time
+
+import torch
+
+from . import device as device_timing
+
+
+class Link(enum.Enum):
+    """A resource that carries work; one lane per link in the trace and chart.
+
+    The values are the display names and the keys of `summary()["links"]`.
+    """
+
+    COMPUTE = "compute"  # the training thread's work on the device (or CPU)
+    NVME_READ = "nvme_read"  # swap file -> pinned host staging
+    NVME_WRITE = "nvme_write"  # pinned host staging -> swap file
+    H2D = "h2d"  # host -> device copies
+    D2H = "d2h"  # device -> host copies
+    ALL_GATHER = "all_gather"  # unshard parameters
+    REDUCE_SCATTER = "reduce_scatter"  # shard gradients
+    CPU_OPTIMIZER = "cpu_optimizer"  # optimizer sub-steps on the CPU
+
+
+class SpanKind(enum.Enum):
+    """What a span's interval means for its link."""
+
+    WORK = "work"  # the link was busy (counts in busy time, bytes)
+    WAIT = "wait"  # compute was blocked on the link (counts in exposed time)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Span:
+    """One recorded interval; `start`/`end` in `time.perf_counter()` seconds."""
+
+    name: str
+    link: Link
+    start: float
+    end: float
+    num_bytes: int = 0
+    unit: str | None = None  # the unit's qualified name, when the span serves one
+    kind: SpanKind = SpanKind.WORK
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepMark:
+    """The host-clock boundaries of one training step."""
+
+    step: int
+    begin: float
+    end: float
+
+
+class _SpanTimer:
+    """Context manager of one live span: times its body, records on exit.
+
+    `num_bytes` may be set inside the body when the size is known only then.
+    """
+
+    __slots__ = ("_profiler", "_name", "_link", "_unit", "_kind", "_start", "_torch_range", "num_bytes")
+
+    def __init__(self, profiler: Profiler, name: str, link: Link, num_bytes: int, unit: str | None, kind: SpanKind):
+        self._profiler = profiler
+        self._name = name
+        self._link = link
+        self._unit = unit
+        self._kind = kind
+        self._torch_range = None
+        self.num_bytes = num_bytes
+
+    def __enter__(self) -> _SpanTimer:
+        if torch.autograd._profiler_enabled():  # a torch profiler is recording: show the span there too
+            self._torch_range = torch.profiler.record_function(self._name)
+            self._torch_range.__enter__()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        end = time.perf_counter()
+        if self._torch_range is not None:
+            self._torch_range.__exit__(*exc)
+        self._profiler._append(Span(self._name, self._link, self._start, end, self.num_bytes, self._unit, self._kind))
+        return False
+
+
+class _NullSpan:
+    """The shared do-nothing context manager of `NullProfiler`."""
+
+    __slots__ = ("num_bytes",)
+
+    def __init__(self):
+        self.num_bytes = 0
+
+    def __enter__(self) -> _NullSpan:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+_NULL_SPAN = _NullSpan()
+
+
+def _normalize_peaks(peaks_GBps) -> dict[Link, float]:
+    """Accept `{Link.NVME_READ: 6.5}` or `{"nvme_read": 6.5}`."""
+    peaks = {}
+    for key, value in (peaks_GBps or {}).items():
+        link = key if isinstance(key, Link) else Link(key)
+        if not value > 0:
+            raise ValueError(f"peaks_GBps[{link.value!r}] = {value!r}: give a positive measured bandwidth or leave it out")
+        peaks[link] = float(value)
+    return peaks
+
+
+class Profiler:
+    """Records spans and step boundaries; turns them into trace, summary, chart.
+
+    Args:
+        rank: this process's rank: the trace's pid and the chart's title.
+        peaks_GBps: measured peak bandwidth per link, in decimal GB/s (for
+            achieved-vs-peak in the summary); links left out get no fraction.
+    """
+
+    enabled = True
+
+    def __init__(self, rank: int = 0, peaks_GBps: dict | None = None):
+        self.rank = rank
+        self.peaks_GBps = _normalize_peaks(peaks_GBps)
+        self._lock = threading.Lock()
+        self._spans: list[Span] = []
+        self._steps: list[StepMark] = []
+        self._open_steps: dict[int, float] = {}
+        self._device = device_timing.DeviceSpans(self._append)
+
+    # ---- recording ----------------------------------------------------
+
+    def span(self, name: str, link: Link, *, num_bytes: int = 0, unit: str | None = None) -> _SpanTimer:
+        """Time the body on the host clock as work on `link`."""
+        return _SpanTimer(self, name, link, num_bytes, unit, SpanKind.WORK)
+
+    def wait(self, link: Link, name: str) -> _SpanTimer:
+        """Time the body as compute blocked on `link` (its exposed time)."""
+        return _SpanTimer(self, name, link, 0, None, SpanKind.WAIT)
+
+    def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0, unit: str | None = None):
+        """Time the work the body enqueues on a CUDA `stream` (default: current).
+
+        Asynchronous copies and collectives take ~no host time; this records
+        CUDA events around them and maps their times onto the host clock when
+        they complete. Without CUDA it is `span`.
+        """
+        if not self._device.available:
+            return self.span(name, link, num_bytes=num_bytes, unit=unit)
+        return self._device.timer(name, link, stream, num_bytes, unit)
+
+    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0, unit: str | None = None) -> None:
+        """Add an already-timed span (e.g. an I/O completion on a worker thread)."""
+        if end < start:
+            raise ValueError(f"span {name!r} ends before it starts (start={start}, end={end}): pass time.perf_counter() values")
+        self._append(Span(name, link, start, end, num_bytes, unit, SpanKind.WORK))
+
+    def record_wait(self, link: Link, name: str, start: float, end: float) -> None:
+        """Add an already-timed wait of compute on `link`."""
+        if end < start:
+            raise ValueError(f"wait {name!r} ends before it starts (start={start}, end={end}): pass time.perf_counter() values")
+        self._append(Span(name, link, start, end, 0, None, SpanKind.WAIT))
+
+    def step_begin(self, step: int) -> None:
+        """Mark the start of training step `step` (now)."""
+        now = time.perf_counter()
+        with self._lock:
+            if step in self._open_steps:
+                raise ValueError(f"step_begin({step}) twice without step_end({step})")
+            self._open_steps[step] = now
+
+    def step_end(self, step: int) -> None:
+        """Mark the end of training step `step` (now)."""
+        now = time.perf_counter()
+        with self._lock:
+            if step not in self._open_steps:
+                raise ValueError(f"step_end({step}) without step_begin({step}); open steps: {sorted(self._open_steps)}")
+            self._steps.append(StepMark(step, self._open_steps.pop(step), now))
+        self._device.collect(block=False)  # resolve device spans that already completed
+
+    def _append(self, span: Span) -> None:
+        with self._lock:
+            self._spans.append(span)
+
+    def clear(self) -> None:
+        """Forget every span and step (e.g. after warm-up steps)."""
+        self._device.collect(block=True)
+        with self._lock:
+            self._spans.clear()
+            self._steps.clear()
+            self._open_steps.clear()
+
+    # ---- reading ------------------------------------------------------
+
+    def spans(self) -> list[Span]:
+        """A snapshot of the recorded spans (pending device spans resolved)."""
+        self._device.collect(block=True)
+        with self._lock:
+            return list(self._spans)
+
+    def steps(self) -> list[StepMark]:
+        """A snapshot of the completed steps, in order of completion."""
+        with self._lock:
+            return list(self._steps)
+
+    def summary(self) -> dict:
+        """Per-step and median overlap summary; see `summary.summarize`."""
+        from .summary import summarize
+
+        return summarize(self.spans(), self.steps(), self.peaks_GBps, rank=self.rank)
+
+    def write(self, out_dir: str, *, print_table: bool = True) -> dict[str, str]:
+        """Write trace.json, summary.json and timeline.png under `out_dir`.
+
+        Use one directory per rank (e.g. f"profile/rank{rank}"). Returns
+        {"trace": path, "summary": path, "timeline": path}; "timeline" is
+        missing when matplotlib is not installed. Prints the summary table
+        unless `print_table` is False.
+        """
+        import json
+        import os
+
+        from . import chart, chrome
+        from .summary import format_summary, summarize
+
+        spans, steps = self.spans(), self.steps()
+        summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank)
+        os.makedirs(out_dir, exist_ok=True)
+        paths = {"trace": os.path.join(out_dir, "trace.json"), "summary": os.path.join(out_dir, "summary.json")}
+        with open(paths["trace"], "w") as f:
+            json.dump(chrome.chrome_trace(spans, steps, rank=self.rank), f)
+        with open(paths["summary"], "w") as f:
+            json.dump(summary, f, indent=2)
+        timeline = os.path.join(out_dir, "timeline.png")
+        if chart.draw_timeline(spans, steps, summary, timeline):
+            paths["timeline"] = timeline
+        if print_table:
+            print(format_summary(summary))
+        return paths
+
+
+class NullProfiler:
+    """`Profiler`'s interface, doing nothing: the default when profiling is off.
+
+    `span`, `wait` and `device_span` return one shared null context manager.
+    """
+
+    enabled = False
+
+    def __init__(self, rank: int = 0, peaks_GBps: dict | None = None):
+        self.rank = rank
+        self.peaks_GBps = {}
+
+    def span(self, name: str, link: Link, *, num_bytes: int = 0, unit: str | None = None) -> _NullSpan:
+        return _NULL_SPAN
+
+    def wait(self, link: Link, name: str) -> _NullSpan:
+        return _NULL_SPAN
+
+    def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0, unit: str | None = None) -> _NullSpan:
+        return _NULL_SPAN
+
+    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0, unit: str | None = None) -> None:
+        pass
+
+    def record_wait(self, link: Link, name: str, start: float, end: float) -> None:
+        pass
+
+    def step_begin(self, step: int) -> None:
+        pass
+
+    def step_end(self, step: int) -> None:
+        pass
+
+    def clear(self) -> None:
+        pass
+
+    def spans(self) -> list[Span]:
+        return []
+
+    def steps(self) -> list[StepMark]:
+        return []
+
+    def summary(self) -> dict:
+        return {"rank": self.rank, "num_steps": 0, "steps": [], "median": None}
+
+    def write(self, out_dir: str, *, print_table: bool = True) -> dict[str, str]:
+        return {}
