@@ -456,8 +456,9 @@ class ProfileConfig(_Section):
 
     SECTION: ClassVar[str] = "profile"
 
-    enabled: bool = _option(False, "Record spans (fetch, copy, collective, optimizer, compute). Not "
-                            "available in this version: initialize rejects true.", "bool")
+    enabled: bool = _option(False, "Record spans (fetch, copy, collective, optimizer sub-step, unit compute); "
+                            "at close() write the Chrome trace, overlap summary and timeline chart under "
+                            "trace_dir/rank<N>.", "bool")
     trace_dir: str = _option("runs/trace", "Directory for the Chrome trace and overlap summary.", "str")
 
 

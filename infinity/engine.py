@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import secrets
+import time
 from typing import Callable
 
 import psutil
@@ -24,7 +25,7 @@ from io_engine import IOConfig, IOEngine, SwapSpace
 from .checkpoint import apply_retention, begin_save
 from .checkpoint import load as load_checkpoint
 from .collectives import all_reduce_max, all_reduce_sum, broadcast_object
-from .config import Config, ConfigError
+from .config import Config
 from .environment import check_nvme_paths, resolve, resolve_budgets
 from .grad_reduce import GradReducer
 from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
@@ -38,6 +39,7 @@ from .optim.offloaded import OffloadedOptimizer
 from .optim.worker import OptimizerWorker
 from .optim.schedule import lr_at
 from .prefetch import Prefetcher
+from .profile import Link, NullProfiler, Profiler
 from .state_dict import full_state_dict
 from .streams import Streams
 from .unit import Comm, Unit, build_units, unit_sizes
@@ -55,21 +57,24 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
                  lr_schedule: Callable[[int], float] | None = None, group=None):
         self.module, self.config = model, config
-        _reject_unavailable(config)
         self.lr_schedule = lr_schedule
         self.env = resolve(group)
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
         self.streams = Streams.for_device(self.env.device)
+        self.profiler = Profiler(rank=self.env.rank) if config.profile.enabled else NullProfiler(rank=self.env.rank)
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
-                    device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams)
+                    device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
+                    profiler=self.profiler)
         self.units = build_units(model, list(config.units.classes), comm)
         self.plan = self._plan()
         self.io, self.swap = self._open_swap()
         self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
-                                           pin_host=self.env.device.type == "cuda")
+                                           pin_host=self.env.device.type == "cuda", profiler=self.profiler)
+        for unit in self.units:
+            unit.fetch_link = Link.NVME_READ if self.plan.tier(unit.index, Kind.PARAMS) is Tier.NVME else Link.H2D
         self._materialize(init_fn)
-        self.reducer = GradReducer(self.manager, self.env.world_size)
-        self.optimizer = OffloadedOptimizer(self.units, self.manager, self.env.device)
+        self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler)
+        self.optimizer = OffloadedOptimizer(self.units, self.manager, self.env.device, profiler=self.profiler)
         # Note [overlap]: with no global dependency (no clipping, no fp16 scaling, non-finite gradients
         # are errors) a unit's update needs only its own gradients, so it runs on the worker as soon as
         # they are final, during backward ("eager"). Otherwise step() computes the global norm first and
@@ -79,6 +84,9 @@ class Engine:
         self._eager = (self.worker is not None and config.optimizer.grad_clip == 0 and self.compute_dtype != torch.float16
                        and config.train.on_nonfinite == "error")
         self._eager_nonfinite: tuple[str, float] | None = None
+        self.optimizer.blocks_compute = self.worker is None
+        self._compute_since: float | None = None  # the training thread computes since then (profiling)
+        self._step_started: float | None = None
         if self._eager:
             self.reducer.on_final = self._unit_grads_final
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
@@ -142,17 +150,32 @@ class Engine:
 
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, unit: Unit) -> None:
-        if self.worker is not None:
-            self.worker.wait_unit(unit.index)  # its parameters may still be being updated
+        self._compute_end(f"forward before {unit.name}")
+        if self.worker is not None and self.worker.pending(unit.index):
+            with self.profiler.wait(Link.CPU_OPTIMIZER, f"update {unit.name}"):
+                self.worker.wait_unit(unit.index)  # its parameters are still being updated
         if unit.index != 0:
             self.prefetcher.before_forward(unit)
         unit.unshard(self.manager)
         unit.wait_for_unshard(self.manager)
+        self._compute_begin()
 
     def _pre_backward(self, unit: Unit) -> None:
+        self._compute_end(f"backward before {unit.name}")
         self.prefetcher.before_backward(unit)
         unit.unshard(self.manager)
         unit.wait_for_unshard(self.manager)
+        self._compute_begin()
+
+    def _compute_begin(self) -> None:
+        if self.profiler.enabled:
+            self._compute_since = time.perf_counter()
+
+    def _compute_end(self, name: str) -> None:
+        """Close the training thread's current compute span (it is about to wait, or is done)."""
+        if self._compute_since is not None:
+            self.profiler.record(name, Link.COMPUTE, self._compute_since, time.perf_counter())
+            self._compute_since = None
 
     def _unit_grads_final(self, unit: Unit) -> None:
         """Eager overlap: this unit's gradient for the window is complete; update it now."""
@@ -191,9 +214,12 @@ class Engine:
     def __call__(self, *args, **kwargs):
         """Forward: returns what the model returns."""
         self._check_open()
+        if self._step_started is None and self.profiler.enabled:
+            self._step_started = time.perf_counter()  # a profiled step runs from its first forward to the next one's
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
         output = self.module(*args, **kwargs)
+        self._compute_end("forward")
         self.prefetcher.end_forward()
         if tensors_needing_grad(output):
             self._backward_pending = True  # the root stays unsharded until backward has used it
@@ -209,11 +235,14 @@ class Engine:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
         if self.worker is not None:
-            self.worker.wait_all()  # units unused by this forward may still be updating: their gradient shards are next
+            with self.profiler.wait(Link.CPU_OPTIMIZER, "updates of unused units"):
+                self.worker.wait_all()  # units unused by this forward may still be updating: their gradients are next
             if self._eager and self._final_micro_batch():
                 self.wait_for_checkpoint()  # eager updates start during this backward
         scale = self.scaler.scale / self.config.train.grad_accum_steps
+        self._compute_begin()
         (loss * scale).backward()
+        self._compute_end("backward")
         final = self._final_micro_batch()
         for unit, counter in zip(self.units, self._counters):
             if not counter.fired and unit.trainable_numel > 0:
@@ -265,7 +294,18 @@ class Engine:
             self.optimizer.step(hyper=hyper, grad_scale=grad_scale, active=active,
                                 on_unit_done=lambda u: self._after_update(flags[u.index], u)(u))
         self.optimizer_steps += 1
+        self._mark_step()
         return True
+
+    def _mark_step(self) -> None:
+        """Profiling: the step just issued ends when the next one starts (its update overlaps that forward)."""
+        if self.profiler.enabled and self._pending_step_mark is not None:
+            self.profiler.record_step(*self._pending_step_mark, time.perf_counter())
+        if self.profiler.enabled:
+            self._pending_step_mark = (self.optimizer_steps - 1, self._step_started)
+            self._step_started = None
+
+    _pending_step_mark: tuple | None = None
 
     def _finish_eager_step(self, norm: float) -> bool:
         bad, self._eager_nonfinite = self._eager_nonfinite, None
@@ -277,6 +317,7 @@ class Engine:
                 f"overflowed. With overlap.optimizer_with_backward and no clipping, units whose gradients were finite "
                 f"were already updated: resume from the last checkpoint. Lower optimizer.lr or check the data")
         self.optimizer_steps += 1
+        self._mark_step()
         return True
 
     def _update_order(self) -> list[Unit]:
@@ -297,6 +338,16 @@ class Engine:
             out.append([bool(f) for f in flags[pos: pos + len(unit_flags)].tolist()])
             pos += len(unit_flags)
         return out
+
+    def _close_profile(self) -> None:
+        if not self.profiler.enabled:
+            return
+        if self._pending_step_mark is not None and self._pending_step_mark[1] is not None:
+            self.profiler.record_step(*self._pending_step_mark, time.perf_counter())
+            self._pending_step_mark = None
+        if self.profiler.steps():
+            self.profile_files = self.profiler.write(
+                os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"), print_table=self.rank == 0)
 
     def synchronize(self) -> None:
         """Wait for all work in flight (optimizer updates, a background checkpoint); raise its errors."""
@@ -430,6 +481,7 @@ class Engine:
             if self.worker is None or not (self.worker.failed and self.worker.error_reported):
                 self._wait_updates()  # an update error nobody has seen yet is raised here
             self.wait_for_checkpoint()
+            self._close_profile()
         finally:
             self._closed = True
             if self.worker is not None:
@@ -450,13 +502,6 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _reject_unavailable(config: Config) -> None:
-    """Keys this version accepts but cannot honour yet fail loudly instead of being ignored."""
-    if config.profile.enabled:
-        raise ConfigError("profile.enabled = true is not available in this version (no profiler yet): set it to "
-                          "false, or use torch.profiler around the training loop")
 
 
 def initialize(model: nn.Module, config: Config | dict | str | None = None, *,

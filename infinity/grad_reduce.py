@@ -9,6 +9,7 @@ for clipping, so the step never reads gradients twice.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import torch
@@ -16,14 +17,16 @@ import torch
 from . import collectives
 from .memory.manager import TieredMemoryManager
 from .memory.tier import Kind
+from .profile import Link, NullProfiler
 from .unit import Unit
 
 
 class GradReducer:
     """Issues reduce-scatters, averages, accumulates into the gradient tier, tracks norms."""
 
-    def __init__(self, manager: TieredMemoryManager, world_size: int, max_in_flight: int = 1):
+    def __init__(self, manager: TieredMemoryManager, world_size: int, max_in_flight: int = 1, profiler=None):
         self.manager, self.world_size, self.max_in_flight = manager, world_size, max_in_flight
+        self.profiler = profiler or NullProfiler()
         self._in_flight: deque = deque()
         self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient shard
         self._writes: list = []
@@ -43,21 +46,29 @@ class GradReducer:
             self._complete(*self._in_flight.popleft())
 
     def _complete(self, unit: Unit, out: torch.Tensor, work, final: bool) -> None:
-        work.wait()  # the summed shard must be complete before it is averaged and accumulated
+        prof = self.profiler
+        if work is not collectives.DONE:
+            with prof.wait(Link.REDUCE_SCATTER, f"reduce-scatter {unit.name}"):
+                work.wait()  # the summed shard must be complete before it is averaged and accumulated
+            prof.record(f"reduce-scatter {unit.name}", Link.REDUCE_SCATTER, unit.reduce_issued, time.perf_counter(),
+                        num_bytes=unit.padded_numel * 4, unit=unit.name)
         if self.world_size > 1:
             out.div_(self.world_size)
         m = self.manager
         if m.is_zero(unit.index, Kind.GRADS):
             acc = out  # first micro-batch of the window: the reduced shard is the gradient
         else:
-            acc = m.fetch(unit.index, Kind.GRADS, None, out.device).wait()
+            pending = m.fetch(unit.index, Kind.GRADS, None, out.device)
+            with prof.wait(Link.NVME_READ, f"accumulate grads {unit.name}"):
+                acc = pending.wait()  # the window's earlier gradient is added to
             acc.add_(out)
         if final:
             n = unit.trainable_in_shard()
             # fp32 norm (a reduction, no temporary copy of the shard), squared in fp64 for the global sum.
             self._sumsq[unit.index] = torch.linalg.vector_norm(acc[:n]).double().square()
         while self._writes:
-            self._writes.pop(0).wait()  # one gradient shard in write-behind at a time bounds the memory it holds
+            with prof.wait(Link.NVME_WRITE, f"grad write-behind {unit.name}"):
+                self._writes.pop(0).wait()  # one gradient shard in write-behind at a time bounds its memory
         self._writes.append(m.store(unit.index, Kind.GRADS, None, acc, release=acc is not out))
         if final and self.on_final is not None:
             self.on_final(unit)

@@ -12,6 +12,7 @@ unit's gradient shard.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn as nn
 from . import collectives
 from .memory.manager import Pending, TieredMemoryManager
 from .memory.tier import Kind
+from .profile import Link
 from .memory.placement import UnitSizes
 from .sharded_param import ParamSlot, collect_slots, install, layout
 from .streams import Streams
@@ -43,6 +45,7 @@ class Comm:
     device: torch.device
     compute_dtype: torch.dtype
     streams: Streams
+    profiler: object = None  # infinity.profile.Profiler or NullProfiler
 
 
 CHUNK_ALIGN = 4096  # elements; NVMe chunk boundaries stay 4 KiB-aligned, and fused Adam's 64-element blocks
@@ -74,6 +77,7 @@ class Unit:
         self._nbytes = self.padded_numel * itemsize
         self._storage = torch.empty(0, dtype=comm.compute_dtype, device=comm.device).untyped_storage()
         self._pending: Pending | None = None
+        self.fetch_link = Link.H2D  # the link a parameter fetch waits on; set from the plan (NVMe reads)
         self._grad_flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
         self.slots_with_grad: set[int] = set()  # ids of slots that got a gradient in this accumulation window
         self.param_steps: dict[str, int] = {}  # optimizer steps each parameter has taken (Adam bias correction)
@@ -131,14 +135,17 @@ class Unit:
             self.unshard(manager)
         if self.state is UnitState.UNSHARDED:
             return
-        shard = self._pending.wait()  # compute needs this unit's bytes on the device
+        prof = self.comm.profiler
+        with prof.wait(self.fetch_link, f"fetch {self.name}"):
+            shard = self._pending.wait()  # compute needs this unit's bytes on the device
         self._pending = None
         streams = self.comm.streams
         if self.comm.group is not None:
             streams.wait_event(streams.record(), streams.comm)  # the comm stream must see the fetched shard
-            with streams.use(streams.comm):
-                work = collectives.all_gather_into(self._flat(), shard, self.comm.group)
-                work.wait()  # the parameters are read right after this returns
+            with streams.use(streams.comm), prof.wait(Link.ALL_GATHER, f"all-gather {self.name}"):
+                with prof.span(f"all-gather {self.name}", Link.ALL_GATHER, num_bytes=self._nbytes, unit=self.name):
+                    work = collectives.all_gather_into(self._flat(), shard, self.comm.group)
+                    work.wait()  # the parameters are read right after this returns
                 done = streams.record(streams.comm)
             streams.wait_event(done)  # compute waits on the device for the gathered bytes, not the host
         self.state = UnitState.UNSHARDED
@@ -213,7 +220,9 @@ class Unit:
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=comm.device)
         comm.streams.wait_event(comm.streams.record(), comm.streams.comm)  # the flat gradient is written on compute
         with comm.streams.use(comm.streams.comm):
+            issued = time.perf_counter()
             work = collectives.reduce_scatter_sum(out, flat, comm.group)
+        self.reduce_issued = issued
         comm.streams.hold(flat, comm.streams.comm)
         return out, work
 

@@ -17,6 +17,7 @@ by fetch go back to the pool when stored or released.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from io_engine import Extent, SwapSpace
 
 from .buffers import StagingBuffers
+from ..profile import Link, NullProfiler
 from .placement import Plan
 from .tier import Kind, Residency, Tier, check_transition
 from ..streams import Streams
@@ -86,8 +88,9 @@ class TieredMemoryManager:
     """Residency table and byte counters of every shard on this rank."""
 
     def __init__(self, plan: Plan, device: torch.device, streams: Streams, swap: SwapSpace | None,
-                 pin_host: bool):
+                 pin_host: bool, profiler=None):
         self.plan, self.device, self.streams, self.swap = plan, device, streams, swap
+        self.profiler = profiler or NullProfiler()
         self.pin_host = pin_host
         self.staging = StagingBuffers(device, pin=pin_host)
         self._shards: dict[tuple[int, Kind], _Shard] = {}
@@ -198,7 +201,7 @@ class TieredMemoryManager:
                 dst.zero_()  # nothing on disk yet: zeros need no read
                 continue
             self._set(shard, c, Residency.READING)
-            futures.append(self.swap.read(c.extent, dst))
+            futures.append(self._timed(self.swap.read(c.extent, dst), Link.NVME_READ, shard, c))
             self.bytes_moved["nvme_read"] += c.numel * shard.dtype.itemsize
 
         def landed():
@@ -266,7 +269,8 @@ class TieredMemoryManager:
         for c in chunks:
             self._wait_write(c)
             self._set(shard, c, Residency.WRITING)
-            futures.append(self.swap.write(c.extent, host.narrow(0, c.start - start, c.numel)))
+            futures.append(self._timed(self.swap.write(c.extent, host.narrow(0, c.start - start, c.numel)),
+                                       Link.NVME_WRITE, shard, c))
             self.bytes_moved["nvme_write"] += c.numel * shard.dtype.itemsize
 
         def written():
@@ -280,6 +284,15 @@ class TieredMemoryManager:
         for c in chunks:
             c.write = pending  # whoever waits first (caller, a later fetch, drain) completes it once
         return pending
+
+    def _timed(self, fut, link: Link, shard: _Shard, c: _Chunk):
+        """Record the transfer as a span when it completes (on the io thread)."""
+        if self.profiler.enabled:
+            start, name = time.perf_counter(), f"{link.value} {shard.kind.value} u{shard.unit} @{c.start}"
+            nbytes = c.numel * shard.dtype.itemsize
+            fut.add_done_callback(lambda _f: self.profiler.record(name, link, start, time.perf_counter(),
+                                                                  num_bytes=nbytes))
+        return fut
 
     def release(self, tensor: torch.Tensor) -> None:
         """Return a fetched staging buffer without writing it (clean)."""

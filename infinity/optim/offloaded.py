@@ -13,6 +13,7 @@ in place with no copies.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -20,9 +21,11 @@ import torch
 
 from ..memory.manager import TieredMemoryManager
 from ..memory.tier import Kind, Tier
+from ..profile import Link, NullProfiler
 from ..unit import Unit
 from .cpu_adam import AdamHyper, adam_step
 
+_NOTHING = contextlib.nullcontext()
 FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
 
 
@@ -37,8 +40,10 @@ class OffloadedOptimizer:
     """Adam / AdamW over all units' flat fp32 shards, wherever they live."""
 
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, compute_device: torch.device,
-                 read_ahead: int = 1, max_writes_in_flight: int = 4):
+                 read_ahead: int = 1, max_writes_in_flight: int = 4, profiler=None):
         self.units, self.manager, self.compute_device = units, manager, compute_device
+        self.profiler = profiler or NullProfiler()
+        self.blocks_compute = True  # run on the training thread: its read waits are exposed time
         self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
 
     def plan_tasks(self, active: dict[int, list[tuple[int, int, int]]], units: list[Unit]) -> list[_Task]:
@@ -95,10 +100,14 @@ class OffloadedOptimizer:
                 ahead.append(self._issue(tasks[next_task]))  # read ahead while earlier tasks compute
                 next_task += 1
             pending = ahead.popleft()
-            bufs = {k: p.wait() for k, p in pending.items()}  # this sub-group's state must be in memory to step it
-            for a, n, step in task.ranges:
-                master, exp_avg, exp_avg_sq, grad = (bufs[k].narrow(0, a, n) for k in FETCHED)
-                adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale)
+            prof, what = self.profiler, f"u{task.unit.index} c{task.chunk}"
+            with prof.wait(Link.NVME_READ, f"optimizer state {what}") if self.blocks_compute else _NOTHING:
+                bufs = {k: p.wait() for k, p in pending.items()}  # this sub-group's state must be in memory to step it
+            with prof.span(f"adam {what}", Link.CPU_OPTIMIZER, num_bytes=sum(n for _, n, _ in task.ranges) * 16,
+                           unit=task.unit.name):
+                for a, n, step in task.ranges:
+                    master, exp_avg, exp_avg_sq, grad = (bufs[k].narrow(0, a, n) for k in FETCHED)
+                    adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale)
             u, c = task.unit.index, task.chunk
             params = m.target(u, Kind.PARAMS, c, bufs[Kind.MASTER].device)
             params.copy_(bufs[Kind.MASTER])

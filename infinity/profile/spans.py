@@ -205,6 +205,13 @@ class Profiler:
             self._steps.append(StepMark(step, self._open_steps.pop(step), now))
         self._device.collect(block=False)  # resolve device spans that already completed
 
+    def record_step(self, step: int, begin: float, end: float) -> None:
+        """Add an already-timed step (`time.perf_counter()` seconds)."""
+        if end < begin:
+            raise ValueError(f"step {step} ends before it begins (begin={begin}, end={end})")
+        with self._lock:
+            self._steps.append(StepMark(step, begin, end))
+
     def _append(self, span: Span) -> None:
         with self._lock:
             self._spans.append(span)
@@ -297,6 +304,9 @@ class NullProfiler:
         pass
 
     def step_end(self, step: int) -> None:
+        pass
+
+    def record_step(self, step: int, begin: float, end: float) -> None:
         pass
 
     def clear(self) -> None:

@@ -1,0 +1,67 @@
+"""The profile's per-link bytes are exactly what the plan predicts per step; a profiled run writes
+a Chrome trace, a summary and a chart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import infinity
+from infinity.memory.traffic import bytes_per_step
+from infinity.profile import Link, SpanKind
+from reference import Recipe
+
+PLACEMENTS = [("nvme", "host", "nvme"), ("nvme", "nvme", "nvme"), ("device", "nvme", "host"), ("host", "device", "nvme")]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("placement", PLACEMENTS, ids="-".join)
+def test_profiled_bytes_equal_the_plan(placement, overlap, tmp_path):
+    recipe = Recipe(steps=3, accum=2)
+    cfg = recipe.config(params=placement[0], grads=placement[1], optimizer=placement[2])
+    cfg["nvme"] = {"paths": [str(tmp_path)]}
+    cfg["profile"] = {"enabled": True, "trace_dir": str(tmp_path / "trace")}
+    cfg["overlap"] = {"optimizer_with_backward": overlap}
+    engine = infinity.initialize(recipe.build(), cfg)
+    engine.profiler.clear()  # initialization's writes are not a step's
+    for micro in recipe.batches():
+        for x, y in micro:
+            engine.backward(engine(x, y))
+        engine.step()
+    engine.close()
+    recorded = {}
+    for span in engine.profiler.spans():
+        if span.kind is SpanKind.WORK and span.link in (Link.NVME_READ, Link.NVME_WRITE):
+            recorded[span.link.value] = recorded.get(span.link.value, 0) + span.num_bytes
+    predicted = {"nvme_read": 0, "nvme_write": 0}
+    for step in range(recipe.steps):
+        per = bytes_per_step(engine.plan, grad_accum_steps=recipe.accum, first_step=step == 0, cuda=False)
+        for link in predicted:
+            predicted[link] += per[link]
+    assert {k: recorded.get(k, 0) for k in predicted} == predicted
+    assert predicted["nvme_read"] > 0 and predicted["nvme_write"] > 0
+
+
+def test_profile_outputs(tmp_path):
+    recipe = Recipe(steps=3, accum=1)
+    cfg = recipe.config(params="nvme", grads="host", optimizer="nvme")
+    cfg["nvme"] = {"paths": [str(tmp_path)]}
+    cfg["profile"] = {"enabled": True, "trace_dir": str(tmp_path / "trace")}
+    engine = infinity.initialize(recipe.build(), cfg)
+    for (x, y), in recipe.batches():
+        engine.backward(engine(x, y))
+        engine.step()
+    engine.close()
+    files = engine.profile_files
+    trace = json.load(open(files["trace"]))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    lanes = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    assert {"compute", "nvme_read", "nvme_write", "cpu_optimizer"} <= lanes
+    summary = json.load(open(files["summary"]))
+    assert summary["num_steps"] == 3
+    median = summary["median"]
+    assert 0 < median["overlap_efficiency"] <= 1 and median["compute_s"] <= median["step_s"]
+    assert median["links"]["nvme_read"]["bytes"] > 0
+    if "timeline" in files:
+        assert open(files["timeline"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
