@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="command")
 
     p = sub.add_parser("train", help="train a model (default: a small GPT on the shipped corpus)",
-                       description="Train the job: with no arguments, a small byte-level GPT on data/kjv.txt.gz "
+                       description="Train the job: with no arguments, a small byte-level GPT on infinity/corpus/kjv.txt.gz "
                                    "with parameters and optimizer state on NVMe under runs/<time>/swap.")
     _add_job_args(p)
     p.add_argument("--quiet", action="store_true", help="no progress output")
@@ -103,7 +103,7 @@ def _config(args) -> int:
         print(job_defaults_text())
         return 0
     job = load_job(args.config, args.overrides)
-    print(to_toml(job.engine_config(os.path.join(job.run.dir, "<run>", "swap")), job))
+    print(to_toml(job.engine_config(os.path.join(job.run.dir, "<run>")), job))
     return 0
 
 
@@ -120,7 +120,7 @@ def _estimate(args) -> int:
     if args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
     job = load_job(args.config, overrides)
-    config = job.engine_config(os.path.join(job.run.dir, "<run>", "swap"))
+    config = job.engine_config(os.path.join(job.run.dir, "<run>"))
     make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model))
     if job.run.batch_size % args.world_size:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "

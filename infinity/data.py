@@ -25,7 +25,7 @@ from .config import ConfigError, _option, _Section
 
 VOCAB_SIZE = 256  # byte-level
 SHIPPED = "kjv"
-SHIPPED_PATH = Path(__file__).resolve().parent.parent / "data" / "kjv.txt.gz"
+SHIPPED_PATH = Path(__file__).resolve().parent / "corpus" / "kjv.txt.gz"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +35,7 @@ class DataConfig(_Section):
     SECTION: ClassVar[str] = "data"
 
     path: str = _option(SHIPPED, 'Text file to train on (plain or .gz), or "kjv" for the corpus shipped in '
-                        "data/kjv.txt.gz (King James Bible, public domain).", "str")
+                        "infinity/corpus/kjv.txt.gz (King James Bible, public domain).", "str")
     val_fraction: float = _option(0.05, "Fraction of the corpus (its tail) held out for the validation loss.",
                                   "float", gt=0.0, lt=0.5, example=0.05)
     seed: int = _option(1234, "Seed of the batch sampler (independent of train.seed, which seeds the weights).",

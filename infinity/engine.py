@@ -10,6 +10,7 @@ the shards at each accumulation boundary.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
@@ -32,7 +33,7 @@ from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
 from .loss_scale import LossScaler
 from .materialize import materialize_flat, unit_seed
 from .memory.manager import TieredMemoryManager
-from .memory.placement import plan_placement
+from .memory.placement import plan_for_config
 from .memory.tier import Kind, Tier
 from .optim.cpu_adam import AdamHyper
 from .optim.offloaded import OffloadedOptimizer
@@ -44,6 +45,7 @@ from .state_dict import full_state_dict
 from .streams import Streams
 from .unit import Comm, Unit, build_units, unit_sizes
 
+NO_SPAN = contextlib.nullcontext()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -111,13 +113,20 @@ class Engine:
 
     # ----------------------------------------------------------------- construction
     def _plan(self):
+        """The placement, planned exactly as `infinity estimate` plans it, then the same preflight checks."""
+        from .estimate import preflight, require
+        from .memory import cost_model
         cfg = self.config
         sizes = unit_sizes(self.units, cfg.optimizer.sub_group_size)
         nvme_free = check_nvme_paths(list(cfg.nvme.paths)) if cfg.nvme.paths else 0
         budgets = resolve_budgets(cfg.memory, self.env.device, self.env.local_world_size, nvme_free)
-        static = {"params": cfg.placement.params, "grads": cfg.placement.grads, "optimizer": cfg.placement.optimizer}
-        return plan_placement(sizes, self.compute_dtype, policy=cfg.placement.policy, static=static,
-                              budgets=budgets, units_ahead=cfg.prefetch.units_ahead)
+        rates = None
+        if cfg.placement.policy == "auto" and cfg.nvme.paths:  # measured once per machine, then cached
+            rates = cost_model.link_rates(cfg.nvme.paths[0], self.env.device, io_config=cfg.io)
+        plan = plan_for_config(sizes, cfg, budgets, rates=rates)
+        require(preflight(plan, None, cfg, local_world_size=self.env.local_world_size,
+                          cuda=self.env.device.type == "cuda"))
+        return plan
 
     def _open_swap(self):
         if not self.plan.uses(Tier.NVME):
@@ -151,9 +160,10 @@ class Engine:
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, unit: Unit) -> None:
         self._compute_end(f"forward before {unit.name}")
-        if self.worker is not None and self.worker.pending(unit.index):
-            with self.profiler.wait(Link.CPU_OPTIMIZER, f"update {unit.name}"):
-                self.worker.wait_unit(unit.index)  # its parameters are still being updated
+        if self.worker is not None:
+            pending = self.worker.pending(unit.index)
+            with self.profiler.wait(Link.CPU_OPTIMIZER, f"update {unit.name}") if pending else NO_SPAN:
+                self.worker.wait_unit(unit.index)  # its parameters may still be updating (and a failed update raises)
         if unit.index != 0:
             self.prefetcher.before_forward(unit)
         unit.unshard(self.manager)
@@ -346,8 +356,8 @@ class Engine:
             self.profiler.record_step(*self._pending_step_mark, time.perf_counter())
             self._pending_step_mark = None
         if self.profiler.steps():
-            self.profile_files = self.profiler.write(
-                os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"), print_table=self.rank == 0)
+            self.profile_files = self.profiler.write(os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"),
+                                                     print_table=False)  # the caller prints format_summary if it wants
 
     def synchronize(self) -> None:
         """Wait for all work in flight (optimizer updates, a background checkpoint); raise its errors."""

@@ -88,4 +88,4 @@ def resolve_budgets(memory_cfg, device: torch.device, local_world_size: int, nvm
     device_budget = device_auto if memory_cfg.device_budget == "auto" else int(memory_cfg.device_budget)
     host_budget = available if memory_cfg.host_budget == "auto" else int(memory_cfg.host_budget)
     return Budgets(device=device_budget, host=host_budget, nvme=nvme_free // max(1, local_world_size),
-                   shared_ram=shared)
+                   shared_ram=shared, ram=available if shared else None)

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from .config import Config, format_size
-from .environment import PreflightError
+from .environment import PreflightError, resolve_budgets
 from .memory import cost_model
 from .memory.placement import Budgets, Plan, PlacementError, plan_for_config
 from .memory.tier import Kind, Tier
@@ -165,13 +165,10 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int) ->
 
 
 def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int) -> Budgets:
-    """Budgets as `initialize` resolves them on this machine ("auto" = this rank's share of free memory)."""
-    available = psutil.virtual_memory().available // max(1, local_world_size)
-    device_auto = torch.cuda.mem_get_info()[0] if cuda else available
-    mem = config.memory
-    return Budgets(device=device_auto if mem.device_budget == "auto" else int(mem.device_budget),
-                   host=available if mem.host_budget == "auto" else int(mem.host_budget),
-                   nvme=nvme_free // max(1, local_world_size), shared_ram=not cuda)
+    """Budgets exactly as `initialize` resolves them on this machine ("auto" = this rank's share of the free
+    memory detected now)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return resolve_budgets(config.memory, device, local_world_size, nvme_free)
 
 
 _RUNTIME_PROBE = """
@@ -205,17 +202,17 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
     `infinity.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
 
-    `batch_size` is sequences per micro-batch on one rank. Link rates: given, else measured on the first
-    NVMe path (once per machine; `remeasure` to measure again), else the cached / default ones.
+    `batch_size` is sequences per micro-batch on one rank. Link rates for the predicted step time: given,
+    else measured on the first NVMe path (once per machine; `remeasure` to measure again), else the cached /
+    default ones. The plan itself is made exactly as `initialize` makes it (`plan_for_config`).
     """
     local = local_world_size or world_size
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    dtype = DTYPES[config.precision.compute_dtype]
     bundle = make_model()
     sizes = unit_sizes_of(bundle.model, config, world_size)
     num_params = sum(p.numel() for p in {id(p): p for p in bundle.model.parameters()}.values())
     paths = list(config.nvme.paths)
-    disk_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    _, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
     if rates is None:
         existing = next((p for p in paths if os.path.isdir(p)), None)
         if existing is not None or remeasure:
@@ -345,7 +342,6 @@ def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int) -> 
     checks, free_total, seen = [], 0, {}
     for path in paths:
         where = _existing_parent(path)
-        creates = str(where) != str(Path(path).resolve())
         if not where.is_dir() or not os.access(where, os.W_OK):
             checks.append(Check(f"nvme path {path}", False, f"{where} is not a writable directory",
                                 f"create it (mkdir -p {path}) on a fast local disk, or change nvme.paths"))
@@ -419,7 +415,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     if plan.uses(Tier.NVME):
         disk, _ = check_disks(list(config.nvme.paths), nvme_bytes=nvme_bytes, local_world_size=local_world_size)
         checks += disk
-        checks.append(check_locked_memory(plan.working.get(Tier.HOST, 0), local_world_size))
+        checks.append(check_locked_memory(staging_pool_bytes(plan), local_world_size))
     return checks
 
 

@@ -1,6 +1,6 @@
 """The training job behind `infinity train`: config, model, run directory, loop, report.
 
-    infinity train                                   # the built-in default: a small byte-level GPT on data/kjv.txt.gz
+    infinity train                                   # the built-in default: a small byte-level GPT on infinity/corpus/kjv.txt.gz
     infinity train --config run.toml --set run.steps=500 --set model.kind=llama
     torchrun --nproc-per-node 2 -m infinity train    # or: torchrun --nproc-per-node 2 $(which infinity) train
 
@@ -60,13 +60,13 @@ class RunConfig(_Section):
 
     SECTION: ClassVar[str] = "run"
 
-    steps: int = _option(150, "Optimizer steps to train.", "int", ge=1)
+    steps: int = _option(300, "Optimizer steps to train.", "int", ge=1)
     batch_size: int = _option(16, "Sequences per micro-batch over all ranks (each rank takes batch_size / "
                               "world size).", "int", ge=1)
     dir: str = _option("runs", "Directory that holds run directories.", "str")
     name: str = _option("auto", 'Name of this run\'s directory under run.dir; "auto" = the start time '
                         "(YYYYmmdd-HHMMSS).", "str")
-    eval_every: int = _option(50, "Steps between validation losses (0 = only at the end).", "int", ge=0)
+    eval_every: int = _option(100, "Steps between validation losses (0 = only at the end).", "int", ge=0)
     eval_batches: int = _option(4, "Batches per validation loss.", "int", ge=1)
     log_every: int = _option(10, "Steps between progress lines when the output is not a terminal.", "int", ge=1)
     checkpoint: bool = _option(True, "Save a final checkpoint into the run directory (when the engine "
@@ -109,6 +109,7 @@ JOB_SECTIONS: dict[str, type[_Section]] = {"run": RunConfig, "model": ModelConfi
 TRAIN_DEFAULTS = {
     "optimizer": {"lr": 2e-3, "weight_decay": 0.1, "grad_clip": 1.0},
     "placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"},
+    "profile": {"enabled": True},  # the overlap efficiency on the progress line, profile/ in the run directory
 }
 DECAY_DEFAULTS = {"schedule": "cosine", "min_lr_ratio": 0.1}  # applied when the user sets no schedule
 
@@ -122,9 +123,9 @@ class Job:
     data: DataConfig
     engine_keys: dict  # section -> {key: value}, as the user gave them
 
-    def engine_config(self, swap_dir: str) -> Config:
-        """The engine Config: user keys over TRAIN_DEFAULTS over Config(); swap files in `swap_dir`
-        unless nvme.paths is set."""
+    def engine_config(self, run_dir: str) -> Config:
+        """The engine Config: user keys over TRAIN_DEFAULTS over Config(). Unless set, swap files go to
+        <run_dir>/swap and the profile (spans, overlap summary, chart) to <run_dir>/profile."""
         user = self.engine_keys
         merged = {s: dict(v) for s, v in TRAIN_DEFAULTS.items()}
         if user.get("placement", {}).get("policy") == "auto":
@@ -137,7 +138,8 @@ class Job:
             opt.setdefault("warmup_steps", min(20, self.run.steps // 10))
         if opt.get("schedule", "constant") != "constant":
             opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))
-        merged.setdefault("nvme", {}).setdefault("paths", [swap_dir])
+        merged.setdefault("nvme", {}).setdefault("paths", [os.path.join(run_dir, "swap")])
+        merged["profile"].setdefault("trace_dir", os.path.join(run_dir, "profile"))
         return Config.from_dict(merged)
 
 
@@ -172,7 +174,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
                                   f"{', '.join(valid)}")
         job_parts[name] = cls(**table)
     job = Job(engine_keys=tables, **job_parts)
-    job.engine_config(os.path.join(job.run.dir, "<run>", "swap"))  # validate now, before any directory exists
+    job.engine_config(os.path.join(job.run.dir, "<run>"))  # validate now, before any directory exists
     return job
 
 
@@ -190,7 +192,7 @@ def job_defaults_text() -> str:
     from .config import _render_default, _type_name
     lines = ["# infinity train: the job's own sections (engine keys above; the job's defaults for them:",
              f"# {json.dumps(TRAIN_DEFAULTS)}, plus {json.dumps(DECAY_DEFAULTS)} with warmup min(20, steps/10)",
-             "# and nvme.paths = [<run directory>/swap]).", ""]
+             "# and nvme.paths = [<run directory>/swap], profile.trace_dir = <run directory>/profile).", ""]
     for section, cls in JOB_SECTIONS.items():
         lines += [f"# {cls.__doc__}", f"[{section}]"]
         for f in dataclasses.fields(cls):
@@ -355,6 +357,7 @@ class Progress:
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
         self.start = time.perf_counter()
+        self._closed = False
 
     def update(self, step: int, loss: float, tokens_per_s: float, overlap: float | None) -> None:
         if not self.enabled:
@@ -374,12 +377,13 @@ class Progress:
 
     def note(self, text: str) -> None:
         if self.enabled:
-            print(("\n" if self.tty else "") + text, file=self.stream, flush=True)
+            print(("\n" if self.tty and not self._closed else "") + text, file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
+        if self.enabled and self.tty and not self._closed:
             self.stream.write("\n")
             self.stream.flush()
+        self._closed = True
 
 
 def _clock(seconds: float) -> str:
@@ -388,16 +392,32 @@ def _clock(seconds: float) -> str:
 
 
 def overlap_efficiency(engine) -> float | None:
-    """The profiler's overlap efficiency (0..1) when the engine has a profiler with a summary, else None."""
+    """The overlap efficiency (compute time / step time, 0..1) of the latest profiled step, when the engine
+    has a profiler (`infinity.profile`), else None. Only the last step is summarized: summarizing every
+    step each time would cost more the longer the run."""
     profiler = getattr(engine, "profiler", None)
-    if profiler is None or not hasattr(profiler, "summary"):
+    if profiler is None or not getattr(profiler, "enabled", True):
         return None
     try:
-        summary = profiler.summary()
+        if hasattr(profiler, "steps") and hasattr(profiler, "spans"):
+            from .profile import summarize
+            last = profiler.steps()[-1:]
+            if not last:
+                return None
+            spans = [s for s in profiler.spans() if s.end >= last[0].begin]
+            summary = summarize(spans, last)
+        else:
+            summary = profiler.summary()
     except Exception:  # noqa: BLE001 - a profiler with nothing recorded yet must not stop training
         return None
-    value = summary.get("overlap_efficiency") if isinstance(summary, dict) else getattr(summary, "overlap_efficiency", None)
-    return float(value) if isinstance(value, (int, float)) else None
+    if not isinstance(summary, dict):
+        return None
+    steps = summary.get("steps") or []
+    for source in (steps[-1] if steps else {}, summary.get("median") or {}, summary):
+        value = source.get("overlap_efficiency") if isinstance(source, dict) else None
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None
 
 
 def peak_rss_bytes() -> int:
@@ -438,19 +458,27 @@ def _run_name(run: RunConfig) -> str:
 
 def train(job: Job, *, verbose: bool = True) -> Result:
     """Run the job: every rank calls this (under torchrun, or alone)."""
+    rank, world, owns_group = setup_distributed()
+    try:
+        return _run(job, rank, world, verbose)
+    finally:
+        if owns_group:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _run(job: Job, rank: int, world: int, verbose: bool) -> Result:
     import infinity
 
-    rank, world, owns_group = setup_distributed()
     run_dir = Path(_agree(os.path.join(job.run.dir, _run_name(job.run)), world))
-    if rank == 0 and run_dir.exists() and any(p.name != "swap" for p in run_dir.iterdir()):
-        raise_later = ConfigError(f"run directory {run_dir} already holds a run: choose another run.name, or "
-                                  f'leave run.name = "auto"')
-    else:
-        raise_later = None
-    if _agree(raise_later is not None, world):
-        raise raise_later or ConfigError(f"run directory {run_dir} already holds a run (see rank 0)")
+    taken = rank == 0 and run_dir.exists() and any(p.name != "swap" for p in run_dir.iterdir())
+    if _agree(taken, world):
+        raise ConfigError(f"run directory {run_dir} already holds a run: choose another run.name, or leave "
+                          f'run.name = "auto"')
     swap_dir = run_dir / "swap"
-    config = job.engine_config(str(swap_dir))
+    config = job.engine_config(str(run_dir))
+    batches = Batches.from_config(job.data, seq_len=job.model.seq_len, global_batch=job.run.batch_size,
+                                  rank=rank, world=world)  # bad data settings fail before any work
     os.makedirs(run_dir, exist_ok=True)
     for path in config.nvme.paths:
         os.makedirs(path, exist_ok=True)
@@ -460,22 +488,17 @@ def train(job: Job, *, verbose: bool = True) -> Result:
     _measure_links(config, world)
     bundle = build_model(job.model)
     engine = infinity.initialize(bundle.model, config, init_fn=bundle.init_fn)
-    result = None
     try:
-        batches = Batches.from_config(job.data, seq_len=job.model.seq_len, global_batch=job.run.batch_size,
-                                      rank=rank, world=world)
         say.note(f"{bundle.description}, {len(engine.units)} units, world size {world}, device {engine.device}, "
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         with StopFlag() as stop, (run_dir / "metrics.jsonl").open("a") if rank == 0 else _Null() as metrics:
             result = _loop(job, config, engine, bundle, batches, stop, metrics, say, run_dir)
         _finish(job, config, engine, run_dir, result, world, rank, say)
     finally:
-        engine.close()
+        engine.close()  # waits for in-flight I/O and removes this rank's swap files
         say.close()
-        shutil.rmtree(swap_dir, ignore_errors=True) if swap_dir.exists() and not any(swap_dir.iterdir()) else None
-        if owns_group:
-            import torch.distributed as dist
-            dist.destroy_process_group()
+        if swap_dir.is_dir() and not any(swap_dir.iterdir()):
+            shutil.rmtree(swap_dir, ignore_errors=True)
     return result
 
 
@@ -533,7 +556,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
     status = "completed"
     start = time.perf_counter()
     recent: list[float] = []
-    step = 0
+    step, overlap = 0, None
     for step in range(1, job.run.steps + 1):
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=device)
@@ -547,7 +570,8 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
         seconds = time.perf_counter() - t0
         recent = (recent + [seconds])[-10:]
         losses.append(mean_loss)
-        overlap = overlap_efficiency(engine)
+        if step % job.run.log_every == 0 or step <= 2 or step == job.run.steps:
+            overlap = overlap_efficiency(engine)  # summarizing the spans costs time: not every step
         record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
                   "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
                   "tokens_per_s": tokens_per_step / seconds, "tokens": step * tokens_per_step,
@@ -598,9 +622,6 @@ def _finish(job: Job, config: Config, engine, run_dir: Path, result: Result, wor
     if job.run.checkpoint and hasattr(engine, "save_checkpoint"):
         checkpoint = run_dir / "checkpoint"
         engine.save_checkpoint(str(checkpoint))
-    profiler = getattr(engine, "profiler", None)
-    if rank == 0 and profiler is not None and hasattr(profiler, "write"):
-        profiler.write(str(run_dir / "profile"))
     report = engine.memory_report()
     peaks = _gather(peak_rss_bytes(), world)
     if rank != 0:

@@ -41,15 +41,20 @@ def test_missing_nvme_path(tmp_path):
 
 
 def test_auto_policy_fits_a_host_budget_too_small_for_everything_on_host(tmp_path):
-    model = Recipe().build()
-    total = sum(p.numel() for p in model.parameters())
+    small_groups = {"optimizer": {"sub_group_size": 4096}}  # NVMe staging small beside the state, as in real models
+    all_host = {"placement": {"params": "host", "grads": "host", "optimizer": "host"}, **small_groups}
+    with infinity.initialize(Recipe().build(), all_host) as engine:
+        totals = engine.plan.tier_totals()
+    need_host, need_device = totals[infinity.Tier.HOST], totals[infinity.Tier.DEVICE]
     cfg = {"placement": {"policy": "auto"},
-           "memory": {"device_budget": str(8 * total), "host_budget": str(4 * total)},
-           "nvme": {"paths": [str(tmp_path)]}}
-    with infinity.initialize(model, cfg) as engine:
+           "memory": {"device_budget": str(need_device), "host_budget": str(need_host // 2)},
+           "nvme": {"paths": [str(tmp_path)]}, **small_groups}
+    with pytest.raises(infinity.PlacementError):
+        infinity.initialize(Recipe().build(), {**cfg, "placement": all_host["placement"]})
+    with infinity.initialize(Recipe().build(), cfg) as engine:
         state = engine.memory_report()["state"]
-        assert sum(state["nvme"].values()) > 0
-        assert sum(state["device"].values()) + engine.plan.working[infinity.Tier.DEVICE] <= 8 * total
+        assert sum(state["nvme"].values()) > 0, "auto moved some state to NVMe"
+        assert engine.plan.tier_totals()[infinity.Tier.HOST] <= need_host // 2
 
 
 def test_backward_without_forward_is_explained():

@@ -54,6 +54,12 @@ class Budgets:
     host: int
     nvme: int  # free bytes on the swap paths (0 when none configured)
     shared_ram: bool = False
+    ram: int | None = None  # with shared_ram: the RAM detected for this rank, which device + host must fit together
+
+    @property
+    def shared_limit(self) -> int:
+        """What DEVICE + HOST must fit in together when they are the same RAM."""
+        return self.ram if self.ram is not None else max(self.device, self.host)
 
 
 @dataclass(frozen=True)
@@ -121,10 +127,10 @@ def _fits(totals: dict[Tier, int], budgets: Budgets) -> list[str]:
         problems.append(f"device tier needs {_fmt(totals[Tier.DEVICE])} but memory.device_budget is {_fmt(budgets.device)}")
     if totals[Tier.HOST] > budgets.host:
         problems.append(f"host tier needs {_fmt(totals[Tier.HOST])} but memory.host_budget is {_fmt(budgets.host)}")
-    if budgets.shared_ram and totals[Tier.DEVICE] + totals[Tier.HOST] > max(budgets.device, budgets.host):
+    if budgets.shared_ram and totals[Tier.DEVICE] + totals[Tier.HOST] > budgets.shared_limit:
         problems.append(
             f"device + host tiers share this machine's RAM (no GPU) and need "
-            f"{_fmt(totals[Tier.DEVICE] + totals[Tier.HOST])} together, over {_fmt(max(budgets.device, budgets.host))}")
+            f"{_fmt(totals[Tier.DEVICE] + totals[Tier.HOST])} together, over the {_fmt(budgets.shared_limit)} available")
     if totals[Tier.NVME] > budgets.nvme:
         where = "no nvme.paths are set" if budgets.nvme == 0 else f"the nvme.paths have {_fmt(budgets.nvme)} free"
         problems.append(f"nvme tier needs {_fmt(totals[Tier.NVME])} but {where}")
@@ -214,7 +220,7 @@ def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, *, rates, ac
     work = working_bytes(units, compute_dtype, used, units_ahead)
     predicted = search.time_of(combos)
     return Plan(tiers=kinds, units=units, compute_dtype=compute_dtype, working=work,
-                reasons=_summary(tiers, rates, predicted), unit_reasons=search.reasons(combos))
+                reasons=_summary(tiers, rates, predicted, compute_seconds), unit_reasons=search.reasons(combos))
 
 
 SLOWEST_FIRST = (Tier.NVME, Tier.HOST, Tier.DEVICE)
@@ -275,7 +281,7 @@ class _Search:
         b = self.budgets
         fits = (total[..., 0] <= b.device) & (total[..., 1] <= b.host) & (total[..., 2] <= b.nvme)
         if b.shared_ram:
-            fits &= total[..., 0] + total[..., 1] <= max(b.device, b.host)
+            fits &= total[..., 0] + total[..., 1] <= b.shared_limit
         return t_fb + t_opt, links, fits
 
     def _totals(self, combos):
@@ -337,7 +343,6 @@ class _Search:
 
     def descend(self, combos):
         """Apply the best move of one or two units until none shortens the step (then the transfers)."""
-        np = self.np
         combos = combos.copy()
         for _ in range(10 * len(self.units) * 3 + 10):
             now = self.score(combos)
@@ -408,8 +413,12 @@ class _Search:
                 if rank > 0:
                     slower = SLOWEST_FIRST[rank - 1]
                     worse = self.score(moved(slower))
-                    parts.append(f"saves {_ms(worse[0] - now[0])}/step of predicted time and {_ms(worse[1] - now[1])} "
-                                 f"of transfers vs {slower.value}")
+                    if worse[0] - now[0] <= 1e-12 and worse[1] - now[1] <= 1e-12:
+                        same_ram = " (no GPU: both are RAM)" if self.budgets.shared_ram and slower is Tier.HOST else ""
+                        parts.append(f"as fast as {slower.value}{same_ram}")
+                    else:
+                        parts.append(f"saves {_ms(worse[0] - now[0])}/step of predicted time and "
+                                     f"{_ms(worse[1] - now[1])} of transfers vs {slower.value}")
                 for faster in SLOWEST_FIRST[rank + 1:]:
                     trial = moved(faster)
                     if not self.fits(trial):
@@ -429,13 +438,14 @@ def _improves(now: tuple[float, float], new: tuple[float, float]) -> bool:
     return new[0] < now[0] - eps_t or (new[0] <= now[0] + eps_t and new[1] < now[1] - 1e-9 * max(now[1], 1e-12))
 
 
-def _summary(tiers, rates, predicted) -> tuple[str, ...]:
+def _summary(tiers, rates, predicted, compute_seconds: float) -> tuple[str, ...]:
     lines = []
     for group in GROUPS:
         counts = {t: sum(1 for u in tiers if u[group] is t) for t in Tier}
         lines.append(f"{group}: " + ", ".join(f"{n} unit(s) on {t.value}" for t, n in counts.items() if n))
     fb, opt = predicted.bottlenecks()
-    lines.append(f"predicted step {predicted.total * 1e3:.1f} ms (forward/backward bound by {fb}, optimizer by {opt}); "
+    what = "predicted step" if compute_seconds else "predicted step without compute (not known when planning)"
+    lines.append(f"{what} {predicted.total * 1e3:.1f} ms (forward/backward bound by {fb}, optimizer by {opt}); "
                  f"link rates: {rates.source}")
     return tuple(lines)
 
