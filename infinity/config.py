@@ -400,8 +400,8 @@ class IOConfig(_Section):
 
     block_size: int = _option(2**20, "Bytes per I/O request (a power of two, >= 4KiB).", "size",
                               ge=4096, example="1MiB")
-    queue_depth: int = _option(16, "Requests in flight per thread.", "int", ge=1)
-    threads: int = _option(4, "I/O worker threads.", "int", ge=1)
+    queue_depth: int = _option(16, "Block requests in flight at once (over all I/O threads).", "int", ge=1)
+    threads: int = _option(8, "I/O worker threads (8 threads at queue depth 16 measured best here: benchmarks/RESULTS.md).", "int", ge=1)
     direct: bool = _option(True, "Open swap files with O_DIRECT (bypass the page cache).", "bool")
     checksum: bool = _option(True, "Checksum every block written and verify it on read.", "bool")
 

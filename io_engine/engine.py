@@ -74,9 +74,9 @@ class IOConfig:
 
     block_size: int = 1 << 20
     """Bytes per block request; a multiple of 4096. Larger blocks mean fewer syscalls."""
-    queue_depth: int = 32
+    queue_depth: int = 16
     """Blocks handed to the backend at once (the rest wait in the engine's FIFO)."""
-    threads: int = 32
+    threads: int = 8
     """Worker threads issuing syscalls; blocks on the device at once = min(threads, queue_depth)."""
     direct: bool = True
     """O_DIRECT where the filesystem allows (bypasses the page cache); else buffered."""
