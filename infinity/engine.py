@@ -91,6 +91,8 @@ class Engine:
         self._step_started: float | None = None
         if self._eager:
             self.reducer.on_final = self._unit_grads_final
+        if self.worker is not None:
+            self.reducer.before_unit = self._before_grads
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
                                      config.prefetch.max_bytes_in_flight,
                                      ready=(lambda i: not self.worker.pending(i)) if self.worker else None)
@@ -154,7 +156,11 @@ class Engine:
                        self.manager.store(unit.index, Kind.PARAMS, None, master.to(self.compute_dtype), release=False)]
             for p in pending:
                 p.wait()  # the shard's values must be stored before its full copy goes away
-            unit.install_views()
+            stored = self.manager.resident(unit.index, Kind.PARAMS)
+            if self.env.world_size == 1 and stored is not None and stored.device == self.env.device:
+                unit.alias(stored)
+            else:
+                unit.install_views()
         self.manager.drain()
 
     # ----------------------------------------------------------------- hooks
@@ -186,6 +192,13 @@ class Engine:
         if self._compute_since is not None:
             self.profiler.record(name, Link.COMPUTE, self._compute_since, time.perf_counter())
             self._compute_since = None
+
+    def _before_grads(self, unit: Unit) -> None:
+        """A unit's gradient shard is about to be written: its previous update must have finished
+        (units the forward used were waited for there; this catches the ones it skipped)."""
+        if self.worker.pending(unit.index):
+            with self.profiler.wait(Link.CPU_OPTIMIZER, f"update {unit.name}"):
+                self.worker.wait_unit(unit.index)
 
     def _unit_grads_final(self, unit: Unit) -> None:
         """Eager overlap: this unit's gradient for the window is complete; update it now."""
@@ -244,11 +257,8 @@ class Engine:
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
-        if self.worker is not None:
-            with self.profiler.wait(Link.CPU_OPTIMIZER, "updates of unused units"):
-                self.worker.wait_all()  # units unused by this forward may still be updating: their gradients are next
-            if self._eager and self._final_micro_batch():
-                self.wait_for_checkpoint()  # eager updates start during this backward
+        if self._eager and self._final_micro_batch():
+            self.wait_for_checkpoint()  # eager updates start during this backward
         scale = self.scaler.scale / self.config.train.grad_accum_steps
         self._compute_begin()
         (loss * scale).backward()

@@ -31,6 +31,7 @@ class GradReducer:
         self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient shard
         self._writes: list = []
         self.on_final = None  # called with a unit once its gradient for the window is complete
+        self.before_unit = None  # called with a unit before its gradient shard is touched
 
     def issue(self, unit: Unit, final: bool) -> None:
         """Start reducing `unit`'s gradients (its `.grad`s are consumed and cleared)."""
@@ -55,6 +56,8 @@ class GradReducer:
         if self.world_size > 1:
             out.div_(self.world_size)
         m = self.manager
+        if self.before_unit is not None:
+            self.before_unit(unit)
         if m.is_zero(unit.index, Kind.GRADS):
             acc = out  # first micro-batch of the window: the reduced shard is the gradient
         else:

@@ -77,11 +77,20 @@ class Unit:
         self._nbytes = self.padded_numel * itemsize
         self._storage = torch.empty(0, dtype=comm.compute_dtype, device=comm.device).untyped_storage()
         self._pending: Pending | None = None
+        self.aliased = False  # parameters view the stored shard (see alias)
         self.fetch_link = Link.H2D  # the link a parameter fetch waits on; set from the plan (NVMe reads)
         self._grad_flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
         self.slots_with_grad: set[int] = set()  # ids of slots that got a gradient in this accumulation window
         self.param_steps: dict[str, int] = {}  # optimizer steps each parameter has taken (Adam bias correction)
         self.peak_unsharded = 0
+
+    def alias(self, resident: torch.Tensor) -> None:
+        """One rank, parameters stored on the compute device: the module's parameters view the
+        stored shard itself, so unshard and reshard cost nothing (no copy, no second buffer).
+        The optimizer writes the new values there, after the unit's backward is done with them."""
+        assert resident.numel() == self.padded_numel and self.comm.world_size == 1, (resident.numel(), self.padded_numel)
+        install(self.slots, resident)
+        self.aliased = True
 
     def install_views(self) -> None:
         """Make every owner module hold parameters that view the unsharded buffer (once, after
@@ -117,7 +126,7 @@ class Unit:
     # ----------------------------------------------------------------- unshard / reshard
     def unshard(self, manager: TieredMemoryManager) -> None:
         """Issue: start bringing this rank's parameter shard to the device."""
-        if self.state is not UnitState.SHARDED or self.flat_numel == 0:
+        if self.state is not UnitState.SHARDED or self.flat_numel == 0 or self.aliased:
             return
         if self._storage.nbytes() != self._nbytes:
             self._storage.resize_(self._nbytes)
@@ -129,7 +138,7 @@ class Unit:
 
     def wait_for_unshard(self, manager: TieredMemoryManager) -> None:
         """Wait: all-gather the shard into the unsharded buffer; the views are valid after this."""
-        if self.flat_numel == 0:
+        if self.flat_numel == 0 or self.aliased:
             return
         if self.state is UnitState.SHARDED:
             self.unshard(manager)

@@ -47,7 +47,7 @@ def test_meta_init_is_identical_across_world_sizes_and_placements(tmp_path):
     assert torch.equal(a["wte.weight"], a["head.weight"])
 
 
-def test_materialization_holds_one_unit_at_a_time():
+def test_materialization_holds_one_unit_at_a_time(tmp_path):
     with infinity.meta_init():
         model = GPT(TINY)
     live_counts = []
@@ -57,19 +57,31 @@ def test_materialization_holds_one_unit_at_a_time():
         live = sum(p.numel() for p in model.parameters() if p.device.type != "meta" and p.untyped_storage().nbytes())
         live_counts.append(live)
 
-    with infinity.initialize(model, {}, init_fn=counting_init) as engine:
+    nvme = {"placement": {"params": "nvme", "grads": "host", "optimizer": "host"}, "nvme": {"paths": [str(tmp_path)]}}
+    with infinity.initialize(model, nvme, init_fn=counting_init) as engine:
         largest_unit = max(u.flat_numel for u in engine.units)
     assert max(live_counts) <= largest_unit, (max(live_counts), largest_unit)
 
 
-def test_materialized_model_is_sharded_and_freed():
+def test_materialized_model_is_sharded_and_freed(tmp_path):
     model = Recipe().build()
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    with infinity.initialize(model, {}) as engine:
+    nvme = {"placement": {"params": "nvme", "grads": "host", "optimizer": "host"}, "nvme": {"paths": [str(tmp_path)]}}
+    with infinity.initialize(model, nvme) as engine:
         assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters()), "full copies were freed"
         got = engine.full_state_dict()
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
+
+
+def test_one_rank_on_device_parameters_view_the_stored_shard():
+    model = Recipe().build()
+    with infinity.initialize(model, {}) as engine:  # defaults: everything on the device tier
+        for unit in engine.units:
+            stored = engine.manager.resident(unit.index, infinity.Kind.PARAMS)
+            for slot in unit.slots:
+                assert slot.param.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr()
+        assert engine.memory_report()["unsharded_peak_bytes"] == 0
 
 
 def test_units_by_class_name_equal_automatic_units():

@@ -220,6 +220,10 @@ class TieredMemoryManager:
         self.staging.release(host)
         return out
 
+    def resident(self, unit: int, kind: Kind) -> torch.Tensor | None:
+        """The whole stored shard of a DEVICE / HOST shard (None on NVMe), for aliasing."""
+        return self._shards[(unit, kind)].resident
+
     def target(self, unit: int, kind: Kind, chunk: int | None, device: torch.device) -> torch.Tensor:
         """A tensor on `device` to fill with new contents for `store`, without reading the old ones:
         the resident view itself when the shard lives on `device`, else a staging buffer."""
