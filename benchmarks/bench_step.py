@@ -162,7 +162,7 @@ def run_deepspeed(args, kind: str) -> dict:
         zero["offload_optimizer"] = {"device": opt_dev, "nvme_path": swap, "pin_memory": False, "buffer_count": 4}
     if param_dev:
         zero["offload_param"] = {"device": param_dev, "nvme_path": swap, "pin_memory": False, "buffer_count": 32,
-                                 "buffer_size": max(max_numel, int(1e8)), "max_in_cpu": 0}
+                                 "buffer_size": max_numel, "max_in_cpu": 0}  # PEERS.md: >= the largest parameter
     o = optimizer_args(args)
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
