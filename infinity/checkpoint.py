@@ -116,7 +116,6 @@ class ShardWriter:
     def __init__(self, engine, tmp_dir: str):
         self.engine, self.tmp_dir = engine, tmp_dir
         self.error: BaseException | None = None
-        self.bytes_written = 0
         self._thread: threading.Thread | None = None
 
     def records(self) -> list[_Record]:
@@ -162,7 +161,6 @@ class ShardWriter:
                     buf = m.fetch(rec.unit, Kind(rec.kind), rec.chunk, torch.device("cpu")).wait()  # bytes to write
                     rec.crc = crc32(buf)
                     in_flight.append((io.submit_write(buf, path, rec.offset), buf))
-                    self.bytes_written += rec.numel * 4
                     while len(in_flight) > WRITES_IN_FLIGHT:
                         done, used = in_flight.pop(0)
                         done.wait()  # the buffer is reused once its write landed
@@ -224,7 +222,6 @@ class PendingCheckpoint:
     def __init__(self, engine, path: str, tmp_dir: str, writer: ShardWriter, user_state: dict, manifest: dict):
         self.engine, self.path, self.tmp_dir, self.writer = engine, path, tmp_dir, writer
         self.user_state, self.manifest = user_state, manifest
-        self.committed = False
 
     def commit(self) -> str:
         engine = self.engine
@@ -259,7 +256,6 @@ class PendingCheckpoint:
             _fsync_path(os.path.dirname(os.path.abspath(self.path)))
             os.remove(os.path.join(self.path, PARTIAL_MARKER))  # after the rename: a dying save stays marked stale
         _barrier(group)
-        self.committed = True
         return self.path
 
 

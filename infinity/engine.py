@@ -89,6 +89,8 @@ class Engine:
         self.optimizer.blocks_compute = self.worker is None
         self._compute_since: float | None = None  # the training thread computes since then (profiling)
         self._step_started: float | None = None
+        self._pending_step_mark: tuple | None = None  # (step, start) of the step whose end is the next one's start
+        self._stepped_at = 0  # micro_step of the last step() that ran, so a second call is a no-op
         if self._eager:
             self.reducer.on_final = self._unit_grads_final
         if self.worker is not None:
@@ -325,8 +327,6 @@ class Engine:
             self._pending_step_mark = (self.optimizer_steps - 1, self._step_started)
             self._step_started = None
 
-    _pending_step_mark: tuple | None = None
-
     def _finish_eager_step(self, norm: float) -> bool:
         bad, self._eager_nonfinite = self._eager_nonfinite, None
         if bad is not None or not math.isfinite(norm):
@@ -382,8 +382,6 @@ class Engine:
     def _end_window(self) -> None:
         for unit in self.units:
             unit.slots_with_grad.clear()
-
-    _stepped_at = 0
 
     def _nonfinite(self, norm: float) -> None:
         for unit in self.units:

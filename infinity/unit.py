@@ -109,10 +109,6 @@ class Unit:
     def shard_bytes(self) -> int:
         return self.shard_numel * self.comm.compute_dtype.itemsize
 
-    @property
-    def unsharded_bytes(self) -> int:
-        return self._storage.nbytes()
-
     def shard_range(self) -> tuple[int, int]:
         """[start, end) of this rank's shard in the unit's flat buffer."""
         start = self.comm.rank * self.shard_numel

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 
 import infinity
+from engine_runs import train_steps  # noqa: F401 - the shared loop, re-exported for the tests
 from reference import Recipe
 
 NVME = {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}
@@ -21,24 +21,6 @@ def make_engine(recipe: Recipe, placement: dict, swap_dir: str, extra: dict | No
     for section, values in (extra or {}).items():
         cfg.setdefault(section, {}).update(values)
     return infinity.initialize(recipe.build(), cfg)
-
-
-def train_steps(engine, recipe: Recipe, first: int, last: int, rank: int, world: int) -> list[float]:
-    """Steps [first, last) of the recipe's data; returns the rank-mean loss of each micro-batch."""
-    losses = []
-    per_rank = recipe.micro_batch // world
-    for micro_batches in recipe.batches()[first:last]:
-        for x, y in micro_batches:
-            sl = slice(rank * per_rank, (rank + 1) * per_rank)
-            loss = engine(x[sl], y[sl])
-            engine.backward(loss)
-            value = loss.detach().clone()
-            if world > 1:
-                dist.all_reduce(value)
-                value /= world
-            losses.append(value.item())
-            engine.step()
-    return losses
 
 
 def run_then_save(rank, world, recipe, placement, root, ckpt, steps, extra=None):

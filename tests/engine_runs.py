@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 
 import infinity
@@ -23,25 +22,33 @@ def engine_run(recipe: Recipe, placement: dict, swap_dir: str | None = None, ext
         cfg.setdefault(section, {}).update(values)
     engine = infinity.initialize(recipe.build(), cfg)
     losses, norms = [], []
-    per_rank = recipe.micro_batch // world
     try:
-        for micro_batches in recipe.batches():
-            for x, y in micro_batches:
-                sl = slice(rank * per_rank, (rank + 1) * per_rank)
-                loss = engine(x[sl], y[sl])
-                engine.backward(loss)
-                value = loss.detach().clone()
-                if world > 1:
-                    dist.all_reduce(value)
-                    value /= world
-                losses.append(value.item())
-                engine.step()
+        for step in range(recipe.steps):
+            losses += train_steps(engine, recipe, step, step + 1, rank, world)
             norms.append(engine.last_grad_norm)
         state = engine.full_state_dict()
         report = engine.memory_report()
     finally:
         engine.close()
     return losses, norms, state, report
+
+
+def train_steps(engine, recipe: Recipe, first: int, last: int, rank: int, world: int) -> list[float]:
+    """Steps [first, last) of the recipe's data; returns the rank-mean loss of each micro-batch."""
+    losses = []
+    per_rank = recipe.micro_batch // world
+    for micro_batches in recipe.batches()[first:last]:
+        for x, y in micro_batches:
+            sl = slice(rank * per_rank, (rank + 1) * per_rank)
+            loss = engine(x[sl], y[sl])
+            engine.backward(loss)
+            value = loss.detach().clone()
+            if world > 1:
+                dist.all_reduce(value)
+                value /= world
+            losses.append(value.item())
+            engine.step()
+    return losses
 
 
 ALL_PLACEMENTS = [{"params": p, "grads": g, "optimizer": o}

@@ -58,10 +58,6 @@ class StagingBuffers:
             self.host.put(pooled)
 
     @property
-    def bytes_out(self) -> int:
-        return self._bytes_out
-
-    @property
     def host_bytes_allocated(self) -> int:
         return self.host.bytes_allocated
 

@@ -46,9 +46,3 @@ def bytes_per_step(plan: Plan, *, grad_accum_steps: int, first_step: bool, cuda:
             out["nvme_read"] += shard * 4 if read else 0
             out["nvme_write"] += shard * 4
     return out
-
-
-def first_step_differs(plan: Plan) -> bool:
-    return any(plan.tier(i, k) is Tier.NVME for i in range(len(plan.units)) for k in (Kind.EXP_AVG, Kind.EXP_AVG_SQ))
-
-
