@@ -435,6 +435,11 @@ class OverlapConfig(_Section):
                                             "the global norm, in the next forward's order (each unit's forward "
                                             "waits only for its own update). Exactly the non-overlapped result "
                                             "either way.", "bool")
+    optimizer_read_ahead: int | str = _option(
+        "auto", "Bytes of NVMe optimizer state the worker may read ahead of the next update, while forward and "
+        "backward run (Note [state read-ahead]): a size, 0 for none, or \"auto\": all of this rank's NVMe "
+        "optimizer state if it fits in half the host memory the plan leaves free, else that half. Held in "
+        "page-locked staging buffers; needs optimizer_with_backward.", "size_or_auto", ge=0, example="8GiB")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -551,6 +556,11 @@ class Config:
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"Config({name}=...): expected {cls.__name__}, got "
                                   f"{type(getattr(self, name)).__name__}; use Config.from_dict for plain dicts")
+        if not self.overlap.optimizer_with_backward and self.overlap.optimizer_read_ahead not in ("auto", 0):
+            raise ConfigError(
+                f"overlap.optimizer_read_ahead = {_show(format_size(self.overlap.optimizer_read_ahead))} needs "
+                f"overlap.optimizer_with_backward = true (the worker thread reads ahead); enable it, or set "
+                f'optimizer_read_ahead = 0 / "auto"')
         if self.placement.policy == "static" and not self.nvme.paths:
             on_nvme = [k for k in ("params", "grads", "optimizer") if getattr(self.placement, k) == "nvme"]
             if on_nvme:

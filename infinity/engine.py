@@ -37,6 +37,7 @@ from .memory.placement import plan_for_config
 from .memory.tier import Kind, Tier
 from .optim.cpu_adam import AdamHyper
 from .optim.offloaded import OffloadedOptimizer
+from .optim.read_ahead import StateReadAhead, resolve_read_ahead
 from .optim.worker import OptimizerWorker
 from .optim.schedule import lr_at
 from .prefetch import Prefetcher
@@ -82,10 +83,15 @@ class Engine:
         # they are final, during backward ("eager"). Otherwise step() computes the global norm first and
         # hands the units to the worker in forward order; the next forward waits per unit ("deferred").
         # Both are exactly the non-overlapped update.
-        self.worker = OptimizerWorker(self.optimizer, len(self.units)) if config.overlap.optimizer_with_backward else None
+        # Note [state read-ahead] (optim/read_ahead.py): the worker reads the next update's NVMe state meanwhile.
+        read_ahead = StateReadAhead(self.manager, self.read_ahead_bytes) if self.read_ahead_bytes > 0 else None
+        self.optimizer.state_read_ahead = read_ahead
+        self.worker = (OptimizerWorker(self.optimizer, len(self.units), read_ahead)
+                       if config.overlap.optimizer_with_backward else None)
         self._eager = (self.worker is not None and config.optimizer.grad_clip == 0 and self.compute_dtype != torch.float16
                        and config.train.on_nonfinite == "error")
         self._eager_nonfinite: tuple[str, float] | None = None
+        self._eager_active: dict[int, list[tuple[int, int, int]]] = {}  # this step's eager updates (read-ahead)
         self.optimizer.blocks_compute = self.worker is None
         self._compute_since: float | None = None  # the training thread computes since then (profiling)
         self._step_started: float | None = None
@@ -113,6 +119,7 @@ class Engine:
         self._closed = False
         self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
         self._pending_checkpoint = None
+        self._settled = 0  # depth of _updates_settled: the read-ahead stays paused inside
         self._saved_checkpoints: list[str] = []
 
     # ----------------------------------------------------------------- construction
@@ -128,8 +135,9 @@ class Engine:
         if cfg.placement.policy == "auto" and cfg.nvme.paths:  # measured once per machine, then cached
             rates = cost_model.link_rates(cfg.nvme.paths[0], self.env.device, io_config=cfg.io)
         plan = plan_for_config(sizes, cfg, budgets, rates=rates)
+        self.read_ahead_bytes = resolve_read_ahead(cfg, plan, budgets)
         require(preflight(plan, None, cfg, local_world_size=self.env.local_world_size,
-                          cuda=self.env.device.type == "cuda"))
+                          cuda=self.env.device.type == "cuda", read_ahead=self.read_ahead_bytes))
         return plan
 
     def _open_swap(self):
@@ -209,8 +217,10 @@ class Engine:
         if not math.isfinite(sumsq):
             self._eager_nonfinite = self._eager_nonfinite or (unit.name, sumsq)
             return
-        self.worker.submit([unit], hyper=self._hyper(), grad_scale=None,
-                           active={unit.index: unit.active_ranges(flags)}, after_unit=self._after_update(flags, unit))
+        active = {unit.index: unit.active_ranges(flags)}
+        self._eager_active.update(active)
+        self.worker.submit([unit], hyper=self._hyper(), grad_scale=None, active=active,
+                           after_unit=self._after_update(flags, unit))
 
     def _after_update(self, flags: list[bool], unit: Unit):
         def after(u: Unit) -> None:
@@ -309,9 +319,11 @@ class Engine:
         active = {u.index: u.active_ranges(f) for u, f in zip(self.units, flags)}
         hyper = self._hyper()
         if self.worker is not None:
-            for unit in self._update_order():
+            order = self._update_order()
+            for unit in order:
                 self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale, active={unit.index: active[unit.index]},
                                    after_unit=self._after_update(flags[unit.index], unit))
+            self.worker.read_ahead_next(self.optimizer.task_chunks(active, order))  # the next update's, same order
         else:
             self.optimizer.step(hyper=hyper, grad_scale=grad_scale, active=active,
                                 on_unit_done=lambda u: self._after_update(flags[u.index], u)(u))
@@ -338,6 +350,9 @@ class Engine:
                 f"were already updated: resume from the last checkpoint. Lower optimizer.lr or check the data")
         self.optimizer_steps += 1
         self._mark_step()
+        # the next step's updates come as backward finalizes units: about the reverse of the forward order
+        active, self._eager_active = self._eager_active, {}
+        self.worker.read_ahead_next(self.optimizer.task_chunks(active, self._update_order()[::-1]))
         return True
 
     def _update_order(self) -> list[Unit]:
@@ -372,12 +387,30 @@ class Engine:
     def synchronize(self) -> None:
         """Wait for all work in flight (optimizer updates, a background checkpoint); raise its errors."""
         self._check_open()
-        self._wait_updates()
-        self.wait_for_checkpoint()
+        with self._updates_settled():
+            self.wait_for_checkpoint()
 
-    def _wait_updates(self) -> None:
-        if self.worker is not None:
-            self.worker.wait_all()  # the state must be the stepped one before it is read or replaced
+    @contextlib.contextmanager
+    def _updates_settled(self):
+        """Inside: every submitted update is done and no optimizer state read is in flight (Note [state
+        read-ahead]), so the state may be read or replaced; the read-ahead resumes on exit, unless a
+        background save is still reading the swap (two reads of one extent may not overlap): then it
+        resumes when the save is committed."""
+        if self.worker is None:
+            yield
+            return
+        self.worker.wait_all()  # the state must be the stepped one before it is read or replaced
+        self.worker.quiesce()
+        self._settled += 1
+        try:
+            yield
+        finally:
+            self._settled -= 1
+            self._resume_read_ahead()
+
+    def _resume_read_ahead(self) -> None:
+        if self.worker is not None and self._settled == 0 and self._pending_checkpoint is None:
+            self.worker.resume()
 
     def _end_window(self) -> None:
         for unit in self.units:
@@ -404,11 +437,11 @@ class Engine:
         while training goes on and the checkpoint appears at the next `step()` / `close()`.
         """
         self._check_open()
-        self._wait_updates()
-        self.wait_for_checkpoint()
-        self.reducer.flush_writes()
-        self.manager.drain()  # the optimizer's write-behind must land before the state is copied
-        self._pending_checkpoint = begin_save(self, path, user_state, self.config.checkpoint.background)
+        with self._updates_settled():
+            self.wait_for_checkpoint()
+            self.reducer.flush_writes()
+            self.manager.drain()  # the optimizer's write-behind must land before the state is copied
+            self._pending_checkpoint = begin_save(self, path, user_state, self.config.checkpoint.background)
         if not self.config.checkpoint.background:
             self.wait_for_checkpoint()
 
@@ -417,7 +450,10 @@ class Engine:
         pending, self._pending_checkpoint = self._pending_checkpoint, None
         if pending is None:
             return None
-        path = pending.commit()
+        try:
+            path = pending.commit()
+        finally:
+            self._resume_read_ahead()  # the save no longer reads the swap (_updates_settled)
         if self.rank == 0:
             self._saved_checkpoints.append(path)
             self._saved_checkpoints = apply_retention(self._saved_checkpoints, self.config.checkpoint.keep_last,
@@ -427,10 +463,10 @@ class Engine:
     def load_checkpoint(self, path: str) -> dict:
         """Restore the state saved at `path` (at this or another world size); returns its user state."""
         self._check_open()
-        self._wait_updates()
-        self.wait_for_checkpoint()
-        self.manager.drain()
-        return load_checkpoint(self, path)
+        with self._updates_settled():
+            self.wait_for_checkpoint()
+            self.manager.drain()
+            return load_checkpoint(self, path)
 
     def export_state_dict(self, path: str, dtype: torch.dtype | None = None) -> str:
         """Write the consolidated state dict (safetensors for `.safetensors`, else torch.save), streaming.
@@ -464,9 +500,9 @@ class Engine:
     def full_state_dict(self) -> dict:
         """fp32 master weights gathered on rank 0 (empty dict elsewhere), keys as model.state_dict()."""
         self._check_open()
-        self._wait_updates()
-        self.wait_for_checkpoint()  # a background save may be reading the same master extents
-        return full_state_dict(self.module, self.units, self.manager, self.env.rank)
+        with self._updates_settled():
+            self.wait_for_checkpoint()  # a background save may be reading the same master extents
+            return full_state_dict(self.module, self.units, self.manager, self.env.rank)
 
     @property
     def rank(self) -> int:
@@ -496,24 +532,26 @@ class Engine:
         if self._closed:
             return
         try:
-            if self.worker is None or not (self.worker.failed and self.worker.error_reported):
-                self._wait_updates()  # an update error nobody has seen yet is raised here
+            if self.worker is not None and not (self.worker.failed and self.worker.error_reported):
+                self.worker.wait_all()  # an update error nobody has seen yet is raised here
             self.wait_for_checkpoint()
             self._close_profile()
         finally:
             self._closed = True
-            if self.worker is not None:
-                self.worker.close()
-            for h in self._handles:
-                h.remove()
-            self.manager.close()
-            if self.swap is not None:
-                self.swap.close()
-            if self.io is not None:
-                self.io.close()
-            if self.env.owns_group:
-                import torch.distributed as dist
-                dist.destroy_process_group()
+            try:
+                if self.worker is not None:
+                    self.worker.close()  # (a read-ahead error nobody consumed is raised here)
+            finally:
+                for h in self._handles:
+                    h.remove()
+                self.manager.close()
+                if self.swap is not None:
+                    self.swap.close()
+                if self.io is not None:
+                    self.io.close()
+                if self.env.owns_group:
+                    import torch.distributed as dist
+                    dist.destroy_process_group()
 
     def __enter__(self) -> "Engine":
         return self

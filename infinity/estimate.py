@@ -13,6 +13,8 @@ named terms:
     runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
     state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
     working       the plan's working buffers: unsharded units, the flat gradient, NVMe staging
+                  (with a state read-ahead the staging holds the next update's NVMe optimizer state,
+                  Note [state read-ahead], plus the write-behind of the chunks taken from it)
     activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
                   again for the transient of its gradient
     allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
@@ -41,11 +43,12 @@ import psutil
 import torch
 import torch.nn as nn
 
-from .config import Config, format_size
+from .config import Config, ConfigError, format_size
 from .environment import PreflightError, resolve_budgets
 from .memory import cost_model
 from .memory.placement import Budgets, Plan, PlacementError, plan_for_config
 from .memory.tier import Kind, Tier
+from .optim.read_ahead import resolve_read_ahead
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
@@ -223,20 +226,22 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     trace = trace_step(traced.model, traced.loss, batch_size, seq_len)
     compute = cost_model.compute_seconds(trace.flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
     budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free)
-    plan, plan_error = None, None
+    plan, plan_error, read_ahead = None, None, 0
     try:
         plan = plan_for_config(sizes, config, budgets)  # exactly as initialize plans (cached rates, no compute time)
-    except PlacementError as e:
-        plan_error = str(e)
+        read_ahead = resolve_read_ahead(config, plan, budgets)
+    except (PlacementError, ConfigError) as e:
+        plan, plan_error = None, str(e)
     est = Estimate(world_size=world_size, local_world_size=local, cuda=cuda, num_params=num_params, units=len(sizes),
                    budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace)
     if plan is not None:
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
-        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss())
+        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), read_ahead=read_ahead)
         est.peak = peak_from_terms(est.peak_terms, cuda)
     est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
-                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
+                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0),
+                           read_ahead=read_ahead)
     return est
 
 
@@ -294,7 +299,20 @@ def staging_pool_bytes(plan: Plan, *, read_ahead: int = 1, max_writes_in_flight:
     return sum(c * n for c, n in peak.items())
 
 
-def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int) -> dict[str, int]:
+def _host_staging(plan: Plan, read_ahead: int, max_writes_in_flight: int = 4) -> int:
+    """The host staging pool: the update pipeline's buffers; with a state read-ahead, the held state plus the
+    write-behind of the chunks the update has taken from it (the pool recycles one into the other)."""
+    if not plan.uses(Tier.NVME):
+        return 0
+    pipeline = staging_pool_bytes(plan, max_writes_in_flight=max_writes_in_flight)
+    if not read_ahead:
+        return pipeline
+    from .optim.read_ahead import largest_chunk_bytes
+    one_kind = largest_chunk_bytes(plan) // 3  # the largest sub-group of one state kind
+    return max(pipeline, read_ahead + max_writes_in_flight * one_kind)
+
+
+def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, read_ahead: int = 0) -> dict[str, int]:
     """Note [peak memory], term by term (bytes, one rank)."""
     state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
     largest = max((u.unsharded_numel for u in plan.units), default=0)
@@ -305,7 +323,8 @@ def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int) -> dict[st
         "state_device": state[Tier.DEVICE],
         "state_host": state[Tier.HOST],
         "working_device": plan.working.get(Tier.DEVICE, 0),
-        "working_host": staging_pool_bytes(plan) if plan.uses(Tier.NVME) else 0,
+        "working_host": _host_staging(plan, read_ahead),
+        "read_ahead": read_ahead,  # part of working_host (Note [state read-ahead])
         "activations": trace.activation_bytes + trace.largest_saved_bytes,
         # materializing one unit: full fp32 values, the fp32 shard, its compute-dtype cast
         "init": largest * 4 + largest_shard * (4 + csize),
@@ -392,7 +411,7 @@ def check_locked_memory(locked_bytes: int, local_world_size: int) -> Check:
 
 
 def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, local_world_size: int, cuda: bool,
-              ram_per_rank: int = 0, device_per_rank: int = 0) -> list[Check]:
+              ram_per_rank: int = 0, device_per_rank: int = 0, read_ahead: int = 0) -> list[Check]:
     """The checks `infinity estimate` prints and `initialize` should refuse to start without (see `require`)."""
     checks = [Check("placement fits the budgets", plan is not None, "yes" if plan else (plan_error or "no plan"),
                     "see above: change [placement] or [memory] as it says")]
@@ -415,7 +434,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     if plan.uses(Tier.NVME):
         disk, _ = check_disks(list(config.nvme.paths), nvme_bytes=nvme_bytes, local_world_size=local_world_size)
         checks += disk
-        checks.append(check_locked_memory(staging_pool_bytes(plan), local_world_size))
+        checks.append(check_locked_memory(staging_pool_bytes(plan) + read_ahead, local_world_size))
     return checks
 
 

@@ -38,6 +38,7 @@ class _Chunk:
     state: Residency = Residency.ZERO
     extent: Extent | None = None  # NVMe only
     write: object = None  # the IOFuture of a write-back in flight (NVMe only)
+    version: int = 0  # bumped by every store / mark_zero: a copy read earlier is current iff it matches
 
 
 @dataclass
@@ -132,8 +133,9 @@ class TieredMemoryManager:
         check_transition(c.state, new, f"unit {shard.unit} {shard.kind.value} chunk@{c.start}")
         c.state = new
 
-    def is_zero(self, unit: int, kind: Kind) -> bool:
-        return all(c.state is Residency.ZERO for c in self._shards[(unit, kind)].chunks)
+    def is_zero(self, unit: int, kind: Kind, chunk: int | None = None) -> bool:
+        shard = self._shards[(unit, kind)]
+        return all(shard.chunks[i].state is Residency.ZERO for i in shard.chunk_ids(chunk))
 
     def mark_zero(self, unit: int, kind: Kind) -> None:
         """Declare a shard's contents zero (no I/O): the next fetch yields zeros."""
@@ -141,6 +143,12 @@ class TieredMemoryManager:
         for c in shard.chunks:
             self._wait_write(c)
             self._set(shard, c, Residency.ZERO)
+            c.version += 1
+
+    def versions(self, unit: int, kind: Kind, chunk: int | None = None) -> tuple[int, ...]:
+        """The content version of each chunk (Note [state read-ahead] in optim/read_ahead.py)."""
+        shard = self._shards[(unit, kind)]
+        return tuple(shard.chunks[i].version for i in shard.chunk_ids(chunk))
 
     def _wait_write(self, c: _Chunk) -> None:
         if c.write is not None:
@@ -256,6 +264,7 @@ class TieredMemoryManager:
                     self.streams.record(stream).synchronize()  # the staging buffer is reused as soon as we return
             for i in shard.chunk_ids(chunk):
                 self._set(shard, shard.chunks[i], Residency.RESIDENT)
+                shard.chunks[i].version += 1
             if release:
                 self.staging.release(tensor)
             return Pending(None)
@@ -273,6 +282,7 @@ class TieredMemoryManager:
         for c in chunks:
             self._wait_write(c)
             self._set(shard, c, Residency.WRITING)
+            c.version += 1
             futures.append(self._timed(self.swap.write(c.extent, host.narrow(0, c.start - start, c.numel)),
                                        Link.NVME_WRITE, shard, c))
             self.bytes_moved["nvme_write"] += c.numel * shard.dtype.itemsize

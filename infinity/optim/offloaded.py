@@ -8,7 +8,9 @@ and the new master weights are cast to the compute dtype and stored to the
 parameters' tier. With state on NVMe this is a pipeline: the reads of task
 j+1 are issued before task j is stepped, and the writes of task j drain while
 later tasks run (read ahead, step, write behind). Resident tiers are updated
-in place with no copies.
+in place with no copies. With a `StateReadAhead` (run by the optimizer worker,
+Note [state read-ahead]) a task's state may already have been read during the
+forward / backward before the update: its fetches are taken from there.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..memory.tier import Kind, Tier
 from ..profile import Link, NullProfiler
 from ..unit import Unit
 from .cpu_adam import AdamHyper, adam_step
+from .read_ahead import StateReadAhead
 
 _NOTHING = contextlib.nullcontext()
 FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
@@ -45,6 +48,7 @@ class OffloadedOptimizer:
         self.profiler = profiler or NullProfiler()
         self.blocks_compute = True  # run on the training thread: its read waits are exposed time
         self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
+        self.state_read_ahead: StateReadAhead | None = None  # set by the engine when the worker reads ahead
 
     def plan_tasks(self, active: dict[int, list[tuple[int, int, int]]], units: list[Unit]) -> list[_Task]:
         """Chunks that hold elements to step, given each unit's active (start, length, step) shard ranges."""
@@ -65,7 +69,13 @@ class OffloadedOptimizer:
 
     def _issue(self, task: _Task) -> dict:
         device = self.device_of(task.unit)
-        return {k: self.manager.fetch(task.unit.index, k, task.chunk, device) for k in FETCHED}
+        held = self.state_read_ahead.take(task.unit.index, task.chunk) if self.state_read_ahead else {}
+        return {k: held[k] if k in held else self.manager.fetch(task.unit.index, k, task.chunk, device)
+                for k in FETCHED}
+
+    def task_chunks(self, active: dict[int, list[tuple[int, int, int]]], units: list[Unit]) -> list[tuple[int, int]]:
+        """(unit, chunk) of every task `step` would run, in its order (what to read ahead)."""
+        return [(t.unit.index, t.chunk) for t in self.plan_tasks(active, units)]
 
     def step(self, *, hyper: AdamHyper, grad_scale: float | None, active: dict[int, list[tuple[int, int, int]]],
              units: list[Unit] | None = None, on_unit_done=None) -> None:

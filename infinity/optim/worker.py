@@ -7,6 +7,11 @@ write-backs issued; `wait_all()` until everything submitted is. Batches queued w
 the thread is busy are merged, so the read-ahead pipeline runs across units. An error
 on the worker is raised by every later wait, on the training thread (the state is no
 longer the one the step meant, so nothing may continue on it).
+
+When its queue is empty the thread reads the next update's optimizer state ahead
+(Note [state read-ahead]), one chunk at a time so that a new submission is never kept
+waiting for more than one chunk's issue; `read_ahead_next(chunks)` queues the order of
+the next update behind the batches already submitted.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Callable
 from ..unit import Unit
 from .cpu_adam import AdamHyper
 from .offloaded import OffloadedOptimizer
+from .read_ahead import StateReadAhead
 
 
 @dataclass
@@ -30,11 +36,27 @@ class _Batch:
     after_unit: Callable[[Unit], None]
 
 
+_NOTHING = object()
+
+
+@dataclass
+class _Order:
+    """The (unit, chunk) order of the next update, to read its state ahead."""
+    chunks: list[tuple[int, int]]
+
+
+@dataclass
+class _Mark:
+    """Set `event` once every item queued before it has been handled."""
+    event: threading.Event
+
+
 class OptimizerWorker:
     """One background thread stepping submitted units in submission order."""
 
-    def __init__(self, optimizer: OffloadedOptimizer, num_units: int):
+    def __init__(self, optimizer: OffloadedOptimizer, num_units: int, read_ahead: StateReadAhead | None = None):
         self.optimizer = optimizer
+        self.read_ahead = read_ahead
         self._queue: queue.Queue = queue.Queue()
         self._done = [threading.Event() for _ in range(num_units)]
         for ev in self._done:
@@ -50,6 +72,26 @@ class OptimizerWorker:
         for unit in units:
             self._done[unit.index].clear()
         self._queue.put(_Batch(list(units), hyper, grad_scale, active, after_unit))
+
+    def read_ahead_next(self, chunks: list[tuple[int, int]]) -> None:
+        """After the batches submitted so far: read ahead the state of `chunks` (the next update's order)."""
+        if self.read_ahead is not None:
+            self._queue.put(_Order(chunks))
+
+    def quiesce(self) -> None:
+        """Wait until the thread has handled everything queued, then pause the read-ahead and land its
+        reads in flight (the state may then be stored by others); `resume()` undoes the pause."""
+        if self.read_ahead is None:
+            return
+        mark = _Mark(threading.Event())
+        self._queue.put(mark)
+        mark.event.wait()  # the queue may still hold an order that would restart reading ahead
+        self.read_ahead.land()
+
+    def resume(self) -> None:
+        if self.read_ahead is not None:
+            self.read_ahead.resume()
+            self._queue.put(_Mark(threading.Event()))  # wake the thread to continue reading ahead
 
     def pending(self, index: int) -> bool:
         return not self._done[index].is_set()
@@ -68,21 +110,46 @@ class OptimizerWorker:
             self.error_reported = True
             raise self._error  # sticky: the state is not what the step meant; nothing may continue on it
 
-    def _run(self) -> None:
+    def _next_item(self):
+        """The next queued item; while there is none, read ahead (one chunk per look at the queue)."""
         while True:
-            batch = self._queue.get()  # idle until a unit's update is submitted
-            if batch is None:
+            try:
+                return self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            if self.read_ahead is None or self._error is not None or not self._read_one():
+                return self._queue.get()  # idle until a unit's update is submitted
+
+    def _read_one(self) -> bool:
+        try:
+            return self.read_ahead.issue_next()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+            self._error = e
+            return False
+
+    def _run(self) -> None:
+        held = _NOTHING  # an item taken from the queue while merging batches, handled next
+        while True:
+            item, held = (held, _NOTHING) if held is not _NOTHING else (self._next_item(), _NOTHING)
+            if item is None:
                 return
-            batches = [batch]
-            while True:  # merge what queued up meanwhile: one pipeline across those units
+            if isinstance(item, _Order):
+                self.read_ahead.set_order(item.chunks)
+                continue
+            if isinstance(item, _Mark):
+                item.event.set()
+                continue
+            batches = [item]
+            while True:  # merge the batches queued up meanwhile: one pipeline across those units
                 try:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if more is None:
-                    self._queue.put(None)
+                if not isinstance(more, _Batch):
+                    held = more  # an order, a mark or the end: after these batches
                     break
                 batches.append(more)
+            batch = batches[0]
             units = [u for b in batches for u in b.units]
             active = {k: v for b in batches for k, v in b.active.items()}
             after = {u.index: b.after_unit for b in batches for u in b.units}
@@ -106,3 +173,10 @@ class OptimizerWorker:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()  # no update may run after the engine releases its state
+        if self.read_ahead is not None:
+            try:
+                self.read_ahead.drop()
+            except Exception:
+                if not self.error_reported:
+                    raise  # a read-ahead that failed and that no update consumed
+                # else: more reads that failed with the error already raised to the caller

@@ -1,0 +1,207 @@
+"""Optimizer state read ahead of the update that needs it, within a byte budget.
+
+Note [state read-ahead]: with clipping the update of step N can only start once
+backward N has produced the global norm, and the next forward waits for it unit by
+unit; with the state on NVMe the disk then idles through backward and is the
+bottleneck of the forward. But the state an update reads (fp32 master, both moments)
+does not depend on the gradients: it is final as soon as the previous update wrote it.
+So once a step's updates are issued, the worker reads the next step's state, in the
+order the next update will want it, into staging buffers while forward and backward
+run, up to `[overlap] optimizer_read_ahead` bytes. The update then finds its reads
+done. Without clipping (updates during backward) the same read-ahead runs during the
+forward.
+
+Exactness: an entry remembers the manager's version of every chunk it read; an
+entry whose chunk was stored since (a checkpoint load, say) is discarded and read
+again (`take`). Chunk residency stays legal: `land()` waits every read in flight
+before anyone else may store to those chunks (the engine calls it wherever it waits
+for the updates).
+
+Thread model: `set_order` and `land` come from the training thread, `issue_next` and
+`take` from the optimizer worker; one lock guards the bookkeeping (never held across
+a wait for I/O); a second one spans the issue of one chunk, so `land` sees it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ConfigError, format_size
+from ..memory.manager import Pending, TieredMemoryManager
+from ..memory.tier import OPTIMIZER_KINDS, Kind, Tier
+
+_CPU = torch.device("cpu")
+
+
+@dataclass
+class _Entry:
+    fetches: dict[Kind, Pending]
+    versions: dict[Kind, tuple[int, ...]]
+    num_bytes: int  # budget it holds
+    disk_bytes: int  # what it read from disk (chunks still all-zero need no read)
+
+
+def state_read_ahead_kinds(manager: TieredMemoryManager, unit: int) -> tuple[Kind, ...]:
+    """The optimizer kinds of `unit` worth reading ahead: those on NVMe (resident ones are used in place)."""
+    return tuple(k for k in OPTIMIZER_KINDS if manager.tier(unit, k) is Tier.NVME)
+
+
+class StateReadAhead:
+    """Read-ahead cache of (unit, chunk) optimizer state, bounded by `budget` bytes."""
+
+    def __init__(self, manager: TieredMemoryManager, budget: int):
+        self.manager, self.budget = manager, budget
+        self._lock = threading.Lock()
+        self._issuing = threading.Lock()  # held by the worker while it issues one chunk's reads
+        self._todo: OrderedDict[tuple[int, int], None] = OrderedDict()  # chunks to read, next first
+        self._held: dict[tuple[int, int], _Entry] = {}
+        self.held_bytes = 0
+        self._paused = False
+        self.hits = self.misses = self.stale = 0
+        self.unused_disk_bytes = 0  # read but never used: stale entries, and those dropped at close
+
+    def chunk_bytes(self, unit: int, chunk: int) -> int:
+        _, numel = self.manager.chunk_span(unit, chunk)
+        return numel * 4 * len(state_read_ahead_kinds(self.manager, unit))
+
+    # ------------------------------------------------------------ training thread
+    def set_order(self, chunks: list[tuple[int, int]]) -> None:
+        """The (unit, chunk) tasks of the next update, in its order; chunks already held stay held."""
+        if self.budget <= 0:
+            return
+        with self._lock:
+            self._todo = OrderedDict((c, None) for c in chunks
+                                     if c not in self._held and state_read_ahead_kinds(self.manager, c[0]))
+
+    def land(self) -> None:
+        """Pause reading ahead (until `resume`) and wait for the reads in flight: their chunks are then
+        RESIDENT again, so anyone may store to them (a stored chunk's entry goes stale)."""
+        with self._lock:
+            self._paused = True
+        with self._issuing, self._lock:  # a chunk being issued now is registered before we look
+            entries = list(self._held.values())
+        for entry in entries:
+            for pending in entry.fetches.values():
+                pending.wait()  # the bytes stay held; a later store makes the entry stale (version)
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+
+    def drop(self) -> None:
+        """Release every held buffer (at close); a read that failed is raised after all are released."""
+        with self._lock:
+            self._paused = True
+        with self._issuing, self._lock:
+            entries, self._held, self.held_bytes = list(self._held.values()), {}, 0
+        error = None
+        for entry in entries:
+            self.unused_disk_bytes += entry.disk_bytes
+            for pending in entry.fetches.values():
+                try:
+                    self.manager.release(pending.wait())
+                except Exception as e:  # noqa: BLE001 - raised below, once every buffer is back
+                    error = error or e
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------ optimizer worker
+    def issue_next(self) -> bool:
+        """Issue the reads of the next chunk in order if the budget has room; False when there is
+        nothing (more) to do now."""
+        with self._issuing:
+            return self._issue_next()
+
+    def _issue_next(self) -> bool:
+        with self._lock:
+            if self._paused or not self._todo:
+                return False
+            key = next(iter(self._todo))
+            num_bytes = self.chunk_bytes(*key)
+            if self.held_bytes + num_bytes > self.budget:
+                return False  # the update frees budget as it takes entries
+            del self._todo[key]
+            self.held_bytes += num_bytes
+        unit, chunk = key
+        kinds = state_read_ahead_kinds(self.manager, unit)
+        versions = {k: self.manager.versions(unit, k, chunk) for k in kinds}
+        disk = sum(self.manager.chunk_span(unit, chunk)[1] * 4 for k in kinds if not self.manager.is_zero(unit, k, chunk))
+        fetches = {k: self.manager.fetch(unit, k, chunk, _CPU) for k in kinds}
+        with self._lock:
+            self._held[key] = _Entry(fetches, versions, num_bytes, disk)
+        return True
+
+    def take(self, unit: int, chunk: int) -> dict[Kind, Pending]:
+        """The held reads of this chunk (empty when none, or stale: then they are released).
+        The chunk is no longer read ahead for this round either way."""
+        key = (unit, chunk)
+        with self._lock:
+            self._todo.pop(key, None)
+            entry = self._held.pop(key, None)
+            if entry is not None:
+                self.held_bytes -= entry.num_bytes
+        if entry is None:
+            self.misses += 1
+            return {}
+        if any(self.manager.versions(unit, k, chunk) != v for k, v in entry.versions.items()):
+            self.stale += 1
+            self.unused_disk_bytes += entry.disk_bytes
+            for pending in entry.fetches.values():
+                self.manager.release(pending.wait())  # stored since it was read: those bytes are old
+            return {}
+        self.hits += 1
+        return entry.fetches
+
+
+def nvme_optimizer_bytes(plan) -> int:
+    """This rank's optimizer state on NVMe: the most there is to read ahead."""
+    return sum(plan.state_bytes()[Tier.NVME][k] for k in OPTIMIZER_KINDS)
+
+
+def host_slack(plan, budgets) -> int:
+    """Host memory the plan leaves free under the budgets (state and working buffers counted)."""
+    totals = plan.tier_totals()
+    slack = budgets.host - totals[Tier.HOST]
+    if budgets.shared_ram:
+        slack = min(slack, budgets.shared_limit - totals[Tier.DEVICE] - totals[Tier.HOST])
+    return max(0, slack)
+
+
+def resolve_read_ahead(cfg, plan, budgets) -> int:
+    """The read-ahead budget of a run of `cfg` with `plan` under `budgets` (0: none), as `initialize` and
+    `infinity estimate` resolve it; raises ConfigError for an explicit size that cannot work."""
+    num_bytes = read_ahead_budget(cfg.overlap.optimizer_read_ahead, plan, budgets)
+    if cfg.overlap.optimizer_read_ahead != "auto" and num_bytes > host_slack(plan, budgets):
+        raise ConfigError(
+            f"overlap.optimizer_read_ahead = {format_size(cfg.overlap.optimizer_read_ahead)} would hold "
+            f"{format_size(num_bytes)} of optimizer state, but the plan leaves only "
+            f"{format_size(host_slack(plan, budgets))} of host memory free under memory.host_budget: lower it, "
+            f'or set it to "auto"')
+    if 0 < num_bytes < largest_chunk_bytes(plan) and cfg.overlap.optimizer_read_ahead == "auto":
+        num_bytes = 0  # too little memory left to hold one sub-group: no read-ahead
+    if 0 < num_bytes < largest_chunk_bytes(plan):
+        raise ConfigError(
+            f"overlap.optimizer_read_ahead = {format_size(num_bytes)} is less than one optimizer "
+            f"sub-group's state ({format_size(largest_chunk_bytes(plan))}), so nothing could be read ahead: "
+            f"raise it to at least that, lower optimizer.sub_group_size, or set it to 0")
+    if not cfg.overlap.optimizer_with_backward:
+        num_bytes = 0
+    return num_bytes
+
+
+def read_ahead_budget(setting, plan, budgets) -> int:
+    """Bytes the state read-ahead may hold, for `[overlap] optimizer_read_ahead` = `setting`."""
+    wanted = nvme_optimizer_bytes(plan)
+    if setting == "auto":
+        return min(wanted, host_slack(plan, budgets) // 2)
+    return min(int(setting), wanted)
+
+
+def largest_chunk_bytes(plan) -> int:
+    """Bytes one optimizer sub-group's NVMe state takes: a read-ahead budget below it never reads."""
+    return max((max(sizes.chunk_numels, default=0) * 4 * sum(plan.tier(u, k) is Tier.NVME for k in OPTIMIZER_KINDS)
+                for u, sizes in enumerate(plan.units)), default=0)
