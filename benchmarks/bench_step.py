@@ -2,6 +2,8 @@
 
     python benchmarks/bench_step.py --dir /path/on/nvme --json step.json
     python benchmarks/bench_step.py --systems torch,infinity:nvme/host/nvme --steps 4
+    python benchmarks/bench_step.py --dir /path/on/nvme --device-budget 2GiB --host-budget 2GiB \
+        --systems infinity:auto,infinity:fitting --json auto.json     # auto vs the best static placement
 
 Every system runs in its own process (so its peak RSS is its own), world size 1,
 the same GPT, data, AdamW hyper-parameters, gradient clipping and thread count.
@@ -13,9 +15,29 @@ on the device tier; the I/O floor is the bytes the plan moves per step over
 io_engine's read and write bandwidth, measured on the same directory in this run
 (reads and writes share the disk, so the floor adds the two times).
 
-System names: `torch`, `infinity:PARAMS/GRADS/OPTIMIZER` (tiers), `deepspeed:OFFLOAD`
-and `fsdp2:OFFLOAD` with OFFLOAD one of none | cpu_opt | cpu_both | nvme_opt | nvme_both.
-DeepSpeed and FSDP2 are skipped (with the reason) when not installed or failing.
+System names: `torch`, `infinity:PARAMS/GRADS/OPTIMIZER` (tiers), `infinity:auto`
+(`placement.policy = "auto"`; its plan, tier counts per state kind and reasons are
+recorded), `infinity:fitting` (expanded by the driver, before any worker starts, into
+every static placement `infinity:P/G/O` whose plan fits the budgets, planned on the
+meta device by the planner `initialize` uses; the others are listed with the
+planner's reason, not run), `deepspeed:OFFLOAD` and `fsdp2:OFFLOAD` with OFFLOAD one
+of none | cpu_opt | cpu_both | nvme_opt | nvme_both. DeepSpeed and FSDP2 are skipped
+(with the reason) when not installed or failing; an infinity placement that does not
+fit fails with the planner's message.
+
+`--device-budget` / `--host-budget` set infinity's `memory.device_budget` /
+`memory.host_budget` (default "auto": the free memory detected). Without a GPU the
+device tier is RAM too, so both are needed to make everything-on-device not fit.
+With `infinity:auto` the payload's `auto_vs_static` compares auto's step with the
+best static placement that fits (issue 5's bar: a ratio <= 1.10). `AUTO_BUDGETS`,
+2GiB / 2GiB, suit the default 311M-parameter model (fp32: 1.16 GiB of parameters,
+1.16 GiB of gradients, 3.47 GiB of optimizer state): everything on host needs
+5.79 GiB of host, everything on device 6.06 GiB of device, and the 7 placements
+that fit all keep the optimizer state on NVMe (device/host, host/device,
+device/nvme, host/nvme, nvme/device, nvme/host and nvme/nvme for params/grads);
+auto mixes tiers per unit. They are the default when `infinity:auto` or
+`infinity:fitting` is asked for without budgets (`--device-budget auto --host-budget
+auto` for the free memory detected).
 """
 
 from __future__ import annotations
@@ -40,6 +62,9 @@ DEFAULT_SYSTEMS = [
     "deepspeed:none", "deepspeed:cpu_opt", "deepspeed:cpu_both", "deepspeed:nvme_opt", "deepspeed:nvme_both",
     "fsdp2:none", "fsdp2:cpu_both",
 ]
+TIERS = ("device", "host", "nvme")
+STATIC_PLACEMENTS = tuple(f"{p}/{g}/{o}" for p in TIERS for g in TIERS for o in TIERS)  # all 27
+AUTO_BUDGETS = ("2GiB", "2GiB")  # --device-budget, --host-budget for the default model (docstring)
 
 
 def model_config(args):
@@ -59,13 +84,20 @@ def batches(args, cfg):
     return [synthetic_batch(cfg, args.batch, g) for _ in range(args.warmup + args.steps)]
 
 
-def timed_loop(args, step_fn, data) -> dict:
-    """Run warm-up + timed steps; step_fn(x, y) -> loss float."""
+def timed_loop(args, step_fn, data, drain=None) -> dict:
+    """Run warm-up + timed steps; step_fn(x, y) -> loss float.
+
+    A step's time runs from its start to the next one's start, so work a system leaves
+    in flight (infinity's overlapped update) is paid by the step that waits for it;
+    `drain()` waits for what the last step left and is counted in the last step's time.
+    """
     from common import median, peak_rss_bytes
     times, losses = [], []
     for i, (x, y) in enumerate(data):
         t = time.perf_counter()
         losses.append(step_fn(x, y))
+        if drain is not None and i == len(data) - 1:
+            drain()
         if i >= args.warmup:
             times.append(time.perf_counter() - t)
     return {"step_s": median(times), "step_times": [round(t, 3) for t in times], "losses": losses,
@@ -92,45 +124,80 @@ def run_torch(args) -> dict:
     return timed_loop(args, step, batches(args, cfg))
 
 
-def run_infinity(args, placement: str) -> dict:
-    import torch
-    import infinity
-    from infinity.models.gpt import GPT, gpt_init
-    params, grads, optim = placement.split("/")
-    cfg = model_config(args)
-    swap = tempfile.mkdtemp(prefix="bench-step-", dir=args.dir)
+def infinity_config(args, placement: str, swap: str) -> dict:
+    """The engine config of system `infinity:<placement>` ("P/G/O" tiers, or "auto") with swap files in `swap`."""
     config = {
         "optimizer": {"name": "adamw", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                       "grad_clip": args.clip},
-        "placement": {"params": params, "grads": grads, "optimizer": optim},
         "nvme": {"paths": [swap]},
         "prefetch": {"units_ahead": args.units_ahead},
         "overlap": {"optimizer_with_backward": not args.no_overlap},
     }
+    if placement == "auto":
+        config["placement"] = {"policy": "auto"}  # params / grads / optimizer stay at their defaults
+    else:
+        params, grads, optim = placement.split("/")
+        config["placement"] = {"params": params, "grads": grads, "optimizer": optim}
+    memory = {key: value for key, value in (("device_budget", args.device_budget), ("host_budget", args.host_budget))
+              if value}
+    if memory:
+        config["memory"] = memory
+    return config
+
+
+def plan_summary(plan) -> dict:
+    """Units per tier for each state group, the bytes per tier and the planner's reasons."""
+    from infinity.memory.placement import GROUPS, KINDS_OF_GROUP
+    counts = {g: {} for g in GROUPS}
+    for unit_tiers in plan.tiers:
+        for g in GROUPS:
+            tier = unit_tiers[KINDS_OF_GROUP[g][0]].value
+            counts[g][tier] = counts[g].get(tier, 0) + 1
+    uniform = "/".join(next(iter(counts[g])) for g in GROUPS) if all(len(c) == 1 for c in counts.values()) else None
+    return {"units": len(plan.tiers), "tier_counts": counts, "uniform": uniform,  # "P/G/O" when every unit agrees
+            "tier_totals_bytes": {t.value: n for t, n in plan.tier_totals().items()}, "reasons": list(plan.reasons)}
+
+
+def run_infinity(args, placement: str) -> dict:
+    import torch
+    import infinity
+    from infinity.models.gpt import GPT, gpt_init
+    cfg = model_config(args)
+    swap = tempfile.mkdtemp(prefix="bench-step-", dir=args.dir)
+    config = infinity_config(args, placement, swap)
     profile = args.profile and "profile" in infinity.Config.from_dict({}).to_dict()
     if profile:
         config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.dir, f"trace-{placement.replace('/', '-')}")}
     torch.manual_seed(0)
-    engine = infinity.initialize(GPT(cfg), config, init_fn=gpt_init)
+    try:
+        engine = infinity.initialize(GPT(cfg), config, init_fn=gpt_init)  # a plan that does not fit raises here
+    except BaseException:
+        shutil.rmtree(swap, ignore_errors=True)
+        raise
     moved = []
 
     def step(x, y):
-        before = dict(engine.manager.bytes_moved)
+        moved.append(dict(engine.manager.bytes_moved))
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-        engine.synchronize()  # a step is done when its update is: the timing must include it
-        moved.append({k: v - before[k] for k, v in engine.manager.bytes_moved.items()})
         return float(loss.detach())
     try:
-        out = timed_loop(args, step, batches(args, cfg))
-        out["bytes_moved_per_step"] = moved[-1]
+        out = timed_loop(args, step, batches(args, cfg), drain=engine.synchronize)
+        # a steady step moves what the plan predicts (tests/test_profile_traffic checks it byte for byte);
+        # counters between step starts would split an update that overlaps the next step
+        from infinity.memory.traffic import bytes_per_step
+        out["bytes_moved_per_step"] = bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
+                                                     cuda=engine.env.device.type == "cuda")
+        total = {k: v - moved[0][k] for k, v in engine.manager.bytes_moved.items()}
+        out["bytes_moved_whole_run"] = total
         prof = getattr(engine, "profiler", None)
-        if prof is not None and hasattr(prof, "summary"):
-            summary = prof.summary()
-            out["overlap_efficiency"] = summary.get("median", {}).get("overlap_efficiency")
+        summary = prof.summary() if prof is not None and hasattr(prof, "summary") else None
+        if summary:  # None without the profiler ([profile] enabled = false)
+            out["overlap_efficiency"] = (summary.get("median") or {}).get("overlap_efficiency")
             out["profile"] = summary.get("median")
         out["memory_report"] = {k: v for k, v in engine.memory_report().items() if k in ("state", "tier_totals")}
+        out["plan"] = plan_summary(engine.plan)
     finally:
         engine.close()
         shutil.rmtree(swap, ignore_errors=True)
@@ -253,11 +320,66 @@ def worker(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- driver
+def fitting_placements(args) -> dict:
+    """Which static uniform placements fit the budgets, decided as `initialize` decides it.
+
+    The model is built on the meta device and split into units as `initialize` splits it
+    (`infinity.estimate.unit_sizes_of`); the budgets are resolved as the engine resolves them
+    (`memory.*_budget`, the free memory detected now, the free space of the swap directory's
+    filesystem); each of the 27 placements is planned by `plan_for_config`. Returns
+    {"fitting": [P/G/O, ...], "not_fitting": {P/G/O: the planner's message}, "budgets": {...}}.
+    """
+    import dataclasses
+
+    import torch
+    import infinity
+    from infinity.environment import check_nvme_paths
+    from infinity.estimate import resolve_budgets_for, unit_sizes_of
+    from infinity.memory.placement import PlacementError, plan_for_config
+    from infinity.models.gpt import GPT
+    with infinity.meta_init():
+        model = GPT(model_config(args))
+    base = infinity.Config.from_dict(infinity_config(args, "auto", args.dir))
+    sizes = unit_sizes_of(model, base, world_size=1)
+    # each worker's swap directory is a fresh directory under --dir: the same filesystem, the same free space
+    budgets = resolve_budgets_for(base, local_world_size=1, cuda=torch.cuda.is_available(),
+                                  nvme_free=check_nvme_paths([args.dir]))
+    fitting, not_fitting = [], {}
+    for placement in STATIC_PLACEMENTS:
+        config = infinity.Config.from_dict(infinity_config(args, placement, args.dir))
+        try:
+            plan_for_config(sizes, config, budgets)
+            fitting.append(placement)
+        except PlacementError as e:
+            not_fitting[placement] = str(e)
+    return {"fitting": fitting, "not_fitting": not_fitting, "budgets": dataclasses.asdict(budgets)}
+
+
+def expand_systems(systems: list[str], fit: dict | None) -> list[str]:
+    """`infinity:fitting` replaced by every fitting static placement (in order, without duplicates)."""
+    out = []
+    for name in systems:
+        names = [f"infinity:{p}" for p in fit["fitting"]] if name == "infinity:fitting" else [name]
+        out += [n for n in names if n not in out]
+    return out
+
+
 def drive(args) -> dict:
     from common import machine, write_json
     args.dir = os.path.abspath(args.dir or tempfile.mkdtemp(prefix="bench-step-"))
     os.makedirs(args.dir, exist_ok=True)
-    systems = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS
+    requested = args.systems.split(",") if args.systems else DEFAULT_SYSTEMS
+    fit = None
+    if "infinity:auto" in requested or "infinity:fitting" in requested:
+        if not args.device_budget and not args.host_budget:
+            args.device_budget, args.host_budget = AUTO_BUDGETS
+            print(f"budgets: --device-budget {AUTO_BUDGETS[0]} --host-budget {AUTO_BUDGETS[1]} (the default with "
+                  f"infinity:auto / infinity:fitting)", flush=True)
+        fit = fitting_placements(args)
+        print(f"budgets: device {_gib(fit['budgets']['device'])}, host {_gib(fit['budgets']['host'])}, "
+              f"nvme {_gib(fit['budgets']['nvme'])}; static placements that fit: "
+              f"{', '.join(fit['fitting']) or 'none'}", flush=True)
+    systems = expand_systems(requested, fit)
     results = {}
     for name in ["io"] + systems:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", name] + _forward(args)
@@ -284,9 +406,55 @@ def drive(args) -> dict:
     ratios = _peer_ratios(results)
     payload = {"benchmark": "step", "machine": machine(), "model": vars(model_config(args)),
                "params": model_config(args).num_params(), "batch": args.batch, "clip": args.clip,
-               "threads": args.threads, "results": results, "floors": floors, "peer_ratios": ratios}
+               "threads": args.threads, "device_budget": args.device_budget or "auto",
+               "host_budget": args.host_budget or "auto", "systems": systems, "results": results, "floors": floors,
+               "peer_ratios": ratios}
+    if fit is not None:
+        payload["auto_vs_static"] = auto_vs_static(results, fit)
     write_json(args.json, payload)
+    if fit is not None:
+        _print_auto_vs_static(payload["auto_vs_static"])  # after the JSON, so it is what the terminal shows last
     return payload
+
+
+def auto_vs_static(results: dict, fit: dict) -> dict:
+    """Issue 5's bar: auto fits, and its step is within 10% of the best static placement that fits."""
+    static = {}
+    for placement in fit["fitting"]:
+        r = results.get(f"infinity:{placement}")
+        if r is not None:
+            static[placement] = {"step_s": r.get("step_s")} if "step_s" in r else {"error": r.get("error")}
+    timed = {p: r["step_s"] for p, r in static.items() if r.get("step_s")}
+    best = min(timed, key=timed.get) if timed else None
+    auto = results.get("infinity:auto", {})
+    auto_s = auto.get("step_s")
+    ratio = auto_s / timed[best] if auto_s and best else None
+    return {"budgets": fit["budgets"], "fitting": static,
+            "fitting_not_run": [p for p in fit["fitting"] if p not in static],
+            "not_fitting": fit["not_fitting"], "best_static": best, "best_static_step_s": timed.get(best),
+            "auto_fits": "step_s" in auto, "auto_error": auto.get("error"), "auto_step_s": auto_s,
+            "auto_plan": auto.get("plan"), "ratio_auto_to_best": round(ratio, 3) if ratio else None,
+            "within_10pct": ratio <= 1.10 if ratio else None}
+
+
+def _print_auto_vs_static(a: dict) -> None:
+    print(f"auto vs static ({len(a['fitting'])} static placements fit and ran, {len(a['not_fitting'])} do not fit):")
+    for placement, r in sorted(a["fitting"].items(), key=lambda kv: kv[1].get("step_s") or float("inf")):
+        print(f"  {placement:24s} " + (f"{r['step_s']:.3f} s/step" if r.get("step_s") else f"failed: {r['error']}"[:160]))
+    if a["auto_fits"]:
+        plan = a["auto_plan"] or {}
+        counts = "; ".join(f"{g} " + ", ".join(f"{n} on {t}" for t, n in c.items())
+                           for g, c in plan.get("tier_counts", {}).items())
+        print(f"  {'auto':24s} {a['auto_step_s']:.3f} s/step  plan: {counts}")
+    else:
+        print(f"  auto failed: {a['auto_error']}")
+    if a["ratio_auto_to_best"] is not None:
+        verdict = "within" if a["within_10pct"] else "NOT within"
+        print(f"  auto / best static ({a['best_static']}) = {a['ratio_auto_to_best']:.3f}: {verdict} 10%")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _floors(results: dict) -> dict:
@@ -326,6 +494,9 @@ def _forward(args) -> list[str]:
                 "units_ahead", "io_bytes"):
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     out += ["--dir", args.dir]
+    for key in ("device_budget", "host_budget"):
+        if getattr(args, key):
+            out += [f"--{key.replace('_', '-')}", getattr(args, key)]
     if args.profile:
         out.append("--profile")
     if args.no_overlap:
@@ -333,9 +504,10 @@ def _forward(args) -> list[str]:
     return out
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--systems", default="", help="comma-separated (default: all)")
+    ap.add_argument("--systems", default="", help="comma-separated (default: all); infinity:auto and infinity:fitting "
+                                                  "(every static placement that fits the budgets) compare auto")
     ap.add_argument("--dir", default=None, help="directory on the disk under test (swap files, traces)")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--d-model", type=int, default=1024)
@@ -350,12 +522,21 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--units-ahead", type=int, default=2)
     ap.add_argument("--io-bytes", type=int, default=1 << 30)
+    ap.add_argument("--device-budget", default=None, metavar="SIZE",
+                    help='infinity\'s memory.device_budget, e.g. "2GiB" (default "auto": the free memory '
+                         'detected; with infinity:auto / infinity:fitting, AUTO_BUDGETS)')
+    ap.add_argument("--host-budget", default=None, metavar="SIZE",
+                    help='infinity\'s memory.host_budget, e.g. "2GiB" (default as --device-budget)')
     ap.add_argument("--profile", action="store_true", help="enable infinity's profiler (overlap efficiency)")
     ap.add_argument("--no-overlap", action="store_true", help="infinity without the optimizer worker")
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.worker:
         print("RESULT " + json.dumps(worker(args), default=str), flush=True)
         return None

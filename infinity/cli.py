@@ -1,6 +1,7 @@
 """The `infinity` command: train, estimate, config, bench-links, bench-io.
 
     infinity train [--config FILE] [--set key=value ...]
+    infinity train --resume RUN_DIR_OR_CHECKPOINT [--set run.steps=N ...]   continue a run
     infinity estimate [--config FILE] [--model gpt|gpt2|llama|module:function] [--world-size N] [--explain]
     infinity config --defaults                 every key with its default and meaning
     infinity config [--config FILE] [--set ...]  the resolved config of a job
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Train the job: with no arguments, a small byte-level GPT on infinity/corpus/kjv.txt.gz "
                                    "with parameters and optimizer state on NVMe under runs/<time>/swap.")
     _add_job_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="continue a run from its latest checkpoint (or the checkpoint given): its config.toml "
+                        "(unless --config) with --set applied, the same batches, LR schedule and metrics.jsonl")
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
     p = sub.add_parser("estimate", help="bytes per tier, plan, step time and preflight checks, without running",
@@ -74,13 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = ["infinity bench-io", *argv[1:]]
         return bench.main() or 0
     args = build_parser().parse_args(argv)
+    from .checkpoint import CheckpointError
     from .config import ConfigError
     from .environment import PreflightError
     from .memory.placement import PlacementError
     try:
         return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links}[
             args.command](args)
-    except (ConfigError, PlacementError, PreflightError) as e:
+    except (ConfigError, PlacementError, PreflightError, CheckpointError) as e:
         print(f"infinity {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -89,9 +94,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from .train import load_job, train
-    job = load_job(args.config, args.overrides)
-    result = train(job, verbose=not args.quiet)
+    from .train import load_job, load_resume, train
+    resume = None
+    if args.resume:
+        job, resume = load_resume(args.resume, args.config, args.overrides)
+    else:
+        job = load_job(args.config, args.overrides)
+    result = train(job, verbose=not args.quiet, resume=resume)
     return EXIT_INTERRUPTED if result.status == "interrupted" else 0
 
 

@@ -2,6 +2,7 @@
 
     infinity train                                   # the built-in default: a small byte-level GPT on infinity/corpus/kjv.txt.gz
     infinity train --config run.toml --set run.steps=500 --set model.kind=llama
+    infinity train --resume runs/<name> --set run.steps=1000   # continue a run from its latest checkpoint
     torchrun --nproc-per-node 2 -m infinity train    # or: torchrun --nproc-per-node 2 $(which infinity) train
 
 A job file is an engine config (every section of `infinity config --defaults`)
@@ -19,12 +20,26 @@ Run directory (`run.dir`/`run.name`, default runs/<date>-<time>):
     summary.json         status (completed / interrupted), first / last loss, validation loss, throughput
     profile/             the profiler's summary and chart (when the engine has a profiler)
     checkpoint/          the final checkpoint (when the engine can save one)
+    checkpoints/step-N/  periodic checkpoints (run.checkpoint_every)
     swap/                the NVMe swap files while the run is alive (removed at the end)
 
 Note [clean stop]: Ctrl-C (SIGINT, or the SIGTERM torchrun sends its workers)
 only raises a flag; every rank learns of it at the end of the step through the
 per-step all-reduce of the loss, so all ranks stop after the same step, then
 write the report and checkpoint as on completion. A second Ctrl-C stops at once.
+
+Note [resume]: every checkpoint the job saves carries its training position in the
+manifest's user state (`{"train": ...}`, written atomically with the checkpoint): the
+steps done, the elapsed time, and what the batches depend on (data path, seed and split,
+batch size, sequence length, accumulation) and the model. The batches are a pure function
+of (data.seed, step, micro-batch) (Note [same batches at every world size] in data.py), so
+the step *is* the data position; the LR schedule position is the engine's update counter,
+restored by `load_checkpoint`. `--resume` takes the run's config.toml (or --config) plus
+--set, refuses changes to the model or the batches (they would make the continuation differ
+from the uninterrupted run), drops the metrics of steps after the checkpoint (a run killed
+between checkpoints re-trains them), and continues in the same run directory. The final
+checkpoint replaces the old `checkpoint/` by renames; `latest_checkpoint` picks the complete
+checkpoint with the most steps, so a crash between those renames loses nothing.
 """
 
 from __future__ import annotations
@@ -71,6 +86,9 @@ class RunConfig(_Section):
     log_every: int = _option(10, "Steps between progress lines when the output is not a terminal.", "int", ge=1)
     checkpoint: bool = _option(True, "Save a final checkpoint into the run directory (when the engine "
                                "supports checkpoints).", "bool")
+    checkpoint_every: int = _option(0, "Steps between checkpoints saved into checkpoints/step-<N> of the run "
+                                    "directory, for `infinity train --resume` after a crash (0 = only the final "
+                                    "one; [checkpoint] keep_last limits how many stay).", "int", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +296,170 @@ def _count(model: nn.Module) -> str:
     return f"{n / 1e6:.2f}M parameters"
 
 
+# ---------------------------------------------------------------- resume
+
+FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)
+PERIODIC_CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step-<N>: every run.checkpoint_every steps
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where `infinity train --resume` continues (Note [resume])."""
+
+    run_dir: Path
+    checkpoint: Path
+    step: int  # training steps done: the next batch is the one of this step index
+    elapsed_s: float  # training time of the run so far
+
+
+def train_position(job: Job, config: Config, step: int, elapsed_s: float, world: int) -> dict:
+    """The user state saved with every checkpoint of the job (Note [resume])."""
+    return {"train": {"step": step, "elapsed_s": elapsed_s, "world_size": world,
+                      "model": job.model.to_dict(), "batches": _batch_keys(job, config)}}
+
+
+def _batch_keys(job: Job, config: Config) -> dict:
+    """The keys the sequence of training batches depends on (Note [same batches at every world size])."""
+    return {"data.path": job.data.path, "data.seed": job.data.seed, "data.val_fraction": job.data.val_fraction,
+            "run.batch_size": job.run.batch_size, "model.seq_len": job.model.seq_len,
+            "train.grad_accum_steps": config.train.grad_accum_steps}
+
+
+def _checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Every checkpoint directory the job may have written in `run_dir`, complete or not."""
+    out = [p for p in run_dir.iterdir() if p.is_dir() and (p.name == FINAL_CHECKPOINT
+                                                           or p.name.startswith(FINAL_CHECKPOINT + "."))]
+    periodic = run_dir / PERIODIC_CHECKPOINTS
+    if periodic.is_dir():
+        out += [p for p in periodic.iterdir() if p.is_dir()]
+    return sorted(out)
+
+
+def _position_of(path: Path) -> dict | None:
+    """The training position saved in the checkpoint at `path`; None when it is incomplete or not the job's."""
+    from .checkpoint import CheckpointError, read_manifest
+    try:
+        manifest = read_manifest(str(path))
+    except (CheckpointError, OSError):
+        return None
+    position = (manifest.get("user_state") or {}).get("train")
+    return position if isinstance(position, dict) and isinstance(position.get("step"), int) else None
+
+
+def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(steps done, path) of the complete checkpoints `infinity train` saved in `run_dir`, oldest first."""
+    found = [(pos["step"], path) for path in _checkpoint_dirs(run_dir) if (pos := _position_of(path)) is not None]
+    return sorted(found, key=lambda sp: (sp[0], sp[1].name == FINAL_CHECKPOINT))
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The complete checkpoint with the most steps in `run_dir`, or a ConfigError saying why there is none."""
+    found = run_checkpoints(run_dir)
+    if found:
+        return found[-1][1]
+    others = [p.name if p.parent == run_dir else f"{p.parent.name}/{p.name}" for p in _checkpoint_dirs(run_dir)]
+    why = (f"only {', '.join(others)}, which {'is' if len(others) == 1 else 'are'} incomplete (a save the run did not "
+           f"finish) or not saved by infinity train" if others else
+           "the run saved none: it had run.checkpoint = false, or stopped before its first checkpoint "
+           "(run.checkpoint_every = N saves one every N steps)")
+    raise ConfigError(f"--resume {run_dir}: no checkpoint found in {run_dir}: {why}. Start the run again with "
+                      f"infinity train --config {run_dir / 'config.toml'} --set run.name=<new name>")
+
+
+def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None = None,
+                overrides: list[str] = ()) -> tuple[Job, Resume]:
+    """The job and position of `infinity train --resume PATH` (a run directory, or one of its checkpoints).
+
+    The job is the run's config.toml (or `config_path`) with `overrides`; keys that would change the model or
+    the batches from the checkpoint on are refused, as is a checkpoint older than another one of the run.
+    """
+    given = Path(path).absolute()
+    if not given.is_dir():
+        raise ConfigError(f"--resume {path}: no such directory; give a run directory (runs/<name>, the one holding "
+                          f"config.toml) or one of its checkpoints (runs/<name>/checkpoint)")
+    if (given / "config.toml").is_file():
+        run_dir = given
+        checkpoint = latest_checkpoint(run_dir)
+    else:
+        run_dir = next((d for d in (given.parent, given.parent.parent) if (d / "config.toml").is_file()), None)
+        if run_dir is None:
+            raise ConfigError(f"--resume {path}: neither a run directory (no config.toml in it) nor a checkpoint "
+                              f"inside one; give the directory infinity train created (runs/<name>)")
+        from .checkpoint import read_manifest
+        read_manifest(str(given))  # a CheckpointError that says what is wrong with it
+        checkpoint = given
+    position = _position_of(checkpoint)
+    if position is None:
+        raise ConfigError(f"--resume {path}: the checkpoint {checkpoint} has no training position (it was not saved "
+                          f"by infinity train); load it with engine.load_checkpoint in your own loop")
+    newer = [p for step, p in run_checkpoints(run_dir) if step > position["step"]]
+    if newer:
+        raise ConfigError(f"--resume {path}: {len(newer)} checkpoint(s) of this run are newer than {checkpoint} "
+                          f"(step {position['step']}), e.g. {newer[-1]}: resuming from it would overwrite them. "
+                          f"Resume from the latest (--resume {run_dir}), or move the newer ones away first")
+    for item in overrides:
+        section, key, _ = _parse_override(item)
+        if section == "run" and key in ("dir", "name"):
+            raise ConfigError(f"--set {item}: a resumed run continues in its own directory {run_dir}; drop it (to "
+                              f"branch into a new run, copy the run directory and resume the copy)")
+    job = load_job(config_path if config_path is not None else run_dir / "config.toml", overrides)
+    job = _relocate(job, run_dir)
+    config = job.engine_config(str(run_dir))
+    saved_model, saved_batches = position.get("model", {}), position.get("batches", {})
+    for key, value in job.model.to_dict().items():
+        if key in saved_model and saved_model[key] != value:
+            raise ConfigError(f"--resume {path}: model.{key} = {_show(value)}, but the checkpoint was trained with "
+                              f"model.{key} = {_show(saved_model[key])}: resume with the run's model (drop the "
+                              f"--set or --config that changes it)")
+    for key, value in _batch_keys(job, config).items():
+        if key in saved_batches and saved_batches[key] != value:
+            raise ConfigError(f"--resume {path}: {key} = {_show(value)}, but the run trained with {key} = "
+                              f"{_show(saved_batches[key])}, so the batches after the checkpoint would differ from "
+                              f"the run's: resume with the run's value (drop the --set or --config that changes it)")
+    if job.run.steps <= position["step"]:
+        raise ConfigError(f"--resume {path}: the checkpoint is at step {position['step']} and run.steps = "
+                          f"{job.run.steps}: nothing to train; --set run.steps=N with N > {position['step']} to "
+                          f"train further")
+    return job, Resume(run_dir=run_dir, checkpoint=checkpoint, step=position["step"],
+                       elapsed_s=float(position.get("elapsed_s", 0.0)))
+
+
+def _relocate(job: Job, run_dir: Path) -> Job:
+    """Drop the swap and profile paths config.toml resolved for the run directory (they may be relative to
+    another working directory): the engine config then derives them from `run_dir` again."""
+    written_for = os.path.join(job.run.dir, run_dir.name)  # the run directory's path when config.toml was written
+    keys = {section: dict(table) for section, table in job.engine_keys.items()}
+    if list(keys.get("nvme", {}).get("paths", ())) == [os.path.join(written_for, "swap")]:
+        del keys["nvme"]["paths"]
+    if keys.get("profile", {}).get("trace_dir") == os.path.join(written_for, "profile"):
+        del keys["profile"]["trace_dir"]
+    return dataclasses.replace(job, engine_keys=keys)
+
+
+def _metrics_records(path: Path) -> list[tuple[str, dict | None]]:
+    """(line, record) of metrics.jsonl; record None for a line a killed run left half-written."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append((line, json.loads(line)))
+        except ValueError:
+            out.append((line, None))
+    return out
+
+
+def _trim_metrics(path: Path, last_step: int) -> int:
+    """Keep the records of steps <= last_step (the checkpoint's); returns how many lines were dropped."""
+    lines = _metrics_records(path)
+    kept = [line for line, record in lines if record is not None and record.get("step", 0) <= last_step]
+    if len(kept) != len(lines):
+        _write_atomic(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
+
+
+def _earlier_losses(path: Path) -> list[float]:
+    return [record["loss"] for _, record in _metrics_records(path) if record is not None]
+
+
 # ---------------------------------------------------------------- processes
 
 
@@ -352,8 +534,9 @@ class StopFlag:
 class Progress:
     """One status line: redrawn in place on a terminal, printed every `every` steps otherwise."""
 
-    def __init__(self, total: int, every: int, enabled: bool, stream=None):
+    def __init__(self, total: int, every: int, enabled: bool, stream=None, first_step: int = 0):
         self.total, self.every, self.enabled = total, every, enabled
+        self.first_step = first_step  # steps done before this process started (a resumed run)
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
         self.start = time.perf_counter()
@@ -363,7 +546,7 @@ class Progress:
         if not self.enabled:
             return
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / step * (self.total - step)
+        eta = elapsed / max(1, step - self.first_step) * (self.total - step)
         width = 24
         filled = int(width * step / self.total)
         line = (f"step {step:>{len(str(self.total))}}/{self.total} [{'#' * filled}{'.' * (width - filled)}] "
@@ -372,7 +555,7 @@ class Progress:
         if self.tty:
             self.stream.write("\r" + line + "\033[K")
             self.stream.flush()
-        elif step % self.every == 0 or step == self.total or step == 1:
+        elif step % self.every == 0 or step == self.total or step == self.first_step + 1:
             print(line, file=self.stream, flush=True)
 
     def note(self, text: str) -> None:
@@ -437,6 +620,13 @@ def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Write via a temporary file and a rename: a reader sees the old contents or the new, never a part."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 # ---------------------------------------------------------------- the run
 
 
@@ -456,25 +646,29 @@ def _run_name(run: RunConfig) -> str:
     return time.strftime("%Y%m%d-%H%M%S") if run.name == "auto" else run.name
 
 
-def train(job: Job, *, verbose: bool = True) -> Result:
-    """Run the job: every rank calls this (under torchrun, or alone)."""
+def train(job: Job, *, verbose: bool = True, resume: Resume | None = None) -> Result:
+    """Run the job: every rank calls this (under torchrun, or alone). With `resume` (from `load_resume`),
+    continue that run from its checkpoint (Note [resume])."""
     rank, world, owns_group = setup_distributed()
     try:
-        return _run(job, rank, world, verbose)
+        return _run(job, rank, world, verbose, resume)
     finally:
         if owns_group:
             import torch.distributed as dist
             dist.destroy_process_group()
 
 
-def _run(job: Job, rank: int, world: int, verbose: bool) -> Result:
+def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) -> Result:
     import infinity
 
-    run_dir = Path(_agree(os.path.join(job.run.dir, _run_name(job.run)), world))
-    taken = rank == 0 and run_dir.exists() and any(p.name != "swap" for p in run_dir.iterdir())
-    if _agree(taken, world):
-        raise ConfigError(f"run directory {run_dir} already holds a run: choose another run.name, or leave "
-                          f'run.name = "auto"')
+    if resume is None:
+        run_dir = Path(_agree(os.path.join(job.run.dir, _run_name(job.run)), world))
+        taken = rank == 0 and run_dir.exists() and any(p.name != "swap" for p in run_dir.iterdir())
+        if _agree(taken, world):
+            raise ConfigError(f"run directory {run_dir} already holds a run: choose another run.name, leave "
+                              f'run.name = "auto", or continue it with infinity train --resume {run_dir}')
+    else:
+        run_dir = Path(_agree(str(resume.run_dir), world))
     swap_dir = run_dir / "swap"
     config = job.engine_config(str(run_dir))
     batches = Batches.from_config(job.data, seq_len=job.model.seq_len, global_batch=job.run.batch_size,
@@ -482,18 +676,37 @@ def _run(job: Job, rank: int, world: int, verbose: bool) -> Result:
     os.makedirs(run_dir, exist_ok=True)
     for path in config.nvme.paths:
         os.makedirs(path, exist_ok=True)
-    say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0)
-    if rank == 0:
-        (run_dir / "config.toml").write_text(to_toml(config, job))
+    start = resume.step if resume else 0
+    say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0, first_step=start)
+    earlier: list[float] = []
+    if rank == 0 and resume is None:
+        _write_atomic(run_dir / "config.toml", to_toml(config, job))
     _measure_links(config, world)
     bundle = build_model(job.model)
     engine = infinity.initialize(bundle.model, config, init_fn=bundle.init_fn)
     try:
+        if resume is not None:
+            saved = engine.load_checkpoint(str(resume.checkpoint)).get("train", {})
+            assert saved.get("step") == start, f"{resume.checkpoint} is at step {saved.get('step')}, not {start}"
+            if rank == 0:  # only now: a resume that fails to start leaves the run's files as they were
+                _write_atomic(run_dir / "config.toml", to_toml(config, job))
+                dropped = _trim_metrics(run_dir / "metrics.jsonl", start)  # steps after the checkpoint: trained again
+                if dropped:
+                    say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")
+                earlier = _earlier_losses(run_dir / "metrics.jsonl")
+            say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")
+            o = config.optimizer
+            if o.schedule != "constant" and job.run.steps > o.total_steps:
+                say.note(f"note: the learning rate reaches its final value at optimizer.total_steps = {o.total_steps} "
+                         f"and stays there until run.steps = {job.run.steps}; --set optimizer.total_steps="
+                         f"{job.run.steps} to stretch the schedule instead")
         say.note(f"{bundle.description}, {len(engine.units)} units, world size {world}, device {engine.device}, "
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         with StopFlag() as stop, (run_dir / "metrics.jsonl").open("a") if rank == 0 else _Null() as metrics:
-            result = _loop(job, config, engine, bundle, batches, stop, metrics, say, run_dir)
-        _finish(job, config, engine, run_dir, result, world, rank, say)
+            result = _loop(job, config, engine, bundle, batches, stop, metrics, say, run_dir, start=start,
+                           elapsed_before=resume.elapsed_s if resume else 0.0)
+        result.losses = earlier + result.losses  # the whole run's (rank 0 reads the earlier ones from metrics.jsonl)
+        _finish(job, config, engine, run_dir, result, world, rank, say, resume)
     finally:
         engine.close()  # waits for in-flight I/O and removes this rank's swap files
         say.close()
@@ -547,17 +760,19 @@ def _estimate(job: Job, config: Config, world: int, say: Progress):
 
 
 def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batches, stop: StopFlag, metrics,
-          say: Progress, run_dir: Path) -> Result:
+          say: Progress, run_dir: Path, *, start: int = 0, elapsed_before: float = 0.0) -> Result:
+    """Steps start + 1 .. run.steps (start > 0 when resuming: the batches and LR continue from there)."""
     accum = config.train.grad_accum_steps
     device = engine.device
     tokens_per_step = batches.tokens_per_batch * accum
     losses: list[float] = []
     val_loss = None
     status = "completed"
-    start = time.perf_counter()
+    began = time.perf_counter() - elapsed_before
     recent: list[float] = []
-    step, overlap = 0, None
-    for step in range(1, job.run.steps + 1):
+    step, overlap = start, None
+    every = job.run.checkpoint_every
+    for step in range(start + 1, job.run.steps + 1):
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=device)
         for micro in range(accum):
@@ -575,7 +790,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
         record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
                   "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
                   "tokens_per_s": tokens_per_step / seconds, "tokens": step * tokens_per_step,
-                  "elapsed_s": time.perf_counter() - start, "overlap_efficiency": overlap}
+                  "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap}
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
                                      f"optimizer.warmup_steps")
@@ -590,8 +805,12 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
         if stopping:
             status = "interrupted"
             break
+        if every and step % every == 0 and not last and job.run.checkpoint:  # the last step gets the final one
+            engine.save_checkpoint(str(run_dir / PERIODIC_CHECKPOINTS / f"step-{step:08d}"),
+                                   user_state=train_position(job, config, step, time.perf_counter() - began,
+                                                             engine.world_size))
     return Result(run_dir=run_dir, status=status, steps=step, losses=losses, val_loss=val_loss,
-                  seconds=time.perf_counter() - start)
+                  seconds=time.perf_counter() - began)
 
 
 def _reduce_step(loss: torch.Tensor, stop: bool, device: torch.device, world: int) -> tuple[float, bool]:
@@ -615,13 +834,37 @@ def _validate(engine, bundle: ModelBundle, batches: Batches, count: int, device:
     return value
 
 
+def _save_final(job: Job, config: Config, engine, run_dir: Path, result: Result, world: int, rank: int) -> Path:
+    """The final checkpoint into <run>/checkpoint. A resumed run already has one: the new one is saved beside
+    it and replaces it by renames; until the old one is removed both are complete, and `latest_checkpoint`
+    takes the one with more steps (Note [resume])."""
+    final = run_dir / FINAL_CHECKPOINT
+    position = train_position(job, config, result.steps, result.seconds, world)
+    replace = _agree(final.exists(), world)
+    target = run_dir / f"{FINAL_CHECKPOINT}.new-{result.steps:08d}" if replace else final
+    if rank == 0 and target.exists():
+        shutil.rmtree(target)  # left by a save that crashed while replacing; `final` is newer or as new
+    _barrier(world)
+    engine.save_checkpoint(str(target), user_state=position)
+    engine.wait_for_checkpoint()  # committed (visible, complete) before it replaces the old one
+    if replace and rank == 0:
+        old = run_dir / f"{FINAL_CHECKPOINT}.old-{result.steps:08d}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(target, final)
+        for stale in run_dir.iterdir():  # this one and any a crashed replacement left
+            if stale.is_dir() and stale.name.startswith((f"{FINAL_CHECKPOINT}.old-", f"{FINAL_CHECKPOINT}.new-")):
+                shutil.rmtree(stale, ignore_errors=True)
+    _barrier(world)
+    return final
+
+
 def _finish(job: Job, config: Config, engine, run_dir: Path, result: Result, world: int, rank: int,
-            say: Progress) -> None:
+            say: Progress, resume: Resume | None = None) -> None:
     """Checkpoint, profile, memory report and summary (Note [clean stop]: also after an interrupt)."""
     checkpoint = None
     if job.run.checkpoint and hasattr(engine, "save_checkpoint"):
-        checkpoint = run_dir / "checkpoint"
-        engine.save_checkpoint(str(checkpoint))
+        checkpoint = _save_final(job, config, engine, run_dir, result, world, rank)
     report = engine.memory_report()
     peaks = _gather(peak_rss_bytes(), world)
     if rank != 0:
@@ -638,6 +881,8 @@ def _finish(job: Job, config: Config, engine, run_dir: Path, result: Result, wor
         "peak_rss_bytes": peaks[0], "checkpoint": str(checkpoint) if checkpoint else None,
         "overlap_efficiency": overlap_efficiency(engine),
     }
+    if resume is not None:
+        summary["resumed"] = {"from": str(resume.checkpoint), "at_step": resume.step}
     estimate = _estimate(job, config, world, say)
     if estimate is not None:
         write_json(run_dir / "estimate.json", estimate.to_json())
