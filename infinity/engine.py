@@ -251,6 +251,9 @@ class Engine:
         self._check_open()
         if self._step_started is None and self.profiler.enabled:
             self._step_started = time.perf_counter()  # a profiled step runs from its first forward to the next one's
+            if self._pending_step_mark is not None:
+                self.profiler.record_step(*self._pending_step_mark, self._step_started)  # the previous one ends here
+                self._pending_step_mark = None
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
         output = self.module(*args, **kwargs)
@@ -333,7 +336,7 @@ class Engine:
 
     def _mark_step(self) -> None:
         """Profiling: the step just issued ends when the next one starts (its update overlaps that forward)."""
-        if self.profiler.enabled and self._pending_step_mark is not None:
+        if self.profiler.enabled and self._pending_step_mark is not None:  # a step with no forward after it
             self.profiler.record_step(*self._pending_step_mark, time.perf_counter())
         if self.profiler.enabled:
             self._pending_step_mark = (self.optimizer_steps - 1, self._step_started)
