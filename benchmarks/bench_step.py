@@ -105,13 +105,9 @@ def timed_loop(args, step_fn, data, drain=None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------- workers
-def run_torch(args) -> dict:
+def plain_step(args, model, opt):
+    """One training step of a plain PyTorch model and optimizer (the baseline, and FSDP2), with clipping."""
     import torch
-    from infinity.models.gpt import GPT
-    cfg = model_config(args)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), fused=True, **optimizer_args(args))
 
     def step(x, y):
         loss = model(x, y)
@@ -121,7 +117,17 @@ def run_torch(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         return float(loss)
-    return timed_loop(args, step, batches(args, cfg))
+    return step
+
+
+def run_torch(args) -> dict:
+    import torch
+    from infinity.models.gpt import GPT
+    cfg = model_config(args)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **optimizer_args(args))
+    return timed_loop(args, plain_step(args, model, opt), batches(args, cfg))
 
 
 def infinity_config(args, placement: str, swap: str) -> dict:
@@ -174,10 +180,9 @@ def run_infinity(args, placement: str) -> dict:
     except BaseException:
         shutil.rmtree(swap, ignore_errors=True)
         raise
-    moved = []
+    start = dict(engine.manager.bytes_moved)
 
     def step(x, y):
-        moved.append(dict(engine.manager.bytes_moved))
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
@@ -189,8 +194,7 @@ def run_infinity(args, placement: str) -> dict:
         from infinity.memory.traffic import bytes_per_step
         out["bytes_moved_per_step"] = bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
                                                      cuda=engine.env.device.type == "cuda")
-        total = {k: v - moved[0][k] for k, v in engine.manager.bytes_moved.items()}
-        out["bytes_moved_whole_run"] = total
+        out["bytes_moved_whole_run"] = {k: v - start[k] for k, v in engine.manager.bytes_moved.items()}
         prof = getattr(engine, "profiler", None)
         summary = prof.summary() if prof is not None and hasattr(prof, "summary") else None
         if summary:  # None without the profiler ([profile] enabled = false)
@@ -274,17 +278,8 @@ def run_fsdp2(args, kind: str) -> dict:
         fully_shard(block, **policy)
     fully_shard(model, **policy)
     opt = torch.optim.AdamW(model.parameters(), **optimizer_args(args))
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
     try:
-        return timed_loop(args, step, batches(args, cfg))
+        return timed_loop(args, plain_step(args, model, opt), batches(args, cfg))
     finally:
         dist.destroy_process_group()
 

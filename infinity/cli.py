@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from .train import load_job, load_resume, train
+    from .resume import load_resume
+    from .train import load_job, train
     resume = None
     if args.resume:
         job, resume = load_resume(args.resume, args.config, args.overrides)

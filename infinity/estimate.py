@@ -48,7 +48,7 @@ from .environment import PreflightError, resolve_budgets
 from .memory import cost_model
 from .memory.placement import Budgets, Plan, PlacementError, plan_for_config
 from .memory.tier import Kind, Tier
-from .optim.read_ahead import resolve_read_ahead
+from .optim.read_ahead import largest_chunk_bytes, resolve_read_ahead
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
@@ -307,7 +307,6 @@ def _host_staging(plan: Plan, read_ahead: int, max_writes_in_flight: int = 4) ->
     pipeline = staging_pool_bytes(plan, max_writes_in_flight=max_writes_in_flight)
     if not read_ahead:
         return pipeline
-    from .optim.read_ahead import largest_chunk_bytes
     one_kind = largest_chunk_bytes(plan) // 3  # the largest sub-group of one state kind
     return max(pipeline, read_ahead + max_writes_in_flight * one_kind)
 

@@ -50,7 +50,8 @@ def _fill_random(buf: torch.Tensor) -> None:
         buf[pos:pos + n] = chunk[:n]
 
 
-def _drop_cache(path: str) -> None:
+def drop_page_cache(path: str) -> None:
+    """Flush the file and drop its cached pages, so the next read comes from the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -59,7 +60,7 @@ def _drop_cache(path: str) -> None:
         os.close(fd)
 
 
-def _fsync(path: str) -> None:
+def fsync_file(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -98,11 +99,11 @@ class EngineContender(Contender):
     def setup(self) -> None:
         self.io = IOEngine(self.cfg)
         self.io.submit_write(self.buf, self.path, 0).wait()  # lay the file out, like fio does
-        _fsync(self.path)
+        fsync_file(self.path)
 
     def run(self, direction: str) -> float:
         if direction == "read":
-            _drop_cache(self.path)
+            drop_page_cache(self.path)
         t0 = time.perf_counter()
         if direction == "write":
             self.io.submit_write(self.buf, self.path, 0).wait()
@@ -115,7 +116,7 @@ class EngineContender(Contender):
         """Buffered writes are not done before fsync. Direct writes are (fio does not fsync
         either; an fsync would also wait for other processes' dirty data in ext4's journal)."""
         if not self.cfg.direct:
-            _fsync(self.path)
+            fsync_file(self.path)
 
     def close(self) -> None:
         self.io.close()
@@ -214,7 +215,7 @@ class NaiveContender(Contender):
                 f.flush()
                 os.fsync(f.fileno())
             return time.perf_counter() - t0
-        _drop_cache(self.path)
+        drop_page_cache(self.path)
         t0 = time.perf_counter()
         with open(self.path, "rb") as f:
             data = f.read()

@@ -1,15 +1,14 @@
 """Every I/O failure surfaces from wait() as an IOEngineError naming the path, the offset,
 the bytes and the fix; the engine keeps serving other requests and other data is intact."""
 
-import contextlib
 import errno
 import os
-import subprocess
 
 import pytest
 import torch
 
 from io_engine import FailRule, IOConfig, IOEngine, IOEngineError, MemoryBackend
+from tmpfs import tmpfs
 
 CFG = IOConfig(block_size=64 << 10, queue_depth=8, threads=4)
 
@@ -17,24 +16,6 @@ CFG = IOConfig(block_size=64 << 10, queue_depth=8, threads=4)
 def data(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-
-
-@contextlib.contextmanager
-def tmpfs(path, size: str, readonly: bool = False):
-    """A tiny tmpfs at path (root only; the test skips where mounting is not allowed)."""
-    os.makedirs(path, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
-    try:
-        if readonly:
-            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True)
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def assert_engine_still_works(io: IOEngine, directory) -> None:

@@ -1,16 +1,15 @@
 """SwapSpace: aligned extents, reuse, striping, growth, close() hygiene, checksums."""
 
-import contextlib
 import errno
 import os
 import random
-import subprocess
 
 import pytest
 import torch
 
 from io_engine import (ChecksumError, Extent, FailRule, IOConfig, IOEngine, IOEngineError,
                        MemoryBackend, SwapSpace)
+from tmpfs import tmpfs
 
 CFG = IOConfig(block_size=64 << 10, queue_depth=8, threads=4)
 
@@ -18,21 +17,6 @@ CFG = IOConfig(block_size=64 << 10, queue_depth=8, threads=4)
 def data(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-
-
-@contextlib.contextmanager
-def tmpfs(path, size: str):
-    os.makedirs(path, exist_ok=True)
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount tmpfs here: {r.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture

@@ -18,7 +18,8 @@ from infinity.checkpoint import PARTIAL_MARKER
 from infinity.cli import EXIT_USAGE, main
 from infinity.config import ConfigError
 from infinity.export import export_checkpoint
-from infinity.train import load_job, load_resume, train
+from infinity.resume import load_resume
+from infinity.train import load_job, train
 
 # a fixed LR schedule (total_steps, warmup), so a run of N steps and one stopped at N/2 follow the same one
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "run.batch_size=4",

@@ -227,6 +227,7 @@ def _disk_key(directory: str) -> str:
 def _measure_disk(directory: str, num_bytes: int, io_config) -> tuple[float, float]:
     """(read, write) bytes/s of io_engine on `directory`: best of 3 transfers of `num_bytes`."""
     from io_engine import IOConfig, IOEngine, aligned_empty
+    from io_engine.bench import drop_page_cache, fsync_file
 
     cfg = IOConfig(block_size=io_config.block_size, queue_depth=io_config.queue_depth,
                    threads=min(io_config.threads, io_config.queue_depth), direct=io_config.direct, checksum=False)
@@ -240,9 +241,9 @@ def _measure_disk(directory: str, num_bytes: int, io_config) -> tuple[float, flo
             for _ in range(3):
                 t0 = time.perf_counter()
                 io.submit_write(buf, path, 0).wait()
-                _fsync(path)  # the write is not done until it is on the disk
+                fsync_file(path)  # the write is not done until it is on the disk
                 writes.append(time.perf_counter() - t0)
-                _drop_cache(path)
+                drop_page_cache(path)
                 t0 = time.perf_counter()
                 io.submit_read(buf, path, 0).wait()
                 reads.append(time.perf_counter() - t0)
@@ -250,21 +251,6 @@ def _measure_disk(directory: str, num_bytes: int, io_config) -> tuple[float, flo
         os.unlink(path)
     return num_bytes / min(reads), num_bytes / min(writes)
 
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _drop_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _best_seconds(fn, repeats: int = 3) -> float:

@@ -174,22 +174,22 @@ def host_slack(plan, budgets) -> int:
 def resolve_read_ahead(cfg, plan, budgets) -> int:
     """The read-ahead budget of a run of `cfg` with `plan` under `budgets` (0: none), as `initialize` and
     `infinity estimate` resolve it; raises ConfigError for an explicit size that cannot work."""
-    num_bytes = read_ahead_budget(cfg.overlap.optimizer_read_ahead, plan, budgets)
-    if cfg.overlap.optimizer_read_ahead != "auto" and num_bytes > host_slack(plan, budgets):
-        raise ConfigError(
-            f"overlap.optimizer_read_ahead = {format_size(cfg.overlap.optimizer_read_ahead)} would hold "
-            f"{format_size(num_bytes)} of optimizer state, but the plan leaves only "
-            f"{format_size(host_slack(plan, budgets))} of host memory free under memory.host_budget: lower it, "
-            f'or set it to "auto"')
-    if 0 < num_bytes < largest_chunk_bytes(plan) and cfg.overlap.optimizer_read_ahead == "auto":
-        num_bytes = 0  # too little memory left to hold one sub-group: no read-ahead
-    if 0 < num_bytes < largest_chunk_bytes(plan):
-        raise ConfigError(
-            f"overlap.optimizer_read_ahead = {format_size(num_bytes)} is less than one optimizer "
-            f"sub-group's state ({format_size(largest_chunk_bytes(plan))}), so nothing could be read ahead: "
-            f"raise it to at least that, lower optimizer.sub_group_size, or set it to 0")
+    setting = cfg.overlap.optimizer_read_ahead
     if not cfg.overlap.optimizer_with_backward:
-        num_bytes = 0
+        return 0  # no worker to read ahead (Config refuses an explicit size then)
+    num_bytes, chunk = read_ahead_budget(setting, plan, budgets), largest_chunk_bytes(plan)
+    if setting == "auto":
+        return num_bytes if num_bytes >= chunk else 0  # too little memory left to hold one sub-group
+    if num_bytes > host_slack(plan, budgets):
+        raise ConfigError(
+            f"overlap.optimizer_read_ahead = {format_size(setting)} would hold {format_size(num_bytes)} of optimizer "
+            f"state, but the plan leaves only {format_size(host_slack(plan, budgets))} of host memory free under "
+            f'memory.host_budget: lower it, or set it to "auto"')
+    if 0 < num_bytes < chunk:
+        raise ConfigError(
+            f"overlap.optimizer_read_ahead = {format_size(num_bytes)} is less than one optimizer sub-group's state "
+            f"({format_size(chunk)}), so nothing could be read ahead: raise it to at least that, lower "
+            f"optimizer.sub_group_size, or set it to 0")
     return num_bytes
 
 
