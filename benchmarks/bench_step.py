@@ -148,6 +148,10 @@ def infinity_config(args, placement: str, swap: str) -> dict:
               if value}
     if memory:
         config["memory"] = memory
+    from infinity.config import _parse_override
+    for item in args.set:  # e.g. io.checksum=false: one engine key for every infinity system
+        section, key, value = _parse_override(item)
+        config.setdefault(section, {})[key] = value
     return config
 
 
@@ -232,8 +236,9 @@ def run_deepspeed(args, kind: str) -> dict:
     if opt_dev:
         zero["offload_optimizer"] = {"device": opt_dev, "nvme_path": swap, "pin_memory": False, "buffer_count": 4}
     if param_dev:
-        zero["offload_param"] = {"device": param_dev, "nvme_path": swap, "pin_memory": False, "buffer_count": 32,
-                                 "buffer_size": max_numel, "max_in_cpu": 0}  # PEERS.md: >= the largest parameter
+        zero["offload_param"] = {"device": param_dev, "nvme_path": swap, "pin_memory": False,
+                                 "buffer_count": args.ds_param_buffers, "buffer_size": max_numel,
+                                 "max_in_cpu": 0}  # PEERS.md: >= the largest parameter
     o = optimizer_args(args)
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
@@ -486,7 +491,7 @@ def _peer_ratios(results: dict) -> dict:
 def _forward(args) -> list[str]:
     out = []
     for key in ("layers", "d_model", "heads", "vocab", "seq", "batch", "steps", "warmup", "lr", "clip", "threads",
-                "units_ahead", "io_bytes"):
+                "units_ahead", "io_bytes", "ds_param_buffers"):
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     out += ["--dir", args.dir]
     for key in ("device_budget", "host_budget"):
@@ -496,6 +501,8 @@ def _forward(args) -> list[str]:
         out.append("--profile")
     if args.no_overlap:
         out.append("--no-overlap")
+    for item in args.set:
+        out += ["--set", item]
     return out
 
 
@@ -510,8 +517,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=6, help="timed steps (the last one drains the overlapped update)")
+    ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
@@ -522,6 +529,11 @@ def parser() -> argparse.ArgumentParser:
                          'detected; with infinity:auto / infinity:fitting, AUTO_BUDGETS)')
     ap.add_argument("--host-budget", default=None, metavar="SIZE",
                     help='infinity\'s memory.host_budget, e.g. "2GiB" (default as --device-budget)')
+    ap.add_argument("--ds-param-buffers", type=int, default=32,
+                    help="DeepSpeed offload_param buffer_count (PEERS.md: 32; every parameter, however small, "
+                         "takes one buffer of the largest parameter's size)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="engine config key for the infinity systems, e.g. --set io.checksum=false (repeatable)")
     ap.add_argument("--profile", action="store_true", help="enable infinity's profiler (overlap efficiency)")
     ap.add_argument("--no-overlap", action="store_true", help="infinity without the optimizer worker")
     ap.add_argument("--timeout", type=int, default=1800)

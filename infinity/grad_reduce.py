@@ -61,7 +61,7 @@ class GradReducer:
         if m.is_zero(unit.index, Kind.GRADS):
             acc = out  # first micro-batch of the window: the reduced shard is the gradient
         else:
-            pending = m.fetch(unit.index, Kind.GRADS, None, out.device)
+            pending = m.fetch(unit.index, Kind.GRADS, None, out.device, urgent=True)  # backward waits for it
             with prof.wait(Link.NVME_READ, f"accumulate grads {unit.name}"):
                 acc = pending.wait()  # the window's earlier gradient is added to
             acc.add_(out)

@@ -129,7 +129,8 @@ class Unit:
             self.peak_unsharded = max(self.peak_unsharded, self._nbytes)
         start, _ = self.shard_range()
         # The shard lands in its own slot of the unsharded buffer; the all-gather fills the rest in place.
-        self._pending = manager.fetch(self.index, Kind.PARAMS, None, into=self._flat().narrow(0, start, self.shard_numel))
+        self._pending = manager.fetch(self.index, Kind.PARAMS, None, into=self._flat().narrow(0, start, self.shard_numel),
+                                      urgent=True)
         self.state = UnitState.UNSHARDING
 
     def wait_for_unshard(self, manager: TieredMemoryManager) -> None:

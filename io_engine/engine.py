@@ -8,6 +8,14 @@ blocks, so a prefetch is just an early submit.
 
 Request lifecycle (RequestState): QUEUED -> ISSUED -> DONE | FAILED. A block error fails
 its request (the remaining blocks of that request are skipped, other requests carry on).
+
+Note [urgent lane]: a training step mixes I/O somebody waits for now (the parameters
+the next layer computes with) with I/O that only has to finish eventually (optimizer
+state written behind, read ahead). With one FIFO a parameter read queues behind
+gigabytes of write-behind and compute stalls although the disk is busy. Requests
+submitted with ``urgent=True`` go to a second FIFO that ``_take_ready`` drains first;
+blocks already handed to the backend (at most queue_depth) are not pre-empted, so an
+urgent block waits for at most queue_depth blocks. Within each lane order is FIFO.
 """
 
 from __future__ import annotations
@@ -280,8 +288,9 @@ class IOEngine:
         cfg = self.config
         self.backend = backend if backend is not None else ThreadBackend(
             threads=cfg.threads, direct=cfg.direct, bounce_bytes=cfg.block_size)
-        self._lock = threading.Lock()  # guards the FIFO, counters and the tables below
+        self._lock = threading.Lock()  # guards the FIFOs, counters and the tables below
         self._pending: deque[BlockOp] = deque()
+        self._urgent: deque[BlockOp] = deque()  # issued before anything in _pending
         self._blocks_in_flight = 0
         self._outstanding: dict[int, IOFuture] = {}
         self._unobserved: list[IOFuture] = []
@@ -298,9 +307,12 @@ class IOEngine:
         file if missing (otherwise a missing file is an error)."""
         return self.submit(Direction.WRITE, tensor, path, offset, create=create)
 
-    def submit_read(self, out: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> IOFuture:
-        """Fill contiguous CPU ``out`` in place with bytes of ``path`` from byte ``offset``."""
-        return self.submit(Direction.READ, out, path, offset)
+    def submit_read(self, out: torch.Tensor, path: str | os.PathLike, offset: int = 0, *,
+                    urgent: bool = False) -> IOFuture:
+        """Fill contiguous CPU ``out`` in place with bytes of ``path`` from byte ``offset``.
+        ``urgent``: someone is waiting for it now; its blocks go ahead of every queued
+        non-urgent block (blocks already handed to the backend finish first)."""
+        return self.submit(Direction.READ, out, path, offset, urgent=urgent)
 
     async def read(self, out: torch.Tensor, path: str | os.PathLike, offset: int = 0) -> None:
         """asyncio face of submit_read."""
@@ -375,12 +387,12 @@ class IOEngine:
     def submit(self, direction: Direction | str, tensor: torch.Tensor, path: str | os.PathLike,
                offset: int, *, create: bool = True, pad_tail: bool = False,
                checksum: bool = False, expected: list[int] | None = None,
-               report: bool = True) -> IOFuture:
+               report: bool = True, urgent: bool = False) -> IOFuture:
         """The general form of submit_read/submit_write. pad_tail: bytes up to the next
         direct-I/O alignment after the range belong to the caller (see ThreadBackend).
         checksum: record per-block checksums in ``future.checksums``; expected: verify a
         read against them (ChecksumError on mismatch). report=False: a group future owns
-        failures (see adopt)."""
+        failures (see adopt). urgent: queue ahead of non-urgent blocks (Note [urgent lane])."""
         direction = Direction(direction)
         what = "tensor to write" if direction is Direction.WRITE else "read buffer `out`"
         _check_tensor(tensor, what)
@@ -411,7 +423,7 @@ class IOEngine:
             return fut
         ops = self._blocks(req, pad_tail)
         with self._lock:
-            self._pending.extend(ops)
+            (self._urgent if urgent else self._pending).extend(ops)
             ready, finished = self._take_ready()
         for op in ready:
             self.backend.submit(op)
@@ -446,8 +458,8 @@ class IOEngine:
         skipped; returns (blocks to submit, requests that just finished)."""
         ready, finished = [], []
         qd = self.config.queue_depth
-        while self._pending and self._blocks_in_flight < qd:
-            op = self._pending.popleft()
+        while (self._urgent or self._pending) and self._blocks_in_flight < qd:
+            op = (self._urgent or self._pending).popleft()
             req = op.request
             req.unissued -= 1
             if req.unissued == 0 and req.state is RequestState.QUEUED:

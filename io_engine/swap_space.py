@@ -342,14 +342,15 @@ class SwapSpace:
         rec.future = IOFuture.gather(futs, f"swap write of extent {ext.id}", on_done)
         return self.io.adopt(rec.future)
 
-    def read(self, ext: Extent, out: torch.Tensor) -> IOFuture:
-        """Read the extent into out; with checksum on, verified before wait() returns."""
+    def read(self, ext: Extent, out: torch.Tensor, *, urgent: bool = False) -> IOFuture:
+        """Read the extent into out; with checksum on, verified before wait() returns.
+        urgent: ahead of queued non-urgent I/O (Note [urgent lane] in engine.py)."""
         views = self._byte_views(ext, out, "read buffer `out`")
         rec = self._start(ext, "read")
         futs = [self.io.submit("read", v, p.path, p.offset, pad_tail=True,
                                checksum=rec.checksums is not None,
                                expected=rec.checksums[i] if rec.checksums is not None else None,
-                               report=False)
+                               report=False, urgent=urgent)
                 for i, (v, p) in enumerate(zip(views, ext.parts))]
 
         def on_done(error):

@@ -166,3 +166,30 @@ def test_failed_request_skips_its_remaining_blocks():
             io.submit_write(data(40_000), "/m/x", 0).wait()
         assert io.stats.write.errors == 1
     assert backend.submitted == 1  # blocks 2..10 never reached the backend
+
+
+def test_urgent_read_overtakes_queued_writes():
+    """Note [urgent lane]: an urgent read waits for the blocks already in flight, not for the whole queue."""
+    cfg = IOConfig(block_size=64 << 10, queue_depth=2, threads=2)
+    order, guard = [], threading.Lock()
+    with IOEngine(cfg, backend=MemoryBackend(latency_s=0.005)) as io:
+        io.submit_write(data(1000, 99), "/m/hot", 0).wait()
+        chunks = [data(64 << 10, i) for i in range(30)]
+        writes = [io.submit_write(c, f"/m/w{i}", 0) for i, c in enumerate(chunks)]
+        for i, w in enumerate(writes):
+            w.add_done_callback(lambda _, i=i: (guard.acquire(), order.append(f"w{i}"), guard.release()))
+        out = torch.empty(1000, dtype=torch.uint8)
+        plain = io.submit_read(torch.empty(1000, dtype=torch.uint8), "/m/hot", 0)
+        with guard:
+            done_before = len(order)
+        urgent = io.submit_read(out, "/m/hot", 0, urgent=True)
+        for name, f in [("urgent", urgent), ("plain", plain)]:
+            f.add_done_callback(lambda _, name=name: (guard.acquire(), order.append(name), guard.release()))
+        io.drain()
+    assert torch.equal(out, data(1000, 99))
+    assert done_before < 20, "the writes finished before the test could queue behind them"
+    # behind at most the blocks in flight when it was submitted (one more may have been issued between a
+    # block's completion and its callback), where the FIFO would put it after all 30:
+    assert order.index("urgent") <= done_before + cfg.queue_depth + 1, (done_before, order)
+    assert order.index("plain") == len(order) - 1, order  # the non-urgent read keeps its FIFO place
+    assert sorted(order) == sorted(["urgent", "plain"] + [f"w{i}" for i in range(30)])

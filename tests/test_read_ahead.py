@@ -56,16 +56,17 @@ def test_read_ahead_is_bitwise_no_read_ahead_and_is_used(clip, tmp_path):
         recipe, engine = _engine(tmp_path, f"ra{read_ahead}", read_ahead, clip=clip)
         ra = engine.optimizer.state_read_ahead
         assert (ra is None) == (read_ahead == 0)
+        tasks = len(engine.optimizer.task_chunks({u.index: u.active_ranges([True] * len(u.grad_flags()))
+                                                  for u in engine.units}, engine.units))
         losses = []
         for step in range(recipe.steps):
             losses += train_steps(engine, recipe, step, step + 1, 0, 1)
-            if ra is not None:  # let the worker read the whole next update ahead before it is needed
+            if ra is not None:  # let the update take its chunks, and the worker read the whole next one ahead
                 whole = engine.read_ahead_bytes
-                _wait_for(lambda: ra.held_bytes == whole and not ra._todo, "the read-ahead of the next update")
+                _wait_for(lambda: ra.hits + ra.misses == tasks * (step + 1) and ra.held_bytes == whole
+                          and not ra._todo, "the read-ahead of the next update")
         runs[read_ahead] = (losses, _params(engine))
         if ra is not None:
-            tasks = len(engine.optimizer.task_chunks({u.index: u.active_ranges([True] * len(u.grad_flags()))
-                                                      for u in engine.units}, engine.units))
             assert tasks > len(engine.units)  # several sub-groups per unit
             # every update after the first found all of its state already read
             assert ra.hits == tasks * (recipe.steps - 1) and ra.stale == 0

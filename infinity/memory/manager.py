@@ -156,11 +156,13 @@ class TieredMemoryManager:
 
     # ----------------------------------------------------------------- fetch
     def fetch(self, unit: int, kind: Kind, chunk: int | None = None, device: torch.device | None = None,
-              into: torch.Tensor | None = None) -> Pending:
+              into: torch.Tensor | None = None, *, urgent: bool = False) -> Pending:
         """Issue: bring a shard (or one chunk) to `device` (default: the compute device).
 
         With `into`, the bytes land there (e.g. straight in a unit's unsharded buffer,
         with no staging copy); otherwise in a resident view or a pooled staging buffer.
+        `urgent`: compute will wait for it (parameters, accumulated gradients): NVMe reads
+        go ahead of queued write-behind and read-ahead (Note [urgent lane] in io_engine).
         """
         device = into.device if into is not None else (device or self.device)
         shard = self._shards[(unit, kind)]
@@ -168,7 +170,7 @@ class TieredMemoryManager:
         assert into is None or (into.numel() == numel and into.dtype == shard.dtype), (
             f"fetch into {into.numel()} {into.dtype} of {numel} {shard.dtype}")
         if shard.tier is Tier.NVME:
-            return self._fetch_nvme(shard, chunk, start, numel, device, into)
+            return self._fetch_nvme(shard, chunk, start, numel, device, into, urgent)
         view = shard.resident.narrow(0, start, numel)
         for i in shard.chunk_ids(chunk):
             c = shard.chunks[i]
@@ -197,7 +199,7 @@ class TieredMemoryManager:
         return Pending(dst, after=done.synchronize)
 
     def _fetch_nvme(self, shard: _Shard, chunk, start: int, numel: int, device: torch.device,
-                    into: torch.Tensor | None) -> Pending:
+                    into: torch.Tensor | None, urgent: bool) -> Pending:
         direct = into is not None and into.device.type == "cpu"
         host = into if direct else self.staging.host_buffer(numel, shard.dtype)
         futures = []
@@ -209,7 +211,7 @@ class TieredMemoryManager:
                 dst.zero_()  # nothing on disk yet: zeros need no read
                 continue
             self._set(shard, c, Residency.READING)
-            futures.append(self._timed(self.swap.read(c.extent, dst), Link.NVME_READ, shard, c))
+            futures.append(self._timed(self.swap.read(c.extent, dst, urgent=urgent), Link.NVME_READ, shard, c))
             self.bytes_moved["nvme_read"] += c.numel * shard.dtype.itemsize
 
         def landed():

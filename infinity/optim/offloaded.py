@@ -121,9 +121,9 @@ class OffloadedOptimizer:
             u, c = task.unit.index, task.chunk
             params = m.target(u, Kind.PARAMS, c, bufs[Kind.MASTER].device)
             params.copy_(bufs[Kind.MASTER])
+            writes.append(m.store(u, Kind.PARAMS, c, params))  # first: the next forward reads these soonest
             for kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ):
                 writes.append(m.store(u, kind, c, bufs[kind]))
-            writes.append(m.store(u, Kind.PARAMS, c, params))
             m.release(bufs[Kind.GRADS])
             while len(writes) > self.max_writes_in_flight:
                 writes.popleft().wait()  # bound the staging buffers held by write-behind

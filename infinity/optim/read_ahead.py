@@ -7,8 +7,9 @@ bottleneck of the forward. But the state an update reads (fp32 master, both mome
 does not depend on the gradients: it is final as soon as the previous update wrote it.
 So once a step's updates are issued, the worker reads the next step's state, in the
 order the next update will want it, into staging buffers while forward and backward
-run, up to `[overlap] optimizer_read_ahead` bytes. The update then finds its reads
-done. Without clipping (updates during backward) the same read-ahead runs during the
+run, up to `[overlap] optimizer_read_ahead` bytes, READS_IN_FLIGHT chunks at a time (a
+deeper queue would make the update's write-behind and the parameter fetches wait behind
+reads needed only later). The update then finds its reads done. Without clipping (updates during backward) the same read-ahead runs during the
 forward.
 
 Exactness: an entry remembers the manager's version of every chunk it read; an
@@ -24,6 +25,7 @@ a wait for I/O); a second one spans the issue of one chunk, so `land` sees it.
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,6 +37,19 @@ from ..memory.manager import Pending, TieredMemoryManager
 from ..memory.tier import OPTIMIZER_KINDS, Kind, Tier
 
 _CPU = torch.device("cpu")
+
+
+# Chunks being read ahead at a time. Enough to keep the disk busy (two sub-groups of three
+# kinds queue ~100 ms of reads), few enough that the update's write-behind and the next
+# parameter fetches never queue behind seconds of reads that are needed only later.
+READS_IN_FLIGHT = 2
+
+
+class Issue(enum.Enum):
+    """What `StateReadAhead.issue_next` did."""
+    ISSUED = "issued"  # one more chunk is being read
+    BUSY = "busy"  # READS_IN_FLIGHT chunks are being read: try again when one lands
+    IDLE = "idle"  # nothing to read now (no order, budget full, paused)
 
 
 @dataclass
@@ -110,20 +125,24 @@ class StateReadAhead:
             raise error
 
     # ------------------------------------------------------------ optimizer worker
-    def issue_next(self) -> bool:
-        """Issue the reads of the next chunk in order if the budget has room; False when there is
-        nothing (more) to do now."""
+    def issue_next(self) -> Issue:
+        """Issue the reads of the next chunk in order if the budget has room and fewer than
+        `READS_IN_FLIGHT` chunks are still being read: ISSUED, BUSY (try again once a read lands)
+        or IDLE (nothing more to do until the order, the budget or the pause changes)."""
         with self._issuing:
             return self._issue_next()
 
-    def _issue_next(self) -> bool:
+    def _issue_next(self) -> Issue:
         with self._lock:
             if self._paused or not self._todo:
-                return False
+                return Issue.IDLE
+            reading = sum(1 for e in self._held.values() if not all(p.done() for p in e.fetches.values()))
+            if reading >= READS_IN_FLIGHT:
+                return Issue.BUSY
             key = next(iter(self._todo))
             num_bytes = self.chunk_bytes(*key)
             if self.held_bytes + num_bytes > self.budget:
-                return False  # the update frees budget as it takes entries
+                return Issue.IDLE  # the update frees budget as it takes entries
             del self._todo[key]
             self.held_bytes += num_bytes
         unit, chunk = key
@@ -133,7 +152,7 @@ class StateReadAhead:
         fetches = {k: self.manager.fetch(unit, k, chunk, _CPU) for k in kinds}
         with self._lock:
             self._held[key] = _Entry(fetches, versions, num_bytes, disk)
-        return True
+        return Issue.ISSUED
 
     def take(self, unit: int, chunk: int) -> dict[Kind, Pending]:
         """The held reads of this chunk (empty when none, or stale: then they are released).

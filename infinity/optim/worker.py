@@ -10,7 +10,7 @@ longer the one the step meant, so nothing may continue on it).
 
 When its queue is empty the thread reads the next update's optimizer state ahead
 (Note [state read-ahead]), one chunk at a time so that a new submission is never kept
-waiting for more than one chunk's issue; `read_ahead_next(chunks)` queues the order of
+waiting for more than one chunk's issue, with at most READS_IN_FLIGHT chunks being read; `read_ahead_next(chunks)` queues the order of
 the next update behind the batches already submitted.
 """
 
@@ -24,7 +24,9 @@ from typing import Callable
 from ..unit import Unit
 from .cpu_adam import AdamHyper
 from .offloaded import OffloadedOptimizer
-from .read_ahead import StateReadAhead
+from .read_ahead import Issue, StateReadAhead
+
+_POLL_S = 0.002  # while the read-ahead waits for a chunk to land: 2 ms of latency on ~50 ms reads
 
 
 @dataclass
@@ -117,15 +119,21 @@ class OptimizerWorker:
                 return self._queue.get_nowait()
             except queue.Empty:
                 pass
-            if self.read_ahead is None or self._error is not None or not self._read_one():
+            issued = Issue.IDLE if self.read_ahead is None or self._error is not None else self._read_one()
+            if issued is Issue.IDLE:
                 return self._queue.get()  # idle until a unit's update is submitted
+            if issued is Issue.BUSY:
+                try:
+                    return self._queue.get(timeout=_POLL_S)  # a submission, or look again when a read may have landed
+                except queue.Empty:
+                    pass
 
-    def _read_one(self) -> bool:
+    def _read_one(self) -> Issue:
         try:
             return self.read_ahead.issue_next()
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
             self._error = e
-            return False
+            return Issue.IDLE
 
     def _run(self) -> None:
         held = _NOTHING  # an item taken from the queue while merging batches, handled next
