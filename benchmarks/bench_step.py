@@ -197,7 +197,9 @@ def run_infinity(args, placement: str) -> dict:
         # counters between step starts would split an update that overlaps the next step
         from infinity.memory.traffic import bytes_per_step
         out["bytes_moved_per_step"] = bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
-                                                     cuda=engine.env.device.type == "cuda")
+                                                     cuda=engine.env.device.type == "cuda", kept=engine.kept_params)
+        out["fresh_params"] = {"hits": engine.manager.fresh.hits, "puts": engine.manager.fresh.puts,
+                               "refused": engine.manager.fresh.refused, "budget_bytes": engine.manager.fresh.budget}
         out["bytes_moved_whole_run"] = {k: v - start[k] for k, v in engine.manager.bytes_moved.items()}
         prof = getattr(engine, "profiler", None)
         summary = prof.summary() if prof is not None and hasattr(prof, "summary") else None

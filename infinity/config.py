@@ -426,6 +426,9 @@ class PrefetchConfig(_Section):
     units_ahead: int = _option(2, "Units fetched ahead of the one computing (0 = fetch on demand).", "int", ge=0)
     max_bytes_in_flight: int = _option(4 * 2**30, "Cap on bytes of prefetched, not yet used units.", "size",
                                        gt=0, example="4GiB")
+    keep_written: bool = _option(True, "Parameters on NVMe that the update writes stay in host memory (up to "
+                                 "units_ahead + 1 units) until the next forward fetches them, instead of being "
+                                 "read back from disk (Note [fresh parameters]).", "bool")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,7 @@ from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
 from .loss_scale import LossScaler
 from .materialize import materialize_flat, unit_seed
 from .memory.manager import TieredMemoryManager
+from .memory.fresh import fresh_budget, kept_chunks
 from .memory.placement import plan_for_config
 from .memory.tier import Kind, Tier
 from .optim.cpu_adam import AdamHyper
@@ -73,7 +74,8 @@ class Engine:
         self.plan = self._plan()
         self.io, self.swap = self._open_swap()
         self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
-                                           pin_host=self.env.device.type == "cuda", profiler=self.profiler)
+                                           pin_host=self.env.device.type == "cuda", profiler=self.profiler,
+                                           fresh_budget=fresh_budget(self.plan, config.prefetch))
         for unit in self.units:
             unit.fetch_link = Link.NVME_READ if self.plan.tier(unit.index, Kind.PARAMS) is Tier.NVME else Link.H2D
         self._materialize(init_fn)
@@ -189,7 +191,7 @@ class Engine:
         if self.worker is not None:
             pending = self.worker.pending(unit.index)
             with self.profiler.wait(Link.CPU_OPTIMIZER, f"update {unit.name}") if pending else NO_SPAN:
-                self.worker.wait_unit(unit.index)  # its parameters may still be updating (and a failed update raises)
+                self._wait_update(unit)  # its parameters may still be updating (and a failed update raises)
         if unit.index != 0:
             self.prefetcher.before_forward(unit)
         unit.unshard(self.manager)
@@ -218,7 +220,16 @@ class Engine:
         (units the forward used were waited for there; this catches the ones it skipped)."""
         if self.worker.pending(unit.index):
             with self.profiler.wait(Link.CPU_OPTIMIZER, f"update {unit.name}"):
-                self.worker.wait_unit(unit.index)
+                self._wait_update(unit)
+
+    def _wait_update(self, unit: Unit) -> None:
+        if self.worker.pending(unit.index):
+            self.manager.fresh.relieve(unit.index)  # Note [fresh parameters]: the worker must not wait for us
+        self.worker.wait_unit(unit.index)
+
+    def _wait_all_updates(self) -> None:
+        self.manager.fresh.unblock()  # Note [fresh parameters]: the worker must not wait for a forward
+        self.worker.wait_all()
 
     def _unit_grads_final(self, unit: Unit) -> None:
         """Eager overlap: this unit's gradient for the window is complete; update it now."""
@@ -333,6 +344,7 @@ class Engine:
         hyper = self._hyper()
         if self.worker is not None:
             order = self._update_order()
+            self.manager.fresh.begin_update([u.index for u in order], blocking=True)  # the forward takes in order
             for unit in order:
                 self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale, active={unit.index: active[unit.index]},
                                    after_unit=self._after_update(flags[unit.index], unit))
@@ -355,7 +367,7 @@ class Engine:
     def _finish_eager_step(self, norm: float) -> bool:
         bad, self._eager_nonfinite = self._eager_nonfinite, None
         if bad is not None or not math.isfinite(norm):
-            self.worker.wait_all()
+            self._wait_all_updates()
             unit = bad[0] if bad else "?"
             raise NonFiniteGradError(
                 f"gradient norm is {norm} at optimizer step {self.optimizer_steps} (unit {unit}): the loss or a gradient "
@@ -367,6 +379,24 @@ class Engine:
         active, self._eager_active = self._eager_active, {}
         self.worker.read_ahead_next(self.optimizer.task_chunks(active, self._update_order()[::-1]))
         return True
+
+    @property
+    def kept_params(self) -> frozenset[tuple[int, int]]:
+        """The (unit, chunk)s of parameters whose first fetch after an update reads the copy the update kept
+        in memory (Note [fresh parameters]): for `traffic.bytes_per_step`. Deferred updates keep every chunk
+        that fits; a synchronous or eager update, those left after its puts in its order."""
+        fresh = self.manager.fresh
+        nvme = [u for u in self.units if self.plan.tier(u.index, Kind.PARAMS) is Tier.NVME]
+        if self.worker is None:
+            order = nvme  # optimizer.step, in unit order
+        elif self._eager:
+            order = [u for u in self._update_order()[::-1] if u in nvme]  # as backward finalizes them
+        else:
+            order = [u for u in self._update_order() if u in nvme]
+        size = self.compute_dtype.itemsize
+        chunks = [(u.index, c) for u in order for c in range(self.manager.num_chunks(u.index))]
+        nbytes = {(u, c): self.manager.chunk_span(u, c)[1] * size for u, c in chunks}
+        return kept_chunks(nbytes, chunks, fresh.budget, blocking=self.worker is not None and not self._eager)
 
     def _update_order(self) -> list[Unit]:
         """Deferred overlap: update the units in the order the next forward will use them."""
@@ -412,7 +442,7 @@ class Engine:
         if self.worker is None:
             yield
             return
-        self.worker.wait_all()  # the state must be the stepped one before it is read or replaced
+        self._wait_all_updates()  # the state must be the stepped one before it is read or replaced
         self.worker.quiesce()
         self._settled += 1
         try:
@@ -546,7 +576,7 @@ class Engine:
             return
         try:
             if self.worker is not None and not (self.worker.failed and self.worker.error_reported):
-                self.worker.wait_all()  # an update error nobody has seen yet is raised here
+                self._wait_all_updates()  # an update error nobody has seen yet is raised here
             self.wait_for_checkpoint()
             self._close_profile()
         finally:

@@ -46,6 +46,7 @@ import torch.nn as nn
 from .config import Config, ConfigError, format_size
 from .environment import PreflightError, resolve_budgets
 from .memory import cost_model
+from .memory.fresh import fresh_budget
 from .memory.placement import Budgets, Plan, PlacementError, plan_for_config
 from .memory.tier import Kind, Tier
 from .optim.read_ahead import largest_chunk_bytes, resolve_read_ahead
@@ -237,7 +238,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     if plan is not None:
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
-        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), read_ahead=read_ahead)
+        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), read_ahead=read_ahead,
+                                    fresh=fresh_budget(plan, config.prefetch))
         est.peak = peak_from_terms(est.peak_terms, cuda)
     est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
                            ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0),
@@ -299,19 +301,21 @@ def staging_pool_bytes(plan: Plan, *, read_ahead: int = 1, max_writes_in_flight:
     return sum(c * n for c, n in peak.items())
 
 
-def _host_staging(plan: Plan, read_ahead: int, max_writes_in_flight: int = 4) -> int:
+def _host_staging(plan: Plan, read_ahead: int, fresh: int = 0, max_writes_in_flight: int = 4) -> int:
     """The host staging pool: the update pipeline's buffers; with a state read-ahead, the held state plus the
-    write-behind of the chunks the update has taken from it (the pool recycles one into the other)."""
+    write-behind of the chunks the update has taken from it (the pool recycles one into the other); plus the
+    parameters kept after their write (Note [fresh parameters])."""
     if not plan.uses(Tier.NVME):
         return 0
     pipeline = staging_pool_bytes(plan, max_writes_in_flight=max_writes_in_flight)
     if not read_ahead:
-        return pipeline
+        return pipeline + fresh
     one_kind = largest_chunk_bytes(plan) // 3  # the largest sub-group of one state kind
-    return max(pipeline, read_ahead + max_writes_in_flight * one_kind)
+    return max(pipeline, read_ahead + max_writes_in_flight * one_kind) + fresh
 
 
-def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, read_ahead: int = 0) -> dict[str, int]:
+def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, read_ahead: int = 0,
+               fresh: int = 0) -> dict[str, int]:
     """Note [peak memory], term by term (bytes, one rank)."""
     state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
     largest = max((u.unsharded_numel for u in plan.units), default=0)
@@ -322,8 +326,9 @@ def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, read_ahead
         "state_device": state[Tier.DEVICE],
         "state_host": state[Tier.HOST],
         "working_device": plan.working.get(Tier.DEVICE, 0),
-        "working_host": _host_staging(plan, read_ahead),
+        "working_host": _host_staging(plan, read_ahead, fresh),
         "read_ahead": read_ahead,  # part of working_host (Note [state read-ahead])
+        "fresh_params": fresh,  # part of working_host (Note [fresh parameters])
         "activations": trace.activation_bytes + trace.largest_saved_bytes,
         # materializing one unit: full fp32 values, the fp32 shard, its compute-dtype cast
         "init": largest * 4 + largest_shard * (4 + csize),
@@ -433,7 +438,8 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     if plan.uses(Tier.NVME):
         disk, _ = check_disks(list(config.nvme.paths), nvme_bytes=nvme_bytes, local_world_size=local_world_size)
         checks += disk
-        checks.append(check_locked_memory(staging_pool_bytes(plan) + read_ahead, local_world_size))
+        checks.append(check_locked_memory(staging_pool_bytes(plan) + read_ahead + fresh_budget(plan, config.prefetch),
+                                          local_world_size))
     return checks
 
 

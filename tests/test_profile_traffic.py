@@ -36,7 +36,8 @@ def test_profiled_bytes_equal_the_plan(placement, overlap, tmp_path):
             recorded[span.link.value] = recorded.get(span.link.value, 0) + span.num_bytes
     predicted = {"nvme_read": 0, "nvme_write": 0}
     for step in range(recipe.steps):
-        per = bytes_per_step(engine.plan, grad_accum_steps=recipe.accum, first_step=step == 0, cuda=False)
+        per = bytes_per_step(engine.plan, grad_accum_steps=recipe.accum, first_step=step == 0, cuda=False,
+                             kept=engine.kept_params)
         for link in predicted:
             predicted[link] += per[link]
     # with overlap the worker reads the next update's state ahead (Note [state read-ahead]); after the

@@ -14,7 +14,10 @@ per unit shard (P, G, O = its params, gradient and optimizer-state bytes):
     params     fetched before forward and again before backward: 2 * accum fetches
                (the root unit stays gathered from forward to the end of backward: accum).
                nvme: read P each fetch (+ h2d P with a GPU); host: h2d P with a GPU.
-               After the optimizer step the new params are written: nvme: write P.
+               After the optimizer step the new params are written: nvme: write P; the
+               first fetch after it reads the copy kept in memory, not the disk (Note
+               [fresh parameters]: every unit with deferred updates, the default; the
+               engine's `kept_params` says which chunks in other modes).
     grads      each micro-batch's reduced shard is stored (nvme: write G; host: d2h G),
                micro-batches after the first fetch the sum so far (nvme: read G; host: h2d G).
     optimizer  nvme: read O and write O (steady state; the first step reads zeros for free)
@@ -111,8 +114,9 @@ class StepTraffic:
 
 
 def unit_traffic(shard_numel: int, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
-                 is_root: bool) -> StepTraffic:
-    """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier."""
+                 is_root: bool, kept_numel: int | None = None) -> StepTraffic:
+    """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier.
+    `kept_numel`: parameter elements whose first fetch reads a kept copy (None: all of them)."""
     t = StepTraffic()
     P, G, O = shard_numel * compute_bytes, shard_numel * 4, shard_numel * 12
     fetches = accum * (1 if is_root else 2)
@@ -120,7 +124,8 @@ def unit_traffic(shard_numel: int, tiers: dict[str, Tier], *, compute_bytes: int
     opt_on_gpu = cuda and optim is Tier.DEVICE
     # params: fetched for compute, written back after the step
     if params is Tier.NVME:
-        t.fb["nvme_read"] += fetches * P
+        kept = shard_numel if kept_numel is None else kept_numel
+        t.fb["nvme_read"] += fetches * P - kept * compute_bytes
         t.opt["nvme_write"] += P
     if cuda and params is not Tier.DEVICE:
         t.fb["h2d"] += fetches * P
@@ -147,14 +152,16 @@ def unit_traffic(shard_numel: int, tiers: dict[str, Tier], *, compute_bytes: int
     return t
 
 
-def plan_traffic(plan, *, cuda: bool, accum: int) -> StepTraffic:
-    """The traffic of every unit of `plan` (unit 0 is the root) per optimizer step."""
+def plan_traffic(plan, *, cuda: bool, accum: int, kept: frozenset[tuple[int, int]] | None = None) -> StepTraffic:
+    """The traffic of every unit of `plan` (unit 0 is the root) per optimizer step. `kept`: the (unit, chunk)s
+    of parameters kept in memory after the update (None: all, as with deferred updates)."""
     total = StepTraffic()
     compute_bytes = plan.compute_dtype.itemsize
     for index, (sizes, kinds) in enumerate(zip(plan.units, plan.tiers)):
         tiers = {k.group: t for k, t in kinds.items()}
+        kept_numel = None if kept is None else sum(n for c, n in enumerate(sizes.chunk_numels) if (index, c) in kept)
         total.add(unit_traffic(sizes.shard_numel, tiers, compute_bytes=compute_bytes, cuda=cuda, accum=accum,
-                               is_root=index == 0))
+                               is_root=index == 0, kept_numel=kept_numel))
     return total
 
 

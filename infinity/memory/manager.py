@@ -25,6 +25,7 @@ import torch
 from io_engine import Extent, SwapSpace
 
 from .buffers import StagingBuffers
+from .fresh import FreshCopies
 from ..profile import Link, NullProfiler
 from .placement import Plan
 from .tier import Kind, Residency, Tier, check_transition
@@ -89,11 +90,12 @@ class TieredMemoryManager:
     """Residency table and byte counters of every shard on this rank."""
 
     def __init__(self, plan: Plan, device: torch.device, streams: Streams, swap: SwapSpace | None,
-                 pin_host: bool, profiler=None):
+                 pin_host: bool, profiler=None, fresh_budget: int = 0):
         self.plan, self.device, self.streams, self.swap = plan, device, streams, swap
         self.profiler = profiler or NullProfiler()
         self.pin_host = pin_host
         self.staging = StagingBuffers(device, pin=pin_host)
+        self.fresh = FreshCopies(fresh_budget, self.staging.release)  # Note [fresh parameters]
         self._shards: dict[tuple[int, Kind], _Shard] = {}
         self.bytes_moved: dict[str, int] = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
 
@@ -140,7 +142,9 @@ class TieredMemoryManager:
     def mark_zero(self, unit: int, kind: Kind) -> None:
         """Declare a shard's contents zero (no I/O): the next fetch yields zeros."""
         shard = self._shards[(unit, kind)]
-        for c in shard.chunks:
+        for i, c in enumerate(shard.chunks):
+            if kind is Kind.PARAMS:
+                self.fresh.discard(unit, i)
             self._wait_write(c)
             self._set(shard, c, Residency.ZERO)
             c.version += 1
@@ -205,8 +209,13 @@ class TieredMemoryManager:
         futures = []
         for i in shard.chunk_ids(chunk):
             c = shard.chunks[i]
-            self._wait_write(c)
             dst = host.narrow(0, c.start - start, c.numel)
+            kept = self.fresh.take(shard.unit, i, c.version) if shard.kind is Kind.PARAMS else None
+            if kept is not None:  # Note [fresh parameters]: the bytes just written are still in memory
+                dst.copy_(kept[0])
+                self.fresh.done_with(*kept)
+                continue
+            self._wait_write(c)
             if c.state is Residency.ZERO:
                 dst.zero_()  # nothing on disk yet: zeros need no read
                 continue
@@ -246,11 +255,14 @@ class TieredMemoryManager:
         return self.staging.device_buffer(numel, shard.dtype)
 
     # ----------------------------------------------------------------- store
-    def store(self, unit: int, kind: Kind, chunk: int | None, tensor: torch.Tensor, release: bool = True) -> Pending:
+    def store(self, unit: int, kind: Kind, chunk: int | None, tensor: torch.Tensor, release: bool = True,
+              keep: bool = False) -> Pending:
         """Issue: write `tensor` as the new contents of the shard / chunk.
 
         A view of the resident storage is already in place (free). Staging buffers
-        from `fetch` go back to the pool once written (`release`).
+        from `fetch` go back to the pool once written (`release`). `keep` (parameters of
+        one chunk on NVMe, from a staging buffer): offer the buffer to the fresh copies,
+        so the next fetch may read memory instead of the disk (Note [fresh parameters]).
         """
         shard = self._shards[(unit, kind)]
         start, numel = shard.span(chunk)
@@ -280,7 +292,12 @@ class TieredMemoryManager:
             if release:
                 self.staging.release(tensor)
             release = True
-        futures, chunks = [], [shard.chunks[i] for i in shard.chunk_ids(chunk)]
+        ids = shard.chunk_ids(chunk)
+        keep = keep and kind is Kind.PARAMS and len(ids) == 1 and release and self.staging.owns(host)
+        if kind is Kind.PARAMS:
+            for i in ids:
+                self.fresh.discard(unit, i)
+        futures, chunks = [], [shard.chunks[i] for i in ids]
         for c in chunks:
             self._wait_write(c)
             self._set(shard, c, Residency.WRITING)
@@ -289,16 +306,20 @@ class TieredMemoryManager:
                                        Link.NVME_WRITE, shard, c))
             self.bytes_moved["nvme_write"] += c.numel * shard.dtype.itemsize
 
+        release_when_written = release and not keep  # a kept buffer is released by the fresh copies
+
         def written():
             for c in chunks:
                 if c.state is Residency.WRITING:
                     self._set(shard, c, Residency.RESIDENT)
                     c.write = None
-            if release:
+            if release_when_written:
                 self.staging.release(host)
         pending = Pending(None, futures, after=written)
         for c in chunks:
             c.write = pending  # whoever waits first (caller, a later fetch, drain) completes it once
+        if keep and not self.fresh.put(unit, ids[0], host, chunks[0].version, pending):
+            self.fresh.done_with(host, pending)  # not kept: back to the pool once written
         return pending
 
     def _timed(self, fut, link: Link, shard: _Shard, c: _Chunk):
@@ -334,9 +355,11 @@ class TieredMemoryManager:
         for shard in self._shards.values():
             for c in shard.chunks:
                 self._wait_write(c)
+        self.fresh.drain()
 
     def close(self) -> None:
         self.drain()
+        self.fresh.close()
         self.staging.close()
 
 

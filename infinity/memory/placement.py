@@ -100,7 +100,9 @@ def working_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     of the largest other units (the one running plus the prefetched ones), plus
     one fp32 flat gradient and its reduce-scattered shard for the largest unit.
     HOST: NVMe staging for `pipeline_depth` optimizer sub-groups of every kind
-    that lives on NVMe, plus one full parameter shard being read for a forward.
+    that lives on NVMe; with parameters on NVMe, the shards of up to `units_ahead + 1`
+    units being read for compute, and as many kept after the update wrote them
+    (Note [fresh parameters], memory/fresh.py).
     """
     csize = compute_dtype.itemsize
     if not units:
@@ -116,7 +118,7 @@ def working_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     for kind in nvme_kinds:
         host += pipeline_depth * largest_chunk * kind.dtype(compute_dtype).itemsize
     if tiers_of["params"] is Tier.NVME:
-        host += (units_ahead + 1) * largest_shard * csize
+        host += 2 * (units_ahead + 1) * largest_shard * csize  # being read, and kept (fresh.fresh_budget)
     return {Tier.DEVICE: device, Tier.HOST: host}
 
 

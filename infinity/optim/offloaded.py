@@ -121,7 +121,8 @@ class OffloadedOptimizer:
             u, c = task.unit.index, task.chunk
             params = m.target(u, Kind.PARAMS, c, bufs[Kind.MASTER].device)
             params.copy_(bufs[Kind.MASTER])
-            writes.append(m.store(u, Kind.PARAMS, c, params))  # first: the next forward reads these soonest
+            # first: the next forward reads these soonest (from memory when kept: Note [fresh parameters])
+            writes.append(m.store(u, Kind.PARAMS, c, params, keep=True))
             for kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ):
                 writes.append(m.store(u, kind, c, bufs[kind]))
             m.release(bufs[Kind.GRADS])
