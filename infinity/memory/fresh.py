@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tier import Kind, Tier
+
 
 @dataclass
 class _Entry:
@@ -98,12 +100,13 @@ class FreshCopies:
                 self._retire(key)  # an older version nobody took
             while self._blocking and self.kept_bytes + nbytes > self.budget:
                 self._cond.wait()  # why: the forward frees room as it takes chunks (or relieves us)
-            while self.kept_bytes + nbytes > self.budget:
-                farthest = max(self._kept, key=lambda k: k[0], default=None)
-                if farthest is None or farthest[0] <= unit:
-                    self.refused += 1
-                    return False
-                self._retire(farthest)
+            sizes = {k: e.tensor.numel() * e.tensor.element_size() for k, e in self._kept.items()}
+            evict = _evictions(sizes, key, nbytes, self.budget)
+            if evict is None:
+                self.refused += 1
+                return False
+            for k in evict:
+                self._retire(k)
             self._kept[key] = _Entry(tensor, version, write, self._order.get(unit, -1))
             self.kept_bytes += nbytes
             return True
@@ -176,7 +179,6 @@ class FreshCopies:
 def fresh_budget(plan, prefetch) -> int:
     """Bytes the fresh copies may hold: `units_ahead + 1` of the largest parameter shards on NVMe (0 with
     `[prefetch] keep_written = false`, or no parameters on NVMe)."""
-    from .tier import Kind, Tier
     if not prefetch.keep_written:
         return 0
     shards = [sizes.shard_numel for u, sizes in enumerate(plan.units) if plan.tier(u, Kind.PARAMS) is Tier.NVME]
@@ -193,13 +195,23 @@ def kept_chunks(chunk_bytes: dict[tuple[int, int], int], order: list[tuple[int, 
         return frozenset(fits)
     kept: dict[tuple[int, int], int] = {}
     for key in fits:
-        nbytes = chunk_bytes[key]
         kept.pop(key, None)
-        while sum(kept.values()) + nbytes > budget:
-            farthest = max(kept, key=lambda k: k[0], default=None)
-            if farthest is None or farthest[0] <= key[0]:
-                break
-            del kept[farthest]
-        if sum(kept.values()) + nbytes <= budget:
-            kept[key] = nbytes
+        evict = _evictions(kept, key, chunk_bytes[key], budget)
+        if evict is not None:
+            for k in evict:
+                del kept[k]
+            kept[key] = chunk_bytes[key]
     return frozenset(kept)
+
+
+def _evictions(kept: dict[tuple[int, int], int], key: tuple[int, int], nbytes: int, budget: int):
+    """The kept (unit, chunk)s to evict so that `key` (`nbytes`) fits, farthest in forward order first, none
+    nearer than `key`'s unit; None when it cannot fit that way (the one eviction policy of `put` and
+    `kept_chunks`)."""
+    used, out = sum(kept.values()), []
+    for k in sorted(kept, key=lambda k: k[0], reverse=True):
+        if used + nbytes <= budget or k[0] <= key[0]:
+            break
+        used -= kept[k]
+        out.append(k)
+    return out if used + nbytes <= budget else None
