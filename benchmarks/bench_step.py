@@ -241,6 +241,14 @@ def run_deepspeed(args, kind: str) -> dict:
         zero["offload_param"] = {"device": param_dev, "nvme_path": swap, "pin_memory": False,
                                  "buffer_count": args.ds_param_buffers, "buffer_size": max_numel,
                                  "max_in_cpu": 0}  # PEERS.md: >= the largest parameter
+        if param_dev == "nvme":
+            # Once its trace is recorded (step 2 on), ZeRO-3 releases a parameter after its module only if
+            # it is not used again within stage3_max_reuse_distance elements of the trace (default 1e9).
+            # Every parameter comes back in backward, so with the default nothing is released in the
+            # forward: each swapped parameter (>= 1 MiB: 97 in the default GPT) keeps one of buffer_count
+            # buffers and the forward fails with "Not enough buffers 0 for swapping 1". 0 releases each
+            # parameter after use, as step 1 does (the losses are unchanged).
+            zero["stage3_max_reuse_distance"] = 0
     o = optimizer_args(args)
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
