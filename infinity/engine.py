@@ -128,8 +128,11 @@ class Engine:
         # Python, so they need the GIL, and the training thread holds it between torch ops. At Python's
         # default switch interval (5 ms) a waiting thread can wait 5 ms per 1 MiB block that the disk
         # moves in 0.3 ms: writes under a Python-heavy forward measured 0.5 GB/s, 1.9 GB/s at 0.5 ms
-        # (benchmarks/RESULTS.md). `[io] switch_interval_us` sets it while the engine is open (last in
-        # __init__, so a failed initialize leaves it alone).
+        # (benchmarks/RESULTS.md). Inside a real step 0.5 ms was still too long: the queue stayed full
+        # (16 blocks "in flight") while the disk ran at half speed, the blocks' threads waiting for the
+        # GIL to finish and resubmit; at 0.1 ms the out-of-core step went from 5.0-8.4 s to 4.5-4.7 s
+        # (0.05 and 0.02 ms: no better). `[io] switch_interval_us` sets it while the engine is open
+        # (last in __init__, so a failed initialize leaves it alone).
         self._saved_switch_interval = sys.getswitchinterval()
         if config.io.switch_interval_us > 0:
             sys.setswitchinterval(config.io.switch_interval_us * 1e-6)
