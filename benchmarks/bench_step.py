@@ -390,6 +390,11 @@ def drive(args) -> dict:
               f"nvme {_gib(fit['budgets']['nvme'])}; static placements that fit: "
               f"{', '.join(fit['fitting']) or 'none'}", flush=True)
     systems = expand_systems(requested, fit)
+    if args.profile:  # the profile's per-link peaks are the link rates cached for this disk (measured once)
+        from infinity.memory import cost_model
+        rates = cost_model.link_rates(args.dir)
+        print(f"link rates ({rates.source}): nvme read {rates.nvme_read / 1e9:.2f} GB/s, write "
+              f"{rates.nvme_write / 1e9:.2f} GB/s, cpu adam {rates.cpu_adam / 1e9:.2f} Gelem/s", flush=True)
     results = {}
     for name in ["io"] + systems:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", name] + _forward(args)

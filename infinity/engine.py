@@ -66,7 +66,8 @@ class Engine:
         self.env = resolve(group)
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
         self.streams = Streams.for_device(self.env.device)
-        self.profiler = Profiler(rank=self.env.rank) if config.profile.enabled else NullProfiler(rank=self.env.rank)
+        self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=self._link_peaks()) if config.profile.enabled
+                         else NullProfiler(rank=self.env.rank))
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler)
@@ -138,6 +139,15 @@ class Engine:
             sys.setswitchinterval(config.io.switch_interval_us * 1e-6)
 
     # ----------------------------------------------------------------- construction
+    def _link_peaks(self) -> dict[str, float]:
+        """The profile's per-link peaks: the link rates measured on this machine and swap disk (cached by
+        `infinity bench-links --dir DIR` or the auto policy); none measured = no achieved-vs-peak."""
+        from .memory import cost_model
+        paths = self.config.nvme.paths
+        if paths and not os.path.isdir(paths[0]):
+            return {}  # the plan's preflight names the missing directory
+        return cost_model.profile_peaks(cost_model.cached_rates_for(paths[0] if paths else None, self.env.device))
+
     def _plan(self):
         """The placement, planned exactly as `infinity estimate` plans it, then the same preflight checks."""
         from .estimate import preflight, require

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import infinity
 from infinity.memory.traffic import bytes_per_step
@@ -72,3 +73,35 @@ def test_profile_outputs(tmp_path):
     assert median["links"]["nvme_read"]["bytes"] > 0
     if "timeline" in files:
         assert open(files["timeline"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_peaks_are_the_measured_link_rates(tmp_path, monkeypatch):
+    """With link rates measured for this machine and swap disk (`infinity bench-links`), the summary
+    gives each link's peak and achieved / peak; with none measured, no peak is made up."""
+    from infinity.memory import cost_model
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = Recipe(steps=2, accum=1)
+    cfg = recipe.config(params="nvme", grads="host", optimizer="nvme")
+    cfg["nvme"] = {"paths": [str(tmp_path)]}
+    cfg["profile"] = {"enabled": True, "trace_dir": str(tmp_path / "trace")}
+
+    def median_links():
+        engine = infinity.initialize(recipe.build(), cfg)
+        for (x, y), in recipe.batches():
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.close()
+        return json.load(open(engine.profile_files["summary"]))["median"]["links"]
+
+    links = median_links()
+    assert links["nvme_read"]["peak_GBps"] is None and links["nvme_read"]["fraction_of_peak"] is None
+
+    rates = cost_model.LinkRates(nvme_read=2.5e9, nvme_write=3.25e9, cpu_adam=1.5e9, device_adam=1.5e9,
+                                 matmul_flops=1e11, source="measured in this test")
+    key = f"{cost_model._machine_key(torch.device('cpu'))}|{cost_model._disk_key(str(tmp_path))}"
+    cost_model._store_cache({key: rates.to_json()})
+    links = median_links()
+    expected = {"nvme_read": 2.5, "nvme_write": 3.25, "cpu_optimizer": 1.5 * 16}
+    for name, peak in expected.items():
+        assert links[name]["peak_GBps"] == pytest.approx(peak)
+        assert links[name]["fraction_of_peak"] == pytest.approx(links[name]["GBps"] / peak)

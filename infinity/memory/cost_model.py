@@ -376,6 +376,26 @@ def link_rates(directory: str | None = None, device: torch.device | None = None,
     return rates
 
 
+def cached_rates_for(directory: str | None, device: torch.device) -> LinkRates | None:
+    """The rates measured before for this machine and the disk of `directory` (default: the temp
+    dir), or None. Never measures (`infinity bench-links --dir DIR` does)."""
+    directory = directory or tempfile.gettempdir()
+    entry = _load_cache().get(f"{_machine_key(device)}|{_disk_key(directory)}")
+    return LinkRates.from_json(entry) if entry is not None else None
+
+
+def profile_peaks(rates: LinkRates | None) -> dict[str, float]:
+    """Decimal GB/s per profiler link (`Link` values) from measured rates, for the profile summary's
+    achieved-vs-peak; {} without a measurement. The CPU optimizer's bytes are 16 per element (master,
+    gradient and both moments, fp32), as its spans count them."""
+    if rates is None or rates.source == "defaults":
+        return {}
+    peaks = {"nvme_read": rates.nvme_read / 1e9, "nvme_write": rates.nvme_write / 1e9,
+             "cpu_optimizer": rates.cpu_adam * 16 / 1e9}
+    peaks.update({k: getattr(rates, k) / 1e9 for k in ("h2d", "d2h") if math.isfinite(getattr(rates, k))})
+    return peaks
+
+
 def cached_link_rates(cuda: bool) -> LinkRates:
     """The most recently measured rates of this machine (any disk), else `default_rates`. Never measures."""
     machine = None
