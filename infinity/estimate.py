@@ -438,7 +438,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     if plan.uses(Tier.NVME):
         disk, _ = check_disks(list(config.nvme.paths), nvme_bytes=nvme_bytes, local_world_size=local_world_size)
         checks += disk
-        checks.append(check_locked_memory(staging_pool_bytes(plan) + read_ahead + fresh_budget(plan, config.prefetch),
+        checks.append(check_locked_memory(_host_staging(plan, read_ahead, fresh_budget(plan, config.prefetch)),
                                           local_world_size))
     return checks
 

@@ -98,8 +98,7 @@ def test_profile_peaks_are_the_measured_link_rates(tmp_path, monkeypatch):
 
     rates = cost_model.LinkRates(nvme_read=2.5e9, nvme_write=3.25e9, cpu_adam=1.5e9, device_adam=1.5e9,
                                  matmul_flops=1e11, source="measured in this test")
-    key = f"{cost_model._machine_key(torch.device('cpu'))}|{cost_model._disk_key(str(tmp_path))}"
-    cost_model._store_cache({key: rates.to_json()})
+    cost_model._store_cache({cost_model.rates_key(str(tmp_path), torch.device("cpu")): rates.to_json()})
     links = median_links()
     expected = {"nvme_read": 2.5, "nvme_write": 3.25, "cpu_optimizer": 1.5 * 16}
     for name, peak in expected.items():

@@ -231,6 +231,11 @@ def _disk_key(directory: str) -> str:
     return f"dev{st.st_dev}"
 
 
+def rates_key(directory: str, device: torch.device) -> str:
+    """The cache key of the link rates of this machine and the disk of `directory`."""
+    return f"{_machine_key(device)}|{_disk_key(directory)}"
+
+
 def _measure_disk(directory: str, num_bytes: int, io_config) -> tuple[float, float]:
     """(read, write) bytes/s of io_engine on `directory`: best of 3 transfers of `num_bytes`."""
     from io_engine import IOConfig, IOEngine, aligned_empty
@@ -257,7 +262,6 @@ def _measure_disk(directory: str, num_bytes: int, io_config) -> tuple[float, flo
     finally:
         os.unlink(path)
     return num_bytes / min(reads), num_bytes / min(writes)
-
 
 
 def _best_seconds(fn, repeats: int = 3) -> float:
@@ -365,13 +369,12 @@ def link_rates(directory: str | None = None, device: torch.device | None = None,
     device = device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                         else torch.device("cpu"))
     directory = directory or tempfile.gettempdir()
-    key = f"{_machine_key(device)}|{_disk_key(directory)}"
-    entries = _load_cache()
-    if key in entries and not remeasure:
-        return LinkRates.from_json(entries[key])
+    cached = None if remeasure else cached_rates_for(directory, device)
+    if cached is not None:
+        return cached
     rates = measure_link_rates(directory, device, io_config)
     entries = _load_cache()
-    entries[key] = rates.to_json() | {"machine": _machine_key(device)}
+    entries[rates_key(directory, device)] = rates.to_json() | {"machine": _machine_key(device)}
     _store_cache(entries)
     return rates
 
@@ -379,8 +382,7 @@ def link_rates(directory: str | None = None, device: torch.device | None = None,
 def cached_rates_for(directory: str | None, device: torch.device) -> LinkRates | None:
     """The rates measured before for this machine and the disk of `directory` (default: the temp
     dir), or None. Never measures (`infinity bench-links --dir DIR` does)."""
-    directory = directory or tempfile.gettempdir()
-    entry = _load_cache().get(f"{_machine_key(device)}|{_disk_key(directory)}")
+    entry = _load_cache().get(rates_key(directory or tempfile.gettempdir(), device))
     return LinkRates.from_json(entry) if entry is not None else None
 
 
