@@ -33,6 +33,7 @@ from .grad_reduce import GradReducer
 from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
 from .loss_scale import LossScaler
 from .materialize import materialize_flat, unit_seed
+from .memory.buffers import UnshardedMemory
 from .memory.manager import TieredMemoryManager
 from .memory.fresh import fresh_budget, kept_chunks
 from .memory.placement import plan_for_config
@@ -70,7 +71,7 @@ class Engine:
                          else NullProfiler(rank=self.env.rank))
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
-                    profiler=self.profiler)
+                    profiler=self.profiler, unsharded=UnshardedMemory.for_device(self.env.device))
         self.units = build_units(model, list(config.units.classes), comm)
         self.plan = self._plan()
         self.io, self.swap = self._open_swap()
@@ -548,6 +549,7 @@ class Engine:
         report["plan"] = {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in self.plan.state_bytes().items()}
         report["working_planned"] = {t.value: v for t, v in self.plan.working.items()}
         report["unsharded_peak_bytes"] = max((u.peak_unsharded for u in self.units), default=0)
+        report["unsharded_pool_bytes"] = self.units[0].comm.unsharded.pooled_bytes if self.units else 0
         report["process_rss_bytes"] = psutil.Process(os.getpid()).memory_info().rss
         if self.env.device.type == "cuda":
             report["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.env.device)

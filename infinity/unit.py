@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from . import collectives
+from .memory.buffers import UnshardedMemory
 from .memory.manager import Pending, TieredMemoryManager
 from .memory.tier import Kind
 from .profile import Link
@@ -46,6 +47,7 @@ class Comm:
     compute_dtype: torch.dtype
     streams: Streams
     profiler: object = None  # infinity.profile.Profiler or NullProfiler
+    unsharded: UnshardedMemory = UnshardedMemory()  # the bytes of unsharded buffers (Note [unsharded memory])
 
 
 CHUNK_ALIGN = 4096  # elements; NVMe chunk boundaries stay 4 KiB-aligned, and fused Adam's 64-element blocks
@@ -124,8 +126,8 @@ class Unit:
         """Issue: start bringing this rank's parameter shard to the device."""
         if self.state is not UnitState.SHARDED or self.flat_numel == 0 or self.aliased:
             return
-        if self._storage.nbytes() != self._nbytes:
-            self._storage.resize_(self._nbytes)
+        if self._storage.nbytes() == 0:
+            self.comm.unsharded.grow(self.index, self._storage, self._nbytes)
             self.peak_unsharded = max(self.peak_unsharded, self._nbytes)
         start, _ = self.shard_range()
         # The shard lands in its own slot of the unsharded buffer; the all-gather fills the rest in place.
@@ -161,13 +163,13 @@ class Unit:
         if self.state is UnitState.UNSHARDING:
             self._pending.wait()  # the read must finish before its buffer is freed
             self._pending = None
-            self._storage.resize_(0)
+            self.comm.unsharded.shrink(self.index, self._storage)
             self.state = UnitState.SHARDED
 
     def reshard(self) -> None:
         """Free the unsharded buffer (storage resized to zero bytes)."""
         if self.state is UnitState.UNSHARDED:
-            self._storage.resize_(0)
+            self.comm.unsharded.shrink(self.index, self._storage)
             self.state = UnitState.SHARDED
 
     # ----------------------------------------------------------------- gradients

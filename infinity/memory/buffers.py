@@ -1,4 +1,5 @@
-"""Staging buffers: host buffers (page-aligned, pinned with CUDA, reused) and device buffers.
+"""Staging buffers: host buffers (page-aligned, pinned with CUDA, reused) and device buffers;
+the memory behind units' unsharded buffers.
 
 Buffers are allocated once per size class and reused; the pool knows which
 tensors it handed out (by data pointer: no state is attached to the tensors).
@@ -7,10 +8,11 @@ tensors it handed out (by data pointer: no state is attached to the tensors).
 from __future__ import annotations
 
 import threading
+from collections.abc import Hashable
 
 import torch
 
-from io_engine import AlignedBufferPool
+from io_engine import AlignedBufferPool, aligned_empty
 
 
 class StagingBuffers:
@@ -64,3 +66,77 @@ class StagingBuffers:
     def close(self) -> None:
         self._out.clear()
         self.host.close()
+
+
+class UnshardedMemory:
+    """Gives a unit's unsharded storage its bytes (`grow`) and takes them back (`shrink`).
+
+    This one uses the storage's own allocator (`resize_`): the CUDA caching allocator on a
+    GPU. `for_device` picks `PooledUnshardedMemory` for a CPU compute device.
+    """
+
+    def grow(self, key: Hashable, storage: torch.UntypedStorage, nbytes: int) -> None:
+        storage.resize_(nbytes)
+
+    def shrink(self, key: Hashable, storage: torch.UntypedStorage) -> None:
+        storage.resize_(0)
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Bytes this object holds itself (free and lent out); the allocator's are not counted."""
+        return 0
+
+    @staticmethod
+    def for_device(device: torch.device) -> "UnshardedMemory":
+        if device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
+            return PooledUnshardedMemory()
+        return UnshardedMemory()
+
+
+class PooledUnshardedMemory(UnshardedMemory):
+    """Note [unsharded memory]: on a CPU compute device a unit's parameters are read from NVMe
+    straight into its unsharded buffer (no staging copy), and copied there from kept fresh
+    parameters. torch's CPU allocator gives a buffer of this size a fresh mapping of 4 KiB
+    pages on every `resize_`: each first touch faults and zeroes a page, and O_DIRECT into
+    4 KiB pages ran at 1.41 GB/s against 2.28 GB/s into 2 MiB pages on the development VM
+    (transparent huge pages are madvise-only there; benchmarks/RESULTS.md). So the bytes
+    come from page-aligned, huge-page-advised mappings that are kept and reused, one free
+    list per exact size (units of a model have few sizes). `grow` swaps a pooled buffer's
+    data pointer into the unit's storage (`UntypedStorage._swap_data_ptr_`, as FSDP and
+    CUDA graph trees do), so the parameters keep viewing the same storage and no autograd
+    version counter moves; `shrink` swaps it back out. A storage holding pooled bytes is
+    never resized (its allocator did not make them): `grow` asserts it starts empty.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lent: dict[Hashable, torch.Tensor] = {}  # key -> the pooled buffer whose bytes it holds
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def grow(self, key: Hashable, storage: torch.UntypedStorage, nbytes: int) -> None:
+        assert storage.nbytes() == 0, f"unsharded storage of {key!r} grown twice ({storage.nbytes()} bytes)"
+        with self._lock:
+            assert key not in self._lent, f"unsharded storage of {key!r} already holds pooled bytes"
+            free = self._free.get(nbytes)
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = aligned_empty(nbytes, torch.uint8, pin=False, lock=False)
+            assert buf.storage_offset() == 0, "a page-aligned mapping starts its storage"
+            with self._lock:
+                self._bytes += buf.untyped_storage().nbytes()
+        storage._swap_data_ptr_(buf.untyped_storage())
+        with self._lock:
+            self._lent[key] = buf
+
+    def shrink(self, key: Hashable, storage: torch.UntypedStorage) -> None:
+        with self._lock:
+            buf = self._lent.pop(key, None)
+        assert buf is not None, f"shrink of {key!r}, whose storage holds no pooled bytes"
+        storage._swap_data_ptr_(buf.untyped_storage())  # the storage gets its empty pointer back
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append(buf)
+
+    @property
+    def pooled_bytes(self) -> int:
+        return self._bytes
