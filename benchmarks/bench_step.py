@@ -13,7 +13,9 @@ step, and the ratio to the in-RAM PyTorch baseline. With infinity on NVMe the
 floors are computed in the same run: the compute floor is infinity with all state
 on the device tier; the I/O floor is the bytes the plan moves per step over
 io_engine's read and write bandwidth, measured on the same directory in this run
-(reads and writes share the disk, so the floor adds the two times).
+(reads and writes share the disk, so the floor adds the two times): the median of
+samples taken at the start and right after each infinity placement on NVMe, since
+a shared disk's speed drifts within minutes (the first sample's floor is reported too).
 
 System names: `torch`, `infinity:PARAMS/GRADS/OPTIMIZER` (tiers), `infinity:auto`
 (`placement.policy = "auto"`; its plan, tier counts per state kind and reasons are
@@ -396,23 +398,19 @@ def drive(args) -> dict:
         print(f"link rates ({rates.source}): nvme read {rates.nvme_read / 1e9:.2f} GB/s, write "
               f"{rates.nvme_write / 1e9:.2f} GB/s, cpu adam {rates.cpu_adam / 1e9:.2f} Gelem/s", flush=True)
     results = {}
-    for name in ["io"] + systems:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", name] + _forward(args)
-        t = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            results[name] = {"error": f"timed out after {args.timeout} s"}
-            continue
-        line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT ")), None)
-        if proc.returncode != 0 or line is None:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-            results[name] = {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    io_samples = []
+    # the disk's speed drifts by up to 2x within minutes here: the I/O floor uses the median of
+    # samples taken at the start and right after each infinity run on NVMe, not one sample
+    runs = ["io"] + [r for name in systems for r in ([name, "io"] if _on_nvme(name) else [name])]
+    for name in runs:
+        result = _run_worker(name, args)
+        if name == "io":
+            io_samples.append(result)
+            results["io"] = _io_median(io_samples)
         else:
-            results[name] = json.loads(line[len("RESULT "):])
-        results[name]["wall_s"] = round(time.perf_counter() - t, 1)
-        print(f"{name:32s} " + (f"{results[name]['step_s']:.3f} s/step  rss {results[name]['peak_rss_GiB']:.2f} GiB"
-                                if "step_s" in results[name] else str(results[name])[:160]), flush=True)
+            results[name] = result
+        print(f"{name:32s} " + (f"{result['step_s']:.3f} s/step  rss {result['peak_rss_GiB']:.2f} GiB"
+                                if "step_s" in result else str(result)[:160]), flush=True)
     base = results.get("torch", {}).get("step_s")
     for name, r in results.items():
         if base and r.get("step_s"):
@@ -472,6 +470,41 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _run_worker(name: str, args) -> dict:
+    """Run one system (or the I/O measurement) in its own process; its RESULT line, or an error."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name] + _forward(args)
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+        result = {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    else:
+        result = json.loads(line[len("RESULT "):])
+    result["wall_s"] = round(time.perf_counter() - t, 1)
+    return result
+
+
+def _on_nvme(name: str) -> bool:
+    return name.startswith("infinity:") and "nvme" in name
+
+
+def _io_median(samples: list[dict]) -> dict:
+    """The median read / write bandwidth over the samples taken so far (failed samples skipped)."""
+    from common import median
+    out = {"samples": samples}
+    for d in ("read_GBps", "write_GBps"):
+        values = [x[d] for x in samples if d in x]
+        if values:
+            out[d] = median(values)
+    if len(out) == 1:
+        out["error"] = samples[-1].get("error", "no sample")
+    return out
+
+
 def _floors(results: dict) -> dict:
     """For each infinity placement with NVMe: compute floor, I/O floor, and the ratio to the max."""
     io = results.get("io", {})
@@ -481,10 +514,18 @@ def _floors(results: dict) -> dict:
         if not name.startswith("infinity:") or "nvme" not in name or "step_s" not in r or not io.get("read_GBps"):
             continue
         moved = r.get("bytes_moved_per_step", {})
-        io_floor = moved.get("nvme_read", 0) / 1e9 / io["read_GBps"] + moved.get("nvme_write", 0) / 1e9 / io["write_GBps"]
-        floor = max(compute or 0, io_floor)
-        out[name] = {"compute_floor_s": compute, "io_floor_s": round(io_floor, 3),
-                     "step_over_floor": round(r["step_s"] / floor, 3) if floor else None}
+
+        def ratio(rates: dict) -> tuple[float, float | None]:
+            io_floor = (moved.get("nvme_read", 0) / 1e9 / rates["read_GBps"]
+                        + moved.get("nvme_write", 0) / 1e9 / rates["write_GBps"])
+            floor = max(compute or 0, io_floor)
+            return round(io_floor, 3), round(r["step_s"] / floor, 3) if floor else None
+
+        io_floor, over = ratio(io)
+        out[name] = {"compute_floor_s": compute, "io_floor_s": io_floor, "step_over_floor": over}
+        first = next((x for x in io.get("samples", []) if "read_GBps" in x), None)
+        if first is not None:
+            out[name]["io_floor_first_sample_s"], out[name]["step_over_floor_first_sample"] = ratio(first)
     return out
 
 
