@@ -90,6 +90,8 @@ class Engine:
         # Both are exactly the non-overlapped update.
         # Note [state read-ahead] (optim/read_ahead.py): the worker reads the next update's NVMe state meanwhile.
         read_ahead = StateReadAhead(self.manager, self.read_ahead_bytes) if self.read_ahead_bytes > 0 else None
+        if read_ahead is not None:
+            read_ahead.reserve_buffers()  # its staging, allocated now rather than during the first steps
         self.optimizer.state_read_ahead = read_ahead
         self.worker = (OptimizerWorker(self.optimizer, len(self.units), read_ahead)
                        if config.overlap.optimizer_with_backward else None)

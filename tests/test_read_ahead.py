@@ -113,6 +113,23 @@ def test_budget_bounds_what_is_held(tmp_path):
     assert all(0 < h <= 100 << 10 for h in held), held
 
 
+def test_the_read_ahead_staging_is_allocated_at_initialize(tmp_path):
+    """Buffers first allocated mid-step pace the reads behind them: initialize allocates what a
+    full read-ahead holds, and training then finds every buffer it needs in the pool."""
+    recipe, engine = _engine(tmp_path, "a", "auto")
+    ra = engine.optimizer.state_read_ahead
+    at_init = engine.memory_report()["staging_host_bytes"]
+    assert at_init >= engine.read_ahead_bytes == ra.reserve_buffers() > 0
+    assert engine.memory_report()["staging_host_bytes"] == at_init  # a second reservation reuses them
+    for step in range(recipe.steps):
+        train_steps(engine, recipe, step, step + 1, 0, 1)
+        _wait_for(lambda: ra.held_bytes == engine.read_ahead_bytes and not ra._todo, "the whole read-ahead")
+    # without the reservation the pool grows by at least the whole read-ahead over these steps; with it,
+    # only by the few buffers the update's write-behind holds beside a full read-ahead (one page here)
+    assert engine.memory_report()["staging_host_bytes"] - at_init < engine.read_ahead_bytes // 4
+    engine.close()
+
+
 def test_explicit_read_ahead_larger_than_free_host_memory_is_refused(tmp_path):
     recipe = Recipe(steps=1, accum=1)
     cfg = recipe.config(**NVME_OPT)

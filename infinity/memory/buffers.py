@@ -59,6 +59,14 @@ class StagingBuffers:
         if where == "host":
             self.host.put(pooled)
 
+    def reserve_host(self, buffers: list[tuple[int, torch.dtype]]) -> None:
+        """Allocate host buffers of these (numel, dtype) now and keep them free in the pool, so the
+        steps that first need them find them there. A buffer allocated mid-step costs a fresh mapping
+        and mlock on the way: page faults, zeroing and huge-page compaction while I/O waits for it."""
+        taken = [self.host.get(numel, dtype) for numel, dtype in buffers]
+        for t in taken:
+            self.host.put(t)
+
     @property
     def host_bytes_allocated(self) -> int:
         return self.host.bytes_allocated
