@@ -104,14 +104,16 @@ class UnshardedMemory:
 class PooledUnshardedMemory(UnshardedMemory):
     """Note [unsharded memory]: on a CPU compute device a unit's parameters are read from NVMe
     straight into its unsharded buffer (no staging copy), and copied there from kept fresh
-    parameters. torch's CPU allocator gives a buffer of this size a fresh mapping of 4 KiB
-    pages on every `resize_`: each first touch faults and zeroes a page, and O_DIRECT into
-    4 KiB pages ran at 1.41 GB/s against 2.28 GB/s into 2 MiB pages on the development VM
-    (transparent huge pages are madvise-only there; benchmarks/RESULTS.md). So the bytes
-    come from page-aligned, huge-page-advised mappings that are kept and reused, one free
-    list per exact size (units of a model have few sizes). `grow` swaps a pooled buffer's
-    data pointer into the unit's storage (`UntypedStorage._swap_data_ptr_`, as FSDP and
-    CUDA graph trees do), so the parameters keep viewing the same storage and no autograd
+    parameters. torch's CPU allocator gives a buffer of this size a fresh mapping on every
+    `resize_`, with the data 64 bytes past a page boundary: O_DIRECT cannot target it, so
+    io_engine moved every byte through a worker's bounce buffer (one more memcpy), and each
+    first touch of a fresh page faulted and zeroed it. On the 2-core development VM that CPU
+    work slowed the backward itself: 2.4-2.6 s of backward compute per nvme/host/nvme step
+    against 1.7-1.85 s with this pool (the compute floor's is 1.4-1.5; benchmarks/RESULTS.md).
+    So the bytes come from page-aligned, huge-page-advised mappings that are kept and reused,
+    one free list per exact size (units of a model have few sizes). `grow` swaps a pooled
+    buffer's data pointer into the unit's storage (`UntypedStorage._swap_data_ptr_`, as FSDP
+    and CUDA graph trees do), so the parameters keep viewing the same storage and no autograd
     version counter moves; `shrink` swaps it back out. A storage holding pooled bytes is
     never resized (its allocator did not make them): `grow` asserts it starts empty.
     """
