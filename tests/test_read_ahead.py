@@ -130,6 +130,28 @@ def test_the_read_ahead_staging_is_allocated_at_initialize(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("budget", ["all", "three chunks"])
+def test_issue_rest_issues_every_chunk_left_within_the_budget_at_once(tmp_path, budget):
+    """Note [reads before writes]: past READS_IN_FLIGHT, in order, stopping where the budget does."""
+    from infinity.optim.read_ahead import READS_IN_FLIGHT, StateReadAhead
+    recipe, engine = _engine(tmp_path, "a", 0)
+    active = {u.index: u.active_ranges([True] * len(u.grad_flags())) for u in engine.units}
+    order = engine.optimizer.task_chunks(active, engine.units)
+    sizes = [StateReadAhead(engine.manager, 1).chunk_bytes(*c) for c in order]
+    limit = sum(sizes) if budget == "all" else sum(sizes[:3])
+    ra = StateReadAhead(engine.manager, limit)
+    ra.set_order(order)
+    expected = len(order) if budget == "all" else 3
+    assert expected > READS_IN_FLIGHT
+    assert ra.issue_rest() == expected
+    assert list(ra._held) == order[:expected] and ra.held_bytes == limit
+    assert ra.issue_rest() == 0  # nothing left, or no room left
+    for chunk in order[:expected]:
+        for pending in ra.take(*chunk).values():
+            engine.manager.release(pending.wait())
+    engine.close()
+
+
 def test_explicit_read_ahead_larger_than_free_host_memory_is_refused(tmp_path):
     recipe = Recipe(steps=1, accum=1)
     cfg = recipe.config(**NVME_OPT)

@@ -167,6 +167,8 @@ class OptimizerWorker:
                 self._done[unit.index].set()
 
             try:
+                if self.read_ahead is not None:
+                    self.read_ahead.issue_rest()  # Note [reads before writes]
                 self.optimizer.step(hyper=batch.hyper, grad_scale=batch.grad_scale, active=active, units=units,
                                     on_unit_done=done)
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
