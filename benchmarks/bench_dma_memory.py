@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
                "huge_fresh": lambda: aligned_empty(size, torch.uint8, pin=False, lock=False),
                "torch_fresh": lambda: torch.empty(size, dtype=torch.uint8)}
     runs = {f"{k}_{d}": [] for k in KINDS for d in ("read", "write")}
+    offsets = {}
     try:
         with IOEngine(IOConfig()) as io:
             io.submit_write(pooled, path, 0).wait()  # lay the file out
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for kind in KINDS[k:] + KINDS[:k]:
                     for direction in ("read", "write"):
                         buf = buffers[kind]()
+                        offsets.setdefault(kind, buf.data_ptr() % 4096)
                         t = time.perf_counter()
                         (io.submit_read if direction == "read" else io.submit_write)(buf, path, 0).wait()
                         runs[f"{kind}_{direction}"].append(size / (time.perf_counter() - t) / 1e9)
@@ -68,7 +70,6 @@ def main(argv: list[str] | None = None) -> dict:
                for name, v in runs.items()}
     for name, r in results.items():
         print(f"{name:18s} {r['median_GBps']:.2f} GB/s   {' '.join(f'{x:.2f}' for x in r['runs_GBps'])}")
-    offsets = {kind: buffers[kind]().data_ptr() % 4096 for kind in KINDS}
     payload = {"benchmark": "dma_memory", "machine": machine(), "size_bytes": size, "repeats": args.repeats,
                "address_mod_4096": offsets, "results": results}
     write_json(args.json, payload)

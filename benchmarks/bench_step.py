@@ -511,7 +511,7 @@ def _floors(results: dict) -> dict:
     compute = results.get("infinity:device/device/device", {}).get("step_s")
     out = {}
     for name, r in results.items():
-        if not name.startswith("infinity:") or "nvme" not in name or "step_s" not in r or not io.get("read_GBps"):
+        if not _on_nvme(name) or "step_s" not in r or not io.get("read_GBps"):
             continue
         moved = r.get("bytes_moved_per_step", {})
 

@@ -69,9 +69,10 @@ class Engine:
         self.streams = Streams.for_device(self.env.device)
         self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=self._link_peaks()) if config.profile.enabled
                          else NullProfiler(rank=self.env.rank))
+        self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
-                    profiler=self.profiler, unsharded=UnshardedMemory.for_device(self.env.device))
+                    profiler=self.profiler, unsharded=self.unsharded)
         self.units = build_units(model, list(config.units.classes), comm)
         self.plan = self._plan()
         self.io, self.swap = self._open_swap()
@@ -551,7 +552,7 @@ class Engine:
         report["plan"] = {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in self.plan.state_bytes().items()}
         report["working_planned"] = {t.value: v for t, v in self.plan.working.items()}
         report["unsharded_peak_bytes"] = max((u.peak_unsharded for u in self.units), default=0)
-        report["unsharded_pool_bytes"] = self.units[0].comm.unsharded.pooled_bytes if self.units else 0
+        report["unsharded_pool_bytes"] = self.unsharded.pooled_bytes
         report["process_rss_bytes"] = psutil.Process(os.getpid()).memory_info().rss
         if self.env.device.type == "cuda":
             report["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.env.device)

@@ -167,7 +167,7 @@ class Unit:
             self.state = UnitState.SHARDED
 
     def reshard(self) -> None:
-        """Free the unsharded buffer (storage resized to zero bytes)."""
+        """Free the unsharded buffer (its bytes go back: the storage holds zero bytes)."""
         if self.state is UnitState.UNSHARDED:
             self.comm.unsharded.shrink(self.index, self._storage)
             self.state = UnitState.SHARDED

@@ -174,8 +174,8 @@ class StateReadAhead:
         with self._lock:
             if self._paused or not self._todo:
                 return Issue.IDLE
-            reading = sum(1 for e in self._held.values() if not all(p.done() for p in e.fetches.values()))
-            if max_reading is not None and reading >= max_reading:
+            if max_reading is not None and sum(
+                    1 for e in self._held.values() if not all(p.done() for p in e.fetches.values())) >= max_reading:
                 return Issue.BUSY
             key = next(iter(self._todo))
             num_bytes = self.chunk_bytes(*key)
