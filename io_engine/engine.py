@@ -474,27 +474,35 @@ class IOEngine:
         return ready, finished
 
     def _on_block_done(self, op: BlockOp, error: BaseException | None) -> None:
-        """Backend callback, on a backend thread: account the block, refill the queue."""
+        """Backend callback, on a backend thread: account the block, refill the queue, then
+        checksum it. Note [checksum off the queue]: the block's queue slot is the disk's, so
+        it is refilled before the checksum; computed first, a CRC (and the wait for a CPU to
+        run it on while compute holds both cores) left the disk one request short meanwhile."""
         req: _Request = op.request
-        if error is None and req.checksums is not None:
-            error = self._checksum_block(req, op)
         with self._lock:
             self._blocks_in_flight -= 1
             assert self._blocks_in_flight >= 0, f"blocks in flight: {self._blocks_in_flight}"
-            if error is not None and req.error is None:
-                context = (f" (block {op.index + 1} of {req.blocks} of a {req.num_bytes}-byte "
-                           f"{req.direction.value} at offset {req.offset})" if req.blocks > 1
-                           else "")
-                req.error = describe_failure(error, direction=req.direction.value, path=req.path,
-                                             offset=op.file_offset, num_bytes=len(op.mem),
-                                             context=context)
-            req.remaining -= 1
-            finished = [req] if req.remaining == 0 else []
+            self._record_error(req, op, error)  # before the refill: a failed request's blocks are skipped
             ready, more = self._take_ready()
         for o in ready:
             self.backend.submit(o)
+        if error is None and req.checksums is not None:
+            error = self._checksum_block(req, op)
+        with self._lock:
+            self._record_error(req, op, error)
+            req.remaining -= 1
+            finished = [req] if req.remaining == 0 else []
         for r in finished + more:
             self._finish(r)
+
+    @staticmethod
+    def _record_error(req: _Request, op: BlockOp, error: BaseException | None) -> None:
+        """The request's first error, described with the block's place in it (lock held)."""
+        if error is not None and req.error is None:
+            context = (f" (block {op.index + 1} of {req.blocks} of a {req.num_bytes}-byte "
+                       f"{req.direction.value} at offset {req.offset})" if req.blocks > 1 else "")
+            req.error = describe_failure(error, direction=req.direction.value, path=req.path,
+                                         offset=op.file_offset, num_bytes=len(op.mem), context=context)
 
     def _checksum_block(self, req: _Request, op: BlockOp) -> BaseException | None:
         crc = checksum(op.mem)

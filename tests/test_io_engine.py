@@ -313,3 +313,28 @@ def test_direct_io_bypasses_page_cache(tmp_path):
         assert resident_pages(path) == 0
         io.submit_write(src[1:1001], path, 4096 * 3 + 5).wait()  # partial pages: buffered
         assert 1 <= resident_pages(path) <= 2
+
+
+def test_queue_slot_refilled_before_the_checksum(monkeypatch):
+    """Note [checksum off the queue]: a finished block's slot goes to the next block before
+    the finished one is checksummed, so the disk is not left a request short meanwhile."""
+    import io_engine.engine as engine_module
+    from io_engine import MemoryBackend
+    backend = MemoryBackend()
+    submitted = []
+    real_submit = backend.submit
+    monkeypatch.setattr(backend, "submit", lambda op: (submitted.append(op.index), real_submit(op)))
+    seen_at_checksum = []
+    real_checksum = engine_module.checksum
+    monkeypatch.setattr(engine_module, "checksum",
+                        lambda mem: (seen_at_checksum.append(len(submitted)), real_checksum(mem))[1])
+    data = torch.randint(0, 256, (3 * 4096,), dtype=torch.uint8)
+    with IOEngine(IOConfig(block_size=4096, queue_depth=1, threads=1), backend=backend) as io:
+        fut = io.submit("write", data, "f", 0, checksum=True)
+        fut.wait()
+        assert fut.checksums == [real_checksum(memoryview(data[i:i + 4096].numpy())) for i in (0, 4096, 8192)]
+        back = torch.empty_like(data)
+        io.submit("read", back, "f", 0, checksum=True, expected=fut.checksums).wait()
+    assert torch.equal(back, data)
+    # queue depth 1: block k is checksummed after block k + 1 was handed to the backend
+    assert seen_at_checksum[:3] == [2, 3, 3]
