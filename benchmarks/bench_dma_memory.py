@@ -3,7 +3,8 @@
     python benchmarks/bench_dma_memory.py --dir /path/on/nvme --size 256MiB --repeats 5 --json dma.json
 
 The same file range is read into (and written from), in rotating order per repetition:
-  pooled       an `aligned_empty` mapping (page-aligned, huge-page advised, mlock'ed), reused
+  pooled       an `aligned_empty` mapping made as PooledUnshardedMemory makes one (page-aligned,
+               huge-page advised, not mlock'ed: locked and unlocked warm memory measured equal), reused
   huge_fresh   a new huge-page advised mapping each time (not locked, never touched before)
   torch_fresh  a new `torch.empty` each time (what `storage.resize_` gives an unsharded unit)
   torch_warm   a `torch.empty` filled once, reused
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     size = parse_size(args.size)
     os.makedirs(args.dir, exist_ok=True)
     path = os.path.join(args.dir, f"bench-dma-{os.getpid()}.bin")
-    pooled = aligned_empty(size, torch.uint8)
+    pooled = aligned_empty(size, torch.uint8, pin=False, lock=False)  # as infinity.memory.buffers makes them
     pooled.fill_(3)
     warm = torch.empty(size, dtype=torch.uint8)
     warm.fill_(3)
