@@ -17,7 +17,6 @@ requests with 4 in flight (the optimizer's write-behind pattern). Median of
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -25,10 +24,13 @@ import threading
 import time
 from collections import deque
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from io_engine import IOConfig, IOEngine, aligned_empty, parse_size
-from io_engine.bench import fsync_file
+import torch  # noqa: E402
+
+from common import machine, write_json  # noqa: E402
+from io_engine import IOConfig, IOEngine, aligned_empty, parse_size  # noqa: E402
+from io_engine.bench import fsync_file  # noqa: E402
 
 
 def _busy(kind: str, stop: threading.Event) -> None:
@@ -90,10 +92,8 @@ def main(argv=None) -> dict:
         sys.setswitchinterval(saved)
         if os.path.exists(path):
             os.remove(path)
-    out = {"size_bytes": size, "results": results}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    out = {"benchmark": "gil", "machine": machine(), "size_bytes": size, "results": results}
+    write_json(args.json, out)
     return out
 
 

@@ -486,10 +486,9 @@ class IOEngine:
             ready, more = self._take_ready()
         for o in ready:
             self.backend.submit(o)
-        if error is None and req.checksums is not None:
-            error = self._checksum_block(req, op)
+        mismatch = self._checksum_block(req, op) if error is None and req.checksums is not None else None
         with self._lock:
-            self._record_error(req, op, error)
+            self._record_error(req, op, mismatch)
             req.remaining -= 1
             finished = [req] if req.remaining == 0 else []
         for r in finished + more:
