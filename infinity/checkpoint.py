@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from io_engine import IOConfig, IOEngine
+from io_engine import IOEngine
 
 from .memory.tier import Kind
 
@@ -153,8 +153,7 @@ class ShardWriter:
         path = os.path.join(self.tmp_dir, rank_file(rank))
         records = self.records()
         cfg = engine.config.io
-        with IOEngine(IOConfig(block_size=cfg.block_size, queue_depth=cfg.queue_depth, threads=cfg.threads,
-                               direct=cfg.direct, checksum=False)) as io:
+        with IOEngine(cfg.engine_config(checksum=False)) as io:
             in_flight: list = []
             try:
                 for rec in records:
@@ -453,8 +452,7 @@ def load(engine, path: str) -> dict:
     saved_world = manifest["world_size"]
     cpu = torch.device("cpu")
     cfg = engine.config.io
-    with IOEngine(IOConfig(block_size=cfg.block_size, queue_depth=cfg.queue_depth, threads=cfg.threads,
-                           direct=cfg.direct, checksum=False)) as io:
+    with IOEngine(cfg.engine_config(checksum=False)) as io:
         shards = _SavedShards(path, manifest, io)
         for unit, layout in zip(engine.units, manifest["units"]):
             saved_padded = -(-layout["flat_numel"] // saved_world) * saved_world if layout["flat_numel"] else 0

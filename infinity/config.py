@@ -401,7 +401,13 @@ class IOConfig(_Section):
     block_size: int = _option(2**20, "Bytes per I/O request (a power of two, >= 4KiB).", "size",
                               ge=4096, example="1MiB")
     queue_depth: int = _option(16, "Block requests in flight at once (over all I/O threads).", "int", ge=1)
-    threads: int = _option(8, "I/O worker threads (8 threads at queue depth 16 measured best here: benchmarks/RESULTS.md).", "int", ge=1)
+    threads: int = _option(8, "I/O worker threads: with backend \"threads\" they carry every block (8 at queue depth 16 "
+                           "measured best here: benchmarks/RESULTS.md); with \"aio\" only unaligned heads and tails.",
+                           "int", ge=1)
+    backend: str = _option("auto", "How blocks reach the disk: \"aio\" = Linux kernel AIO, the whole queue depth on the "
+                           "device at once, one thread reaping completions (faster beside compute: Note [kernel aio]); "
+                           "\"threads\" = preadv/pwritev from the worker threads; \"auto\" = aio where the kernel "
+                           "offers it, else threads.", "enum", choices=("auto", "aio", "threads"))
     direct: bool = _option(True, "Open swap files with O_DIRECT (bypass the page cache).", "bool")
     checksum: bool = _option(True, "Checksum every block written and verify it on read.", "bool")
     switch_interval_us: float = _option(
@@ -410,6 +416,14 @@ class IOConfig(_Section):
         "Python-heavy forward cut 1 MiB writes from 1.9 to 0.5 GB/s here, and the out-of-core step took "
         "4.5-4.7 s at 100 (also 50, 20) against 5.0-8.4 s at 500 (Note [switch interval]).",
         "float", ge=0)
+
+    def engine_config(self, **overrides: Any):
+        """io_engine's IOConfig for this section; ``overrides`` replace fields (checksum=False)."""
+        from io_engine import IOConfig as EngineIOConfig
+
+        fields = dict(block_size=self.block_size, queue_depth=self.queue_depth, threads=self.threads,
+                      direct=self.direct, checksum=self.checksum, backend=self.backend)
+        return EngineIOConfig(**{**fields, **overrides})
 
     def _check(self) -> None:
         if self.block_size & (self.block_size - 1):

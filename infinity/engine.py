@@ -22,7 +22,7 @@ import psutil
 import torch
 import torch.nn as nn
 
-from io_engine import IOConfig, IOEngine, SwapSpace
+from io_engine import IOEngine, SwapSpace
 
 from .checkpoint import apply_retention, begin_save
 from .checkpoint import load as load_checkpoint
@@ -173,8 +173,7 @@ class Engine:
         if not self.plan.uses(Tier.NVME):
             return None, None
         io_cfg = self.config.io
-        io = IOEngine(IOConfig(block_size=io_cfg.block_size, queue_depth=io_cfg.queue_depth, threads=io_cfg.threads,
-                               direct=io_cfg.direct, checksum=io_cfg.checksum))
+        io = IOEngine(io_cfg.engine_config())
         swap = SwapSpace(dirs=list(self.config.nvme.paths), io=io, rank=self.env.rank, name="infinity",
                          checksum=io_cfg.checksum)
         nvme_bytes = sum(self.plan.state_bytes()[Tier.NVME].values())

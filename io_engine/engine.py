@@ -38,8 +38,8 @@ from typing import Callable, Iterable
 import torch
 
 from .aligned import address_memoryview
-from .backends import Backend, BlockOp, Direction, ThreadBackend
-from .errors import ChecksumError, describe_failure
+from .backends import Backend, BlockOp, Direction, ThreadBackend, kernel_aio
+from .errors import ChecksumError, IOEngineError, describe_failure
 from .stats import IOStats, StatsRecorder
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,13 @@ class IOConfig:
     queue_depth: int = 16
     """Blocks handed to the backend at once (the rest wait in the engine's FIFO)."""
     threads: int = 8
-    """Worker threads issuing syscalls; blocks on the device at once = min(threads, queue_depth)."""
+    """Worker threads issuing syscalls. With backend "threads" they carry every block (blocks
+    on the device at once = min(threads, queue_depth)); with "aio" only the blocks kernel AIO
+    does not take (unaligned heads and tails, buffered files)."""
+    backend: str = "auto"
+    """"aio": Linux kernel AIO for aligned direct blocks, all queue_depth on the device at once
+    (Note [kernel aio]); "threads": preadv/pwritev from the worker threads; "auto": aio
+    where the kernel offers it, else threads."""
     direct: bool = True
     """O_DIRECT where the filesystem allows (bypasses the page cache); else buffered."""
     checksum: bool = True
@@ -108,10 +114,29 @@ class IOConfig:
             raise ValueError(f"IOConfig.threads ({self.threads}) > queue_depth "
                              f"({self.queue_depth}): at most queue_depth blocks are in flight, so "
                              f"the extra threads would idle; raise queue_depth or lower threads")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"IOConfig.backend must be one of {' | '.join(BACKENDS)}, got "
+                             f"{self.backend!r}")
         for name in ("direct", "checksum"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"IOConfig.{name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
+
+
+BACKENDS = ("auto", "aio", "threads")
+
+
+def file_backend(cfg: IOConfig) -> Backend:
+    """The backend for real files that ``cfg.backend`` names ("auto": aio if available)."""
+    use_aio = cfg.backend == "aio" or (cfg.backend == "auto" and kernel_aio.available())
+    if not use_aio:
+        return ThreadBackend(threads=cfg.threads, direct=cfg.direct, bounce_bytes=cfg.block_size)
+    try:
+        return kernel_aio.AioBackend(queue_depth=cfg.queue_depth, threads=cfg.threads,
+                                     direct=cfg.direct, bounce_bytes=cfg.block_size)
+    except OSError as e:
+        raise IOEngineError(f"IOConfig.backend = 'aio' but kernel AIO is unavailable here ({e}): "
+                            f"use backend='threads' (or 'auto', which falls back to it)") from None
 
 
 class IOFuture:
@@ -286,8 +311,7 @@ class IOEngine:
     def __init__(self, config: IOConfig | None = None, backend: Backend | None = None):
         self.config = config if config is not None else IOConfig()
         cfg = self.config
-        self.backend = backend if backend is not None else ThreadBackend(
-            threads=cfg.threads, direct=cfg.direct, bounce_bytes=cfg.block_size)
+        self.backend = backend if backend is not None else file_backend(cfg)
         self._lock = threading.Lock()  # guards the FIFOs, counters and the tables below
         self._pending: deque[BlockOp] = deque()
         self._urgent: deque[BlockOp] = deque()  # issued before anything in _pending

@@ -12,6 +12,7 @@ import torch
 
 from io_engine import (AlignedBufferPool, IOConfig, IOEngine, IOFuture, IOStats, aligned_empty,
                        parse_size)
+from io_engine.backends import kernel_aio
 from io_engine.backends import threads as threads_backend
 
 SMALL = IOConfig(block_size=64 << 10, queue_depth=8, threads=4)  # many blocks per request
@@ -51,14 +52,19 @@ def test_all_dtypes_found():
         assert want in names, f"{want} missing from {sorted(names)}"
 
 
+BACKENDS = ["threads", "aio"]  # "aio" where the kernel offers it (tests/test_io_kernel_aio.py)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "buffered"])
 @pytest.mark.parametrize("num_bytes,offset,shift", [
     (0, 0, 0), (1, 0, 0), (1, 4095, 0), (511, 1, 3), (512, 512, 0), (4096, 0, 0),
     (4097, 4095, 1), (65536, 0, 5), (65537, 12345, 0), (300_001, 7, 1),
     (1 << 20, 4096, 0), ((1 << 20) + 3, 65536 - 1, 2),
 ])
-def test_roundtrip_edge_cases(tmp_path, direct, num_bytes, offset, shift):
-    cfg = IOConfig(block_size=64 << 10, queue_depth=8, threads=4, direct=direct)
+def test_roundtrip_edge_cases(tmp_path, backend, direct, num_bytes, offset, shift):
+    cfg = IOConfig(block_size=64 << 10, queue_depth=8, threads=4, direct=direct,
+                   backend=backend_or_skip(backend))
     path = tmp_path / "data.bin"
     src = filled(num_bytes, shift, seed=num_bytes)
     with IOEngine(cfg) as io:
@@ -86,12 +92,20 @@ def test_neighbouring_unaligned_writes_do_not_clobber(tmp_path):
         assert torch.equal(whole[off:off + t.numel()], t), f"piece at {off} damaged"
 
 
-def test_thousand_random_tensors_concurrently(tmp_path):
+def backend_or_skip(name: str) -> str:
+    if name == "aio" and not kernel_aio.available():
+        pytest.skip("no kernel AIO here")
+    return name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_thousand_random_tensors_concurrently(tmp_path, backend):
     """1,000 tensors, sizes log-uniform 1 B..16 MiB, every dtype, random offsets and
     addresses, 5 files: all written at once, all read back at once, byte-exact."""
     rng = np.random.default_rng(0)
     dtypes = all_dtypes()
     pool = filled(48 << 20, seed=1)  # sources are views into it: odd addresses, no copies
+    pool = aligned_empty(pool.numel(), torch.uint8, lock=False).copy_(pool)  # some page-aligned
     files = [tmp_path / f"f{i}.bin" for i in range(5)]
     ends = [0] * len(files)
     items = []
@@ -109,7 +123,7 @@ def test_thousand_random_tensors_concurrently(tmp_path):
     total = sum(raw.numel() for raw, *_ in items)
     assert total < 1.5e9, f"test data grew to {total} bytes"
     arena = torch.empty(total + 16 * len(items), dtype=torch.uint8)  # read targets
-    with IOEngine() as io:
+    with IOEngine(IOConfig(backend=backend_or_skip(backend))) as io:
         for fut in [io.submit_write(t, p, off) for _, t, p, off in items]:
             fut.wait()
         outs, pos = [], 0
@@ -181,7 +195,7 @@ def test_bad_inputs_rejected_with_fix(tmp_path):
     ({"block_size": 1000}, "block_size"), ({"block_size": "1 potato"}, "block_size"),
     ({"queue_depth": 0}, "queue_depth"), ({"threads": 0}, "threads"),
     ({"threads": 32, "queue_depth": 16}, "threads"), ({"direct": "yes"}, "direct"),
-    ({"checksum": 1}, "checksum"),
+    ({"checksum": 1}, "checksum"), ({"backend": "uring"}, "backend"),
 ])
 def test_config_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -238,11 +238,10 @@ def rates_key(directory: str, device: torch.device) -> str:
 
 def _measure_disk(directory: str, num_bytes: int, io_config) -> tuple[float, float]:
     """(read, write) bytes/s of io_engine on `directory`: best of 3 transfers of `num_bytes`."""
-    from io_engine import IOConfig, IOEngine, aligned_empty
+    from io_engine import IOEngine, aligned_empty
     from io_engine.bench import drop_page_cache, fsync_file
 
-    cfg = IOConfig(block_size=io_config.block_size, queue_depth=io_config.queue_depth,
-                   threads=min(io_config.threads, io_config.queue_depth), direct=io_config.direct, checksum=False)
+    cfg = io_config.engine_config(threads=min(io_config.threads, io_config.queue_depth), checksum=False)
     buf = aligned_empty(num_bytes // 4, torch.float32, lock=False)
     buf.fill_(1.0)
     fd, path = tempfile.mkstemp(dir=directory, prefix=".infinity-bench-")

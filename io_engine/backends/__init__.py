@@ -7,7 +7,9 @@ through the ``complete`` callback given to ``start``. File management calls
 the in-memory backend.
 
 Backends: ``ThreadBackend`` (real files, os.preadv/os.pwritev from a thread pool,
-O_DIRECT) and ``MemoryBackend`` (files in RAM, injectable latency/reordering/failures).
+O_DIRECT), ``kernel_aio.AioBackend`` (ThreadBackend whose aligned direct blocks go through
+Linux kernel AIO; the engine's default where available) and ``MemoryBackend`` (files in
+RAM, injectable latency/reordering/failures).
 """
 
 from __future__ import annotations
