@@ -285,15 +285,18 @@ def machine_info(directory: str) -> dict:
 
 
 def sweep(buf: torch.Tensor, path: str, repeats: int, base: IOConfig) -> tuple[IOConfig, list]:
-    """Try block sizes x queue depths x threads; best by geometric mean of read and write."""
+    """Try block sizes x queue depths (x threads, when the threads carry the blocks); best by
+    geometric mean of read and write."""
     results = []
+    aio = resolved_backend(base) == "aio"
     for bs in (256 << 10, 1 << 20, 4 << 20):
         for qd in (8, 16, 32):
-            for threads in (4, 8, 16, 32):
+            # with aio the threads only carry unaligned pieces: not worth sweeping
+            for threads in ((min(base.threads, qd),) if aio else (4, 8, 16, 32)):
                 if threads > qd:
                     continue
                 cfg = IOConfig(block_size=bs, queue_depth=qd, threads=threads, direct=base.direct,
-                               checksum=base.checksum)
+                               checksum=base.checksum, backend=base.backend)
                 r = measure([EngineContender(cfg, buf, path)], buf.numel(), repeats)["io_engine"]
                 score = (r["read_GBps"] * r["write_GBps"]) ** 0.5
                 results.append({"block_size": bs, "queue_depth": qd, "threads": threads,
@@ -303,8 +306,17 @@ def sweep(buf: torch.Tensor, path: str, repeats: int, base: IOConfig) -> tuple[I
                       f"{r['read_GBps']:.2f} write {r['write_GBps']:.2f} GB/s", flush=True)
     top = max(results, key=lambda r: r["score"])
     best = IOConfig(block_size=top["block_size"], queue_depth=top["queue_depth"],
-                    threads=top["threads"], direct=base.direct, checksum=base.checksum)
+                    threads=top["threads"], direct=base.direct, checksum=base.checksum,
+                    backend=base.backend)
     return best, results
+
+
+def resolved_backend(cfg: IOConfig) -> str:
+    """"aio" or "threads": what cfg.backend runs as on this machine."""
+    from .backends import kernel_aio
+    if cfg.backend == "auto":
+        return "aio" if kernel_aio.available() else "threads"
+    return cfg.backend
 
 
 def _human(n: int) -> str:
@@ -323,6 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", default=None, help=f"default {_human(default.block_size)}")
     p.add_argument("--queue-depth", type=int, default=default.queue_depth)
     p.add_argument("--threads", type=int, default=default.threads)
+    p.add_argument("--backend", default=default.backend, choices=("auto", "aio", "threads"),
+                   help="how blocks reach the disk (default auto: kernel AIO where available)")
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT for the engine")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compare", default="fio,naive,swap",
@@ -340,7 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         p.error(f"--compare: unknown {sorted(unknown)}; choose from fio, naive, swap")
     cfg = IOConfig(block_size=block_size, queue_depth=a.queue_depth,
-                   threads=min(a.threads, a.queue_depth), direct=not a.buffered)
+                   threads=min(a.threads, a.queue_depth), direct=not a.buffered,
+                   backend=a.backend)
     os.makedirs(a.dir, exist_ok=True)
     paths = {k: os.path.join(a.dir, f"io_engine_bench.{k}.dat")
              for k in ("engine", "small", "fio", "naive")}
@@ -353,7 +368,8 @@ def main(argv: list[str] | None = None) -> dict:
             print("sweep (median of", a.repeats, "runs each):", flush=True)
             cfg, report["sweep"] = sweep(buf, paths["engine"], a.repeats, cfg)
         report["config"] = {"block_size": cfg.block_size, "queue_depth": cfg.queue_depth,
-                            "threads": cfg.threads, "direct": cfg.direct}
+                            "threads": cfg.threads, "direct": cfg.direct,
+                            "backend": resolved_backend(cfg)}
         contenders: list[Contender] = [EngineContender(cfg, buf, paths["engine"]),
                                        SmallBufferContender(cfg, size, paths["small"])]
         have_fio = shutil.which("fio") is not None
@@ -413,7 +429,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def _print(report: dict, cfg: IOConfig) -> None:
     print(f"size {report['size_bytes'] / 1e9:.3f} GB, block {_human(cfg.block_size)}, queue depth "
-          f"{cfg.queue_depth}, threads {cfg.threads}, direct {cfg.direct}")
+          f"{cfg.queue_depth}, threads {cfg.threads}, direct {cfg.direct}, backend "
+          f"{resolved_backend(cfg)}")
     for name in ("io_engine", "io_engine_small_buffer", "fio", "naive", "swap_checksummed"):
         r = report.get(name)
         if r is None:
@@ -433,7 +450,8 @@ def _print(report: dict, cfg: IOConfig) -> None:
     if "sweep" in report:
         print("best config:\n[io]")
         print(f'block_size = "{_human(cfg.block_size)}"\nqueue_depth = {cfg.queue_depth}\n'
-              f"threads = {cfg.threads}\ndirect = {str(cfg.direct).lower()}")
+              f"threads = {cfg.threads}\ndirect = {str(cfg.direct).lower()}\n"
+              f'backend = "{resolved_backend(cfg)}"')
 
 
 if __name__ == "__main__":
