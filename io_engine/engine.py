@@ -135,8 +135,15 @@ def file_backend(cfg: IOConfig) -> Backend:
         return kernel_aio.AioBackend(queue_depth=cfg.queue_depth, threads=cfg.threads,
                                      direct=cfg.direct, bounce_bytes=cfg.block_size)
     except OSError as e:
-        raise IOEngineError(f"IOConfig.backend = 'aio' but kernel AIO is unavailable here ({e}): "
-                            f"use backend='threads' (or 'auto', which falls back to it)") from None
+        if cfg.backend == "aio":
+            raise IOEngineError(f"IOConfig.backend = 'aio' but kernel AIO is unavailable here "
+                                f"({e}): use backend='threads' (or 'auto', which falls back to "
+                                f"it)") from None
+        warnings.warn(f"io_engine: no kernel AIO context for this engine ({e}); its blocks go "
+                      f"through {cfg.threads} threads instead (slower beside compute). Close "
+                      f"engines you no longer use, or set backend='threads' to silence this.",
+                      RuntimeWarning, stacklevel=3)
+        return ThreadBackend(threads=cfg.threads, direct=cfg.direct, bounce_bytes=cfg.block_size)
 
 
 class IOFuture:
