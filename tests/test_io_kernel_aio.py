@@ -150,10 +150,14 @@ def test_auto_falls_back_with_a_warning_when_no_context_is_left(monkeypatch):
     """aio-max-nr exhausted (io_setup: EAGAIN): "auto" warns and uses threads, "aio" raises."""
     def refuse(self, slots):
         raise OSError(errno.EAGAIN, "io_setup failed (if EAGAIN, raise /proc/sys/fs/aio-max-nr)")
+    assert kernel_aio.available()  # cached before the refusals: the kernel offers AIO
     monkeypatch.setattr(kernel_aio._Context, "__init__", refuse)
-    with pytest.warns(RuntimeWarning, match="aio-max-nr"):
-        io = IOEngine(IOConfig(backend="auto"))
-    with io:
-        assert type(io.backend) is ThreadBackend
-    with pytest.raises(IOEngineError, match="aio-max-nr"):
-        IOEngine(IOConfig(backend="aio"))
+    try:
+        with pytest.warns(RuntimeWarning, match="aio-max-nr"):
+            io = IOEngine(IOConfig(backend="auto"))
+        with io:
+            assert type(io.backend) is ThreadBackend
+        with pytest.raises(IOEngineError, match="aio-max-nr"):
+            IOEngine(IOConfig(backend="aio"))
+    finally:
+        kernel_aio.available.cache_clear()
