@@ -34,7 +34,8 @@ import zlib
 import torch
 
 from .aligned import aligned_empty, tensor_memoryview
-from .engine import CHECKSUM_ALGORITHM, IOConfig, IOEngine, checksum, parse_size
+from .engine import (BACKENDS, CHECKSUM_ALGORITHM, IOConfig, IOEngine, backend_name, checksum,
+                     parse_size)
 from .swap_space import SwapSpace
 
 _FILL_CHUNK = 16 << 20
@@ -288,7 +289,7 @@ def sweep(buf: torch.Tensor, path: str, repeats: int, base: IOConfig) -> tuple[I
     """Try block sizes x queue depths (x threads, when the threads carry the blocks); best by
     geometric mean of read and write."""
     results = []
-    aio = resolved_backend(base) == "aio"
+    aio = backend_name(base) == "aio"
     for bs in (256 << 10, 1 << 20, 4 << 20):
         for qd in (8, 16, 32):
             # with aio the threads only carry unaligned pieces: not worth sweeping
@@ -311,14 +312,6 @@ def sweep(buf: torch.Tensor, path: str, repeats: int, base: IOConfig) -> tuple[I
     return best, results
 
 
-def resolved_backend(cfg: IOConfig) -> str:
-    """"aio" or "threads": what cfg.backend runs as on this machine."""
-    from .backends import kernel_aio
-    if cfg.backend == "auto":
-        return "aio" if kernel_aio.available() else "threads"
-    return cfg.backend
-
-
 def _human(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n % (1 << shift) == 0:
@@ -335,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--block-size", default=None, help=f"default {_human(default.block_size)}")
     p.add_argument("--queue-depth", type=int, default=default.queue_depth)
     p.add_argument("--threads", type=int, default=default.threads)
-    p.add_argument("--backend", default=default.backend, choices=("auto", "aio", "threads"),
+    p.add_argument("--backend", default=default.backend, choices=BACKENDS,
                    help="how blocks reach the disk (default auto: kernel AIO where available)")
     p.add_argument("--buffered", action="store_true", help="no O_DIRECT for the engine")
     p.add_argument("--repeats", type=int, default=3)
@@ -369,7 +362,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg, report["sweep"] = sweep(buf, paths["engine"], a.repeats, cfg)
         report["config"] = {"block_size": cfg.block_size, "queue_depth": cfg.queue_depth,
                             "threads": cfg.threads, "direct": cfg.direct,
-                            "backend": resolved_backend(cfg)}
+                            "backend": backend_name(cfg)}
         contenders: list[Contender] = [EngineContender(cfg, buf, paths["engine"]),
                                        SmallBufferContender(cfg, size, paths["small"])]
         have_fio = shutil.which("fio") is not None
@@ -430,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _print(report: dict, cfg: IOConfig) -> None:
     print(f"size {report['size_bytes'] / 1e9:.3f} GB, block {_human(cfg.block_size)}, queue depth "
           f"{cfg.queue_depth}, threads {cfg.threads}, direct {cfg.direct}, backend "
-          f"{resolved_backend(cfg)}")
+          f"{backend_name(cfg)}")
     for name in ("io_engine", "io_engine_small_buffer", "fio", "naive", "swap_checksummed"):
         r = report.get(name)
         if r is None:
@@ -451,7 +444,7 @@ def _print(report: dict, cfg: IOConfig) -> None:
         print("best config:\n[io]")
         print(f'block_size = "{_human(cfg.block_size)}"\nqueue_depth = {cfg.queue_depth}\n'
               f"threads = {cfg.threads}\ndirect = {str(cfg.direct).lower()}\n"
-              f'backend = "{resolved_backend(cfg)}"')
+              f'backend = "{backend_name(cfg)}"')
 
 
 if __name__ == "__main__":

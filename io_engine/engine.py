@@ -126,24 +126,30 @@ class IOConfig:
 BACKENDS = ("auto", "aio", "threads")
 
 
+def backend_name(cfg: IOConfig) -> str:
+    """"aio" or "threads": what ``cfg.backend`` runs as on this machine ("auto": aio if the
+    kernel offers it)."""
+    if cfg.backend == "auto":
+        return "aio" if kernel_aio.available() else "threads"
+    return cfg.backend
+
+
 def file_backend(cfg: IOConfig) -> Backend:
-    """The backend for real files that ``cfg.backend`` names ("auto": aio if available)."""
-    use_aio = cfg.backend == "aio" or (cfg.backend == "auto" and kernel_aio.available())
-    if not use_aio:
-        return ThreadBackend(threads=cfg.threads, direct=cfg.direct, bounce_bytes=cfg.block_size)
-    try:
-        return kernel_aio.AioBackend(queue_depth=cfg.queue_depth, threads=cfg.threads,
-                                     direct=cfg.direct, bounce_bytes=cfg.block_size)
-    except OSError as e:
-        if cfg.backend == "aio":
-            raise IOEngineError(f"IOConfig.backend = 'aio' but kernel AIO is unavailable here "
-                                f"({e}): use backend='threads' (or 'auto', which falls back to "
-                                f"it)") from None
-        warnings.warn(f"io_engine: no kernel AIO context for this engine ({e}); its blocks go "
-                      f"through {cfg.threads} threads instead (slower beside compute). Close "
-                      f"engines you no longer use, or set backend='threads' to silence this.",
-                      RuntimeWarning, stacklevel=3)
-        return ThreadBackend(threads=cfg.threads, direct=cfg.direct, bounce_bytes=cfg.block_size)
+    """The backend for real files that ``cfg.backend`` names."""
+    if backend_name(cfg) == "aio":
+        try:
+            return kernel_aio.AioBackend(queue_depth=cfg.queue_depth, threads=cfg.threads,
+                                         direct=cfg.direct, bounce_bytes=cfg.block_size)
+        except OSError as e:
+            if cfg.backend == "aio":
+                raise IOEngineError(f"IOConfig.backend = 'aio' but kernel AIO is unavailable "
+                                    f"here ({e}): use backend='threads' (or 'auto', which falls "
+                                    f"back to it)") from None
+            warnings.warn(f"io_engine: no kernel AIO context for this engine ({e}); its blocks "
+                          f"go through {cfg.threads} threads instead (slower beside compute). "
+                          f"Close engines you no longer use, or set backend='threads' to "
+                          f"silence this.", RuntimeWarning, stacklevel=3)
+    return ThreadBackend(threads=cfg.threads, direct=cfg.direct, bounce_bytes=cfg.block_size)
 
 
 class IOFuture:

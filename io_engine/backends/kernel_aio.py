@@ -144,7 +144,7 @@ class AioBackend(ThreadBackend):
         self._ctx = _Context(queue_depth)
         self._keys = itertools.count(1)
         self._in_kernel: dict[int, tuple[BlockOp, _Iocb]] = {}  # aio_data -> (op, its iocb)
-        self._resume: dict[int, int] = {}  # id(op) -> bytes done by a short AIO transfer
+        self._resume: dict[int, int] = {}  # id(op) -> bytes done by a short AIO transfer (may be 0)
         self._cond = threading.Condition()
         self._stopping = False
         self._reaper: threading.Thread | None = None
@@ -179,7 +179,7 @@ class AioBackend(ThreadBackend):
                      else _IOCB_CMD_PWRITE)
         with self._cond:
             self._in_kernel[key] = (op, iocb)
-            self._cond.notify()
+            self._cond.notify_all()  # the reaper; shutdown waits on the same condition
         if self._ctx.submit(iocb):  # refused (EAGAIN...): the worker's syscall says why, if anything
             with self._cond:
                 del self._in_kernel[key]
@@ -221,8 +221,8 @@ class AioBackend(ThreadBackend):
             log.exception("io_engine completion callback failed")
 
     def _execute(self, op: BlockOp) -> None:
-        done = self._resume.pop(id(op), 0)
-        if not done:
+        done = self._resume.pop(id(op), None)
+        if done is None:
             super()._execute(op)
             return
         h: FileHandle = op.handle
