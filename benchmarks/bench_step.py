@@ -19,6 +19,9 @@ io_engine's read and write bandwidth, measured on the same directory in this run
 (reads and writes share the disk, so the floor adds the two times): the median of
 samples taken at the start and right after each infinity placement on NVMe, since
 a shared disk's speed drifts within minutes (the first sample's floor is reported too).
+Beside it, not instead of it: the floor from a sustained sample (4 GiB each way in
+64 MiB requests, `io_floor_sustained_s`), and what the disk did during the timed
+steps (`disk`: its busy fraction and rates, from the kernel's counters).
 
 System names: `torch`, `infinity:PARAMS/GRADS/OPTIMIZER` (tiers), `infinity:auto`
 (`placement.policy = "auto"`; its plan, tier counts per state kind and reasons are
@@ -101,12 +104,21 @@ def timed_loop(args, step_fn, data, drain=None) -> dict:
     step plus the drain is reported as `tail_s`, outside the median: a run's end pays
     once for the update no later step overlaps (issue 4's bar is about the steady step;
     before 2026-11-22 the drain was counted in the last timed step).
+
+    `disk`: what the block device under `--dir` did from the first timed step's start to
+    the last one's end (common.DiskCounters): how much of that time it had requests in
+    flight, and at what rates. A step that keeps the disk busy all along cannot go faster
+    than the disk goes at that time, whatever a sample taken before or after says.
     """
-    from common import median, peak_rss_bytes
+    from common import DiskCounters, median, peak_rss_bytes
     times, losses = [], []
     timed_end = len(data) - (1 if drain is not None else 0)
     tail_s = None
+    counters = DiskCounters(args.dir)
+    disk = [None, None]
     for i, (x, y) in enumerate(data):
+        if i in (args.warmup, timed_end):
+            disk[i == timed_end] = counters.snapshot()  # the timed steps' window
         t = time.perf_counter()
         losses.append(step_fn(x, y))
         if i == timed_end:  # the trailing step
@@ -114,8 +126,10 @@ def timed_loop(args, step_fn, data, drain=None) -> dict:
             tail_s = time.perf_counter() - t
         elif i >= args.warmup:
             times.append(time.perf_counter() - t)
+    if drain is None:
+        disk[1] = counters.snapshot()
     out = {"step_s": median(times), "step_times": [round(t, 3) for t in times], "losses": losses,
-           "peak_rss_GiB": round(peak_rss_bytes() / 2**30, 3)}
+           "peak_rss_GiB": round(peak_rss_bytes() / 2**30, 3), "disk": counters.between(*disk)}
     if tail_s is not None:
         out["tail_s"] = round(tail_s, 3)
     return out
@@ -316,21 +330,47 @@ def run_fsdp2(args, kind: str) -> dict:
         dist.destroy_process_group()
 
 
+SUSTAINED_REQUEST = 64 << 20  # the sustained sample's request size: a unit's shard is tens of MiB
+
+
 def run_io_floor(args) -> dict:
-    """io_engine's read / write bandwidth on the swap directory, now."""
-    from io_engine import IOConfig, IOEngine, aligned_empty
+    """io_engine's read / write bandwidth on the swap directory, now.
+
+    The burst sample (the I/O floor's): `--io-bytes` (1 GiB) written then read as one
+    request, twice, the faster pass of each direction kept. The sustained sample
+    (`--io-sustained-bytes`, default 4 GiB; 0 skips it): that many bytes written, then
+    read back, in 64 MiB requests all queued at once, once, as a step's update and
+    read-ahead stream them; it sees a disk that slows down under sustained load where
+    the burst sample would not, and carries no best-of-two.
+    """
+    import infinity
+    from io_engine import IOEngine, aligned_empty
     import torch
+    engine_config = infinity.Config.from_dict(infinity_config(args, "auto", args.dir)).io.engine_config()
     path = os.path.join(args.dir, f"bench-io-{os.getpid()}.bin")
     buf = aligned_empty(args.io_bytes // 4, torch.float32)
     buf.fill_(1.0)
     out = {}
     try:
-        with IOEngine(IOConfig()) as io:
+        with IOEngine(engine_config) as io:
             for direction in ("write", "read", "write", "read"):
                 t = time.perf_counter()
                 (io.submit_write if direction == "write" else io.submit_read)(buf, path, 0).wait()
                 gbps = args.io_bytes / (time.perf_counter() - t) / 1e9
                 out[f"{direction}_GBps"] = max(out.get(f"{direction}_GBps", 0), gbps)
+            del buf
+            if args.io_sustained_bytes:
+                size = min(SUSTAINED_REQUEST, args.io_sustained_bytes)
+                requests = max(1, args.io_sustained_bytes // size)
+                chunk = aligned_empty(size // 4, torch.float32)
+                chunk.fill_(1.0)
+                for direction in ("write", "read"):
+                    submit = io.submit_write if direction == "write" else io.submit_read
+                    t = time.perf_counter()
+                    for f in [submit(chunk, path, i * size) for i in range(requests)]:
+                        f.wait()
+                    gbps = requests * size / (time.perf_counter() - t) / 1e9
+                    out[f"sustained_{direction}_GBps"] = gbps
     finally:
         os.remove(path)
     return out
@@ -511,7 +551,7 @@ def _io_median(samples: list[dict]) -> dict:
     """The median read / write bandwidth over the samples taken so far (failed samples skipped)."""
     from common import median
     out = {"samples": samples}
-    for d in ("read_GBps", "write_GBps"):
+    for d in ("read_GBps", "write_GBps", "sustained_read_GBps", "sustained_write_GBps"):
         values = [x[d] for x in samples if d in x]
         if values:
             out[d] = median(values)
@@ -530,9 +570,9 @@ def _floors(results: dict) -> dict:
             continue
         moved = r.get("bytes_moved_per_step", {})
 
-        def ratio(rates: dict) -> tuple[float, float | None]:
-            io_floor = (moved.get("nvme_read", 0) / 1e9 / rates["read_GBps"]
-                        + moved.get("nvme_write", 0) / 1e9 / rates["write_GBps"])
+        def ratio(rates: dict, prefix: str = "") -> tuple[float, float | None]:
+            io_floor = (moved.get("nvme_read", 0) / 1e9 / rates[prefix + "read_GBps"]
+                        + moved.get("nvme_write", 0) / 1e9 / rates[prefix + "write_GBps"])
             floor = max(compute or 0, io_floor)
             return round(io_floor, 3), round(r["step_s"] / floor, 3) if floor else None
 
@@ -541,6 +581,11 @@ def _floors(results: dict) -> dict:
         first = next((x for x in io.get("samples", []) if "read_GBps" in x), None)
         if first is not None:
             out[name]["io_floor_first_sample_s"], out[name]["step_over_floor_first_sample"] = ratio(first)
+        if io.get("sustained_read_GBps") and io.get("sustained_write_GBps"):  # beside the floor, not instead of it
+            out[name]["io_floor_sustained_s"], out[name]["step_over_sustained_floor"] = ratio(io, "sustained_")
+        disk = r.get("disk", {})
+        if disk.get("busy_fraction") is not None:
+            out[name]["disk_busy_fraction"] = disk["busy_fraction"]  # of the timed steps: see timed_loop
     return out
 
 
@@ -562,7 +607,7 @@ def _peer_ratios(results: dict) -> dict:
 def _forward(args) -> list[str]:
     out = []
     for key in ("layers", "d_model", "heads", "vocab", "seq", "batch", "steps", "warmup", "lr", "clip", "threads",
-                "units_ahead", "io_bytes", "ds_param_buffers"):
+                "units_ahead", "io_bytes", "io_sustained_bytes", "ds_param_buffers"):
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     out += ["--dir", args.dir]
     for key in ("device_budget", "host_budget"):
@@ -594,7 +639,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--units-ahead", type=int, default=2)
-    ap.add_argument("--io-bytes", type=int, default=1 << 30)
+    ap.add_argument("--io-bytes", type=int, default=1 << 30, help="the burst I/O sample's size (the I/O floor's)")
+    ap.add_argument("--io-sustained-bytes", type=int, default=4 << 30,
+                    help="the sustained I/O sample's size, each way (0: none); reported beside the I/O floor")
     ap.add_argument("--device-budget", default=None, metavar="SIZE",
                     help='infinity\'s memory.device_budget, e.g. "2GiB" (default "auto": the free memory '
                          'detected; with infinity:auto / infinity:fitting, AUTO_BUDGETS)')

@@ -7,6 +7,7 @@ import os
 import platform
 import resource
 import statistics
+import time
 
 import psutil
 import torch
@@ -29,6 +30,47 @@ def machine() -> dict:
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class DiskCounters:
+    """The kernel's I/O counters of the block device holding a path (Linux /sys/dev/block/M:m/stat).
+
+    `snapshot()` reads them; `between(a, b)` turns two snapshots into what the device did
+    meanwhile: busy fraction (time with at least one request in flight, the kernel's
+    io_ticks), bytes and GB/s each way over the wall time, and the mean number of requests
+    in flight (time_in_queue). The counters are the whole device's: on a shared disk they
+    include other processes' I/O. `reason` says why there are none (not Linux, a path on
+    tmpfs or overlay with no block device behind it).
+    """
+
+    SECTOR = 512  # the stat file counts 512-byte sectors whatever the device's block size
+
+    def __init__(self, path: str):
+        self.stat_file, self.reason = None, None
+        st = os.stat(path)
+        candidate = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/stat"
+        if os.path.exists(candidate):
+            self.stat_file = candidate
+            self.device = os.path.basename(os.path.dirname(os.path.realpath(candidate)))
+        else:
+            self.reason = f"no block device counters for {path} ({candidate} does not exist)"
+
+    def snapshot(self) -> tuple[float, list[int]] | None:
+        if self.stat_file is None:
+            return None
+        with open(self.stat_file) as f:
+            return time.perf_counter(), [int(x) for x in f.read().split()]
+
+    def between(self, a, b) -> dict:
+        if a is None or b is None:
+            return {"error": self.reason}
+        wall = b[0] - a[0]
+        d = [y - x for x, y in zip(a[1], b[1])]
+        read, written = d[2] * self.SECTOR, d[6] * self.SECTOR
+        return {"device": self.device, "wall_s": round(wall, 3), "busy_fraction": round(d[9] / 1e3 / wall, 3),
+                "read_GB": round(read / 1e9, 3), "write_GB": round(written / 1e9, 3),
+                "read_GBps": round(read / 1e9 / wall, 3), "write_GBps": round(written / 1e9 / wall, 3),
+                "mean_in_flight": round(d[10] / 1e3 / wall, 1)}
 
 
 def median(values):
