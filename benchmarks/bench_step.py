@@ -338,10 +338,11 @@ def run_io_floor(args) -> dict:
 
     The burst sample (the I/O floor's): `--io-bytes` (1 GiB) written then read as one
     request, twice, the faster pass of each direction kept. The sustained sample
-    (`--io-sustained-bytes`, default 4 GiB; 0 skips it): that many bytes written, then
-    read back, in 64 MiB requests all queued at once, once, as a step's update and
-    read-ahead stream them; it sees a disk that slows down under sustained load where
-    the burst sample would not, and carries no best-of-two.
+    (`--io-sustained-bytes`, default 4 GiB; 0 skips it): that many bytes written (untimed:
+    a step overwrites extents written before, it does not extend files), overwritten,
+    then read back, in 64 MiB requests all queued at once, as a step's update and
+    read-ahead stream them, once each; it sees a disk that slows down under sustained
+    load where the burst sample would not, and carries no best-of-two.
     """
     import infinity
     from io_engine import IOEngine, aligned_empty
@@ -364,13 +365,14 @@ def run_io_floor(args) -> dict:
                 requests = max(1, args.io_sustained_bytes // size)
                 chunk = aligned_empty(size // 4, torch.float32)
                 chunk.fill_(1.0)
-                for direction in ("write", "read"):
-                    submit = io.submit_write if direction == "write" else io.submit_read
+                for direction in ("fill", "write", "read"):  # fill: a step overwrites its swap extents
+                    submit = io.submit_read if direction == "read" else io.submit_write
                     t = time.perf_counter()
                     for f in [submit(chunk, path, i * size) for i in range(requests)]:
                         f.wait()
                     gbps = requests * size / (time.perf_counter() - t) / 1e9
-                    out[f"sustained_{direction}_GBps"] = gbps
+                    if direction != "fill":
+                        out[f"sustained_{direction}_GBps"] = gbps
     finally:
         os.remove(path)
     return out
