@@ -115,10 +115,12 @@ def timed_loop(args, step_fn, data, drain=None) -> dict:
     timed_end = len(data) - (1 if drain is not None else 0)
     tail_s = None
     counters = DiskCounters(args.dir)
-    disk = [None, None]
+    disk_before = disk_after = None  # the timed steps' window
     for i, (x, y) in enumerate(data):
-        if i in (args.warmup, timed_end):
-            disk[i == timed_end] = counters.snapshot()  # the timed steps' window
+        if i == args.warmup:
+            disk_before = counters.snapshot()
+        if i == timed_end:
+            disk_after = counters.snapshot()
         t = time.perf_counter()
         losses.append(step_fn(x, y))
         if i == timed_end:  # the trailing step
@@ -126,10 +128,10 @@ def timed_loop(args, step_fn, data, drain=None) -> dict:
             tail_s = time.perf_counter() - t
         elif i >= args.warmup:
             times.append(time.perf_counter() - t)
-    if drain is None:
-        disk[1] = counters.snapshot()
+    if drain is None:  # no trailing step: the window ends with the loop
+        disk_after = counters.snapshot()
     out = {"step_s": median(times), "step_times": [round(t, 3) for t in times], "losses": losses,
-           "peak_rss_GiB": round(peak_rss_bytes() / 2**30, 3), "disk": counters.between(*disk)}
+           "peak_rss_GiB": round(peak_rss_bytes() / 2**30, 3), "disk": counters.between(disk_before, disk_after)}
     if tail_s is not None:
         out["tail_s"] = round(tail_s, 3)
     return out

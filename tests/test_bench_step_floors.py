@@ -53,10 +53,10 @@ def test_disk_counters_read_this_machines_device_when_it_has_one(tmp_path):
         return
     a = disk.snapshot()
     with open(tmp_path / "f.bin", "wb") as f:
-        f.write(os.urandom(1 << 16))
-        os.fsync(f.fileno())
+        f.write(os.urandom(4 << 20))
+        os.fsync(f.fileno())  # the 4 MiB reach the device, whatever else it did meanwhile
     d = disk.between(a, disk.snapshot())
-    assert d["write_GB"] >= 0 and 0 <= d["busy_fraction"] and d["device"]
+    assert d["write_GB"] >= 0.004 and d["busy_fraction"] >= 0 and d["device"]  # io_ticks may round a short write to 0 ms
 
 
 def results_with(step_s: float, compute_s: float, samples: list[dict]) -> dict:
