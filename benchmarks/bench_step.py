@@ -20,8 +20,11 @@ io_engine's read and write bandwidth, measured on the same directory in this run
 samples taken at the start and right after each infinity placement on NVMe, since
 a shared disk's speed drifts within minutes (the first sample's floor is reported too).
 Beside it, not instead of it: the floor from a sustained sample (4 GiB each way in
-64 MiB requests, `io_floor_sustained_s`), and what the disk did during the timed
-steps (`disk`: its busy fraction and rates, from the kernel's counters).
+64 MiB requests, `io_floor_sustained_s`), what the disk did during the timed steps
+(`disk`: its busy fraction and rates, from the kernel's counters), and the paired
+floor (`paired`, `--paired-blocks`; run_paired): the system's steps run again in a
+process of their own, each between two burst samples taken seconds before and after
+it, each step over the floor of its own samples, the median of those ratios.
 
 System names: `torch`, `infinity:PARAMS/GRADS/OPTIMIZER` (tiers), `infinity:auto`
 (`placement.policy = "auto"`; its plan, tier counts per state kind and reasons are
@@ -85,12 +88,13 @@ def optimizer_args(args) -> dict:
     return {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
-def batches(args, cfg, trailing: int = 0):
-    """Warm-up + timed batches (+ `trailing` untimed ones), the same for every system."""
+def batches(args, cfg, trailing: int = 0, timed: int | None = None):
+    """Warm-up + timed (default `--steps`) batches (+ `trailing` untimed ones), the same for every system."""
     import torch
     from infinity.models.gpt import synthetic_batch
     g = torch.Generator().manual_seed(1)
-    return [synthetic_batch(cfg, args.batch, g) for _ in range(args.warmup + args.steps + trailing)]
+    timed = args.steps if timed is None else timed
+    return [synthetic_batch(cfg, args.batch, g) for _ in range(args.warmup + timed + trailing)]
 
 
 def timed_loop(args, step_fn, data, drain=None) -> dict:
@@ -201,36 +205,48 @@ def plan_summary(plan) -> dict:
             "tier_totals_bytes": {t.value: n for t, n in plan.tier_totals().items()}, "reasons": list(plan.reasons)}
 
 
-def run_infinity(args, placement: str) -> dict:
+def infinity_engine(args, placement: str, swap: str, profile: bool = False):
+    """`initialize` of system `infinity:<placement>` with swap files in `swap` (removed if it fails)."""
     import torch
     import infinity
     from infinity.models.gpt import GPT, gpt_init
-    cfg = model_config(args)
-    swap = tempfile.mkdtemp(prefix="bench-step-", dir=args.dir)
     config = infinity_config(args, placement, swap)
-    profile = args.profile and "profile" in infinity.Config.from_dict({}).to_dict()
-    if profile:
+    if profile and "profile" in infinity.Config.from_dict({}).to_dict():
         config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.dir, f"trace-{placement.replace('/', '-')}")}
     torch.manual_seed(0)
     try:
-        engine = infinity.initialize(GPT(cfg), config, init_fn=gpt_init)  # a plan that does not fit raises here
+        return infinity.initialize(GPT(model_config(args)), config, init_fn=gpt_init)  # a plan that does not fit raises
     except BaseException:
         shutil.rmtree(swap, ignore_errors=True)
         raise
-    start = dict(engine.manager.bytes_moved)
 
+
+def engine_step(engine):
+    """step_fn(x, y) -> loss of an infinity engine: forward, backward, step."""
     def step(x, y):
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         return float(loss.detach())
+    return step
+
+
+def steady_bytes_per_step(engine) -> dict:
+    """The bytes a steady step moves, as the plan predicts them (tests/test_profile_traffic checks it
+    byte for byte); counters between step starts would split an update that overlaps the next step."""
+    from infinity.memory.traffic import bytes_per_step
+    return bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
+                          cuda=engine.env.device.type == "cuda", kept=engine.kept_params)
+
+
+def run_infinity(args, placement: str) -> dict:
+    swap = tempfile.mkdtemp(prefix="bench-step-", dir=args.dir)
+    engine = infinity_engine(args, placement, swap, profile=args.profile)
+    start = dict(engine.manager.bytes_moved)
     try:
-        out = timed_loop(args, step, batches(args, cfg, trailing=1), drain=engine.synchronize)
-        # a steady step moves what the plan predicts (tests/test_profile_traffic checks it byte for byte);
-        # counters between step starts would split an update that overlaps the next step
-        from infinity.memory.traffic import bytes_per_step
-        out["bytes_moved_per_step"] = bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
-                                                     cuda=engine.env.device.type == "cuda", kept=engine.kept_params)
+        out = timed_loop(args, engine_step(engine), batches(args, model_config(args), trailing=1),
+                         drain=engine.synchronize)
+        out["bytes_moved_per_step"] = steady_bytes_per_step(engine)
         out["fresh_params"] = {"hits": engine.manager.fresh.hits, "puts": engine.manager.fresh.puts,
                                "refused": engine.manager.fresh.refused, "budget_bytes": engine.manager.fresh.budget}
         out["bytes_moved_whole_run"] = {k: v - start[k] for k, v in engine.manager.bytes_moved.items()}
@@ -335,6 +351,30 @@ def run_fsdp2(args, kind: str) -> dict:
 SUSTAINED_REQUEST = 64 << 20  # the sustained sample's request size: a unit's shard is tens of MiB
 
 
+def io_engine_config(args):
+    """io_engine's settings as the infinity systems run it (their `[io]`, `--set io.*` included)."""
+    import infinity
+    return infinity.Config.from_dict(infinity_config(args, "auto", args.dir)).io.engine_config()
+
+
+def burst_sample(args, io, path: str, buf=None) -> dict:
+    """The I/O floor's sample on an open IOEngine: `--io-bytes` written then read at `path` as one
+    request, twice, the faster pass of each direction kept. `buf`: an aligned buffer of that size
+    to reuse (default: one allocated here)."""
+    from io_engine import aligned_empty
+    import torch
+    if buf is None:
+        buf = aligned_empty(args.io_bytes // 4, torch.float32)
+        buf.fill_(1.0)
+    out = {}
+    for direction in ("write", "read", "write", "read"):
+        t = time.perf_counter()
+        (io.submit_write if direction == "write" else io.submit_read)(buf, path, 0).wait()
+        gbps = args.io_bytes / (time.perf_counter() - t) / 1e9
+        out[f"{direction}_GBps"] = max(out.get(f"{direction}_GBps", 0), gbps)
+    return out
+
+
 def run_io_floor(args) -> dict:
     """io_engine's read / write bandwidth on the swap directory, now.
 
@@ -346,22 +386,12 @@ def run_io_floor(args) -> dict:
     read-ahead stream them, once each; it sees a disk that slows down under sustained
     load where the burst sample would not, and carries no best-of-two.
     """
-    import infinity
     from io_engine import IOEngine, aligned_empty
     import torch
-    engine_config = infinity.Config.from_dict(infinity_config(args, "auto", args.dir)).io.engine_config()
     path = os.path.join(args.dir, f"bench-io-{os.getpid()}.bin")
-    buf = aligned_empty(args.io_bytes // 4, torch.float32)
-    buf.fill_(1.0)
-    out = {}
     try:
-        with IOEngine(engine_config) as io:
-            for direction in ("write", "read", "write", "read"):
-                t = time.perf_counter()
-                (io.submit_write if direction == "write" else io.submit_read)(buf, path, 0).wait()
-                gbps = args.io_bytes / (time.perf_counter() - t) / 1e9
-                out[f"{direction}_GBps"] = max(out.get(f"{direction}_GBps", 0), gbps)
-            del buf
+        with IOEngine(io_engine_config(args)) as io:
+            out = burst_sample(args, io, path)
             if args.io_sustained_bytes:
                 size = min(SUSTAINED_REQUEST, args.io_sustained_bytes)
                 requests = max(1, args.io_sustained_bytes // size)
@@ -380,13 +410,68 @@ def run_io_floor(args) -> dict:
     return out
 
 
+def run_paired(args, placement: str) -> dict:
+    """Steps of `infinity:<placement>` each bracketed by I/O samples taken seconds before and after it.
+
+    The disk's speed drifts within minutes here, and a sample taken a minute away from the
+    steps may see another disk. So, after warm-up: `--paired-blocks` times, drain the
+    engine (nothing of ours in flight), take the burst sample (`burst_sample`, the I/O
+    floor's), run one untimed step (after a drain it starts without its predecessor's
+    overlap) and one timed step (it pays its predecessor's overlapped update, as a steady
+    step does); a last drain and sample close the last block. Block i's step lies between
+    samples i and i+1; the driver (`_floors`) puts it over the floor of each and reports
+    the median ratio. Its own process: the sample's buffer is not in the system's peak RSS.
+    """
+    from common import DiskCounters
+    from io_engine import IOEngine, aligned_empty
+    import torch
+    swap = tempfile.mkdtemp(prefix="bench-paired-", dir=args.dir)
+    engine = infinity_engine(args, placement, swap)
+    step = engine_step(engine)
+    data = batches(args, model_config(args), timed=2 * args.paired_blocks)
+    path = os.path.join(args.dir, f"bench-io-{os.getpid()}.bin")
+    counters = DiskCounters(args.dir)
+    samples, steps = [], []
+    try:
+        buf = aligned_empty(args.io_bytes // 4, torch.float32)
+        buf.fill_(1.0)
+        with IOEngine(io_engine_config(args)) as io:
+            for x, y in data[:args.warmup]:
+                step(x, y)
+            blocks = iter(data[args.warmup:])
+
+            def sample() -> None:
+                # settled: the update done and the state read-ahead paused (it resumes after a plain
+                # synchronize()), so the sample has the disk to itself; `disk` shows what else it saw
+                engine.synchronize()
+                with engine._updates_settled():
+                    before = counters.snapshot()
+                    samples.append(burst_sample(args, io, path, buf))
+                    samples[-1]["disk"] = counters.between(before, counters.snapshot())
+
+            for _ in range(args.paired_blocks):
+                sample()
+                step(*next(blocks))  # untimed: no predecessor in flight
+                before, t = counters.snapshot(), time.perf_counter()
+                step(*next(blocks))
+                steps.append({"step_s": round(time.perf_counter() - t, 3),
+                              "disk": counters.between(before, counters.snapshot())})
+            sample()
+        return {"samples": samples, "steps": steps, "bytes_moved_per_step": steady_bytes_per_step(engine)}
+    finally:
+        engine.close()
+        shutil.rmtree(swap, ignore_errors=True)
+        if os.path.exists(path):
+            os.remove(path)
+
+
 def worker(args) -> dict:
     import torch
     torch.set_num_threads(args.threads)
     system, _, option = args.worker.partition(":")
     fn = {"torch": lambda: run_torch(args), "infinity": lambda: run_infinity(args, option),
           "deepspeed": lambda: run_deepspeed(args, option), "fsdp2": lambda: run_fsdp2(args, option),
-          "io": lambda: run_io_floor(args)}[system]
+          "io": lambda: run_io_floor(args), "paired": lambda: run_paired(args, option)}[system]
     return fn()
 
 
@@ -460,7 +545,9 @@ def drive(args) -> dict:
     io_samples = []
     # the disk's speed drifts by up to 2x within minutes here: the I/O floor uses the median of
     # samples taken at the start and right after each infinity run on NVMe, not one sample
-    runs = ["io"] + [r for name in systems for r in ([name, "io"] if _on_nvme(name) else [name])]
+    # and, with --paired-blocks, its steps bracketed by samples seconds away (run_paired)
+    paired = (lambda name: [_paired_name(name)] if args.paired_blocks else [])
+    runs = ["io"] + [r for name in systems for r in ([name, "io"] + paired(name) if _on_nvme(name) else [name])]
     for name in runs:
         result = _run_worker(name, args)
         if name == "io":
@@ -468,8 +555,13 @@ def drive(args) -> dict:
             results["io"] = _io_median(io_samples)
         else:
             results[name] = result
-        print(f"{name:32s} " + (f"{result['step_s']:.3f} s/step  rss {result['peak_rss_GiB']:.2f} GiB"
-                                if "step_s" in result else str(result)[:160]), flush=True)
+        if "step_s" in result:
+            shown = f"{result['step_s']:.3f} s/step  rss {result['peak_rss_GiB']:.2f} GiB"
+        elif "steps" in result:
+            shown = "steps " + " ".join(f"{x['step_s']:.3f}" for x in result["steps"]) + " s, bracketed by samples"
+        else:
+            shown = str(result)[:160]
+        print(f"{name:32s} {shown}", flush=True)
     base = results.get("torch", {}).get("step_s")
     for name, r in results.items():
         if base and r.get("step_s"):
@@ -551,6 +643,11 @@ def _on_nvme(name: str) -> bool:
     return name.startswith("infinity:") and "nvme" in name
 
 
+def _paired_name(name: str) -> str:
+    """The run_paired worker of system `infinity:<placement>`."""
+    return "paired:" + name.partition(":")[2]
+
+
 def _io_median(samples: list[dict]) -> dict:
     """The median read / write bandwidth over the samples taken so far (failed samples skipped)."""
     from common import median
@@ -574,9 +671,12 @@ def _floors(results: dict) -> dict:
             continue
         moved = r.get("bytes_moved_per_step", {})
 
+        def io_floor_of(rates: dict, prefix: str = "") -> float:
+            return (moved.get("nvme_read", 0) / 1e9 / rates[prefix + "read_GBps"]
+                    + moved.get("nvme_write", 0) / 1e9 / rates[prefix + "write_GBps"])
+
         def ratio(rates: dict, prefix: str = "") -> tuple[float, float | None]:
-            io_floor = (moved.get("nvme_read", 0) / 1e9 / rates[prefix + "read_GBps"]
-                        + moved.get("nvme_write", 0) / 1e9 / rates[prefix + "write_GBps"])
+            io_floor = io_floor_of(rates, prefix)
             floor = max(compute or 0, io_floor)
             return round(io_floor, 3), round(r["step_s"] / floor, 3) if floor else None
 
@@ -587,10 +687,33 @@ def _floors(results: dict) -> dict:
             out[name]["io_floor_first_sample_s"], out[name]["step_over_floor_first_sample"] = ratio(first)
         if io.get("sustained_read_GBps") and io.get("sustained_write_GBps"):  # beside the floor, not instead of it
             out[name]["io_floor_sustained_s"], out[name]["step_over_sustained_floor"] = ratio(io, "sustained_")
+        paired = _paired_floor(results.get(_paired_name(name), {}), compute, io_floor_of)
+        if paired:
+            out[name]["paired"] = paired
         disk = r.get("disk", {})
         if disk.get("busy_fraction") is not None:
             out[name]["disk_busy_fraction"] = disk["busy_fraction"]  # of the timed steps: see timed_loop
     return out
+
+
+def _paired_floor(paired: dict, compute: float | None, io_floor_of) -> dict:
+    """run_paired's steps over their own floors: block i's I/O floor is the mean of the I/O
+    floors (`io_floor_of(sample)`) of samples i and i+1, taken just before and just after its
+    step; the floor is the larger of that and the compute floor. The medians over the blocks,
+    and each block's I/O floor and ratio."""
+    from common import median
+    steps, samples = paired.get("steps", []), paired.get("samples", [])
+    if not steps or len(samples) != len(steps) + 1:
+        return {"error": paired["error"]} if "error" in paired else {}
+    io_floors, ratios = [], []
+    for i, s in enumerate(steps):
+        io_floor = (io_floor_of(samples[i]) + io_floor_of(samples[i + 1])) / 2
+        io_floors.append(round(io_floor, 3))
+        floor = max(compute or 0, io_floor)
+        ratios.append(round(s["step_s"] / floor, 3) if floor else None)
+    timed = [r for r in ratios if r is not None]
+    return {"step_s": round(median([s["step_s"] for s in steps]), 3), "io_floor_s": round(median(io_floors), 3),
+            "step_over_floor": median(timed), "ratios": ratios, "io_floors_s": io_floors}
 
 
 def _peer_ratios(results: dict) -> dict:
@@ -611,7 +734,7 @@ def _peer_ratios(results: dict) -> dict:
 def _forward(args) -> list[str]:
     out = []
     for key in ("layers", "d_model", "heads", "vocab", "seq", "batch", "steps", "warmup", "lr", "clip", "threads",
-                "units_ahead", "io_bytes", "io_sustained_bytes", "ds_param_buffers"):
+                "units_ahead", "io_bytes", "io_sustained_bytes", "paired_blocks", "ds_param_buffers"):
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     out += ["--dir", args.dir]
     for key in ("device_budget", "host_budget"):
@@ -646,6 +769,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--io-bytes", type=int, default=1 << 30, help="the burst I/O sample's size (the I/O floor's)")
     ap.add_argument("--io-sustained-bytes", type=int, default=4 << 30,
                     help="the sustained I/O sample's size, each way (0: none); reported beside the I/O floor")
+    ap.add_argument("--paired-blocks", type=int, default=4,
+                    help="steps of each infinity system on NVMe run again, each bracketed by burst I/O samples "
+                         "taken seconds before and after it (0: none); their median ratio to the floor is "
+                         "reported beside the I/O floor's")
     ap.add_argument("--device-budget", default=None, metavar="SIZE",
                     help='infinity\'s memory.device_budget, e.g. "2GiB" (default "auto": the free memory '
                          'detected; with infinity:auto / infinity:fitting, AUTO_BUDGETS)')

@@ -119,7 +119,7 @@ def test_auto_config_leaves_the_static_keys_at_their_defaults(tmp_path):
 def test_driver_runs_auto_beside_every_fitting_static_placement(tmp_path):
     budget = int(0.9 * host_bytes_of_everything_on_host(tmp_path))
     argv = ["--dir", str(tmp_path / "disk"), "--steps", "1", "--warmup", "1", "--io-bytes", str(1 << 20),
-            "--io-sustained-bytes", str(1 << 20),
+            "--io-sustained-bytes", str(1 << 20), "--paired-blocks", "0",
             "--device-budget", str(budget), "--host-budget", str(budget), "--json", str(tmp_path / "out.json"),
             "--systems", "infinity:auto,infinity:fitting", "--timeout", "300"]
     argv += [a for k, v in TINY.items() for a in (f"--{k.replace('_', '-')}", str(v))]
@@ -148,7 +148,7 @@ def test_driver_runs_auto_beside_every_fitting_static_placement(tmp_path):
 def test_a_placement_that_does_not_fit_is_reported_with_the_planners_message(tmp_path):
     budget = int(0.9 * host_bytes_of_everything_on_host(tmp_path))
     argv = ["--dir", str(tmp_path / "disk"), "--steps", "1", "--warmup", "0", "--io-bytes", str(1 << 20),
-            "--io-sustained-bytes", str(1 << 20),
+            "--io-sustained-bytes", str(1 << 20), "--paired-blocks", "0",
             "--device-budget", str(budget), "--host-budget", str(budget), "--systems", "infinity:host/host/host"]
     argv += [a for k, v in TINY.items() for a in (f"--{k.replace('_', '-')}", str(v))]
     payload = bench_step.main(argv)

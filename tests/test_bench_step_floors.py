@@ -97,3 +97,50 @@ def test_io_sample_measures_burst_and_sustained_rates(tmp_path):
     assert set(out) == {"read_GBps", "write_GBps", "sustained_read_GBps", "sustained_write_GBps"}
     assert all(v > 0 for v in out.values())
     assert not [f for f in os.listdir(tmp_path) if f.startswith("bench-io-")]  # the sample's file is removed
+
+
+def test_paired_floor_puts_each_step_over_the_mean_floor_of_the_samples_around_it():
+    samples = [{"read_GBps": 2.0, "write_GBps": 2.5}, {"read_GBps": 1.0, "write_GBps": 1.25},
+               {"read_GBps": 4.0, "write_GBps": 5.0}, {"read_GBps": 2.0, "write_GBps": 2.5}]
+    steps = [{"step_s": 4.5}, {"step_s": 9.0}, {"step_s": 2.2}]
+    results = results_with(step_s=5.5, compute_s=2.0, samples=[samples[0]])
+    results["paired:nvme/host/nvme"] = {"samples": samples, "steps": steps}
+    paired = bench_step._floors(results)["infinity:nvme/host/nvme"]["paired"]
+    floor = [4.0 / r["read_GBps"] + 5.0 / r["write_GBps"] for r in samples]  # 4, 8, 2, 4 s
+    io_floors = [(floor[i] + floor[i + 1]) / 2 for i in range(3)]  # 6, 5, 3 s
+    ratios = [s["step_s"] / max(2.0, f) for s, f in zip(steps, io_floors)]  # 0.75, 1.8, 0.733
+    assert paired["io_floors_s"] == pytest.approx(io_floors, abs=1e-3)
+    assert paired["ratios"] == pytest.approx(ratios, abs=1e-3)
+    assert paired["step_over_floor"] == pytest.approx(sorted(ratios)[1], abs=1e-3)
+    assert paired["step_s"] == 4.5 and paired["io_floor_s"] == pytest.approx(5.0, abs=1e-3)
+    # with a compute floor above every I/O floor, the compute floor is the yardstick
+    results["infinity:device/device/device"]["step_s"] = 10.0
+    paired = bench_step._floors(results)["infinity:nvme/host/nvme"]["paired"]
+    assert paired["ratios"] == pytest.approx([0.45, 0.9, 0.22], abs=1e-3)
+
+
+def test_paired_floor_is_absent_without_the_run_and_says_why_it_failed():
+    results = results_with(step_s=5.5, compute_s=2.0, samples=[{"read_GBps": 2.0, "write_GBps": 2.5}])
+    assert "paired" not in bench_step._floors(results)["infinity:nvme/host/nvme"]
+    results["paired:nvme/host/nvme"] = {"error": "exit 1: boom"}
+    assert bench_step._floors(results)["infinity:nvme/host/nvme"]["paired"] == {"error": "exit 1: boom"}
+
+
+def test_driver_brackets_each_paired_step_with_samples(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))  # the workers inherit it
+    argv = ["--dir", str(tmp_path / "disk"), "--steps", "1", "--warmup", "1", "--io-bytes", str(1 << 20),
+            "--io-sustained-bytes", "0", "--paired-blocks", "2", "--layers", "2", "--d-model", "64",
+            "--heads", "2", "--vocab", "256", "--seq", "32", "--timeout", "300",
+            "--systems", "infinity:device/device/device,infinity:nvme/host/nvme"]
+    payload = bench_step.main(argv)
+    run = payload["results"]["paired:nvme/host/nvme"]
+    assert len(run["samples"]) == 3 and len(run["steps"]) == 2, run
+    assert all(s["read_GBps"] > 0 and s["write_GBps"] > 0 for s in run["samples"])
+    assert run["bytes_moved_per_step"] == payload["results"]["infinity:nvme/host/nvme"]["bytes_moved_per_step"]
+    moved, compute = run["bytes_moved_per_step"], payload["results"]["infinity:device/device/device"]["step_s"]
+    floor = [moved["nvme_read"] / 1e9 / s["read_GBps"] + moved["nvme_write"] / 1e9 / s["write_GBps"]
+             for s in run["samples"]]
+    expected = [st["step_s"] / max(compute, (floor[i] + floor[i + 1]) / 2) for i, st in enumerate(run["steps"])]
+    assert payload["floors"]["infinity:nvme/host/nvme"]["paired"]["ratios"] == pytest.approx(expected, rel=1e-2)
+    leftovers = [f for f in os.listdir(tmp_path / "disk") if f.startswith(("bench-io-", "bench-paired-", "bench-step-"))]
+    assert not leftovers  # swap directories and sample files are removed
