@@ -713,7 +713,7 @@ def _paired_floor(paired: dict, compute: float | None, io_floor_of) -> dict:
         ratios.append(round(s["step_s"] / floor, 3) if floor else None)
     timed = [r for r in ratios if r is not None]
     return {"step_s": round(median([s["step_s"] for s in steps]), 3), "io_floor_s": round(median(io_floors), 3),
-            "step_over_floor": median(timed), "ratios": ratios, "io_floors_s": io_floors}
+            "step_over_floor": round(median(timed), 3) if timed else None, "ratios": ratios, "io_floors_s": io_floors}
 
 
 def _peer_ratios(results: dict) -> dict:
