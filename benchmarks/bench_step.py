@@ -441,9 +441,8 @@ def run_paired(args, placement: str) -> dict:
             blocks = iter(data[args.warmup:])
 
             def sample() -> None:
-                # settled: the update done and the state read-ahead paused (it resumes after a plain
-                # synchronize()), so the sample has the disk to itself; `disk` shows what else it saw
-                engine.synchronize()
+                # settled: the update done and the state read-ahead paused (a plain synchronize()
+                # resumes it), so the sample has the disk to itself; `disk` shows what else it saw
                 with engine._updates_settled():
                     before = counters.snapshot()
                     samples.append(burst_sample(args, io, path, buf))
@@ -546,8 +545,11 @@ def drive(args) -> dict:
     # the disk's speed drifts by up to 2x within minutes here: the I/O floor uses the median of
     # samples taken at the start and right after each infinity run on NVMe, not one sample
     # and, with --paired-blocks, its steps bracketed by samples seconds away (run_paired)
-    paired = (lambda name: [_paired_name(name)] if args.paired_blocks else [])
-    runs = ["io"] + [r for name in systems for r in ([name, "io"] + paired(name) if _on_nvme(name) else [name])]
+    runs = ["io"]
+    for name in systems:
+        runs.append(name)
+        if _on_nvme(name):
+            runs += ["io"] + ([_paired_name(name)] if args.paired_blocks else [])
     for name in runs:
         result = _run_worker(name, args)
         if name == "io":

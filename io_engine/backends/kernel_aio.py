@@ -202,11 +202,13 @@ class AioBackend(ThreadBackend):
                 if self._stopping and not self._in_kernel:
                     return
             n = self._ctx.getevents(events, self._REAP_TIMEOUT_S)
-            for ev in events[:n]:
-                with self._cond:
-                    op, _ = self._in_kernel.pop(ev.data)
-                    self._cond.notify_all()
-                self._finish(op, ev.res)
+            if not n:
+                continue
+            with self._cond:  # one lock and one wakeup per batch of completions
+                done = [(self._in_kernel.pop(ev.data)[0], ev.res) for ev in events[:n]]
+                self._cond.notify_all()
+            for op, res in done:
+                self._finish(op, res)
 
     def _finish(self, op: BlockOp, res: int) -> None:
         if 0 <= res < len(op.mem):  # cut short (end of file, a signal): the rest on a worker
