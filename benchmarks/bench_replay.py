@@ -92,7 +92,7 @@ def scratch_copies(io, sizes: dict[str, int], scratch: str, buf) -> dict[str, st
     return files
 
 
-def replay(io, requests: list[dict], files: dict[str, str], buf, checksum: bool) -> float:
+def replay(io, requests: list[dict], files: dict[str, str], buf, checksum: str) -> float:
     """Queue every request at once, in the recorded order; seconds until the last lands."""
     t = time.perf_counter()
     futures = []

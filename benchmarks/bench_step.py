@@ -186,7 +186,7 @@ def infinity_config(args, placement: str, swap: str) -> dict:
     if memory:
         config["memory"] = memory
     from infinity.config import _parse_override
-    for item in args.set:  # e.g. io.checksum=false: one engine key for every infinity system
+    for item in args.set:  # e.g. io.checksum=full: one engine key for every infinity system
         section, key, value = _parse_override(item)
         config.setdefault(section, {})[key] = value
     return config
@@ -784,7 +784,7 @@ def parser() -> argparse.ArgumentParser:
                     help="DeepSpeed offload_param buffer_count (PEERS.md: 32; every parameter, however small, "
                          "takes one buffer of the largest parameter's size)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="engine config key for the infinity systems, e.g. --set io.checksum=false (repeatable)")
+                    help="engine config key for the infinity systems, e.g. --set io.checksum=full (repeatable)")
     ap.add_argument("--profile", action="store_true", help="enable infinity's profiler (overlap efficiency)")
     ap.add_argument("--no-overlap", action="store_true", help="infinity without the optimizer worker")
     ap.add_argument("--timeout", type=int, default=1800)

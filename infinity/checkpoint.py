@@ -153,7 +153,7 @@ class ShardWriter:
         path = os.path.join(self.tmp_dir, rank_file(rank))
         records = self.records()
         cfg = engine.config.io
-        with IOEngine(cfg.engine_config(checksum=False)) as io:
+        with IOEngine(cfg.engine_config(checksum="off")) as io:
             in_flight: list = []
             try:
                 for rec in records:
@@ -452,7 +452,7 @@ def load(engine, path: str) -> dict:
     saved_world = manifest["world_size"]
     cpu = torch.device("cpu")
     cfg = engine.config.io
-    with IOEngine(cfg.engine_config(checksum=False)) as io:
+    with IOEngine(cfg.engine_config(checksum="off")) as io:
         shards = _SavedShards(path, manifest, io)
         for unit, layout in zip(engine.units, manifest["units"]):
             saved_padded = -(-layout["flat_numel"] // saved_world) * saved_world if layout["flat_numel"] else 0

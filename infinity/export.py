@@ -71,7 +71,7 @@ def _entries(path: str, manifest: dict, dtype: torch.dtype | None) -> list[_Entr
 def _tensors(path: str, manifest: dict, entries: list[_Entry]) -> Iterator[tuple[_Entry, torch.Tensor]]:
     """Yield each entry's full tensor, one at a time (records read and verified on the way)."""
     world = manifest["world_size"]
-    with IOEngine(IOConfig(block_size=1 << 20, queue_depth=8, threads=4, direct=True, checksum=False)) as io:
+    with IOEngine(IOConfig(block_size=1 << 20, queue_depth=8, threads=4, direct=True, checksum="off")) as io:
         shards = _SavedShards(path, manifest, io)
         for entry in entries:
             if entry.buffer is not None:

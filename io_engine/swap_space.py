@@ -7,10 +7,11 @@ split into one aligned part per file so a single read/write uses every disk at o
 (Note [striping]). Extents are carved from per-file free lists (first fit, coalescing on
 free); when reserve() was too small the files grow (or fail with a clear disk-full error).
 
-Note [checksum]: with checksum=True each write records one checksum per engine block in
-memory (swap is per-run scratch: no on-disk metadata) and each read verifies them in the
-worker threads before wait() returns; a flipped byte raises ChecksumError, a truncated
-file IOEngineError (short read), both naming the file and offset.
+Note [checksum]: with checksum "full" or "sampled" each write records one checksum per
+engine block in memory (swap is per-run scratch: no on-disk metadata) and each read
+verifies them in the worker threads before wait() returns; a flipped byte ("full"; with
+"sampled" one inside the sample, Note [sampled checksum] in engine.py) raises
+ChecksumError, a truncated file IOEngineError (short read), both naming the file and offset.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import IOEngine, IOFuture
+from .engine import IOEngine, IOFuture, checksum_mode
 from .errors import IOEngineError, describe_failure
 
 _DIRECT_ALIGNMENT = 4096  # largest O_DIRECT alignment a filesystem may ask for
@@ -134,13 +135,13 @@ class SwapSpace:
     """Swap files for one rank across ``dirs`` (several = striping), driven through ``io``.
 
     alignment: extent offsets and capacities (a multiple of 4096; rounded up to the page
-    size where pages are larger). checksum: None follows
-    ``io.config.checksum``. stripe_min_bytes: extents at least this large are split
+    size where pages are larger). checksum: "full" | "sampled" | "off" (True / False:
+    "full" / "off"); None follows ``io.config.checksum``. stripe_min_bytes: extents at least this large are split
     across all dirs (default: one engine block per dir).
     """
 
     def __init__(self, dirs: list[str] | str, io: IOEngine, rank: int = 0, name: str = "swap",
-                 alignment: int = 4096, checksum: bool | None = None,
+                 alignment: int = 4096, checksum: bool | str | None = None,
                  stripe_min_bytes: int | None = None):
         dirs = [dirs] if isinstance(dirs, (str, os.PathLike)) else list(dirs)
         if not dirs:
@@ -152,7 +153,7 @@ class SwapSpace:
         self.rank = rank
         self.name = name
         self.alignment = _round_up(alignment, _PAGE)  # padded tails are whole pages
-        self.checksum = io.config.checksum if checksum is None else checksum
+        self.checksum = io.config.checksum if checksum is None else checksum_mode(checksum)
         self.stripe_min_bytes = (io.config.block_size * len(dirs) if stripe_min_bytes is None
                                  else stripe_min_bytes)
         self._backend = io.backend
@@ -336,7 +337,7 @@ class SwapSpace:
                 rec.busy = None
                 if error is None:
                     rec.written = True
-                    rec.checksums = [f.checksums for f in futs] if self.checksum else None
+                    rec.checksums = [f.checksums for f in futs] if self.checksum != "off" else None
             return error
 
         rec.future = IOFuture.gather(futs, f"swap write of extent {ext.id}", on_done)
@@ -348,7 +349,7 @@ class SwapSpace:
         views = self._byte_views(ext, out, "read buffer `out`")
         rec = self._start(ext, "read")
         futs = [self.io.submit("read", v, p.path, p.offset, pad_tail=True,
-                               checksum=rec.checksums is not None,
+                               checksum=self.checksum if rec.checksums is not None else "off",
                                expected=rec.checksums[i] if rec.checksums is not None else None,
                                report=False, urgent=urgent)
                 for i, (v, p) in enumerate(zip(views, ext.parts))]

@@ -12,6 +12,7 @@ import torch
 
 from io_engine import (AlignedBufferPool, IOConfig, IOEngine, IOFuture, IOStats, aligned_empty,
                        parse_size)
+from io_engine import engine as engine_module
 from io_engine.backends import kernel_aio
 from io_engine.backends import threads as threads_backend
 
@@ -202,6 +203,29 @@ def test_config_validation_names_field(kwargs, field):
         IOConfig(**kwargs)
 
 
+def test_checksum_modes_normalize():
+    assert IOConfig().checksum == "sampled"
+    assert IOConfig(checksum=True).checksum == "full" and IOConfig(checksum=False).checksum == "off"
+    assert IOConfig(checksum="full").checksum == "full"
+
+
+def test_sampled_checksum_is_the_crc_of_its_pieces():
+    """Note [sampled checksum]: SAMPLE_PIECES pieces spread evenly from the first byte to the
+    last, chained, equal the CRC of the pieces laid end to end; small blocks are covered whole."""
+    block = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    piece, n = engine_module.SAMPLE_BYTES, len(block)
+    pieces = engine_module.SAMPLE_PIECES
+    starts = [k * (n - piece) // (pieces - 1) for k in range(pieces)]
+    assert starts[0] == 0 and starts[-1] + piece == n
+    joined = np.concatenate([block[s:s + piece] for s in starts])
+    assert engine_module.sampled_checksum(block) == engine_module.checksum(joined)
+    small = block[:2 * engine_module.SAMPLE_PIECES * piece]
+    assert engine_module.sampled_checksum(small) == engine_module.checksum(small)
+    flipped = block.copy()
+    flipped[starts[3] + 5] ^= 1
+    assert engine_module.sampled_checksum(flipped) != engine_module.sampled_checksum(block)
+
+
 def test_config_accepts_size_strings():
     assert IOConfig(block_size="4MiB").block_size == 4 << 20
     assert parse_size("1GiB") == 1 << 30 and parse_size("512MiB") == 512 << 20
@@ -332,7 +356,6 @@ def test_direct_io_bypasses_page_cache(tmp_path):
 def test_queue_slot_refilled_before_the_checksum(monkeypatch):
     """Note [checksum off the queue]: a finished block's slot goes to the next block before
     the finished one is checksummed, so the disk is not left a request short meanwhile."""
-    import io_engine.engine as engine_module
     from io_engine import MemoryBackend
     backend = MemoryBackend()
     submitted = []

@@ -170,6 +170,40 @@ def test_flipped_byte_raises_checksum_error(tmp_path, io):
     swap.close()
 
 
+def test_sampled_checksum_detects_stale_and_tail_corruption(tmp_path):
+    """Note [sampled checksum]: a block whose write was lost (the previous contents read back)
+    and a flipped last byte are both caught with 1 MiB blocks checksummed by sample."""
+    with IOEngine(IOConfig(block_size=1 << 20, queue_depth=4, threads=2, checksum="sampled")) as io:
+        swap = SwapSpace([tmp_path], io)
+        assert swap.checksum == "sampled"
+        swap.reserve(4 << 20)
+        ext = swap.allocate(2 << 20)
+        old, new = data(2 << 20, 1), data(2 << 20, 2)
+        swap.write(ext, old).wait()
+        with open(ext.path, "rb") as f:
+            f.seek(ext.offset)
+            stale = f.read(1 << 20)
+        swap.write(ext, new).wait()
+        out = torch.empty_like(new)
+        swap.read(ext, out).wait()
+        assert torch.equal(out, new)
+        with open(ext.path, "r+b") as f:  # the first block's new contents lost: the old ones read back
+            f.seek(ext.offset)
+            f.write(stale)
+        with pytest.raises(ChecksumError, match=rf"checksum mismatch in .* at offset {ext.offset} .*\(sampled\)"):
+            swap.read(ext, out).wait()
+        swap.write(ext, new).wait()
+        last = ext.offset + (2 << 20) - 1
+        with open(ext.path, "r+b") as f:
+            f.seek(last)
+            byte = f.read(1)
+            f.seek(last)
+            f.write(bytes([byte[0] ^ 0x01]))
+        with pytest.raises(ChecksumError, match=f"at offset {ext.offset + (1 << 20)} "):
+            swap.read(ext, out).wait()
+        swap.close()
+
+
 def test_truncated_swap_file(tmp_path, io):
     swap = SwapSpace([tmp_path], io, checksum=True)
     swap.reserve(1 << 20)

@@ -241,7 +241,7 @@ def _measure_disk(directory: str, num_bytes: int, io_config) -> tuple[float, flo
     from io_engine import IOEngine, aligned_empty
     from io_engine.bench import drop_page_cache, fsync_file
 
-    cfg = io_config.engine_config(threads=min(io_config.threads, io_config.queue_depth), checksum=False)
+    cfg = io_config.engine_config(threads=min(io_config.threads, io_config.queue_depth), checksum="off")
     buf = aligned_empty(num_bytes // 4, torch.float32, lock=False)
     buf.fill_(1.0)
     fd, path = tempfile.mkstemp(dir=directory, prefix=".infinity-bench-")
