@@ -17,7 +17,7 @@ def train(recipe, precision, steps=None):
         for x, y in micro:
             loss = engine(x, y)
             engine.backward(loss)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             engine.step()
     return engine, losses
 
