@@ -375,3 +375,20 @@ def test_queue_slot_refilled_before_the_checksum(monkeypatch):
     assert torch.equal(back, data)
     # queue depth 1: block k is checksummed after block k + 1 was handed to the backend
     assert seen_at_checksum[:3] == [2, 3, 3]
+
+
+@pytest.mark.timeout(60)
+def test_failing_checksum_fails_its_request(monkeypatch):
+    """A checksum that raises fails the request with that error (and the engine goes on);
+    it never leaves the waiter hanging."""
+    from io_engine import MemoryBackend
+
+    def broken(mem):
+        raise MemoryError("checksum ran out of memory")
+    data = torch.randint(0, 256, (2 * 4096,), dtype=torch.uint8)
+    with IOEngine(IOConfig(block_size=4096, queue_depth=2, threads=1), backend=MemoryBackend()) as io:
+        monkeypatch.setattr(engine_module, "checksum", broken)
+        with pytest.raises(Exception, match="checksum ran out of memory"):
+            io.submit("write", data, "f", 0, checksum="full").wait()
+        monkeypatch.undo()
+        io.submit("write", data, "f", 0, checksum="full").wait()
