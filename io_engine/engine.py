@@ -89,12 +89,6 @@ def sampled_checksum(data) -> int:
     return crc
 
 
-def _checksum_fn(mode: str):
-    """The function of a checksum mode other than "off" (looked up per request, so a test can
-    patch ``checksum``)."""
-    return checksum if mode == "full" else sampled_checksum
-
-
 def checksum_mode(value: bool | str | None) -> str:
     """A checksum setting as one of CHECKSUM_MODES: True is "full", False and None "off"."""
     if value is None or value is False:
@@ -354,7 +348,7 @@ class _Request:
     t_submit: float = field(default_factory=time.perf_counter)
     checksums: list[int] | None = None
     expected: list[int] | None = None
-    checksum_fn: object = None  # checksum or sampled_checksum, with checksums
+    checksum_mode: str = "off"  # CHECKSUM_MODES; checksums / expected are used unless "off"
 
 
 def _check_tensor(t: torch.Tensor, what: str) -> None:
@@ -482,10 +476,11 @@ class IOEngine:
                report: bool = True, urgent: bool = False) -> IOFuture:
         """The general form of submit_read/submit_write. pad_tail: bytes up to the next
         direct-I/O alignment after the range belong to the caller (see ThreadBackend).
-        checksum: record per-block checksums in ``future.checksums`` ("full" or True, "sampled":
-        Note [sampled checksum]; "off" or False: none); expected: verify a read against
-        checksums recorded in the same mode (ChecksumError on mismatch). report=False: a group future owns
-        failures (see adopt). urgent: queue ahead of non-urgent blocks (Note [urgent lane])."""
+        checksum: record per-block checksums in ``future.checksums`` ("full" or True,
+        "sampled": Note [sampled checksum]; "off" or False: none); expected: verify a read
+        against checksums recorded in the same mode (ChecksumError on mismatch).
+        report=False: a group future owns failures (see adopt). urgent: queue ahead of
+        non-urgent blocks (Note [urgent lane])."""
         direction = Direction(direction)
         what = "tensor to write" if direction is Direction.WRITE else "read buffer `out`"
         _check_tensor(tensor, what)
@@ -497,8 +492,7 @@ class IOEngine:
         req = _Request(next(self._ids), direction, path, offset, num_bytes, tensor, fut, report)
         mode = checksum_mode(checksum)
         if mode != "off":
-            req.checksums, req.expected = [], expected
-            req.checksum_fn = _checksum_fn(mode)
+            req.checksums, req.expected, req.checksum_mode = [], expected, mode
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"IOEngine is closed: cannot {direction.value} {path}; "
@@ -601,13 +595,13 @@ class IOEngine:
                                          offset=op.file_offset, num_bytes=len(op.mem), context=context)
 
     def _checksum_block(self, req: _Request, op: BlockOp) -> BaseException | None:
-        crc = req.checksum_fn(op.mem)
+        crc = (checksum if req.checksum_mode == "full" else sampled_checksum)(op.mem)
         req.checksums[op.index] = crc
         if req.expected is None or req.expected[op.index] == crc:
             return None
         return ChecksumError(
             f"checksum mismatch in {req.path} at offset {op.file_offset} ({len(op.mem)} bytes): "
-            f"{CHECKSUM_ALGORITHM}{' (sampled)' if req.checksum_fn is sampled_checksum else ''} was "
+            f"{CHECKSUM_ALGORITHM}{' (sampled)' if req.checksum_mode == 'sampled' else ''} was "
             f"{req.expected[op.index]:#010x} when written, "
             f"{crc:#010x} now. The file was modified underneath or the disk corrupted it; this "
             f"data is lost: restart from the last checkpoint and check the disk (dmesg, smartctl).",

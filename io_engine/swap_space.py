@@ -136,8 +136,8 @@ class SwapSpace:
 
     alignment: extent offsets and capacities (a multiple of 4096; rounded up to the page
     size where pages are larger). checksum: "full" | "sampled" | "off" (True / False:
-    "full" / "off"); None follows ``io.config.checksum``. stripe_min_bytes: extents at least this large are split
-    across all dirs (default: one engine block per dir).
+    "full" / "off"); None follows ``io.config.checksum``. stripe_min_bytes: extents at
+    least this large are split across all dirs (default: one engine block per dir).
     """
 
     def __init__(self, dirs: list[str] | str, io: IOEngine, rank: int = 0, name: str = "swap",
