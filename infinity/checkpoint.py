@@ -463,11 +463,12 @@ def load(engine, path: str) -> dict:
                     start, numel = m.chunk_span(unit.index, chunk)
                     buf = m.target(unit.index, kind, chunk, cpu)
                     shards.read_range(unit.index, kind.value, saved_shard, base + start, base + start + numel, buf)
-                    if kind is Kind.MASTER:
-                        params = m.target(unit.index, Kind.PARAMS, chunk, cpu)
-                        params.copy_(buf)  # compute-dtype parameters are the cast of the masters (Note [what is saved])
-                        m.store(unit.index, Kind.PARAMS, chunk, params).wait()
-                    m.store(unit.index, kind, chunk, buf).wait()  # written before the next record reuses memory
+                    # written before the next record reuses memory; with the master, the compute-dtype
+                    # parameters, its cast (Note [what is saved])
+                    stores = m.store_master(unit.index, chunk, buf) if kind is Kind.MASTER else [
+                        m.store(unit.index, kind, chunk, buf)]
+                    for pending in stores:
+                        pending.wait()
             m.mark_zero(unit.index, Kind.GRADS)
             unit.param_steps = dict(manifest["param_steps"][unit.index])
             unit.slots_with_grad.clear()

@@ -190,8 +190,7 @@ class Engine:
             start, end = unit.shard_range()
             master = flat[start:end].clone()
             del flat
-            pending = [self.manager.store(unit.index, Kind.MASTER, None, master, release=False),
-                       self.manager.store(unit.index, Kind.PARAMS, None, master.to(self.compute_dtype), release=False)]
+            pending = self.manager.store_master(unit.index, None, master, release=False)
             for p in pending:
                 p.wait()  # the shard's values must be stored before its full copy goes away
             stored = self.manager.resident(unit.index, Kind.PARAMS)
@@ -600,6 +599,7 @@ class Engine:
             self._closed = True
             try:
                 if self.worker is not None:
+                    self.manager.fresh.unblock()  # a worker left after a failed update must not wait for a forward
                     self.worker.close()  # (a read-ahead error nobody consumed is raised here)
             finally:
                 for h in self._handles:

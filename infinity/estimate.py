@@ -290,9 +290,11 @@ def staging_pool_bytes(plan: Plan, *, read_ahead: int = 1, max_writes_in_flight:
                                           for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)}))
                 nxt += 1
             task, u, n, bufs = ahead.pop(0)
-            params = get(n * csize) if nvme(u, Kind.PARAMS) else None
-            writes += [(task, False, bufs[k]) for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
-            writes.append((task, True, params))
+            alias = plan.aliases_master(u)  # the master's buffer is the parameters' (Note [aliased parameters])
+            params = get(n * csize) if nvme(u, Kind.PARAMS) and not alias else None
+            writes += [(task, alias and k is Kind.MASTER, bufs[k]) for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
+            if not alias:
+                writes.append((task, True, params))
             put(bufs[Kind.GRADS])  # released right after the step
             while len(writes) > max_writes_in_flight:
                 put(writes.pop(0)[2])

@@ -12,6 +12,10 @@ engine block in memory (swap is per-run scratch: no on-disk metadata) and each r
 verifies them in the worker threads before wait() returns; a flipped byte ("full"; with
 "sampled" one inside the sample, Note [sampled checksum] in engine.py) raises
 ChecksumError, a truncated file IOEngineError (short read), both naming the file and offset.
+
+An extent may be read by several readers at once (e.g. a parameter fetch and the
+optimizer's read-ahead of the same bytes); a write excludes every other operation on
+it, and starting one that conflicts raises (the caller's ordering bug, never a wait).
 """
 
 from __future__ import annotations
@@ -120,15 +124,20 @@ class _FileSpace:
 
 class _Record:
     """What SwapSpace knows about a live extent: checksums per part and block (None =
-    never successfully written) and whether a read/write is in flight."""
+    never successfully written) and the reads / write in flight."""
 
-    __slots__ = ("checksums", "written", "busy", "future")
+    __slots__ = ("checksums", "written", "readers", "writing", "futures")
 
     def __init__(self) -> None:
         self.checksums: list[list[int]] | None = None
         self.written = False
-        self.busy: str | None = None
-        self.future: IOFuture | None = None
+        self.readers = 0
+        self.writing = False
+        self.futures: list[IOFuture] = []  # of operations started (done ones pruned as new ones start)
+
+    @property
+    def busy(self) -> str | None:
+        return "written" if self.writing else "read" if self.readers else None
 
 
 class SwapSpace:
@@ -311,7 +320,7 @@ class SwapSpace:
     def _start(self, ext: Extent, kind: str) -> _Record:
         with self._lock:
             rec = self._live(ext)
-            if rec.busy:
+            if rec.writing or (kind == "write" and rec.readers):  # reads may share an extent
                 raise RuntimeError(f"extent {ext.id} is already being {rec.busy}: wait() for it "
                                    f"before starting a {kind}")
             if kind == "read" and not rec.written:
@@ -319,8 +328,17 @@ class SwapSpace:
                                     f"holds no data: it was never written, or its last write "
                                     f"failed", path=ext.path, offset=ext.offset,
                                     num_bytes=ext.num_bytes, direction="read")
-            rec.busy = "read" if kind == "read" else "written"
+            if kind == "read":
+                rec.readers += 1
+            else:
+                rec.writing = True
+            rec.futures = [f for f in rec.futures if not f.done()]
             return rec
+
+    def _started(self, rec: _Record, future: IOFuture) -> IOFuture:
+        with self._lock:
+            rec.futures.append(future)  # close() waits for it
+        return self.io.adopt(future)
 
     def write(self, ext: Extent, tensor: torch.Tensor) -> IOFuture:
         """Write tensor's bytes into the extent; checksums recorded before wait() returns."""
@@ -334,14 +352,13 @@ class SwapSpace:
 
         def on_done(error):
             with self._lock:
-                rec.busy = None
+                rec.writing = False
                 if error is None:
                     rec.written = True
                     rec.checksums = [f.checksums for f in futs] if self.checksum != "off" else None
             return error
 
-        rec.future = IOFuture.gather(futs, f"swap write of extent {ext.id}", on_done)
-        return self.io.adopt(rec.future)
+        return self._started(rec, IOFuture.gather(futs, f"swap write of extent {ext.id}", on_done))
 
     def read(self, ext: Extent, out: torch.Tensor, *, urgent: bool = False) -> IOFuture:
         """Read the extent into out; with checksum on, verified before wait() returns.
@@ -356,11 +373,10 @@ class SwapSpace:
 
         def on_done(error):
             with self._lock:
-                rec.busy = None
+                rec.readers -= 1
             return error
 
-        rec.future = IOFuture.gather(futs, f"swap read of extent {ext.id}", on_done)
-        return self.io.adopt(rec.future)
+        return self._started(rec, IOFuture.gather(futs, f"swap read of extent {ext.id}", on_done))
 
     def close(self) -> None:
         """Wait for this swap's I/O in flight, then remove the swap files it created (only
@@ -369,7 +385,7 @@ class SwapSpace:
             if self._closed:
                 return
             self._closed = True
-            in_flight = [r.future for r in self._records.values() if r.busy and r.future]
+            in_flight = [f for r in self._records.values() for f in r.futures if not f.done()]
         for fut in in_flight:
             fut.exception()  # why: a file must not vanish under its I/O; errors went to wait()
         for space in self._spaces:

@@ -31,6 +31,8 @@ def expected_state(world: int, placement: dict, compute_bytes: int) -> dict:
                 "master": per_rank * 4, "exp_avg": per_rank * 4, "exp_avg_sq": per_rank * 4}
     group = {"params": "params", "grads": "grads", "master": "optimizer", "exp_avg": "optimizer",
              "exp_avg_sq": "optimizer"}
+    if compute_bytes == 4 and placement["params"] == placement["optimizer"] == "nvme":
+        bytes_of["params"] = 0  # fp32 parameters are stored as the master (Note [aliased parameters])
     out = {t: {k: 0 for k in bytes_of} for t in ("device", "host", "nvme")}
     for kind, n in bytes_of.items():
         out[placement[group[kind]]][kind] = n

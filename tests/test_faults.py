@@ -34,13 +34,9 @@ def test_flipped_byte_in_swap_is_detected_and_not_trained_on(tmp_path):
         engine.backward(engine(x, y))
         assert engine.step()
         before = engine.full_state_dict()
-        extent = engine.manager._shards[(1, Kind.MASTER)].chunks[0].extent
-        part = extent.parts[0]
-        with open(part.path, "r+b") as f:  # corrupt the master weights of blocks.0 on disk
-            f.seek(part.offset + 100)
-            b = f.read(1)
-            f.seek(part.offset + 100)
-            f.write(bytes([b[0] ^ 0x01]))
+        # corrupt blocks.0's first Adam moment on disk: only the update reads it (its fp32 master weights
+        # are also its parameters, read by the forward: test_flipped_parameter_byte_fails_the_forward)
+        part = flip_byte(engine, 1, Kind.EXP_AVG, 100)
         engine.backward(engine(x, y))
         engine.backward(engine(x, y))
         with pytest.raises(ChecksumError) as err:
@@ -51,6 +47,33 @@ def test_flipped_byte_in_swap_is_detected_and_not_trained_on(tmp_path):
             engine(x, y)  # sticky: nothing trains on after the failed update
     # Nothing trained on the bad bytes: the other units' state is still what it was.
     assert before["blocks.1.fc.weight"].isfinite().all()
+
+
+def flip_byte(engine, unit: int, kind: Kind, offset: int):
+    """Flip one bit of a stored chunk on disk, under the engine; returns the extent part."""
+    part = engine.manager._shards[(unit, kind)].chunks[0].extent.parts[0]
+    with open(part.path, "r+b") as f:
+        f.seek(part.offset + offset)
+        b = f.read(1)
+        f.seek(part.offset + offset)
+        f.write(bytes([b[0] ^ 0x01]))
+    return part
+
+
+def test_flipped_parameter_byte_fails_the_forward(tmp_path):
+    """fp32 parameters on NVMe are read from the master's extents (Note [aliased parameters]): a flipped
+    byte there fails the forward that fetches them, naming the file, before anything trains on it."""
+    recipe = Recipe()
+    cfg = config(str(tmp_path), overlap={"optimizer_read_ahead": 0}, prefetch={"keep_written": False})
+    with infinity.initialize(recipe.build(), cfg) as engine:
+        for x, y in recipe.batches()[0]:
+            engine.backward(engine(x, y))
+        assert engine.step()
+        engine.synchronize()
+        part = flip_byte(engine, 1, Kind.MASTER, 100)
+        with pytest.raises(ChecksumError) as err:
+            engine(x, y)
+        assert part.path in str(err.value) and f"offset {part.offset}" in str(err.value)
 
 
 @pytest.fixture

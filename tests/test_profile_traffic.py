@@ -51,6 +51,30 @@ def test_profiled_bytes_equal_the_plan(placement, overlap, tmp_path):
     assert predicted["nvme_read"] > 0 and predicted["nvme_write"] > 0
 
 
+@pytest.mark.parametrize("dtype,written_per_element", [("fp32", 12), ("bf16", 14)])
+def test_fp32_parameters_on_nvme_are_the_masters_write(dtype, written_per_element, tmp_path):
+    """Note [aliased parameters]: with parameters and optimizer on NVMe, an update writes the master and
+    both moments (12 bytes per element); fp32 parameters are the master's bytes, bf16 ones are written too
+    (2 more). The fp32 parameters take no swap space (that training is exact: test_engine_parity)."""
+    recipe = Recipe(steps=2, accum=1)
+    cfg = recipe.config(params="nvme", grads="host", optimizer="nvme")
+    cfg["nvme"] = {"paths": [str(tmp_path)]}
+    cfg["precision"] = {"compute_dtype": dtype}
+    cfg["prefetch"] = {"keep_written": False}  # every parameter fetch reads the disk
+    with infinity.initialize(recipe.build(), cfg) as engine:
+        elements = sum(u.shard_numel for u in engine.units)
+        state = engine.memory_report()["state"]["nvme"]
+        assert state["params"] == (0 if dtype == "fp32" else elements * 2)
+        for micro in recipe.batches():
+            before = dict(engine.manager.bytes_moved)
+            for x, y in micro:
+                engine.backward(engine(x, y))
+            engine.step()
+            engine.synchronize()
+            moved = {k: v - before[k] for k, v in engine.manager.bytes_moved.items()}
+            assert moved["nvme_write"] == elements * written_per_element
+
+
 def test_profile_outputs(tmp_path):
     recipe = Recipe(steps=3, accum=1)
     cfg = recipe.config(params="nvme", grads="host", optimizer="nvme")

@@ -285,3 +285,27 @@ def test_checksum_off_and_many_concurrent_extents(tmp_path):
             f.wait()
         assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
         swap.close()
+
+
+def test_reads_share_an_extent_and_a_write_excludes_them():
+    """Two reads of one extent may be in flight together (an aliased parameter fetch beside the
+    optimizer's read-ahead of the same bytes); a write conflicts with either, and either with it."""
+    with IOEngine(CFG, backend=MemoryBackend(latency_s=0.3)) as io:
+        swap = SwapSpace(["/nvme0"], io, checksum="full")
+        e = swap.allocate(100_000)
+        swap.write(e, data(100_000, 7)).wait()
+        outs = [torch.empty(100_000, dtype=torch.uint8) for _ in range(2)]
+        reads = [swap.read(e, out) for out in outs]
+        assert not any(r.done() for r in reads)  # both in flight at once
+        with pytest.raises(RuntimeError, match=f"extent {e.id} is already being read"):
+            swap.write(e, data(100_000, 8))
+        for r in reads:
+            r.wait()
+        assert all(torch.equal(out, data(100_000, 7)) for out in outs)
+        write = swap.write(e, data(100_000, 9))
+        with pytest.raises(RuntimeError, match=f"extent {e.id} is already being written"):
+            swap.read(e, outs[0])
+        write.wait()
+        swap.read(e, outs[0]).wait()
+        assert torch.equal(outs[0], data(100_000, 9))
+        swap.close()

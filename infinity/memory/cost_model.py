@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from .tier import Tier
+from .tier import Tier, params_alias_master
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")  # the keys of memory_report()["bytes_moved"]
 CACHE_VERSION = 1
@@ -122,11 +122,11 @@ def unit_traffic(shard_numel: int, tiers: dict[str, Tier], *, compute_bytes: int
     fetches = accum * (1 if is_root else 2)
     params, grads, optim = tiers["params"], tiers["grads"], tiers["optimizer"]
     opt_on_gpu = cuda and optim is Tier.DEVICE
-    # params: fetched for compute, written back after the step
+    # params: fetched for compute, written back after the step (as the master when aliased)
     if params is Tier.NVME:
         kept = shard_numel if kept_numel is None else kept_numel
         t.fb["nvme_read"] += fetches * P - kept * compute_bytes
-        t.opt["nvme_write"] += P
+        t.opt["nvme_write"] += 0 if params_alias_master(compute_bytes, params, optim) else P
     if cuda and params is not Tier.DEVICE:
         t.fb["h2d"] += fetches * P
     if cuda and (params is Tier.DEVICE) != opt_on_gpu:  # new params cross between where Adam ran and their tier

@@ -11,7 +11,9 @@ sub-group, "chunk"). Callers move data with issue/wait pairs:
 
 For resident tiers a fetch on the same device returns a view of the stored
 tensor (no copy) and storing that view back is free. Staging buffers handed out
-by fetch go back to the pool when stored or released.
+by fetch go back to the pool when stored or released. New master weights are
+stored with `store_master`, which also stores the parameters (their cast): one
+write when the parameters alias the master on NVMe (Note [aliased parameters]).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class _Shard:
     numel: int
     chunks: list[_Chunk] = field(default_factory=list)
     resident: torch.Tensor | None = None  # DEVICE / HOST storage of the whole shard
+    alias: bool = False  # PARAMS stored as the MASTER's extents (Note [aliased parameters])
 
     def span(self, chunk: int | None) -> tuple[int, int]:
         if chunk is None:
@@ -115,11 +118,28 @@ class TieredMemoryManager:
             shard.resident = torch.empty(shard.numel, dtype=dtype, device=self.device)
         elif tier is Tier.HOST:
             shard.resident = torch.empty(shard.numel, dtype=dtype, pin_memory=self.pin_host)
+        elif kind is Kind.PARAMS and self.plan.aliases_master(unit):
+            shard.alias = True  # its chunks take the master's extents (_link_alias)
         else:
             assert self.swap is not None, "NVMe placement without a swap space"
             for c in shard.chunks:
                 c.extent = self.swap.allocate(c.numel * dtype.itemsize)
         self._shards[(unit, kind)] = shard
+        self._link_alias(unit)
+
+    def _link_alias(self, unit: int) -> None:
+        """Aliased parameters read and track the master's extents, whichever was allocated first."""
+        params, master = self._shards.get((unit, Kind.PARAMS)), self._shards.get((unit, Kind.MASTER))
+        if params is not None and params.alias and master is not None:
+            for p, m in zip(params.chunks, master.chunks, strict=True):
+                p.extent = m.extent
+
+    def _aliased_params(self, shard: _Shard) -> _Shard | None:
+        """The parameter shard that follows the stores of `shard` (an aliased MASTER), else None."""
+        if shard.kind is not Kind.MASTER:
+            return None
+        params = self._shards.get((shard.unit, Kind.PARAMS))
+        return params if params is not None and params.alias else None
 
     def tier(self, unit: int, kind: Kind) -> Tier:
         return self._shards[(unit, kind)].tier
@@ -255,6 +275,26 @@ class TieredMemoryManager:
         return self.staging.device_buffer(numel, shard.dtype)
 
     # ----------------------------------------------------------------- store
+    def store_master(self, unit: int, chunk: int | None, master: torch.Tensor, *, release: bool = True,
+                     keep_params: bool = False) -> list[Pending]:
+        """Issue: new fp32 master weights of a shard / chunk, and the parameters, their cast.
+
+        Parameters that alias the master (Note [aliased parameters]) take the master's
+        write. Others are cast into a staging buffer (a temporary when `release` is False:
+        `master` is the caller's own tensor) and stored first: the next forward reads them
+        soonest. `keep_params`: offer the buffer the parameters were written from to the
+        fresh copies (Note [fresh parameters]).
+        """
+        if self._shards[(unit, Kind.PARAMS)].alias:
+            return [self.store(unit, Kind.MASTER, chunk, master, release=release, keep=keep_params)]
+        if release:
+            params = self.target(unit, Kind.PARAMS, chunk, master.device)
+            params.copy_(master)
+        else:
+            params = master.to(self.plan.compute_dtype)
+        return [self.store(unit, Kind.PARAMS, chunk, params, release=release, keep=keep_params),
+                self.store(unit, Kind.MASTER, chunk, master, release=release)]
+
     def store(self, unit: int, kind: Kind, chunk: int | None, tensor: torch.Tensor, release: bool = True,
               keep: bool = False) -> Pending:
         """Issue: write `tensor` as the new contents of the shard / chunk.
@@ -263,11 +303,13 @@ class TieredMemoryManager:
         from `fetch` go back to the pool once written (`release`). `keep` (parameters of
         one chunk on NVMe, from a staging buffer): offer the buffer to the fresh copies,
         so the next fetch may read memory instead of the disk (Note [fresh parameters]).
+        Parameters that alias the master are stored through `store_master`.
         """
         shard = self._shards[(unit, kind)]
         start, numel = shard.span(chunk)
         assert tensor.numel() == numel and tensor.dtype == shard.dtype, (
             f"store of {tensor.numel()} {tensor.dtype} into {numel} {shard.dtype} ({shard.kind.value}, unit {unit})")
+        assert not shard.alias, f"unit {unit}'s parameters alias its master: store them with store_master"
         if shard.tier is not Tier.NVME:
             view = shard.resident.narrow(0, start, numel)
             if tensor.data_ptr() != view.data_ptr():
@@ -293,8 +335,9 @@ class TieredMemoryManager:
                 self.staging.release(tensor)
             release = True
         ids = shard.chunk_ids(chunk)
-        keep = keep and kind is Kind.PARAMS and len(ids) == 1 and release and self.staging.owns(host)
-        if kind is Kind.PARAMS:
+        params = shard if kind is Kind.PARAMS else self._aliased_params(shard)  # whose bytes these are too
+        keep = keep and params is not None and len(ids) == 1 and release and self.staging.owns(host)
+        if params is not None:
             for i in ids:
                 self.fresh.discard(unit, i)
         futures, chunks = [], [shard.chunks[i] for i in ids]
@@ -305,20 +348,28 @@ class TieredMemoryManager:
             futures.append(self._timed(self.swap.write(c.extent, host.narrow(0, c.start - start, c.numel)),
                                        Link.NVME_WRITE, shard, c))
             self.bytes_moved["nvme_write"] += c.numel * shard.dtype.itemsize
+        written_chunks = [(shard, c) for c in chunks]
+        if params is not shard and params is not None:  # aliased parameters: the same write is theirs
+            for i in ids:
+                c = params.chunks[i]
+                self._wait_write(c)
+                self._set(params, c, Residency.WRITING)  # (a read of them in flight is a bug: asserted)
+                c.version += 1
+                written_chunks.append((params, c))
 
         release_when_written = release and not keep  # a kept buffer is released by the fresh copies
 
         def written():
-            for c in chunks:
+            for owner, c in written_chunks:
                 if c.state is Residency.WRITING:
-                    self._set(shard, c, Residency.RESIDENT)
+                    self._set(owner, c, Residency.RESIDENT)
                     c.write = None
             if release_when_written:
                 self.staging.release(host)
         pending = Pending(None, futures, after=written)
-        for c in chunks:
+        for _, c in written_chunks:
             c.write = pending  # whoever waits first (caller, a later fetch, drain) completes it once
-        if keep and not self.fresh.put(unit, ids[0], host, chunks[0].version, pending):
+        if keep and not self.fresh.put(unit, ids[0], host, params.chunks[ids[0]].version, pending):
             self.fresh.done_with(host, pending)  # not kept: back to the pool once written
         return pending
 
@@ -340,7 +391,8 @@ class TieredMemoryManager:
         """Exact bytes of state per tier and kind, plus staging and swap reservation."""
         state = {t.value: {k.value: 0 for k in Kind} for t in Tier}
         for shard in self._shards.values():
-            state[shard.tier.value][shard.kind.value] += shard.numel * shard.dtype.itemsize
+            if not shard.alias:  # aliased parameters take no storage of their own
+                state[shard.tier.value][shard.kind.value] += shard.numel * shard.dtype.itemsize
         return {
             "state": state,
             "tier_totals": {t: sum(v.values()) for t, v in state.items()},

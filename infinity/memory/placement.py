@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import cost_model
-from .tier import Kind, OPTIMIZER_KINDS, Tier
+from .tier import Kind, OPTIMIZER_KINDS, Tier, params_alias_master
 
 GROUPS = ("params", "grads", "optimizer")
 KINDS_OF_GROUP = {"params": (Kind.PARAMS,), "grads": (Kind.GRADS,), "optimizer": OPTIMIZER_KINDS}
@@ -79,11 +79,19 @@ class Plan:
     def uses(self, tier: Tier) -> bool:
         return any(t is tier for unit_tiers in self.tiers for t in unit_tiers.values())
 
+    def aliases_master(self, unit: int) -> bool:
+        """The unit's parameters are stored as its fp32 master (Note [aliased parameters], tier.py)."""
+        return params_alias_master(self.compute_dtype.itemsize, self.tier(unit, Kind.PARAMS),
+                                   self.tier(unit, Kind.MASTER))
+
     def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
-        """Bytes of state per tier and kind (NVMe extents' alignment not included)."""
+        """Bytes of state per tier and kind (NVMe extents' alignment not included); parameters
+        that alias the master take none of their own."""
         out: dict[Tier, dict[Kind, int]] = {t: {k: 0 for k in Kind} for t in Tier}
-        for sizes, unit_tiers in zip(self.units, self.tiers):
+        for unit, (sizes, unit_tiers) in enumerate(zip(self.units, self.tiers)):
             for kind, tier in unit_tiers.items():
+                if kind is Kind.PARAMS and self.aliases_master(unit):
+                    continue
                 out[tier][kind] += sizes.shard_numel * kind.dtype(self.compute_dtype).itemsize
         return out
 
@@ -256,8 +264,10 @@ class _Search:
                                             accum=accum, is_root=u == 0)
                 self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
                 self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
+                alias = params_alias_master(compute_dtype.itemsize, tiers["params"], tiers["optimizer"])
                 for g, tier in tiers.items():
                     nbytes = sum(sizes.shard_numel * kind.dtype(compute_dtype).itemsize for kind in KINDS_OF_GROUP[g])
+                    nbytes = 0 if g == "params" and alias else nbytes  # stored as the master
                     self.state[u, c, _TIER_INDEX[tier]] += nbytes
                     self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
         self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe

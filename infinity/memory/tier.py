@@ -46,6 +46,23 @@ class Kind(enum.Enum):
 OPTIMIZER_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
 
+def params_alias_master(compute_itemsize: int, params: Tier, optimizer: Tier) -> bool:
+    """Whether a unit's parameters are stored as its fp32 master (Note [aliased parameters]).
+
+    Note [aliased parameters]: the parameters are the cast of the master weights to
+    the compute dtype. With an fp32 compute dtype (the only 4-byte one) the cast is
+    the identity, so when both live on NVMe they are one set of extents: the master's.
+    A parameter fetch reads the master's extents; an update writes the master once
+    (not the master and then the same bytes again as parameters), and the buffer it
+    wrote from is what the fresh copies keep for the next forward (memory/fresh.py).
+    Per step that saves one parameter-sized write, its memcpy and its checksum, and
+    the parameters take no NVMe space of their own. Only NVMe is aliased: that is
+    where the duplicate costs disk bandwidth; on a resident tier it is one memcpy, and
+    the module's parameters may be views of the parameter storage itself.
+    """
+    return compute_itemsize == 4 and params is Tier.NVME and optimizer is Tier.NVME
+
+
 class Residency(enum.Enum):
     """Lifecycle of one stored chunk.
 

@@ -6,7 +6,8 @@ written once per micro-batch and read back to accumulate from the second micro-b
 on, and once more by the optimizer (parameter chunks it keeps in memory are not read back by
 the next forward: Note [fresh parameters]). The optimizer reads the fp32 master and both
 moments (the moments only once they exist: before the first update they are zero
-and nothing is read) and writes all three, plus the new compute-dtype parameters.
+and nothing is read) and writes all three, plus the new compute-dtype parameters
+(unless they alias the master: Note [aliased parameters] in tier.py).
 On a machine without a GPU, device and host are the same memory: no copy is a link.
 The profile's per-link bytes are checked against this exactly (tests/test_profile_traffic.py).
 """
@@ -36,7 +37,8 @@ def bytes_per_step(plan: Plan, *, grad_accum_steps: int, first_step: bool, cuda:
             out["nvme_read"] += fetches * params
             if not first_step:  # the previous step's update kept these chunks: the first fetch reads memory
                 out["nvme_read"] -= sum(n for c, n in enumerate(sizes.chunk_numels) if (index, c) in kept) * cbytes
-            out["nvme_write"] += params  # the optimizer's new parameters
+            if not plan.aliases_master(index):  # aliased: the master's write is theirs (Note [aliased parameters])
+                out["nvme_write"] += params  # the optimizer's new parameters
             out["h2d"] += fetches * params if cuda else 0
         elif tier[Kind.PARAMS] is Tier.HOST and cuda:
             out["h2d"] += fetches * params

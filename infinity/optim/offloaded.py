@@ -5,7 +5,7 @@ a unit's shard. For each task the fp32 master, both Adam moments and the
 gradient are fetched to where the optimizer runs (the device when the
 optimizer state lives there, else the CPU), updated in place, written back,
 and the new master weights are cast to the compute dtype and stored to the
-parameters' tier. With state on NVMe this is a pipeline: the reads of task
+parameters' tier (or are the parameters: Note [aliased parameters] in memory/tier.py). With state on NVMe this is a pipeline: the reads of task
 j+1 are issued before task j is stepped, and the writes of task j drain while
 later tasks run (read ahead, step, write behind). Resident tiers are updated
 in place with no copies. With a `StateReadAhead` (run by the optimizer worker,
@@ -119,11 +119,10 @@ class OffloadedOptimizer:
                     master, exp_avg, exp_avg_sq, grad = (bufs[k].narrow(0, a, n) for k in FETCHED)
                     adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale)
             u, c = task.unit.index, task.chunk
-            params = m.target(u, Kind.PARAMS, c, bufs[Kind.MASTER].device)
-            params.copy_(bufs[Kind.MASTER])
-            # first: the next forward reads these soonest (from memory when kept: Note [fresh parameters])
-            writes.append(m.store(u, Kind.PARAMS, c, params, keep=True))
-            for kind in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ):
+            # the parameters first: the next forward reads them soonest (from memory when kept:
+            # Note [fresh parameters]); aliased to the master, they are its write (Note [aliased parameters])
+            writes.extend(m.store_master(u, c, bufs[Kind.MASTER], keep_params=True))
+            for kind in (Kind.EXP_AVG, Kind.EXP_AVG_SQ):
                 writes.append(m.store(u, kind, c, bufs[kind]))
             m.release(bufs[Kind.GRADS])
             while len(writes) > self.max_writes_in_flight:

@@ -166,6 +166,10 @@ class OptimizerWorker:
                 after[unit.index](unit)
                 self._done[unit.index].set()
 
+            if self._error is not None:  # sticky: no update runs on the state a failed one left
+                for unit in units:
+                    self._done[unit.index].set()  # (their waits raise the error)
+                continue
             try:
                 if self.read_ahead is not None:
                     self.read_ahead.issue_rest()  # Note [reads before writes]
