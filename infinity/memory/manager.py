@@ -341,6 +341,14 @@ class TieredMemoryManager:
             for i in ids:
                 self.fresh.discard(unit, i)
         futures, chunks = [], [shard.chunks[i] for i in ids]
+        written_chunks = [(shard, c) for c in chunks]
+        if params is not shard and params is not None:  # aliased parameters: the same write is theirs
+            for i in ids:
+                c = params.chunks[i]
+                self._wait_write(c)
+                self._set(params, c, Residency.WRITING)  # before any write: a read of them in flight is a bug
+                c.version += 1
+                written_chunks.append((params, c))
         for c in chunks:
             self._wait_write(c)
             self._set(shard, c, Residency.WRITING)
@@ -348,14 +356,6 @@ class TieredMemoryManager:
             futures.append(self._timed(self.swap.write(c.extent, host.narrow(0, c.start - start, c.numel)),
                                        Link.NVME_WRITE, shard, c))
             self.bytes_moved["nvme_write"] += c.numel * shard.dtype.itemsize
-        written_chunks = [(shard, c) for c in chunks]
-        if params is not shard and params is not None:  # aliased parameters: the same write is theirs
-            for i in ids:
-                c = params.chunks[i]
-                self._wait_write(c)
-                self._set(params, c, Residency.WRITING)  # (a read of them in flight is a bug: asserted)
-                c.version += 1
-                written_chunks.append((params, c))
 
         release_when_written = release and not keep  # a kept buffer is released by the fresh copies
 
