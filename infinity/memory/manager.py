@@ -53,7 +53,6 @@ class _Shard:
     numel: int
     chunks: list[_Chunk] = field(default_factory=list)
     resident: torch.Tensor | None = None  # DEVICE / HOST storage of the whole shard
-    alias: bool = False  # PARAMS stored as the MASTER's extents (Note [aliased parameters])
 
     def span(self, chunk: int | None) -> tuple[int, int]:
         if chunk is None:
@@ -118,9 +117,7 @@ class TieredMemoryManager:
             shard.resident = torch.empty(shard.numel, dtype=dtype, device=self.device)
         elif tier is Tier.HOST:
             shard.resident = torch.empty(shard.numel, dtype=dtype, pin_memory=self.pin_host)
-        elif kind is Kind.PARAMS and self.plan.aliases_master(unit):
-            shard.alias = True  # its chunks take the master's extents (_link_alias)
-        else:
+        elif not self._aliased(shard):  # aliased parameters take the master's extents (_link_alias)
             assert self.swap is not None, "NVMe placement without a swap space"
             for c in shard.chunks:
                 c.extent = self.swap.allocate(c.numel * dtype.itemsize)
@@ -130,16 +127,13 @@ class TieredMemoryManager:
     def _link_alias(self, unit: int) -> None:
         """Aliased parameters read and track the master's extents, whichever was allocated first."""
         params, master = self._shards.get((unit, Kind.PARAMS)), self._shards.get((unit, Kind.MASTER))
-        if params is not None and params.alias and master is not None:
+        if params is not None and master is not None and self.plan.aliases_master(unit):
             for p, m in zip(params.chunks, master.chunks, strict=True):
                 p.extent = m.extent
 
-    def _aliased_params(self, shard: _Shard) -> _Shard | None:
-        """The parameter shard that follows the stores of `shard` (an aliased MASTER), else None."""
-        if shard.kind is not Kind.MASTER:
-            return None
-        params = self._shards.get((shard.unit, Kind.PARAMS))
-        return params if params is not None and params.alias else None
+    def _aliased(self, shard: _Shard) -> bool:
+        """`shard` is parameters stored as the master (Note [aliased parameters])."""
+        return shard.kind is Kind.PARAMS and self.plan.aliases_master(shard.unit)
 
     def tier(self, unit: int, kind: Kind) -> Tier:
         return self._shards[(unit, kind)].tier
@@ -285,7 +279,7 @@ class TieredMemoryManager:
         soonest. `keep_params`: offer the buffer the parameters were written from to the
         fresh copies (Note [fresh parameters]).
         """
-        if self._shards[(unit, Kind.PARAMS)].alias:
+        if self.plan.aliases_master(unit):
             return [self.store(unit, Kind.MASTER, chunk, master, release=release, keep=keep_params)]
         if release:
             params = self.target(unit, Kind.PARAMS, chunk, master.device)
@@ -309,7 +303,7 @@ class TieredMemoryManager:
         start, numel = shard.span(chunk)
         assert tensor.numel() == numel and tensor.dtype == shard.dtype, (
             f"store of {tensor.numel()} {tensor.dtype} into {numel} {shard.dtype} ({shard.kind.value}, unit {unit})")
-        assert not shard.alias, f"unit {unit}'s parameters alias its master: store them with store_master"
+        assert not self._aliased(shard), f"unit {unit}'s parameters alias its master: store them with store_master"
         if shard.tier is not Tier.NVME:
             view = shard.resident.narrow(0, start, numel)
             if tensor.data_ptr() != view.data_ptr():
@@ -335,20 +329,21 @@ class TieredMemoryManager:
                 self.staging.release(tensor)
             release = True
         ids = shard.chunk_ids(chunk)
-        params = shard if kind is Kind.PARAMS else self._aliased_params(shard)  # whose bytes these are too
+        # a master that the parameters alias is written for both: they follow its state
+        aliased = kind is Kind.MASTER and self.plan.aliases_master(unit)
+        follower = self._shards[(unit, Kind.PARAMS)] if aliased else None
+        params = shard if kind is Kind.PARAMS else follower  # whose fresh copy this buffer may become
         keep = keep and params is not None and len(ids) == 1 and release and self.staging.owns(host)
         if params is not None:
             for i in ids:
                 self.fresh.discard(unit, i)
         futures, chunks = [], [shard.chunks[i] for i in ids]
         written_chunks = [(shard, c) for c in chunks]
-        if params is not shard and params is not None:  # aliased parameters: the same write is theirs
-            for i in ids:
-                c = params.chunks[i]
-                self._wait_write(c)
-                self._set(params, c, Residency.WRITING)  # before any write: a read of them in flight is a bug
-                c.version += 1
-                written_chunks.append((params, c))
+        for c in (follower.chunks[i] for i in ids) if follower is not None else ():
+            self._wait_write(c)
+            self._set(follower, c, Residency.WRITING)  # before any write: a read of them in flight is a bug
+            c.version += 1
+            written_chunks.append((follower, c))
         for c in chunks:
             self._wait_write(c)
             self._set(shard, c, Residency.WRITING)
@@ -391,7 +386,7 @@ class TieredMemoryManager:
         """Exact bytes of state per tier and kind, plus staging and swap reservation."""
         state = {t.value: {k.value: 0 for k in Kind} for t in Tier}
         for shard in self._shards.values():
-            if not shard.alias:  # aliased parameters take no storage of their own
+            if not self._aliased(shard):  # aliased parameters take no storage of their own
                 state[shard.tier.value][shard.kind.value] += shard.numel * shard.dtype.itemsize
         return {
             "state": state,
