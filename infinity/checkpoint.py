@@ -7,7 +7,12 @@ Layout of a checkpoint directory::
     rank00000.bin        this rank's fp32 master, exp_avg, exp_avg_sq, one record per optimizer
                          sub-group, each at a 4 KiB-aligned offset
     rank00000.json       the records: unit, kind, chunk, element range in the shard, offset, crc32
-    rank00000.rng.pt     this rank's RNG states (torch, CUDA, python, numpy)
+    rank00000.rng.pt     this rank's RNG states (torch, CUDA, python, numpy), tensors and plain values only
+    buffers.pt           the model's persistent buffers (rank 0; BatchNorm statistics, masks), restored on load
+
+Note [safe loading]: every file is loaded with `torch.load(..., weights_only=True)` (tensors and plain
+values; no pickled code runs) after its crc32 in the manifest was checked, so a tampered or garbage
+file fails with a CheckpointError that names it, not an unpickling traceback or someone else's code.
 
 Note [what is saved]: a checkpoint is taken at an accumulation boundary, where gradients
 are zero and the compute-dtype parameters are exactly the cast of the fp32 masters; so
@@ -28,6 +33,7 @@ records, each verified against its checksum.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -180,7 +186,7 @@ class ShardWriter:
         _fsync_path(path)
         index = {"rank": rank, "file": rank_file(rank), "records": [r.__dict__ for r in records]}
         _write_json(os.path.join(self.tmp_dir, rank_index(rank)), index)
-        torch.save(_rng_state(), os.path.join(self.tmp_dir, rank_rng(rank)))
+        torch.save(_rng_state(), os.path.join(self.tmp_dir, rank_rng(rank)))  # plain values (Note [safe loading])
         _fsync_path(os.path.join(self.tmp_dir, rank_rng(rank)))
 
 
@@ -193,13 +199,20 @@ def _write_json(path: str, payload: dict) -> int:
     return zlib.crc32(data)
 
 
+def _file_crc(path: str) -> int:
+    with open(path, "rb") as f:
+        return zlib.crc32(f.read())
+
+
 def _rng_state() -> dict:
+    """The RNG states as tensors and plain values, so that `torch.load(weights_only=True)` reads them."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
     except ImportError:  # numpy is a dependency; keep loading robust anyway
         pass
     return state
@@ -212,15 +225,62 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
-        np.random.set_state(state["numpy"])
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def _load_verified(path: str, crc: int | None, what: str):
+    """torch.load of a checkpoint file with weights_only=True, after checking its crc32 (Note [safe loading])."""
+    try:
+        if crc is not None and _file_crc(path) != crc:
+            raise CheckpointError(f"{path} does not match its checksum in the manifest: the checkpoint's {what} "
+                                  f"were changed or damaged and were not loaded; use another checkpoint")
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - unpickling errors of every kind: the file is not what we wrote
+        raise CheckpointError(f"{path} cannot be read as the checkpoint's {what} ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}): the file is damaged or not from "
+                              f"infinity; use another checkpoint") from None
+
+
+def load_buffers(path: str, manifest: dict) -> dict:
+    """The persistent buffers saved with the checkpoint at `path` (verified; {} when it has none)."""
+    if not manifest.get("buffers"):
+        return {}
+    state = _load_verified(os.path.join(path, manifest["buffers"]), manifest.get("buffers_crc32"), "buffers")
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{path}/{manifest['buffers']} holds no buffer tensors: the checkpoint is damaged; "
+                              f"use another one")
+    return state
+
+
+def _restore_buffers(module, saved: dict, path: str) -> None:
+    """Copy the saved persistent buffers into the module's own (they are not sharded: Note [what is saved])."""
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        for key, buf in module.state_dict(keep_vars=True).items():
+            if key in params or key not in saved:
+                continue
+            if tuple(saved[key].shape) != tuple(buf.shape):
+                raise CheckpointError(f"checkpoint {path}: buffer {key} has shape {list(saved[key].shape)}, "
+                                      f"{list(buf.shape)} in this model: load it into the model it was saved from")
+            buf.copy_(saved[key])
 
 
 class PendingCheckpoint:
     """A save in progress: `commit()` makes it visible (all ranks call it)."""
 
-    def __init__(self, engine, path: str, tmp_dir: str, writer: ShardWriter, user_state: dict, manifest: dict):
+    def __init__(self, engine, path: str, tmp_dir: str, writer: ShardWriter, user_state: dict, manifest: dict,
+                 hold: int | None):
         self.engine, self.path, self.tmp_dir, self.writer = engine, path, tmp_dir, writer
         self.user_state, self.manifest = user_state, manifest
+        self._hold = hold  # rank 0: the flock on the partial's marker (Note [partials in use])
+
+    def _release(self) -> None:
+        if self._hold is not None:
+            os.close(self._hold)  # closing the descriptor drops the flock
+            self._hold = None
 
     def commit(self) -> str:
         engine = self.engine
@@ -234,26 +294,38 @@ class PendingCheckpoint:
         if int(failed):
             if engine.rank == 0:
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self._release()
             _barrier(group)
             err = self.writer.error
             if err is None:
                 raise CheckpointError(f"checkpoint {self.path} was not saved: another rank failed to write its "
-                                      f"shard (see its error); the previous checkpoint is intact")
+                                      f"shard (see its error); nothing was made visible and no earlier checkpoint "
+                                      f"was touched")
             raise CheckpointError(f"checkpoint {self.path} was not saved (rank {engine.rank}): {err}. Nothing was "
-                                  f"made visible and the previous checkpoint is intact") from err
+                                  f"made visible and no earlier checkpoint was touched") from err
         _barrier(group)  # all rank files are durable
         if engine.rank == 0:
             ranks = []
             for r in range(engine.world_size):
                 with open(os.path.join(self.tmp_dir, rank_index(r)), "rb") as f:
                     ranks.append({"file": rank_file(r), "index": rank_index(r), "index_crc32": zlib.crc32(f.read()),
-                                  "rng": rank_rng(r)})
+                                  "rng": rank_rng(r), "rng_crc32": _file_crc(os.path.join(self.tmp_dir, rank_rng(r)))})
             self.manifest["ranks"] = ranks
-            _write_json(os.path.join(self.tmp_dir, MANIFEST), self.manifest)
-            _fsync_path(self.tmp_dir)
-            os.rename(self.tmp_dir, self.path)  # the checkpoint appears whole, or not at all
+            if self.manifest.get("buffers"):
+                self.manifest["buffers_crc32"] = _file_crc(os.path.join(self.tmp_dir, BUFFERS))
+            try:
+                _write_json(os.path.join(self.tmp_dir, MANIFEST), self.manifest)
+                _fsync_path(self.tmp_dir)
+                os.rename(self.tmp_dir, self.path)  # the checkpoint appears whole, or not at all
+            except OSError as e:  # e.g. the disk filled up for the manifest: the partial goes, nothing is visible
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self._release()
+                raise CheckpointError(f"checkpoint {self.path} was not saved: writing its manifest failed ({e}). "
+                                      f"Nothing was made visible and no earlier checkpoint was touched; free space "
+                                      f"in {os.path.dirname(self.path)}") from e
             _fsync_path(os.path.dirname(os.path.abspath(self.path)))
             os.remove(os.path.join(self.path, PARTIAL_MARKER))  # after the rename: a dying save stays marked stale
+            self._release()
         _barrier(group)
         return self.path
 
@@ -279,6 +351,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         token = box[0]
     tmp_dir = f"{path}.tmp-{token}"
     parent = os.path.dirname(path)
+    hold = None
     if engine.rank == 0:
         if os.path.exists(path):
             raise CheckpointError(f"checkpoint path {path} already exists: save to a new directory (e.g. one per "
@@ -286,7 +359,8 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         os.makedirs(parent, exist_ok=True)
         _remove_stale_partials(parent)
         os.makedirs(tmp_dir)
-        open(os.path.join(tmp_dir, PARTIAL_MARKER), "w").close()
+        hold = os.open(os.path.join(tmp_dir, PARTIAL_MARKER), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(hold, fcntl.LOCK_EX)  # held until the commit (or this process's death)
     _barrier(group)  # the partial directory exists for every rank
     writer = ShardWriter(engine, tmp_dir)
     need = sum(-(-r.numel * 4 // ALIGN) * ALIGN for r in writer.records()) + (256 << 10)  # + index, RNG, manifest
@@ -310,7 +384,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
     }
     if engine.rank == 0 and writer.error is None:
         _save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
-    return PendingCheckpoint(engine, path, tmp_dir, writer, user_state, manifest)
+    return PendingCheckpoint(engine, path, tmp_dir, writer, user_state, manifest, hold)
 
 
 def persistent_buffers(module) -> dict:
@@ -325,11 +399,28 @@ def _save_buffers(module, path: str) -> None:
 
 
 def _remove_stale_partials(parent: str) -> None:
-    """Partial directories of saves that never completed (a killed run) are never valid: remove them."""
+    """Partial directories of saves that never completed (a killed run) are never valid: remove them.
+
+    Note [partials in use]: a save in progress holds an flock on its partial's marker file from
+    creation to commit; the kernel drops it when the process dies. Only a marker whose flock can be
+    taken (its saver is gone) makes a partial stale: another live process's save is never removed.
+    """
     for name in os.listdir(parent):
         full = os.path.join(parent, name)
-        if ".tmp-" in name and os.path.isfile(os.path.join(full, PARTIAL_MARKER)):
-            shutil.rmtree(full, ignore_errors=True)
+        marker = os.path.join(full, PARTIAL_MARKER)
+        if ".tmp-" not in name or not os.path.isfile(marker):
+            continue
+        try:
+            fd = os.open(marker, os.O_RDWR)
+        except OSError:
+            continue  # committed or removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live save holds it
+        finally:
+            os.close(fd)
+        shutil.rmtree(full, ignore_errors=True)
 
 
 def apply_retention(saved: list[str], keep_last: int, run_id: str) -> list[str]:
@@ -450,6 +541,9 @@ def load(engine, path: str) -> dict:
     check_layout(manifest, engine.units, path)
     m = engine.manager
     saved_world = manifest["world_size"]
+    entry = manifest["ranks"][engine.rank if engine.rank < saved_world else 0]
+    rng = _load_verified(os.path.join(path, entry["rng"]), entry.get("rng_crc32"), "RNG states")
+    buffers = load_buffers(path, manifest)  # both verified before any state changes
     cpu = torch.device("cpu")
     cfg = engine.config.io
     with IOEngine(cfg.engine_config(checksum="off")) as io:
@@ -478,6 +572,10 @@ def load(engine, path: str) -> dict:
     scale = manifest["loss_scale"]
     engine.scaler.scale, engine.scaler._clean_steps = scale["scale"], scale["clean_steps"]
     engine.scaler.skipped_steps = scale["skipped_steps"]
-    rng_rank = engine.rank if engine.rank < saved_world else 0
-    _set_rng_state(torch.load(os.path.join(path, rank_rng(rng_rank)), weights_only=False))
+    try:
+        _set_rng_state(rng)
+    except (TypeError, KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}/{entry['rng']} does not hold RNG states ({type(e).__name__}: {e}): the "
+                              f"checkpoint is damaged; use another one") from None
+    _restore_buffers(engine.module, buffers, path)
     return manifest["user_state"]
