@@ -22,13 +22,10 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .config import Config, ConfigError, _parse_override, _show
-
-if TYPE_CHECKING:
-    from .train import Job
-
+from .job import Job, load_job
+from .run_dir import write_atomic
 
 FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)
 PERIODIC_CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step-<N>: every run.checkpoint_every steps
@@ -134,7 +131,6 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         if section == "run" and key in ("dir", "name"):
             raise ConfigError(f"--set {item}: a resumed run continues in its own directory {run_dir}; drop it (to "
                               f"branch into a new run, copy the run directory and resume the copy)")
-    from .train import load_job  # (train imports this module)
     job = load_job(config_path if config_path is not None else run_dir / "config.toml", overrides)
     job = _relocate(job, run_dir)
     config = job.engine_config(str(run_dir))
@@ -193,8 +189,22 @@ def earlier_losses(path: Path) -> list[float]:
     return [record["loss"] for _, record in _metrics_records(path) if record is not None]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and a rename: a reader sees the old contents or the new, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+
+def stopped_summary(run_dir: Path, status: str, steps: int, error: BaseException) -> dict:
+    """summary.json of a run that stopped before its end: the error, and the checkpoint to continue from
+    (none is named when the run has none: then its training is lost, and it says so)."""
+    found = run_checkpoints(run_dir)
+    message = str(error).strip() or type(error).__name__
+    if found:
+        step, path = found[-1]
+        what = (f"the latest complete checkpoint is {path} (step {step}); "
+                f"{'fix the cause above, then ' if status == 'failed' else ''}continue with: "
+                f"infinity train --resume {run_dir}")
+    else:
+        what = (f"this run has no complete checkpoint, so the {steps} step(s) it trained are lost; "
+                f"{'fix the cause above, then ' if status == 'failed' else ''}start again with: infinity train "
+                f"--config {run_dir / 'config.toml'} --set run.name=<new name> (run.checkpoint_every = N saves "
+                f"a checkpoint every N steps)")
+    return {"status": status, "steps": steps, "error": message if status == "failed" else "stopped by a second "
+            "Ctrl-C (or signal) before the clean stop finished", "checkpoint": str(found[-1][1]) if found else None,
+            "what_to_do": what}
