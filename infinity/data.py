@@ -15,6 +15,7 @@ samples per step, and a run is reproducible from its config alone.
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -50,6 +51,9 @@ def corpus_path(path: str) -> Path:
 def load_tokens(path: str) -> torch.Tensor:
     """The corpus as a uint8 tensor of byte tokens."""
     file = corpus_path(path)
+    if file.is_dir():
+        raise ConfigError(f"data.path = {path!r} is a directory: point it at a UTF-8 text file inside it (plain "
+                          f'or .gz), or use "kjv" for the shipped corpus')
     if not file.is_file():
         if path == SHIPPED:
             raise ConfigError(f'data.path = "kjv": the shipped corpus {file} is missing (it is part of the '
@@ -57,7 +61,18 @@ def load_tokens(path: str) -> torch.Tensor:
                               f"text file")
         raise ConfigError(f"data.path = {path!r}: no such file; point it at a UTF-8 text file (plain or .gz), "
                           f'or use "kjv" for the shipped corpus')
-    raw = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
+    try:
+        raw = file.read_bytes()
+        if file.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ConfigError(f"data.path = {path!r}: the file ends in .gz but is not a valid gzip file ({e}); "
+                          f"compress it with gzip, or rename it without .gz if it is plain text") from None
+    except OSError as e:
+        raise ConfigError(f"data.path = {path!r}: cannot read it ({e.strerror}); check the file's permissions") from None
+    if not raw:
+        raise ConfigError(f"data.path = {path!r} is empty: point it at a text file with the training text, or "
+                          f'use "kjv" for the shipped corpus')
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
