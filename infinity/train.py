@@ -240,8 +240,11 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         _finish(job, config, engine, run_dir, result, world, rank, say, resume)
     except BaseException as e:
         if rank == 0 and result.status != "starting":
-            status = "aborted" if isinstance(e, KeyboardInterrupt) else "failed"
-            write_json(run_dir / "summary.json", stopped_summary(run_dir, status, result.steps, e))
+            summary = stopped_summary(run_dir, "aborted" if isinstance(e, KeyboardInterrupt) else "failed",
+                                      result.steps, e)
+            write_json(run_dir / "summary.json", summary)
+            print(f"infinity train: {summary['status']} after {result.steps} steps: {summary['what_to_do']} "
+                  f"({run_dir / 'summary.json'})", file=sys.stderr, flush=True)
         raise
     finally:
         try:
