@@ -380,7 +380,7 @@ def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int) -> 
     stripe = nvme_bytes * local_world_size / max(1, len(paths))  # striping spreads every extent over the paths
     for path in paths:
         where = _existing_parent(path)
-        if not where.is_dir():
+        if not where.is_dir() or os.stat(where).st_dev not in seen:  # not writable: refused above
             continue
         free, sharing = seen[os.stat(where).st_dev]
         need = int(stripe * sharing)
