@@ -168,3 +168,37 @@ def test_a_save_in_progress_holds_its_partial(tmp_path, monkeypatch):
         e.backward(e(x, y))
         e.step()  # commits it
     assert os.listdir(tmp_path / "ckpts") == ["step-1"]
+
+
+def test_a_background_save_that_fails_loses_no_update(tmp_path, monkeypatch):
+    """The failed save surfaces at the next backward() (eager updates) or step(), which then did nothing;
+    calling it again goes on, so the run ends exactly where one that never saved does (the soak relies on
+    it: benchmarks/bench_soak.py)."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)) for _ in range(4)]
+
+    def run(save_fails: bool, clip: float):
+        failures = []
+
+        def again(call, *args):
+            try:
+                return call(*args)
+            except CheckpointError as e:
+                failures.append(e)
+                return call(*args)
+        torch.manual_seed(0)
+        cfg = {"optimizer": {"lr": 1e-2, "grad_clip": clip}, "checkpoint": {"background": True}}
+        with infinity.initialize(BatchNormNet(), cfg) as engine:
+            for i, (x, y) in enumerate(batches):
+                again(engine.backward, engine(x, y))
+                assert again(engine.step)
+                if i == 1 and save_fails:
+                    engine.save_checkpoint(str(tmp_path / "ckpt"))
+            assert len(failures) == int(save_fails)
+            return engine.full_state_dict()
+    real = infinity.checkpoint.shutil.disk_usage
+    monkeypatch.setattr(infinity.checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=0))
+    for clip in (0.0, 1.0):  # eager updates during backward, and the sequential step
+        failed, clean = run(True, clip), run(False, clip)
+        assert not os.listdir(tmp_path)
+        assert all(torch.equal(failed[k], clean[k]) for k in clean)
