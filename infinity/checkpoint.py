@@ -356,11 +356,18 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         if os.path.exists(path):
             raise CheckpointError(f"checkpoint path {path} already exists: save to a new directory (e.g. one per "
                                   f"step), or remove it first")
-        os.makedirs(parent, exist_ok=True)
-        _remove_stale_partials(parent)
-        os.makedirs(tmp_dir)
-        hold = os.open(os.path.join(tmp_dir, PARTIAL_MARKER), os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(hold, fcntl.LOCK_EX)  # held until the commit (or this process's death)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            _remove_stale_partials(parent)
+            os.makedirs(tmp_dir)
+            hold = os.open(os.path.join(tmp_dir, PARTIAL_MARKER), os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(hold, fcntl.LOCK_EX)  # held until the commit (or this process's death)
+        except OSError as e:  # e.g. a full disk: nothing is left behind
+            if hold is not None:
+                os.close(hold)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {path} was not saved: cannot create {tmp_dir} ({e}); free space "
+                                  f"in {parent} or save elsewhere. No earlier checkpoint was touched") from e
     _barrier(group)  # the partial directory exists for every rank
     writer = ShardWriter(engine, tmp_dir)
     need = sum(-(-r.numel * 4 // ALIGN) * ALIGN for r in writer.records()) + (256 << 10)  # + index, RNG, manifest
@@ -369,7 +376,12 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         writer.error = CheckpointError(
             f"not enough space in {parent}: rank {engine.rank} needs {need} bytes, {free} are free "
             f"({need - free} bytes missing); free space or save elsewhere")
-    else:
+    if engine.rank == 0 and writer.error is None:
+        try:
+            _save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
+        except OSError as e:  # reported by commit(), which removes the partial
+            writer.error = e
+    if writer.error is None:
         writer.start(background)
     manifest = {
         "format": FORMAT, "world_size": engine.world_size, "compute_dtype": engine.config.precision.compute_dtype,
@@ -382,8 +394,6 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True).keys()),
         "buffers": BUFFERS if engine.rank == 0 else None,
     }
-    if engine.rank == 0 and writer.error is None:
-        _save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
     return PendingCheckpoint(engine, path, tmp_dir, writer, user_state, manifest, hold)
 
 

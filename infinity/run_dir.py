@@ -5,7 +5,9 @@ Note [run directory lock]: a job holds an exclusive `fcntl.flock` on `<run>/.loc
 pid) from before it writes anything until it ends; the kernel drops the lock when the process dies,
 so a crash never leaves a run locked. A second `infinity train` (or `--resume`) of the same run
 directory is refused at once, naming the holder's pid, instead of two jobs writing the same
-metrics and checkpoints. Under torchrun, rank 0 holds the lock for the job.
+metrics and checkpoints. Under torchrun, rank 0 holds the lock for the job. Holding it, a resumed
+job removes the swap files a killed job left in `<run>/swap` (they are never read again, and a few
+kills would otherwise fill the disk with them).
 
 Note [failed start]: until training begins, a new run's directory holds nothing the user needs;
 a start that fails (a bad model, preflight, no space) removes the directory it created, so the
@@ -78,8 +80,13 @@ class RunDir:
 
     @classmethod
     def existing(cls, path: Path) -> "RunDir":
-        """The directory of a run being resumed, locked."""
-        return cls(path, False, _lock(path))
+        """The directory of a run being resumed, locked; swap files a killed job left in its swap folder
+        are removed (under the lock no live job uses them, and they would hold the disk's space)."""
+        run = cls(path, False, _lock(path))
+        swap = path / SWAP
+        for stale in swap.glob("*.swp") if swap.is_dir() else ():
+            stale.unlink(missing_ok=True)
+        return run
 
     def discard(self) -> None:
         """Note [failed start]: remove what this job wrote into a directory it created."""
@@ -108,6 +115,9 @@ def _lock(path: Path) -> int:
             holder = "?"
         raise ConfigError(f"run directory {path} is in use by another infinity train job (pid {holder}): wait for "
                           f"it to finish or stop it (kill {holder}), or choose another run.name") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder in the refusal above
+    except OSError:
+        pass  # a full disk: the lock holds without the pid
     return fd

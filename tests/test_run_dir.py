@@ -181,3 +181,15 @@ def test_the_run_swap_folder_is_private(tmp_path, capsys, monkeypatch):
     code, err = train(capsys, tmp_path, "r", "--set", "run.steps=1")
     assert code == 0, err
     assert seen["dir"] == 0o700 and seen["files"] and all(m == 0o600 for m in seen["files"].values()), seen
+
+
+def test_a_resume_removes_the_swap_files_a_killed_job_left(tmp_path):
+    swap = tmp_path / "r" / "swap"
+    swap.mkdir(parents=True)
+    (swap / "infinity.rank0.12345.swp").write_bytes(b"x" * 4096)
+    (swap / "keep.txt").write_text("not a swap file")
+    run = RunDir.existing(tmp_path / "r")
+    try:
+        assert sorted(p.name for p in swap.iterdir()) == ["keep.txt"]
+    finally:
+        run.release()
