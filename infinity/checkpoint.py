@@ -588,4 +588,33 @@ def load(engine, path: str) -> dict:
         raise CheckpointError(f"{path}/{entry['rng']} does not hold RNG states ({type(e).__name__}: {e}): the "
                               f"checkpoint is damaged; use another one") from None
     _restore_buffers(engine.module, buffers, path)
+    _continue_run(engine, path, manifest)
     return manifest["user_state"]
+
+
+def _continue_run(engine, path: str, manifest: dict) -> None:
+    """Note [a resumed run keeps its checkpoints in bounds]: the engine that loads a checkpoint continues
+    the run that wrote it: it takes that run's id, and `keep_last` counts the run's checkpoints next to
+    the loaded one (up to its step) as already written. Otherwise each restart would start a new count,
+    and a job killed and resumed N times would keep N * keep_last checkpoints until the disk is full."""
+    run_id = manifest.get("run_id")
+    if not run_id:
+        return
+    engine.run_id = run_id
+    parent = os.path.dirname(path)
+    count_as_written(engine, [os.path.join(parent, name) for name in os.listdir(parent)], manifest["optimizer_steps"])
+
+
+def count_as_written(engine, paths: list[str], up_to_step: int) -> None:
+    """Those of `paths` that are checkpoints of the engine's run at or before optimizer step `up_to_step`
+    count toward `keep_last` as if the engine had written them (oldest first)."""
+    earlier = []
+    for other in paths:
+        try:
+            with open(os.path.join(other, MANIFEST)) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if saved.get("run_id") == engine.run_id and saved.get("optimizer_steps", 0) <= up_to_step:
+            earlier.append((saved.get("optimizer_steps", 0), os.path.basename(other) == "checkpoint", other))
+    engine._saved_checkpoints = [p for _, _, p in sorted(earlier)]

@@ -49,30 +49,14 @@ import torch
 
 from .config import Config, ConfigError
 from .data import Batches
+from .checkpoint import count_as_written
 from .job import (  # noqa: F401 - re-exported: infinity.train is where users and tests find the job
-    DECAY_DEFAULTS,
-    JOB_SECTIONS,
-    TRAIN_DEFAULTS,
-    Job,
-    ModelBundle,
-    ModelConfig,
-    RunConfig,
-    build_model,
-    job_defaults_text,
-    load_job,
-    to_toml,
-)
+    DECAY_DEFAULTS, JOB_SECTIONS, TRAIN_DEFAULTS, Job, ModelBundle, ModelConfig, RunConfig, build_model,
+    job_defaults_text, load_job, to_toml)
 from .optim.schedule import lr_at
 from .progress import Progress, overlap_efficiency, peak_rss_bytes
-from .resume import (
-    FINAL_CHECKPOINT,
-    PERIODIC_CHECKPOINTS,
-    Resume,
-    earlier_losses,
-    stopped_summary,
-    train_position,
-    trim_metrics,
-)
+from .resume import (FINAL_CHECKPOINT, PERIODIC_CHECKPOINTS, Resume, earlier_losses, run_checkpoints,
+                     stopped_summary, train_position, trim_metrics)
 from .run_dir import RunDir, write_atomic, write_json
 
 # ---------------------------------------------------------------- processes
@@ -218,6 +202,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         if resume is not None:
             saved = engine.load_checkpoint(str(resume.checkpoint)).get("train", {})
             assert saved.get("step") == start, f"{resume.checkpoint} is at step {saved.get('step')}, not {start}"
+            count_as_written(engine, [str(p) for step, p in run_checkpoints(run_dir) if step <= start],
+                             engine.optimizer_steps)  # the run's periodic and final ones: keep_last goes on
             if rank == 0:  # only now: a resume that fails to start leaves the run's files as they were
                 write_atomic(run_dir / "config.toml", to_toml(config, job))
                 dropped = trim_metrics(run_dir / "metrics.jsonl", start)  # steps after the checkpoint: trained again
@@ -397,7 +383,8 @@ def _save_final(job: Job, config: Config, engine, run_dir: Path, result: Result,
     if replace and rank == 0:
         old = run_dir / f"{FINAL_CHECKPOINT}.old-{result.steps:08d}"
         shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+        if final.exists():  # (keep_last may have removed it already: Note [a resumed run keeps its checkpoints in bounds])
+            os.rename(final, old)
         os.rename(target, final)
         for stale in run_dir.iterdir():  # this one and any a crashed replacement left
             if stale.is_dir() and stale.name.startswith((f"{FINAL_CHECKPOINT}.old-", f"{FINAL_CHECKPOINT}.new-")):

@@ -202,3 +202,23 @@ def test_a_background_save_that_fails_loses_no_update(tmp_path, monkeypatch):
         failed, clean = run(True, clip), run(False, clip)
         assert not os.listdir(tmp_path)
         assert all(torch.equal(failed[k], clean[k]) for k in clean)
+
+
+def test_keep_last_holds_across_resumes(tmp_path):
+    """A job killed and resumed again and again keeps at most keep_last (+ the one it loaded) checkpoints."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+    ckpts = tmp_path / "ckpts"
+    step = 0
+    for restart in range(4):
+        torch.manual_seed(0)
+        with infinity.initialize(BatchNormNet(), {"optimizer": {"lr": 1e-2}, "checkpoint": {"keep_last": 2}}) as e:
+            if restart:
+                latest = max(os.listdir(ckpts))
+                step = e.load_checkpoint(str(ckpts / latest))["step"]
+            for _ in range(3):
+                e.backward(e(x, y))
+                e.step()
+                step += 1
+                e.save_checkpoint(str(ckpts / f"step-{step:03d}"), user_state={"step": step})
+        assert sorted(os.listdir(ckpts)) == [f"step-{step - 1:03d}", f"step-{step:03d}"], restart

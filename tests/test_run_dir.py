@@ -193,3 +193,18 @@ def test_a_resume_removes_the_swap_files_a_killed_job_left(tmp_path):
         assert sorted(p.name for p in swap.iterdir()) == ["keep.txt"]
     finally:
         run.release()
+
+
+def test_resumes_keep_checkpoint_keep_last_in_bounds(tmp_path, capsys):
+    """Each resume continues the run's keep_last count (it does not start its own), and the final checkpoint
+    is still replaced when keep_last already removed the old one."""
+    keep = ["--set", "run.checkpoint_every=1", "--set", "checkpoint.keep_last=2"]
+    code, err = train(capsys, tmp_path, "r", *keep)
+    assert code == 0, err
+    for steps in (6, 8):
+        code = main(["train", "--resume", str(tmp_path / "r"), "--set", f"run.steps={steps}", "--quiet"])
+        assert code == 0, capsys.readouterr().err
+    saved = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
+    assert len(saved) <= 2, saved
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 8
+    ckpt_mod.read_manifest(str(tmp_path / "r" / "checkpoint"))
