@@ -4,8 +4,9 @@
 splits the model into units, plans where every state kind lives, checks the
 budgets, and materializes the model one unit at a time into its tiers. The
 engine then drives the units through hooks (unshard before use, reshard after,
-reduce-scatter gradients as soon as they are final) and runs the optimizer over
-the shards at each accumulation boundary.
+reduce-scatter gradients as soon as they are final) and hands each accumulation
+window's update to its update mode, one type per way of overlapping it (Note
+[overlap] in update_modes.py): the engine never asks which one runs.
 """
 
 from __future__ import annotations
@@ -76,12 +77,13 @@ class Engine:
                                            fresh_budget=fresh_budget(self.plan, config.prefetch))
         materialize_units(self.units, self.manager, config.train.seed, init_fn)
         self.scaler = LossScaler.for_config(config.precision)
+        self._pending_checkpoint = None  # a background save, committed at the next step() / wait_for_checkpoint()
         trace = OrderTrace()  # the forward order: the prefetcher replays it, the update mode updates in it
         self.updates = update_mode(config, units=self.units, manager=self.manager, device=self.env.device,
                                    group=self.env.group, scaler=self.scaler, hyper=self._hyper, trace=trace,
                                    read_ahead_bytes=self.read_ahead_bytes, profiler=self.profiler,
                                    reading_swap=lambda: self._pending_checkpoint is not None)
-        self.optimizer = self.updates.optimizer
+        self.optimizer = self.updates.optimizer  # the mode's (its state read-ahead, if any, is on it)
         self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
@@ -101,7 +103,6 @@ class Engine:
         self._backward_pending = False
         self._closed = False
         self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
-        self._pending_checkpoint = None
         self._saved_checkpoints: list[str] = []
         # Note [switch interval]: every I/O block completion, the prefetcher and the optimizer worker run
         # Python, so they need the GIL, and the training thread holds it between torch ops. At Python's
