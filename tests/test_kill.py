@@ -88,7 +88,8 @@ def test_killed_run_resumes_to_the_same_parameters(kill_at, background, referenc
     if after_a_commit(site, int(step), background):
         assert resumed["resumed_from"], f"a checkpoint was committed before {kill_at}: the rerun must resume"
     if resumed["resumed_from"]:
-        assert os.path.isfile(os.path.join(resumed["resumed_from"], "manifest.json"))
+        assert resumed["resumed_complete"], "the rerun loaded an incomplete checkpoint"
     assert states_equal(torch.load(tmp_path / "final.pt"), reference)
     ckpts = os.listdir(tmp_path / "ckpts")
     assert not [n for n in ckpts if ".tmp-" in n], f"partial saves were cleaned up: {ckpts}"
+    assert sorted(ckpts) == ["step-4", "step-6"], f"keep_last = 2 holds across the restart: {ckpts}"
