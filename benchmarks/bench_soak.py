@@ -53,11 +53,11 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--faults", action="store_true", help="the fault soak (benchmarks/soak_faults.py; root)")
     ap.add_argument("--kills", type=int, default=5)
-    args, rest = ap.parse_known_args(argv)
-    if args.faults or rest:
+    args = ap.parse_args(argv)
+    if args.faults:
         import soak_faults
-        steps = args.steps if "--steps" in (argv or sys.argv) else 300
-        return soak_faults.main(steps=steps, kills=args.kills, json_path=args.json, rest=rest)
+        steps = args.steps if "--steps" in (sys.argv if argv is None else argv) else 300
+        return soak_faults.main(steps=steps, kills=args.kills, json_path=args.json)
     root = tempfile.mkdtemp(prefix="bench-soak-", dir=args.dir)
     os.makedirs(os.path.join(root, "swap"))
     cfg = GPTConfig(vocab_size=4096, seq_len=64, n_layer=4, n_head=4, d_model=256)

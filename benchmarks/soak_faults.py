@@ -183,7 +183,7 @@ def _last_step(progress: str) -> int:
     return steps[-1] if steps else -1
 
 
-def main(steps: int = 300, kills: int = 5, json_path: str | None = None, rest=()) -> dict:
+def main(steps: int = 300, kills: int = 5, json_path: str | None = None) -> dict:
     import torch
 
     from common import machine, write_json
