@@ -31,8 +31,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import infinity  # noqa: E402
 from common import machine, write_json  # noqa: E402
+
+import infinity  # noqa: E402
 from infinity.models.gpt import GPT, GPTConfig, gpt_init, synthetic_batch  # noqa: E402
 
 

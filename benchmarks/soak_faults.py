@@ -185,7 +185,6 @@ def _last_step(progress: str) -> int:
 
 def main(steps: int = 300, kills: int = 5, json_path: str | None = None) -> dict:
     import torch
-
     from common import machine, write_json
     if os.geteuid() != 0:
         sys.exit("bench_soak.py --faults mounts a small tmpfs for the run directory: run it as root")

@@ -4,7 +4,6 @@ another live process's save in progress."""
 from __future__ import annotations
 
 import os
-import pickle
 import subprocess
 import sys
 import textwrap

@@ -208,3 +208,10 @@ def test_resumes_keep_checkpoint_keep_last_in_bounds(tmp_path, capsys):
     assert len(saved) <= 2, saved
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 8
     ckpt_mod.read_manifest(str(tmp_path / "r" / "checkpoint"))
+
+
+def test_an_nvme_path_that_is_a_file_exits_2_and_leaves_nothing(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    code, err = train(capsys, tmp_path / "runs", "r", "--set", f'nvme.paths=["{tmp_path / "afile"}"]')
+    assert code == EXIT_USAGE and "afile" in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs" / "r").exists()
