@@ -6,21 +6,7 @@ device, split into units exactly as `initialize` splits it (rank 0 of
 `plan_placement`, and one forward + backward is traced on meta tensors to count
 the activations saved for backward and the FLOPs.
 
-Note [peak memory]: the predicted peak of one rank's process memory (RSS without
-a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
-named terms:
-
-    runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
-    state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
-    working       the plan's working buffers, term by term as the planner fitted them to the budgets
-                  (Note [working memory] in memory/traffic.py): unsharded units, the flat gradient,
-                  the update's staging, the state read-ahead, fresh parameters
-    activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
-                  again for the transient of its gradient
-    allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
-                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
-    init          while a unit is materialized: its full fp32 values, its shard and their casts
-                  (replaces working + activations + allocator when larger)
+The predicted peak is Note [peak memory] (memory/traffic.py, with the byte model it sums).
 
 Preflight checks (shared with `initialize` through `preflight`): the plan fits the
 budgets, free RAM for every rank on this node, free disk on each NVMe path, and
@@ -117,6 +103,7 @@ class Estimate:
             "num_params": self.num_params, "units": self.units, "budgets": dataclasses.asdict(self.budgets),
             "state": self.state(),
             "working": {t.value: v for t, v in self.plan.working.items()} if self.plan else {},
+            "working_terms": {t.value: dict(v) for t, v in self.plan.working_terms.items()} if self.plan else {},
             "plan_error": self.plan_error,
             "reasons": list(self.plan.reasons) if self.plan else [],
             "unit_reasons": [{"unit": u.name, **r} for u, r in zip(self.plan.units, self.plan.unit_reasons)]

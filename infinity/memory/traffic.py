@@ -32,6 +32,22 @@ The read-ahead's budget is part of the plan: "auto" takes half of the host memor
 plan leaves free under the budgets, so a host budget bounds it (`resolve_read_ahead`).
 Activations are not known when planning; `infinity estimate` traces them (Note [peak memory]).
 
+Note [peak memory] (`infinity.estimate.peak_terms`): the predicted peak of one rank's process memory (RSS without
+a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
+named terms:
+
+    runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
+    state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
+    working       the plan's working buffers, term by term as the planner fitted them to the budgets
+                  (Note [working memory] in memory/traffic.py): unsharded units, the flat gradient,
+                  the update's staging, the state read-ahead, fresh parameters
+    activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
+                  again for the transient of its gradient
+    allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
+                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
+    init          while a unit is materialized: its full fp32 values, its shard and their casts
+                  (replaces working + activations + allocator when larger)
+
 Note [traffic per step]: what one optimizer step with `accum` micro-batches moves, per unit shard
 (P, G, O = its params, gradient and optimizer-state bytes); `unit_traffic`, by phase:
 
