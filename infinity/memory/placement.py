@@ -86,7 +86,7 @@ class Plan:
                                    self.tier(unit, Kind.MASTER))
 
     def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
-        """Bytes of state per tier and kind (Note [footprint], traffic.py)."""
+        """Bytes of state per tier and kind (Note [state bytes], traffic.py)."""
         return traffic.state_bytes(self)
 
     def tier_totals(self) -> dict[Tier, int]:

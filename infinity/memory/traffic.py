@@ -5,7 +5,7 @@ to the budgets), the auto policy's cost model (`cost_model.predict_step_time` of
 `infinity estimate` (its peak terms), the engine's `memory_report()["plan"]` (`plan_report`),
 bench_step's I/O floors and the profile-equals-plan test (`bytes_per_step`). Three answers:
 
-Note [footprint]: state bytes per tier and kind. A unit's shard of each kind takes
+Note [state bytes]: state bytes per tier and kind. A unit's shard of each kind takes
 `shard_numel * itemsize` on its tier (parameters in the compute dtype, the rest fp32), except
 parameters that alias the master (Note [aliased parameters] in tier.py): none of their own. The
 rule is applied once, in `group_bytes`; NVMe extents' alignment is not counted.
@@ -39,7 +39,7 @@ named terms:
     runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
     state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
     working       the plan's working buffers, term by term as the planner fitted them to the budgets
-                  (Note [working memory] in memory/traffic.py): unsharded units, the flat gradient,
+                  (Note [working memory] above): unsharded units, the flat gradient,
                   the update's staging, the state read-ahead, fresh parameters
     activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
                   again for the transient of its gradient
@@ -95,7 +95,7 @@ STAGING_ALIGNMENT = 4096  # the host staging pool's (memory/buffers.py)
 _FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
 
 
-# ---------------------------------------------------------------- Note [footprint]
+# ---------------------------------------------------------------- Note [state bytes]
 
 
 def group_bytes(shard_numel: int, group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> int:
