@@ -187,8 +187,21 @@ def test_cuda_traffic_is_every_crossing_the_manager_counts(accum):
 
 
 def test_the_manager_counts_copies_into_resident_tiers():
-    """A store of a GPU tensor into a host-resident shard is a d2h, a host tensor into a device shard an
-    h2d; copies within one memory cross no link (the rule `bytes_moved` applies to every store)."""
-    from infinity.memory.manager import _crossing
+    """A store of a host tensor into a device-resident shard (new parameters from a CPU optimizer) is an
+    h2d, a GPU tensor into a host-resident shard a d2h; copies within one memory cross no link. The
+    device is faked by the meta device (copies into it move no data; the counting is what is checked).
+    Before the manager counted them, the h2d here stayed 0."""
+    from infinity.memory.manager import TieredMemoryManager, _crossing
+    from infinity.memory.placement import Plan, UnitSizes
+    from infinity.memory.tier import Kind, Tier
+    from infinity.streams import Streams
     assert _crossing(GPU, CPU) == "d2h" and _crossing(CPU, GPU) == "h2d"
     assert _crossing(CPU, CPU) is None and _crossing(GPU, torch.device("cuda", 0)) is None
+    units = (UnitSizes(name="u0", shard_numel=8, unsharded_numel=8, chunk_numels=(8,)),)
+    tiers = {k: Tier.HOST for k in Kind} | {Kind.PARAMS: Tier.DEVICE}
+    plan = Plan(tiers=(tiers,), units=units, compute_dtype=torch.bfloat16)
+    manager = TieredMemoryManager(plan, torch.device("meta"), Streams.for_device(CPU), None, pin_host=False)
+    for kind in Kind:
+        manager.allocate(0, kind)
+    manager.store_master(0, None, torch.ones(8))  # the CPU optimizer's new master, and parameters to the device
+    assert manager.bytes_moved == {"nvme_read": 0, "nvme_write": 0, "h2d": 8 * 2, "d2h": 0}
