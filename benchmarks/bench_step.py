@@ -443,7 +443,7 @@ def run_paired(args, placement: str) -> dict:
             def sample() -> None:
                 # settled: the update done and the state read-ahead paused (a plain synchronize()
                 # resumes it), so the sample has the disk to itself; `disk` shows what else it saw
-                with engine._updates_settled():
+                with engine.updates.settled():
                     before = counters.snapshot()
                     samples.append(burst_sample(args, io, path, buf))
                     samples[-1]["disk"] = counters.between(before, counters.snapshot())

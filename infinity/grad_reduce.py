@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -24,14 +25,16 @@ from .unit import Unit
 class GradReducer:
     """Issues reduce-scatters, averages, accumulates into the gradient tier, tracks norms."""
 
-    def __init__(self, manager: TieredMemoryManager, world_size: int, max_in_flight: int = 1, profiler=None):
+    def __init__(self, manager: TieredMemoryManager, world_size: int, max_in_flight: int = 1, profiler=None, *,
+                 before_unit: Callable[[Unit], None] | None = None,
+                 on_final: Callable[[Unit, torch.Tensor], None] | None = None):
         self.manager, self.world_size, self.max_in_flight = manager, world_size, max_in_flight
         self.profiler = profiler or NullProfiler()
         self._in_flight: deque = deque()
         self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient shard
         self._writes: list = []
-        self.on_final = None  # called with a unit once its gradient for the window is complete
-        self.before_unit = None  # called with a unit before its gradient shard is touched
+        self.before_unit = before_unit  # called with a unit before its gradient shard is touched
+        self.on_final = on_final  # called with a unit and its shard's squared norm once its window's gradient is final
 
     def issue(self, unit: Unit, final: bool) -> None:
         """Start reducing `unit`'s gradients (its `.grad`s are consumed and cleared)."""
@@ -74,10 +77,7 @@ class GradReducer:
                 self._writes.pop(0).wait()  # one gradient shard in write-behind at a time bounds its memory
         self._writes.append(m.store(unit.index, Kind.GRADS, None, acc, release=acc is not out))
         if final and self.on_final is not None:
-            self.on_final(unit)
-
-    def unit_sumsq(self, index: int) -> torch.Tensor:
-        return self._sumsq[index]
+            self.on_final(unit, self._sumsq[unit.index])
 
     def take_sumsq(self, device: torch.device) -> torch.Tensor:
         """This rank's squared gradient norm over the finished window (fp64 scalar); resets it."""

@@ -7,19 +7,24 @@ one unit at a time: it creates the unit's parameters on the CPU, runs each
 owning module's `reset_parameters()` (or the user's `init_fn(module)`) under a
 generator seeded from `[train] seed` and the unit's index, flattens them, hands
 the flat buffer to the tiers, and drops it. The same seed gives the same
-initial weights whatever the world size or placement.
+initial weights whatever the world size or placement (`materialize_units`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 
+from .memory.tier import Kind
 from .sharded_param import ParamSlot, gather_flat
+
+if TYPE_CHECKING:
+    from .memory.manager import TieredMemoryManager
+    from .unit import Unit
 
 _patch_lock = threading.Lock()
 
@@ -104,3 +109,24 @@ def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn) -> No
             if p.device.type == "meta":
                 raise TypeError(f"parameter {slot.name} of unit {unit_name!r} is still on the meta device after "
                                 f"initialization: its init must fill it in place")
+
+
+def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int,
+                      init_fn: Callable[[nn.Module], None] | None) -> None:
+    """Unit by unit: full fp32 values -> this rank's shard -> tiers; the full copy is dropped."""
+    for unit in units:
+        for kind in Kind:
+            manager.allocate(unit.index, kind)
+        flat = materialize_flat(unit.name, unit.slots, unit.padded_numel, unit_seed(seed, unit.index), init_fn)
+        start, end = unit.shard_range()
+        master = flat[start:end].clone()
+        del flat
+        pending = manager.store_master(unit.index, None, master, release=False)
+        for p in pending:
+            p.wait()  # the shard's values must be stored before its full copy goes away
+        stored = manager.resident(unit.index, Kind.PARAMS)
+        if unit.comm.world_size == 1 and stored is not None and stored.device == unit.comm.device:
+            unit.alias(stored)
+        else:
+            unit.install_views()
+    manager.drain()

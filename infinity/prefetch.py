@@ -59,11 +59,11 @@ class Prefetcher:
     """Issues unshards ahead of use within the window; releases what was not used."""
 
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, units_ahead: int, max_bytes_in_flight: int,
-                 ready=None):
+                 ready=None, trace: OrderTrace | None = None):
         self.units, self.manager = units, manager
         self.ready = ready or (lambda index: True)  # False while a unit's parameters are being updated
         self.units_ahead, self.max_bytes = units_ahead, max_bytes_in_flight
-        self.trace = OrderTrace()
+        self.trace = trace or OrderTrace()  # (shared with the update mode, which updates in forward order)
         self._backward_order: list[int] = []
         self.issued = 0  # prefetches issued (for tests and the profile)
         self.wasted = 0  # prefetches released unused

@@ -21,7 +21,7 @@ import torch.nn as nn
 from . import collectives
 from .memory.buffers import UnshardedMemory
 from .memory.manager import Pending, TieredMemoryManager
-from .memory.tier import Kind
+from .memory.tier import Kind, Tier
 from .profile import Link
 from .memory.placement import UnitSizes
 from .sharded_param import ParamSlot, collect_slots, install, layout
@@ -80,7 +80,6 @@ class Unit:
         self._storage = torch.empty(0, dtype=comm.compute_dtype, device=comm.device).untyped_storage()
         self._pending: Pending | None = None
         self.aliased = False  # parameters view the stored shard (see alias)
-        self.fetch_link = Link.H2D  # the link a parameter fetch waits on; set from the plan (NVMe reads)
         self._grad_flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
         self.slots_with_grad: set[int] = set()  # ids of slots that got a gradient in this accumulation window
         self.param_steps: dict[str, int] = {}  # optimizer steps each parameter has taken (Adam bias correction)
@@ -144,7 +143,8 @@ class Unit:
         if self.state is UnitState.UNSHARDED:
             return
         prof = self.comm.profiler
-        with prof.wait(self.fetch_link, f"fetch {self.name}"):
+        link = Link.NVME_READ if manager.tier(self.index, Kind.PARAMS) is Tier.NVME else Link.H2D  # the plan's
+        with prof.wait(link, f"fetch {self.name}"):
             shard = self._pending.wait()  # compute needs this unit's bytes on the device
         self._pending = None
         streams = self.comm.streams

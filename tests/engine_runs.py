@@ -13,7 +13,8 @@ from reference import Recipe
 
 def engine_run(recipe: Recipe, placement: dict, swap_dir: str | None = None, extra: dict | None = None,
                rank: int = 0, world: int = 1):
-    """Losses (mean over ranks) per micro-batch, the engine's grad norms, and the state dict (rank 0)."""
+    """Losses (mean over ranks) per micro-batch, the engine's grad norms, the state dict (rank 0), and the
+    memory report with the name of the update mode that ran (`update_mode`)."""
     cfg = recipe.config(**placement)
     if swap_dir is not None:
         os.makedirs(swap_dir, exist_ok=True)
@@ -27,7 +28,7 @@ def engine_run(recipe: Recipe, placement: dict, swap_dir: str | None = None, ext
             losses += train_steps(engine, recipe, step, step + 1, rank, world)
             norms.append(engine.last_grad_norm)
         state = engine.full_state_dict()
-        report = engine.memory_report()
+        report = engine.memory_report() | {"update_mode": type(engine.updates).__name__}  # Note [overlap]
     finally:
         engine.close()
     return losses, norms, state, report

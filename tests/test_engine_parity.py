@@ -37,7 +37,8 @@ def assert_matches(reference, losses, norms, state, what):
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS, ids=lambda p: "-".join(p.values()))
 def test_world_size_1_matches_pytorch(reference, placement, overlap, tmp_path):
     swap = str(tmp_path / "swap") if "nvme" in placement.values() else None
-    losses, norms, state, _ = engine_run(RECIPE, placement, swap, {"overlap": {"optimizer_with_backward": overlap}})
+    losses, norms, state, report = engine_run(RECIPE, placement, swap, {"overlap": {"optimizer_with_backward": overlap}})
+    assert report["update_mode"] == ("DeferredUpdate" if overlap else "InlineUpdate")  # RECIPE clips
     assert_matches(reference, losses, norms, state, f"world 1 {placement} overlap={overlap}")
 
 
@@ -62,7 +63,8 @@ def test_eager_overlap_is_bitwise_the_sequential_step(placement, world, tmp_path
     for overlap in (False, True):
         swap = str(tmp_path / f"swap{overlap}")
         runs[overlap] = run_distributed(_run_on_rank, world, NO_CLIP, placement, swap, overlap)[0]
-    (seq_losses, seq_state), (ovl_losses, ovl_state) = runs[False], runs[True]
+    (seq_losses, seq_state, seq_mode), (ovl_losses, ovl_state, ovl_mode) = runs[False], runs[True]
+    assert (seq_mode, ovl_mode) == ("InlineUpdate", "EagerUpdate")
     assert seq_losses == ovl_losses
     assert all(torch.equal(seq_state[k], ovl_state[k]) for k in seq_state)
     torch.testing.assert_close(torch.tensor(ovl_losses), torch.tensor(ref_losses))
@@ -72,6 +74,6 @@ def test_eager_overlap_is_bitwise_the_sequential_step(placement, world, tmp_path
 
 def _run_on_rank(rank, world, recipe, placement, swap, overlap):
     swap = f"{swap}-{rank}" if "nvme" in placement.values() else None
-    losses, _, state, _ = engine_run(recipe, placement, swap, {"overlap": {"optimizer_with_backward": overlap}},
-                                     rank=rank, world=world)
-    return losses, state
+    losses, _, state, report = engine_run(recipe, placement, swap, {"overlap": {"optimizer_with_backward": overlap}},
+                                          rank=rank, world=world)
+    return losses, state, report["update_mode"]

@@ -140,6 +140,8 @@ def test_training_is_bitwise_the_same_and_reads_less(mode, tmp_path):
     for keep in (False, True):
         extra = {"overlap": {"optimizer_with_backward": mode != "sequential"}, "prefetch": {"keep_written": keep}}
         losses, norms, state, report = engine_run(recipe, placement, str(tmp_path / f"k{keep}"), extra)
+        assert report["update_mode"] == {"sequential": "InlineUpdate", "deferred": "DeferredUpdate",
+                                         "eager": "EagerUpdate"}[mode]
         runs[keep] = (losses, norms, state, report["bytes_moved"]["nvme_read"])
     assert runs[False][0] == runs[True][0] and runs[False][1] == runs[True][1]
     for name, tensor in runs[False][2].items():

@@ -45,12 +45,12 @@ class OffloadedOptimizer:
 
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, compute_device: torch.device,
                  read_ahead: int = UPDATE_READS_AHEAD, max_writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT,
-                 profiler=None):
+                 profiler=None, blocks_compute: bool = True, state_read_ahead: StateReadAhead | None = None):
         self.units, self.manager, self.compute_device = units, manager, compute_device
         self.profiler = profiler or NullProfiler()
-        self.blocks_compute = True  # run on the training thread: its read waits are exposed time
+        self.blocks_compute = blocks_compute  # on the training thread: its read waits are exposed time
         self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
-        self.state_read_ahead: StateReadAhead | None = None  # set by the engine when the worker reads ahead
+        self.state_read_ahead = state_read_ahead  # the worker's (Note [state read-ahead]): reads taken from it
 
     def plan_tasks(self, active: dict[int, list[tuple[int, int, int]]], units: list[Unit]) -> list[_Task]:
         """Chunks that hold elements to step, given each unit's active (start, length, step) shard ranges."""

@@ -30,8 +30,8 @@ there) and the next forward waits on that update, harmless while the disk is the
 Exactness: an entry remembers the manager's version of every chunk it read; an
 entry whose chunk was stored since (a checkpoint load, say) is discarded and read
 again (`take`). Chunk residency stays legal: `land()` waits every read in flight
-before anyone else may store to those chunks (the engine calls it wherever it waits
-for the updates).
+before anyone else may store to those chunks (the update mode's `settled()` calls it,
+through the worker's `quiesce`).
 
 Thread model: `set_order` and `land` come from the training thread, `issue_next` and
 `take` from the optimizer worker; one lock guards the bookkeeping (never held across

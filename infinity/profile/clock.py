@@ -1,0 +1,54 @@
+"""The training thread's own spans: its compute between waits, and where each step begins and ends.
+
+A profiled step runs from its first forward to the next step's first forward: with overlap its
+update runs during that next forward, so it ends there (or at `close` for the last one).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .spans import Link
+
+
+class TrainingClock:
+    """Compute spans and step marks of the training thread, recorded into `profiler` when it is enabled."""
+
+    def __init__(self, profiler):
+        self.profiler = profiler
+        self._compute_since: float | None = None  # the training thread computes since then
+        self._step_started: float | None = None  # the first forward of the step in progress
+        self._pending: tuple[int, float | None] | None = None  # (step, start) of the step the next one ends
+
+    def compute_begin(self) -> None:
+        if self.profiler.enabled:
+            self._compute_since = time.perf_counter()
+
+    def compute_end(self, name: str) -> None:
+        """Close the current compute span (the thread is about to wait, or is done)."""
+        if self._compute_since is not None:
+            self.profiler.record(name, Link.COMPUTE, self._compute_since, time.perf_counter())
+            self._compute_since = None
+
+    def forward_begins(self) -> None:
+        """A forward starts: the first of a step starts it and ends the previous step."""
+        if self._step_started is None and self.profiler.enabled:
+            self._step_started = time.perf_counter()
+            if self._pending is not None:
+                self.profiler.record_step(*self._pending, self._step_started)  # the previous one ends here
+                self._pending = None
+
+    def stepped(self, step: int) -> None:
+        """Optimizer step `step` was issued: it ends when the next one starts (its update overlaps that forward)."""
+        if not self.profiler.enabled:
+            return
+        if self._pending is not None:  # a step with no forward after it
+            self.profiler.record_step(*self._pending, time.perf_counter())
+        self._pending = (step, self._step_started)
+        self._step_started = None
+
+    def close(self) -> None:
+        """The last step ends now."""
+        if self._pending is not None and self._pending[1] is not None:
+            self.profiler.record_step(*self._pending, time.perf_counter())
+            self._pending = None
