@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 from common import machine, write_json  # noqa: E402
 from io_engine import IOConfig, IOEngine, aligned_empty, parse_size  # noqa: E402
-from io_engine.bench import fsync_file  # noqa: E402
+from io_engine import fsync_file  # noqa: E402
 
 
 def _busy(kind: str, stop: threading.Event) -> None:

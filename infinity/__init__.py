@@ -6,7 +6,7 @@
 
 from .config import Config, ConfigError
 from .engine import Engine, NonFiniteGradError, initialize
-from .environment import PreflightError
+from .preflight import PreflightError
 from .materialize import meta_init
 from .memory.placement import PlacementError
 from .memory.tier import Kind, Tier

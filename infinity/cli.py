@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .checkpoint import CheckpointError
     from .config import ConfigError
-    from .environment import PreflightError
     from .memory.placement import PlacementError
+    from .preflight import PreflightError
     try:
         return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links}[
             args.command](args)
@@ -178,13 +178,13 @@ def _generic_loss(forward, x, y):
 
 
 def _bench_links(args) -> int:
-    from .memory import cost_model
-    rates = cost_model.link_rates(args.dir, remeasure=args.remeasure)
+    from .link_rates import cache_path, link_rates
+    rates = link_rates(args.dir, remeasure=args.remeasure)
     if args.json:
         print(json.dumps(rates.to_json(), indent=1))
         return 0
     gb = 1e9
-    print(f"link rates ({rates.source}; cache {cost_model.cache_path()}):")
+    print(f"link rates ({rates.source}; cache {cache_path()}):")
     print(f"  nvme read   {rates.nvme_read / gb:8.2f} GB/s")
     print(f"  nvme write  {rates.nvme_write / gb:8.2f} GB/s")
     for name in ("h2d", "d2h"):

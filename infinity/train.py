@@ -559,10 +559,10 @@ def _placement_text(engine) -> str:
 
 def _measure_links(config: Config, world: int) -> None:
     """The auto policy plans with this machine's link rates: measure them once (local rank 0), then cached."""
-    from .memory import cost_model
+    from .link_rates import link_rates
     if config.placement.policy == "auto" and config.nvme.paths:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            cost_model.link_rates(config.nvme.paths[0], io_config=config.io)
+            link_rates(config.nvme.paths[0], io_config=config.io)
         _barrier(world)
 
 

@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from .records import Span, SpanKind
+
 
 class DeviceSpans:
     """Pending device spans of one profiler, resolved into host-clock spans."""
@@ -105,8 +107,6 @@ class _DeviceSpanTimer:
 
     def resolve(self):
         """The host-clock Span; call once `end_event` has completed."""
-        from .spans import Span, SpanKind
-
         reference_event, reference_time = self._reference
         reference_event.synchronize()  # elapsed_time needs both events complete; this one is long done
         start = reference_time + reference_event.elapsed_time(self.start_event) / 1e3

@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 from typing import Iterable
 
-from .spans import Link, Span, SpanKind, StepMark
+from .records import Link, Span, SpanKind, StepMark
 
 GB = 1e9
 
