@@ -116,23 +116,25 @@ def _raise_failed(checks: list[Check]) -> None:
         raise PreflightError("\n".join(f"{c.detail}: {c.fix}" for c in failed))
 
 
-def check_nvme_paths(paths: list[str]) -> int:
-    """Every swap path is a writable directory (else PreflightError naming it and the fix); returns the free
-    bytes over their distinct filesystems."""
-    _raise_failed([check_nvme_path(p) for p in paths])
+def check_nvme_paths(paths: list[str], *, created_at_start: bool = False) -> int:
+    """Every swap path is a writable directory, or with `created_at_start` can be created as one (else
+    PreflightError naming the path, the problem and the fix); returns the free bytes over their distinct
+    filesystems."""
+    _raise_failed([check_nvme_path(p, created_at_start=created_at_start) for p in paths])
     free, seen = 0, set()
     for path in paths:
-        st = os.stat(path)
+        where = _existing_parent(path)
+        st = os.stat(where)
         if st.st_dev not in seen:
             seen.add(st.st_dev)
-            free += shutil.disk_usage(path).free
+            free += shutil.disk_usage(where).free
     return free
 
 
 def prepare_nvme_paths(paths: list[str]) -> None:
     """For a job that creates its swap directories: check them (PreflightError naming a path that is a file
     or cannot be created), then create them."""
-    _raise_failed([check_nvme_path(p, created_at_start=True) for p in paths])
+    check_nvme_paths(paths, created_at_start=True)
     for path in paths:
         os.makedirs(path, exist_ok=True)
 

@@ -35,8 +35,9 @@ import torch
 
 from .aligned import aligned_empty, tensor_memoryview
 from .checksums import CHECKSUM_ALGORITHM, checksum, sampled_checksum
-from .engine import BACKENDS, IOConfig, IOEngine, backend_name
+from .engine import IOEngine, backend_name
 from .files import drop_page_cache, fsync_file
+from .io_config import BACKENDS, IOConfig
 from .sizes import SizeError, format_size, parse_size
 from .swap_space import SwapSpace
 
@@ -254,7 +255,7 @@ def machine_info(directory: str) -> dict:
             "torch": torch.__version__, "machine": platform.machine()}
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
         import psutil
         info["ram_bytes"] = psutil.virtual_memory().total
         best = ("", "", "")

@@ -14,7 +14,8 @@ def test_readme_config_reference_is_current():
 
 def test_ci_runs_the_readme_commands():
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
-    for command in ("pip install torch==2.13.0", 'pip install -e ".[test]"', "python -m pytest -q"):
+    for command in ("pip install torch==2.13.0", 'pip install -e ".[test]"', "ruff check .", "lint-imports",
+                    "python -m pytest -q"):
         assert command in readme, command
         assert command.replace("python -m", "python3 -m").replace("pip install", "python3 -m pip install --quiet") in ci \
             or command in ci, command
