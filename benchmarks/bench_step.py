@@ -185,9 +185,9 @@ def infinity_config(args, placement: str, swap: str) -> dict:
               if value}
     if memory:
         config["memory"] = memory
-    from infinity.config import _parse_override
+    from infinity.options import parse_override
     for item in args.set:  # e.g. io.checksum=full: one engine key for every infinity system
-        section, key, value = _parse_override(item)
+        section, key, value = parse_override(item)
         config.setdefault(section, {})[key] = value
     return config
 

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="command")
 
     p = sub.add_parser("train", help="train a model (default: a small GPT on the shipped corpus)",
-                       description="Train the job: with no arguments, a small byte-level GPT on infinity/corpus/kjv.txt.gz "
+                       description="Train the job: with no arguments, a small byte-level GPT on "
+                                   "infinity/corpus/kjv.txt.gz "
                                    "with parameters and optimizer state on NVMe under runs/<time>/swap.")
     _add_job_args(p)
     p.add_argument("--resume", metavar="RUN_DIR_OR_CHECKPOINT",

@@ -11,9 +11,9 @@ import tomllib
 import pytest
 import torch.nn as nn
 
+from infinity import link_rates
 from infinity.cli import EXIT_USAGE, main
 from infinity.config import Config
-from infinity import link_rates
 from infinity.memory.cost_model import LinkRates
 from infinity.train import JOB_SECTIONS
 

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from io_engine import (AlignedBufferPool, IOConfig, IOEngine, IOFuture, IOStats, aligned_empty,
-                       SizeError, parse_size)
+from io_engine import AlignedBufferPool, IOConfig, IOEngine, IOFuture, IOStats, SizeError, aligned_empty, parse_size
 from io_engine import engine as engine_module
 from io_engine.backends import kernel_aio
 from io_engine.backends import threads as threads_backend

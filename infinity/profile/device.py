@@ -77,7 +77,8 @@ class DeviceSpans:
 class _DeviceSpanTimer:
     """Context manager of one device span: events around the enqueued work."""
 
-    __slots__ = ("_owner", "_name", "_link", "_stream", "_unit", "_torch_range", "_reference", "start_event", "end_event", "num_bytes")
+    __slots__ = ("_owner", "_name", "_link", "_stream", "_unit", "_torch_range", "_reference", "start_event",
+                 "end_event", "num_bytes")
 
     def __init__(self, owner: DeviceSpans, name, link, stream, num_bytes, unit):
         self._owner = owner

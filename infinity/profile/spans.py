@@ -84,7 +84,8 @@ def _normalize_peaks(peaks_GBps) -> dict[Link, float]:
     for key, value in (peaks_GBps or {}).items():
         link = key if isinstance(key, Link) else Link(key)
         if not value > 0:
-            raise ValueError(f"peaks_GBps[{link.value!r}] = {value!r}: give a positive measured bandwidth or leave it out")
+            raise ValueError(f"peaks_GBps[{link.value!r}] = {value!r}: give a positive measured bandwidth or "
+                             f"leave it out")
         peaks[link] = float(value)
     return peaks
 
@@ -130,16 +131,19 @@ class Profiler:
             return self.span(name, link, num_bytes=num_bytes, unit=unit)
         return self._device.timer(name, link, stream, num_bytes, unit)
 
-    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0, unit: str | None = None) -> None:
+    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0,
+               unit: str | None = None) -> None:
         """Add an already-timed span (e.g. an I/O completion on a worker thread)."""
         if end < start:
-            raise ValueError(f"span {name!r} ends before it starts (start={start}, end={end}): pass time.perf_counter() values")
+            raise ValueError(f"span {name!r} ends before it starts (start={start}, end={end}): pass "
+                             f"time.perf_counter() values")
         self._append(Span(name, link, start, end, num_bytes, unit, SpanKind.WORK))
 
     def record_wait(self, link: Link, name: str, start: float, end: float) -> None:
         """Add an already-timed wait of compute on `link`."""
         if end < start:
-            raise ValueError(f"wait {name!r} ends before it starts (start={start}, end={end}): pass time.perf_counter() values")
+            raise ValueError(f"wait {name!r} ends before it starts (start={start}, end={end}): pass "
+                             f"time.perf_counter() values")
         self._append(Span(name, link, start, end, 0, None, SpanKind.WAIT))
 
     def step_begin(self, step: int) -> None:
@@ -245,10 +249,12 @@ class NullProfiler:
     def wait(self, link: Link, name: str) -> _NullSpan:
         return _NULL_SPAN
 
-    def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0, unit: str | None = None) -> _NullSpan:
+    def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0,
+                    unit: str | None = None) -> _NullSpan:
         return _NULL_SPAN
 
-    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0, unit: str | None = None) -> None:
+    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0,
+               unit: str | None = None) -> None:
         pass
 
     def record_wait(self, link: Link, name: str, start: float, end: float) -> None:
