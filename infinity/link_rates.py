@@ -175,10 +175,15 @@ def link_rates(directory: str | None = None, device: torch.device | None = None,
     if cached is not None:
         return cached
     rates = measure_link_rates(directory, device, io_config)
+    store_rates(directory, device, rates)
+    return rates
+
+
+def store_rates(directory: str, device: torch.device, rates: LinkRates) -> None:
+    """Cache `rates` as this machine's for the disk of `directory` (what `link_rates` measured)."""
     entries = _load_cache()
     entries[rates_key(directory, device)] = rates.to_json() | {"machine": _machine_key(device)}
     _store_cache(entries)
-    return rates
 
 
 def cached_rates_for(directory: str | None, device: torch.device) -> LinkRates | None:
