@@ -143,3 +143,44 @@ def test_decay_matches_formula(schedule):
 def test_lr_at_rejects_negative_step():
     with pytest.raises(ValueError, match="step must be an int >= 0"):
         lr_at(-1, _cfg())
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_adam_step_runs_on_the_shards_device(decoupled, monkeypatch):
+    """A device-tier optimizer steps where its state lives (issue 21: adam_step used to assert CPU tensors,
+    so the device tier's optimizer crashed on CUDA). Shown on CPU with shards on the meta device: the kernel
+    for the shards' device is called with its scalars on that device, never a CPU-only path."""
+    seen = {}
+    real = torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+    def spy(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **kw):
+        seen["devices"] = {t.device.type for t in (*params, *grads, *exp_avgs, *exp_avg_sqs, *state_steps)}
+        seen["grad_scale"] = kw["grad_scale"].device.type
+        return real(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, **kw)
+
+    monkeypatch.setattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", spy)
+    hyper = AdamHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1, decoupled=decoupled)
+    shards = [torch.empty(100, device="meta") for _ in range(4)]
+    adam_step(*shards, step=3, hyper=hyper, grad_scale=2.0)
+    assert seen == {"devices": {"meta"}, "grad_scale": "meta"}
+    with pytest.raises(AssertionError, match="on meta"):  # mixed devices stay an internal error
+        adam_step(shards[0], torch.zeros(100), shards[2], shards[3], step=3, hyper=hyper)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_adam_step_on_cuda_matches_torch_fused(decoupled):
+    """The device tier's update on CUDA is torch's fused CUDA kernel: equal to torch.optim's fused step there."""
+    gen = torch.Generator().manual_seed(5)
+    param = torch.nn.Parameter(torch.randn(1000, generator=gen).cuda())
+    optim_cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = optim_cls([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=0.1, fused=True)
+    master = param.detach().clone()
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    hyper = AdamHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=0.1, decoupled=decoupled)
+    for step in range(1, 4):
+        grad = torch.randn(1000, generator=gen).cuda()
+        param.grad = grad.clone()
+        opt.step()
+        adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper)
+        torch.testing.assert_close(master, param.detach())

@@ -1,7 +1,8 @@
-"""Adam / AdamW on flat fp32 CPU shards, with torch's fused CPU kernel.
+"""Adam / AdamW on flat fp32 shards, with torch's fused kernel for the shards' device.
 
-`adam_step` is the fast path (``torch._fused_adam_`` / ``torch._fused_adamw_``,
-vectorized and parallel over the shard). `adam_step_reference` is the same
+`adam_step` is the fast path (``torch._fused_adam_`` / ``torch._fused_adamw_``:
+on CPU shards the vectorized, parallel CPU kernel; on CUDA shards the fused CUDA
+kernel, so a device-tier optimizer steps on the GPU). `adam_step_reference` is the same
 update in plain torch ops, written to be read; the parity tests hold the two
 against each other and against ``torch.optim.Adam`` / ``torch.optim.AdamW``.
 
@@ -11,7 +12,7 @@ using it. The reference does the same, so after either call ``grad`` holds
 ``grad / grad_scale``. Callers that need the scaled gradient afterwards must
 copy it first. Weight decay is never written back into ``grad``.
 
-Note [step is passed, not counted]: the CPU kernel reads the step count for
+Note [step is passed, not counted]: the kernel reads the step count for
 bias correction and does not increment it (torch.optim increments its
 ``state_steps`` before calling). Callers own the count and pass the 1-based
 number of the update being made.
@@ -58,10 +59,11 @@ def _check_shards(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
     """Internal invariants of the caller (raised even under ``python -O``)."""
     numel = master.numel()
     for name, t in (("master", master), ("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        if not (t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
+        if not (t.dtype == torch.float32 and t.device == master.device and t.dim() == 1 and t.is_contiguous()
                 and t.numel() == numel):
             raise AssertionError(
-                f"adam_step: {name} must be a flat contiguous fp32 CPU tensor of {numel} elements (as master); "
+                f"adam_step: {name} must be a flat contiguous fp32 tensor of {numel} elements on {master.device} "
+                f"(as master); "
                 f"got dtype={t.dtype} device={t.device} shape={tuple(t.shape)} stride={t.stride()} "
                 f"contiguous={t.is_contiguous()}"
             )
@@ -73,7 +75,7 @@ def _check_shards(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
 
 def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
               step: int, hyper: AdamHyper, grad_scale: float | None = None) -> None:
-    """One Adam / AdamW update, in place on flat contiguous fp32 CPU tensors.
+    """One Adam / AdamW update, in place on flat contiguous fp32 tensors on one device (CPU or CUDA).
 
     ``step`` is the 1-based count of this update (bias correction uses it).
     ``grad_scale``: the kernel uses ``grad / grad_scale`` (fold in the fp16 loss
@@ -82,12 +84,13 @@ def adam_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, e
     """
     _check_shards(master, grad, exp_avg, exp_avg_sq, step, grad_scale)
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
+    device = master.device  # the kernel's scalars live with its shards (torch.full: no host-to-device copy)
     kernel(
         [master], [grad], [exp_avg], [exp_avg_sq], [],
-        [torch.tensor(float(step))],  # read, not incremented (Note [step is passed, not counted])
+        [torch.full((), float(step), device=device)],  # read, not incremented (Note [step is passed, not counted])
         lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay, eps=hyper.eps,
         amsgrad=False, maximize=False,
-        grad_scale=None if grad_scale is None else torch.tensor(grad_scale, dtype=torch.float32),
+        grad_scale=None if grad_scale is None else torch.full((), grad_scale, dtype=torch.float32, device=device),
         found_inf=None,
     )
 
