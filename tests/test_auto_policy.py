@@ -239,6 +239,19 @@ def test_link_rates_are_measured_once_then_cached(tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
+def test_the_planner_takes_rates_and_never_reads_the_cache(monkeypatch):
+    """The caller decides to measure or read the cache (infinity/link_rates.py); the planner with no rates
+    plans with cost_model.default_rates, whatever the cache holds."""
+    def no_cache():
+        raise AssertionError("the planner read the link-rate cache")
+    monkeypatch.setattr(link_rates, "_load_cache", no_cache)
+    units = units_of([4_000_000, 2_000_000, 2_000_000], chunk=250_000)
+    budgets = Budgets(device=100_000_000, host=1 << 34, nvme=1 << 40)
+    plan = auto(units, budgets, None)
+    assert plan.reasons == auto(units, budgets, cost_model.default_rates(cuda=True)).reasons
+    assert "link rates: defaults" in plan.reasons[-1]
+
+
 def test_without_a_measurement_the_defaults_are_used():
     assert link_rates.cached_link_rates(cuda=False).source == "defaults"
     assert link_rates.cached_link_rates(cuda=False).h2d == math.inf  # no copies without a GPU

@@ -249,6 +249,20 @@ def test_one_meaning_of_size_strings():
         IOConfig(block_size="4k")
 
 
+def test_atomic_write_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Note [atomic write]: the new contents replace the old in one rename; a failed write leaves the old file
+    and no temporary file."""
+    from io_engine import atomic_write
+    target = tmp_path / "cache.json"
+    atomic_write(target, "old")
+    atomic_write(target, b"new bytes")
+    assert target.read_bytes() == b"new bytes"
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(target, "lost")
+    assert target.read_bytes() == b"new bytes" and sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
+
+
 def dataclass_error():
     import dataclasses
     return dataclasses.FrozenInstanceError
