@@ -6,69 +6,35 @@ device, split into units exactly as `initialize` splits it (rank 0 of
 `plan_placement`, and one forward + backward is traced on meta tensors to count
 the activations saved for backward and the FLOPs.
 
-Note [peak memory]: the predicted peak of one rank's process memory (RSS without
-a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
-named terms:
+The predicted peak is Note [peak memory] (memory/traffic.py, with the byte model it sums).
 
-    runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
-    state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
-    working       the plan's working buffers: unsharded units, the flat gradient, NVMe staging
-                  (with a state read-ahead the staging holds the next update's NVMe optimizer state,
-                  Note [state read-ahead], plus the write-behind of the chunks taken from it)
-    activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
-                  again for the transient of its gradient
-    allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
-                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
-    init          while a unit is materialized: its full fp32 values, its shard and their casts
-                  (replaces working + activations + allocator when larger)
-
-Preflight checks (shared with `initialize` through `preflight`): the plan fits the
-budgets, free RAM for every rank on this node, free disk on each NVMe path, and
-the locked-memory limit for the pinned / mlock'ed staging buffers.
+Preflight checks (infinity/preflight.py, shared with `initialize`): the plan fits the
+budgets, free RAM for every rank on this node, free disk on each NVMe path and for
+the checkpoints, and the locked-memory limit for the pinned / mlock'ed staging buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import resource
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-import psutil
 import torch
 import torch.nn as nn
 
-from .config import Config, ConfigError, format_size
-from .environment import PreflightError, resolve_budgets
+from io_engine import format_size
+
+from . import link_rates
+from .config import Config, ConfigError
+from .dtypes import dtype_of
+from .environment import resolve_budgets
 from .memory import cost_model
-from .memory.fresh import fresh_budget
-from .memory.placement import Budgets, Plan, PlacementError, plan_for_config
+from .memory.placement import Budgets, PlacementError, Plan, plan_for_config
 from .memory.tier import Kind, Tier
-from .optim.read_ahead import largest_chunk_bytes, resolve_read_ahead
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
-
-
-@dataclass(frozen=True)
-class Check:
-    """One preflight check; a failed "error" stops the run, a failed "warning" slows it."""
-
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    level: str = "error"
-
-    def line(self) -> str:
-        mark = "ok  " if self.ok else ("FAIL" if self.level == "error" else "WARN")
-        text = f"[{mark}] {self.name}: {self.detail}"
-        return text + (f"\n         fix: {self.fix}" if not self.ok and self.fix else "")
+from .preflight import Check, check_disks, preflight
 
 
 @dataclass
@@ -118,6 +84,7 @@ class Estimate:
             "num_params": self.num_params, "units": self.units, "budgets": dataclasses.asdict(self.budgets),
             "state": self.state(),
             "working": {t.value: v for t, v in self.plan.working.items()} if self.plan else {},
+            "working_terms": {t.value: dict(v) for t, v in self.plan.working_terms.items()} if self.plan else {},
             "plan_error": self.plan_error,
             "reasons": list(self.plan.reasons) if self.plan else [],
             "unit_reasons": [{"unit": u.name, **r} for u, r in zip(self.plan.units, self.plan.unit_reasons)]
@@ -139,7 +106,7 @@ def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
     from .streams import Streams
     from .unit import Comm, build_units, unit_sizes
     comm = Comm(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
-                compute_dtype=DTYPES[config.precision.compute_dtype], streams=Streams.for_device(torch.device("cpu")))
+                compute_dtype=dtype_of(config.precision.compute_dtype), streams=Streams.for_device(torch.device("cpu")))
     units = build_units(model, list(config.units.classes), comm)
     return unit_sizes(units, config.optimizer.sub_group_size)
 
@@ -197,7 +164,7 @@ def runtime_rss(remeasure: bool = False) -> int:
         out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, check=True,
                              timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
         return int(out.stdout.strip().splitlines()[-1])
-    return int(cost_model.cached_measurement("runtime_rss", measure, remeasure=remeasure))
+    return int(link_rates.cached_measurement("runtime_rss", measure, remeasure=remeasure))
 
 
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
@@ -216,121 +183,60 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     sizes = unit_sizes_of(bundle.model, config, world_size)
     num_params = sum(p.numel() for p in {id(p): p for p in bundle.model.parameters()}.values())
     paths = list(config.nvme.paths)
-    _, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    unusable = [c for c in path_checks if not c.ok]
     if rates is None:
         existing = next((p for p in paths if os.path.isdir(p)), None)
         if existing is not None or remeasure:
-            rates = cost_model.link_rates(existing, remeasure=remeasure, io_config=config.io)
+            rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
         else:
-            rates = cost_model.cached_link_rates(cuda)
+            rates = link_rates.cached_link_rates(cuda)
     traced = make_model()  # a second copy: tracing moves its buffers to the meta device
     trace = trace_step(traced.model, traced.loss, batch_size, seq_len)
     compute = cost_model.compute_seconds(trace.flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
     budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free)
-    plan, plan_error, read_ahead = None, None, 0
+    plan, plan_error = None, None
     try:
-        plan = plan_for_config(sizes, config, budgets)  # exactly as initialize plans (cached rates, no compute time)
-        read_ahead = resolve_read_ahead(config, plan, budgets)
+        # as initialize plans: no compute time, this machine's cached rates
+        plan_rates = link_rates.cached_link_rates(cuda)
+        plan = plan_for_config(sizes, config, budgets, rates=plan_rates)
     except (PlacementError, ConfigError) as e:
         plan, plan_error = None, str(e)
+    if unusable and (plan is None or plan.uses(Tier.NVME)):  # the swap paths' own failure, not "no space"
+        plan, plan_error = None, "; ".join(f"{c.detail} ({c.fix})" for c in unusable)
     est = Estimate(world_size=world_size, local_world_size=local, cuda=cuda, num_params=num_params, units=len(sizes),
                    budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace)
     if plan is not None:
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
-        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), read_ahead=read_ahead,
-                                    fresh=fresh_budget(plan, config.prefetch))
+        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss())
         est.peak = peak_from_terms(est.peak_terms, cuda)
     est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
-                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0),
-                           read_ahead=read_ahead)
+                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
     return est
 
 
-def staging_pool_bytes(plan: Plan, *, read_ahead: int = 1, max_writes_in_flight: int = 4) -> int:
-    """Host staging bytes the pool ends up holding: a replay of two optimizer steps' buffer requests.
-
-    Mirrors `optim.offloaded.OffloadedOptimizer` (read `read_ahead` tasks ahead, at most
-    `max_writes_in_flight` stores pending, the last stores left pending into the next step)
-    over the size classes of `io_engine.AlignedBufferPool`, which keeps every buffer it
-    allocated. Only NVMe shards are staged on the host; resident ones are used in place.
-    """
-    from io_engine.aligned import _size_class
-    csize = plan.compute_dtype.itemsize
-    live: dict[int, int] = {}
-    peak: dict[int, int] = {}
-
-    def get(nbytes: int) -> int | None:
-        if nbytes == 0:
-            return None
-        c = _size_class(nbytes, 4096)
-        live[c] = live.get(c, 0) + 1
-        peak[c] = max(peak.get(c, 0), live[c])
-        return c
-
-    def put(c: int | None) -> None:
-        if c is not None:
-            live[c] -= 1
-
-    tasks = [(u, n) for u, sizes in enumerate(plan.units) for n in sizes.chunk_numels]
-    nvme = lambda u, k: plan.tier(u, k) is Tier.NVME  # noqa: E731
-    left: dict[int, list] = {}  # task -> buffers of its stores still pending from the last step
-    for _step in range(2):
-        for task, pending in left.items():
-            for is_params, c in pending:
-                put(c if is_params else None)  # the forward's parameter fetch waits the pending parameter write
-            left[task] = [(False, c) for is_params, c in pending if not is_params]
-        ahead, writes, nxt = [], [], 0
-        for _ in tasks:
-            while nxt < len(tasks) and len(ahead) <= read_ahead:
-                u, n = tasks[nxt]
-                for _, c in left.pop(nxt, []):
-                    put(c)  # fetching a chunk waits its pending write first
-                ahead.append((nxt, u, n, {k: get(n * 4) if nvme(u, k) else None
-                                          for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)}))
-                nxt += 1
-            task, u, n, bufs = ahead.pop(0)
-            alias = plan.aliases_master(u)  # the master's buffer is the parameters' (Note [aliased parameters])
-            params = get(n * csize) if nvme(u, Kind.PARAMS) and not alias else None
-            writes += [(task, alias and k is Kind.MASTER, bufs[k]) for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
-            if not alias:
-                writes.append((task, True, params))
-            put(bufs[Kind.GRADS])  # released right after the step
-            while len(writes) > max_writes_in_flight:
-                put(writes.pop(0)[2])
-        for task, is_params, c in writes:
-            left.setdefault(task, []).append((is_params, c))
-    return sum(c * n for c, n in peak.items())
+def staging_pool_bytes(plan: Plan) -> int:
+    """Host staging bytes the update's pool ends up holding: the plan's `update_staging` term
+    (Note [working memory] in memory/traffic.py, a replay of OffloadedOptimizer's buffer requests)."""
+    return plan.working_terms.get(Tier.HOST, {}).get("update_staging", 0)
 
 
-def _host_staging(plan: Plan, read_ahead: int, fresh: int = 0, max_writes_in_flight: int = 4) -> int:
-    """The host staging pool: the update pipeline's buffers; with a state read-ahead, the held state plus the
-    write-behind of the chunks the update has taken from it (the pool recycles one into the other); plus the
-    parameters kept after their write (Note [fresh parameters])."""
-    if not plan.uses(Tier.NVME):
-        return 0
-    pipeline = staging_pool_bytes(plan, max_writes_in_flight=max_writes_in_flight)
-    if not read_ahead:
-        return pipeline + fresh
-    one_kind = largest_chunk_bytes(plan) // 3  # the largest sub-group of one state kind
-    return max(pipeline, read_ahead + max_writes_in_flight * one_kind) + fresh
-
-
-def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, read_ahead: int = 0,
-               fresh: int = 0) -> dict[str, int]:
-    """Note [peak memory], term by term (bytes, one rank)."""
+def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int) -> dict[str, int]:
+    """Note [peak memory], term by term (bytes, one rank); every working term is the plan's."""
     state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
     largest = max((u.unsharded_numel for u in plan.units), default=0)
     largest_shard = max((u.shard_numel for u in plan.units), default=0)
     csize = plan.compute_dtype.itemsize
+    host_terms = plan.working_terms.get(Tier.HOST, {})
     return {
         "runtime": runtime,
         "state_device": state[Tier.DEVICE],
         "state_host": state[Tier.HOST],
         "working_device": plan.working.get(Tier.DEVICE, 0),
-        "working_host": _host_staging(plan, read_ahead, fresh),
-        "read_ahead": read_ahead,  # part of working_host (Note [state read-ahead])
-        "fresh_params": fresh,  # part of working_host (Note [fresh parameters])
+        "working_host": plan.working.get(Tier.HOST, 0),
+        "read_ahead": plan.read_ahead,  # its working term is part of working_host (Note [state read-ahead])
+        "fresh_params": host_terms.get("fresh_params", 0),  # part of working_host (Note [fresh parameters])
         "activations": trace.activation_bytes + trace.largest_saved_bytes,
         # materializing one unit: full fp32 values, the fp32 shard, its compute-dtype cast
         "init": largest * 4 + largest_shard * (4 + csize),
@@ -351,112 +257,11 @@ def peak_from_terms(terms: dict[str, int], cuda: bool) -> dict[str, int]:
             + max(train_device + terms["working_host"] + terms["allocator"], terms["init"])}
 
 
-# ---------------------------------------------------------------- preflight
-
-
-def _existing_parent(path: str) -> Path:
-    p = Path(path).resolve()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int) -> tuple[list[Check], int]:
-    """Each swap path is (or can be created as) a writable directory with room for its stripe of
-    `nvme_bytes` per rank; returns the checks and the free bytes over distinct filesystems."""
-    checks, free_total, seen = [], 0, {}
-    for path in paths:
-        where = _existing_parent(path)
-        if not where.is_dir() or not os.access(where, os.W_OK):
-            checks.append(Check(f"nvme path {path}", False, f"{where} is not a writable directory",
-                                f"create it (mkdir -p {path}) on a fast local disk, or change nvme.paths"))
-            continue
-        st = os.stat(where)
-        free = shutil.disk_usage(where).free
-        if st.st_dev not in seen:
-            seen[st.st_dev] = [free, 0]
-            free_total += free
-        seen[st.st_dev][1] += 1
-    stripe = nvme_bytes * local_world_size / max(1, len(paths))  # striping spreads every extent over the paths
-    for path in paths:
-        where = _existing_parent(path)
-        if not where.is_dir() or os.stat(where).st_dev not in seen:  # not writable: refused above
-            continue
-        free, sharing = seen[os.stat(where).st_dev]
-        need = int(stripe * sharing)
-        note = " (created at start)" if str(where) != str(Path(path).resolve()) else ""
-        checks.append(Check(f"free disk on {path}{note}", need <= free,
-                            f"{_fmt(need)} of swap for {local_world_size} rank(s), {_fmt(free)} free",
-                            "free space there, add more nvme.paths (stripes), or keep more state in RAM "
-                            "(placement.* = \"host\" or policy = \"auto\")"))
-    return checks, free_total
-
-
-def _has_cap_ipc_lock() -> bool:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
-def check_locked_memory(locked_bytes: int, local_world_size: int) -> Check:
-    """mlock'ed (pinned) staging buffers against RLIMIT_MEMLOCK, unless CAP_IPC_LOCK lifts the limit."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    need = locked_bytes  # the limit is per process: one rank
-    if soft == resource.RLIM_INFINITY or _has_cap_ipc_lock():
-        why = "unlimited" if soft == resource.RLIM_INFINITY else "CAP_IPC_LOCK (not limited)"
-        return Check("locked memory", True, f"{_fmt(need)} per rank to lock; limit {why}", level="warning")
-    return Check("locked memory", need <= soft, f"{_fmt(need)} per rank of staging buffers to lock; "
-                 f"RLIMIT_MEMLOCK is {_fmt(soft)}",
-                 "raise the limit: `ulimit -l unlimited` in the launching shell (Docker: --ulimit memlock=-1; "
-                 "systemd: LimitMEMLOCK=infinity; /etc/security/limits.conf: `* - memlock unlimited`). "
-                 "Unlocked buffers work, with direct I/O up to ~2x slower", level="warning")
-
-
-def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, local_world_size: int, cuda: bool,
-              ram_per_rank: int = 0, device_per_rank: int = 0, read_ahead: int = 0) -> list[Check]:
-    """The checks `infinity estimate` prints and `initialize` should refuse to start without (see `require`)."""
-    checks = [Check("placement fits the budgets", plan is not None, "yes" if plan else (plan_error or "no plan"),
-                    "see above: change [placement] or [memory] as it says")]
-    if plan is None:
-        return checks
-    ram = ram_per_rank or sum(plan.state_bytes()[Tier.HOST].values()) + plan.working.get(Tier.HOST, 0) + (
-        0 if cuda else sum(plan.state_bytes()[Tier.DEVICE].values()) + plan.working.get(Tier.DEVICE, 0))
-    available = psutil.virtual_memory().available
-    checks.append(Check("free RAM", ram * local_world_size <= available,
-                        f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available",
-                        "move state to NVMe (placement.optimizer / grads / params = \"nvme\", or policy = \"auto\" "
-                        "with a smaller memory.host_budget), run fewer ranks per node, or lower the batch size"))
-    if cuda:
-        free, _total = torch.cuda.mem_get_info()
-        checks.append(Check("free GPU memory", device_per_rank <= free,
-                            f"{_fmt(device_per_rank)} per rank, {_fmt(free)} free",
-                            "move state off the GPU (placement.* = \"host\" / \"nvme\", or policy = \"auto\"), "
-                            "lower prefetch.units_ahead, or lower the batch size"))
-    nvme_bytes = sum(plan.state_bytes()[Tier.NVME].values())
-    if plan.uses(Tier.NVME):
-        disk, _ = check_disks(list(config.nvme.paths), nvme_bytes=nvme_bytes, local_world_size=local_world_size)
-        checks += disk
-        checks.append(check_locked_memory(_host_staging(plan, read_ahead, fresh_budget(plan, config.prefetch)),
-                                          local_world_size))
-    return checks
-
-
-def require(checks: list[Check]) -> None:
-    """Raise PreflightError listing every failed error-level check and its fix (for `initialize`)."""
-    failed = [c for c in checks if not c.ok and c.level == "error"]
-    if failed:
-        raise PreflightError("the run cannot start:\n" + "\n".join(c.line() for c in failed))
-
-
 # ---------------------------------------------------------------- text
 
 
 def _fmt(n: float) -> str:
-    return format_size(int(n), exact=False)
+    return format_size(n, exact=False)
 
 
 def format_estimate(est: Estimate, *, explain: bool = False) -> str:

@@ -88,7 +88,8 @@ def write_safetensors(path: str, manifest: dict, out: str, dtype: torch.dtype | 
     entries = _entries(path, manifest, dtype)
     header, pos = {}, 0
     for e in entries:
-        header[e.key] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.num_bytes]}
+        header[e.key] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [pos, pos + e.num_bytes]}
         pos += e.num_bytes
     header["__metadata__"] = {"format": "pt", "source": "infinity", "checkpoint": os.path.basename(path)}
     blob = json.dumps(header, separators=(",", ":")).encode()

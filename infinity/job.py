@@ -23,59 +23,51 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import (
-    _SECTIONS,
-    Config,
-    ConfigError,
-    _did_you_mean,
-    _option,
-    _parse_override,
-    _Section,
-    _show,
-)
+from .config import SECTIONS, Config
 from .data import VOCAB_SIZE, DataConfig
+from .options import ConfigError, Section, did_you_mean, option, parse_override, render_default, show, type_name
 
 # ---------------------------------------------------------------- job config
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunConfig(_Section):
+class RunConfig(Section):
     """The training run of `infinity train`: length, batch, run directory, reporting."""
 
     SECTION: ClassVar[str] = "run"
 
-    steps: int = _option(300, "Optimizer steps to train.", "int", ge=1)
-    batch_size: int = _option(16, "Sequences per micro-batch over all ranks (each rank takes batch_size / "
+    steps: int = option(300, "Optimizer steps to train.", "int", ge=1)
+    batch_size: int = option(16, "Sequences per micro-batch over all ranks (each rank takes batch_size / "
                               "world size).", "int", ge=1)
-    dir: str = _option("runs", "Directory that holds run directories.", "str")
-    name: str = _option("auto", 'Name of this run\'s directory under run.dir; "auto" = the start time '
+    dir: str = option("runs", "Directory that holds run directories.", "str")
+    name: str = option("auto", 'Name of this run\'s directory under run.dir; "auto" = the start time '
                         "(YYYYmmdd-HHMMSS).", "str")
-    eval_every: int = _option(100, "Steps between validation losses (0 = only at the end).", "int", ge=0)
-    eval_batches: int = _option(4, "Batches per validation loss.", "int", ge=1)
-    log_every: int = _option(10, "Steps between progress lines when the output is not a terminal.", "int", ge=1)
-    checkpoint: bool = _option(True, "Save a final checkpoint into the run directory (when the engine "
+    eval_every: int = option(100, "Steps between validation losses (0 = only at the end).", "int", ge=0)
+    eval_batches: int = option(4, "Batches per validation loss.", "int", ge=1)
+    log_every: int = option(10, "Steps between progress lines when the output is not a terminal.", "int", ge=1)
+    checkpoint: bool = option(True, "Save a final checkpoint into the run directory (when the engine "
                                "supports checkpoints).", "bool")
-    checkpoint_every: int = _option(0, "Steps between checkpoints saved into checkpoints/step-<N> of the run "
+    checkpoint_every: int = option(0, "Steps between checkpoints saved into checkpoints/step-<N> of the run "
                                     "directory, for `infinity train --resume` after a crash (0 = only the final "
                                     "one; [checkpoint] keep_last limits how many stay).", "int", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The model `infinity train` builds (on the meta device; nothing is downloaded)."""
 
     SECTION: ClassVar[str] = "model"
 
-    kind: str = _option("gpt", '"gpt": infinity.models.GPT; "gpt2" / "llama": the Hugging Face transformers '
+    kind: str = option("gpt", '"gpt": infinity.models.GPT; "gpt2" / "llama": the Hugging Face transformers '
                         "model built from a config (pip install transformers).", "enum",
                         choices=("gpt", "gpt2", "llama"))
-    n_layer: int = _option(4, "Transformer blocks (one unit each).", "int", ge=1)
-    d_model: int = _option(128, "Hidden size.", "int", ge=8)
-    n_head: int = _option(4, "Attention heads (must divide d_model).", "int", ge=1)
-    n_kv_head: int = _option(0, "Key/value heads of llama (grouped-query attention); 0 = n_head.", "int", ge=0)
-    ffn_dim: int = _option(0, "MLP hidden size; 0 = 4 * d_model (gpt, gpt2) or the llama default.", "int", ge=0)
-    seq_len: int = _option(128, "Tokens (bytes) per training sequence.", "int", ge=2)
-    vocab_size: int = _option(VOCAB_SIZE, "Vocabulary size; the data is bytes, so at least 256.", "int",
+    n_layer: int = option(4, "Transformer blocks (one unit each).", "int", ge=1)
+    d_model: int = option(128, "Hidden size.", "int", ge=8)
+    n_head: int = option(4, "Attention heads (must divide d_model).", "int", ge=1)
+    n_kv_head: int = option(0, "Key/value heads of llama (grouped-query attention); 0 = n_head.", "int", ge=0)
+    ffn_dim: int = option(0, "MLP hidden size; 0 = 4 * d_model (gpt, gpt2) or the llama default.", "int", ge=0)
+    seq_len: int = option(128, "Tokens (bytes) per training sequence.", "int", ge=2)
+    vocab_size: int = option(VOCAB_SIZE, "Vocabulary size; the data is bytes, so at least 256.", "int",
                               ge=VOCAB_SIZE)
 
     def _check(self) -> None:
@@ -90,7 +82,7 @@ class ModelConfig(_Section):
                               f'remove it or set model.kind = "llama"')
 
 
-JOB_SECTIONS: dict[str, type[_Section]] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig}
+JOB_SECTIONS: dict[str, type[Section]] = {"run": RunConfig, "model": ModelConfig, "data": DataConfig}
 
 # The engine config of `infinity train` where it differs from Config(): state on NVMe, AdamW + cosine.
 TRAIN_DEFAULTS = {
@@ -112,7 +104,8 @@ class Job:
 
     def engine_config(self, run_dir: str) -> Config:
         """The engine Config: user keys over TRAIN_DEFAULTS over Config(). Unless set, swap files go to
-        <run_dir>/swap and the profile (spans, overlap summary, chart) to <run_dir>/profile."""
+        <run_dir>/swap, the profile (spans, overlap summary, chart) to <run_dir>/profile, and the checkpoints
+        (for preflight's space check: checkpoint.dir) to <run_dir>."""
         user = self.engine_keys
         merged = {s: dict(v) for s, v in TRAIN_DEFAULTS.items()}
         if user.get("placement", {}).get("policy") == "auto":
@@ -127,6 +120,8 @@ class Job:
             opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))
         merged.setdefault("nvme", {}).setdefault("paths", [os.path.join(run_dir, "swap")])
         merged["profile"].setdefault("trace_dir", os.path.join(run_dir, "profile"))
+        if self.run.checkpoint:  # preflight counts keep_last + 1 checkpoints on the run directory's disk
+            merged.setdefault("checkpoint", {}).setdefault("dir", run_dir)
         return Config.from_dict(merged)
 
 
@@ -144,11 +139,11 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
     for section, table in data.items():
         _check_section(section)
         if not isinstance(table, dict):
-            raise ConfigError(f"[{section}] = {_show(table)}: a section must be a table, e.g. [{section}] on its "
+            raise ConfigError(f"[{section}] = {show(table)}: a section must be a table, e.g. [{section}] on its "
                               f"own line followed by key = value lines")
         tables[section] = dict(table)
     for item in overrides:
-        section, key, value = _parse_override(item)
+        section, key, value = parse_override(item)
         _check_section(section)
         tables.setdefault(section, {})[key] = value
     job_parts = {}
@@ -157,7 +152,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
         for key in table:
             if key not in {f.name for f in dataclasses.fields(cls)}:
                 valid = [f.name for f in dataclasses.fields(cls)]
-                raise ConfigError(f"unknown key {name}.{key}{_did_you_mean(key, valid)}; valid keys of [{name}]: "
+                raise ConfigError(f"unknown key {name}.{key}{did_you_mean(key, valid)}; valid keys of [{name}]: "
                                   f"{', '.join(valid)}")
         job_parts[name] = cls(**table)
     job = Job(engine_keys=tables, **job_parts)
@@ -166,9 +161,9 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
 
 
 def _check_section(section: str) -> None:
-    valid = list(_SECTIONS) + list(JOB_SECTIONS)
+    valid = list(SECTIONS) + list(JOB_SECTIONS)
     if section not in valid:
-        raise ConfigError(f"unknown section [{section}]{_did_you_mean(section, valid)}; valid sections: "
+        raise ConfigError(f"unknown section [{section}]{did_you_mean(section, valid)}; valid sections: "
                           f"{', '.join(valid)}")
 
 
@@ -176,16 +171,15 @@ def job_defaults_text() -> str:
     """The job's own sections at their defaults, commented (appended to `infinity config --defaults`)."""
     import textwrap
 
-    from .config import _render_default, _type_name
     lines = ["# infinity train: the job's own sections (engine keys above; the job's defaults for them:",
              f"# {json.dumps(TRAIN_DEFAULTS)}, plus {json.dumps(DECAY_DEFAULTS)} with warmup min(20, steps/10)",
              "# and nvme.paths = [<run directory>/swap], profile.trace_dir = <run directory>/profile).", ""]
     for section, cls in JOB_SECTIONS.items():
         lines += [f"# {cls.__doc__}", f"[{section}]"]
         for f in dataclasses.fields(cls):
-            lines += textwrap.wrap(f"{f.metadata['help']} ({_type_name(f.metadata)})", width=88,
+            lines += textwrap.wrap(f"{f.metadata['help']} ({type_name(f.metadata)})", width=88,
                                    initial_indent="# ", subsequent_indent="# ")
-            lines.append(f"{f.name} = {_show(_render_default(f.default, f.metadata))}")
+            lines.append(f"{f.name} = {show(render_default(f.default, f.metadata))}")
         lines.append("")
     return "\n".join(lines)
 
@@ -196,7 +190,7 @@ def to_toml(config: Config, job: Job) -> str:
     tables = {**config.to_dict(), **{name: getattr(job, name).to_dict() for name in JOB_SECTIONS}}
     for section, table in tables.items():
         lines.append(f"[{section}]")
-        lines += [f"{key} = {_show(value)}" for key, value in table.items()]
+        lines += [f"{key} = {show(value)}" for key, value in table.items()]
         lines.append("")
     return "\n".join(lines)
 

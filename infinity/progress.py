@@ -47,7 +47,9 @@ class Progress:
 
 def _clock(seconds: float) -> str:
     seconds = int(seconds)
-    return f"{seconds // 60}:{seconds % 60:02d}" if seconds < 3600 else f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    if seconds < 3600:
+        return f"{seconds // 60}:{seconds % 60:02d}"
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def overlap_efficiency(engine) -> float | None:

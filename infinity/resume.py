@@ -23,8 +23,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Config, ConfigError, _parse_override, _show
+from .config import Config
 from .job import Job, load_job
+from .options import ConfigError, parse_override, show
 from .run_dir import write_atomic
 
 FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)
@@ -127,7 +128,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
                           f"(step {position['step']}), e.g. {newer[-1]}: resuming from it would overwrite them. "
                           f"Resume from the latest (--resume {run_dir}), or move the newer ones away first")
     for item in overrides:
-        section, key, _ = _parse_override(item)
+        section, key, _ = parse_override(item)
         if section == "run" and key in ("dir", "name"):
             raise ConfigError(f"--set {item}: a resumed run continues in its own directory {run_dir}; drop it (to "
                               f"branch into a new run, copy the run directory and resume the copy)")
@@ -137,13 +138,13 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
     saved_model, saved_batches = position.get("model", {}), position.get("batches", {})
     for key, value in job.model.to_dict().items():
         if key in saved_model and saved_model[key] != value:
-            raise ConfigError(f"--resume {path}: model.{key} = {_show(value)}, but the checkpoint was trained with "
-                              f"model.{key} = {_show(saved_model[key])}: resume with the run's model (drop the "
+            raise ConfigError(f"--resume {path}: model.{key} = {show(value)}, but the checkpoint was trained with "
+                              f"model.{key} = {show(saved_model[key])}: resume with the run's model (drop the "
                               f"--set or --config that changes it)")
     for key, value in _batch_keys(job, config).items():
         if key in saved_batches and saved_batches[key] != value:
-            raise ConfigError(f"--resume {path}: {key} = {_show(value)}, but the run trained with {key} = "
-                              f"{_show(saved_batches[key])}, so the batches after the checkpoint would differ from "
+            raise ConfigError(f"--resume {path}: {key} = {show(value)}, but the run trained with {key} = "
+                              f"{show(saved_batches[key])}, so the batches after the checkpoint would differ from "
                               f"the run's: resume with the run's value (drop the --set or --config that changes it)")
     if job.run.steps <= position["step"]:
         raise ConfigError(f"--resume {path}: the checkpoint is at step {position['step']} and run.steps = "
@@ -154,7 +155,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
 
 
 def _relocate(job: Job, run_dir: Path) -> Job:
-    """Drop the swap and profile paths config.toml resolved for the run directory (they may be relative to
+    """Drop the swap, profile and checkpoint paths config.toml resolved for the run directory (they may be relative to
     another working directory): the engine config then derives them from `run_dir` again."""
     written_for = os.path.join(job.run.dir, run_dir.name)  # the run directory's path when config.toml was written
     keys = {section: dict(table) for section, table in job.engine_keys.items()}
@@ -162,6 +163,8 @@ def _relocate(job: Job, run_dir: Path) -> Job:
         del keys["nvme"]["paths"]
     if keys.get("profile", {}).get("trace_dir") == os.path.join(written_for, "profile"):
         del keys["profile"]["trace_dir"]
+    if keys.get("checkpoint", {}).get("dir") == written_for:
+        del keys["checkpoint"]["dir"]
     return dataclasses.replace(job, engine_keys=keys)
 
 

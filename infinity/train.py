@@ -1,6 +1,6 @@
 """The training job behind `infinity train`: run directory, loop, report.
 
-    infinity train                                   # the built-in default: a small byte-level GPT on infinity/corpus/kjv.txt.gz
+    infinity train                                   # the default: a small byte-level GPT on the shipped corpus
     infinity train --config run.toml --set run.steps=500 --set model.kind=llama
     infinity train --resume runs/<name> --set run.steps=1000   # continue a run from its latest checkpoint
     torchrun --nproc-per-node 2 -m infinity train    # or: torchrun --nproc-per-node 2 $(which infinity) train
@@ -47,16 +47,34 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import count_as_written
 from .config import Config, ConfigError
 from .data import Batches
-from .checkpoint import count_as_written
 from .job import (  # noqa: F401 - re-exported: infinity.train is where users and tests find the job
-    DECAY_DEFAULTS, JOB_SECTIONS, TRAIN_DEFAULTS, Job, ModelBundle, ModelConfig, RunConfig, build_model,
-    job_defaults_text, load_job, to_toml)
+    DECAY_DEFAULTS,
+    JOB_SECTIONS,
+    TRAIN_DEFAULTS,
+    Job,
+    ModelBundle,
+    ModelConfig,
+    RunConfig,
+    build_model,
+    job_defaults_text,
+    load_job,
+    to_toml,
+)
 from .optim.schedule import lr_at
 from .progress import Progress, overlap_efficiency, peak_rss_bytes
-from .resume import (FINAL_CHECKPOINT, PERIODIC_CHECKPOINTS, Resume, earlier_losses, run_checkpoints,
-                     stopped_summary, train_position, trim_metrics)
+from .resume import (
+    FINAL_CHECKPOINT,
+    PERIODIC_CHECKPOINTS,
+    Resume,
+    earlier_losses,
+    run_checkpoints,
+    stopped_summary,
+    train_position,
+    trim_metrics,
+)
 from .run_dir import RunDir, write_atomic, write_json
 
 # ---------------------------------------------------------------- processes
@@ -170,14 +188,10 @@ def _open_run_dir(job: Job, resume: Resume | None, rank: int, world: int) -> Run
 
 
 def _make_dirs(config: Config, run_dir: Path) -> None:
-    for path in config.nvme.paths:
-        try:
-            os.makedirs(path, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"nvme.paths entry {path}: cannot create the directory ({e.strerror}); give a "
-                              f"directory path (on a fast disk) that can be created or exists") from None
-        if Path(path) == run_dir / "swap":
-            os.chmod(path, 0o700)  # the swap files hold the model's state: private to the job's user
+    from .preflight import prepare_nvme_paths
+    prepare_nvme_paths(list(config.nvme.paths))  # a path that is a file: exit 2 naming it (Note [nvme paths])
+    if (run_dir / "swap").is_dir() and str(run_dir / "swap") in config.nvme.paths:
+        os.chmod(run_dir / "swap", 0o700)  # the swap files hold the model's state: private to the job's user
 
 
 def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) -> Result:
@@ -274,10 +288,10 @@ def _placement_text(engine) -> str:
 
 def _measure_links(config: Config, world: int) -> None:
     """The auto policy plans with this machine's link rates: measure them once (local rank 0), then cached."""
-    from .memory import cost_model
+    from .link_rates import link_rates
     if config.placement.policy == "auto" and config.nvme.paths:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            cost_model.link_rates(config.nvme.paths[0], io_config=config.io)
+            link_rates(config.nvme.paths[0], io_config=config.io)
         _barrier(world)
 
 
@@ -383,7 +397,7 @@ def _save_final(job: Job, config: Config, engine, run_dir: Path, result: Result,
     if replace and rank == 0:
         old = run_dir / f"{FINAL_CHECKPOINT}.old-{result.steps:08d}"
         shutil.rmtree(old, ignore_errors=True)
-        if final.exists():  # (keep_last may have removed it already: Note [a resumed run keeps its checkpoints in bounds])
+        if final.exists():  # keep_last may have removed it (Note [a resumed run keeps its checkpoints in bounds])
             os.rename(final, old)
         os.rename(target, final)
         for stale in run_dir.iterdir():  # this one and any a crashed replacement left

@@ -106,7 +106,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32, alignment: int
     return raw.view(dtype)
 
 
-def _size_class(nbytes: int, alignment: int) -> int:
+def size_class(nbytes: int, alignment: int) -> int:
     """Smallest class >= nbytes: powers of two split in quarter steps (<= 25% waste)."""
     n = max(nbytes, alignment)
     top = 1 << (n - 1).bit_length()
@@ -150,16 +150,16 @@ class AlignedBufferPool:
         if self._closed:
             raise RuntimeError("AlignedBufferPool.get() after close(): create a new pool")
         nbytes = numel * dtype.itemsize
-        size_class = _size_class(nbytes, self.alignment)
+        cls = size_class(nbytes, self.alignment)
         with self._guard:
-            free = self._free.get(size_class)
+            free = self._free.get(cls)
             buf = free.pop() if free else None
         if buf is None:
-            buf = aligned_empty(size_class, torch.uint8, self.alignment, self.pin, self.lock)
+            buf = aligned_empty(cls, torch.uint8, self.alignment, self.pin, self.lock)
             with self._guard:
-                self._bytes_allocated += size_class
+                self._bytes_allocated += cls
         with self._guard:
-            self._in_use[buf.data_ptr()] = (size_class, buf)
+            self._in_use[buf.data_ptr()] = (cls, buf)
         return buf[:nbytes].view(dtype)
 
     def put(self, tensor: torch.Tensor) -> None:

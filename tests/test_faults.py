@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import infinity
-from io_engine import ChecksumError
 from infinity.memory.tier import Kind
+from io_engine import ChecksumError
 from reference import Recipe
 
 NVME = {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}
