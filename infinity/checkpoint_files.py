@@ -16,15 +16,13 @@ import zlib
 
 import torch
 
+from io_engine import fsync_file
+
 MANIFEST = "manifest.json"
 
 
 def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the bytes (or the directory entry) must be durable before the commit
-    finally:
-        os.close(fd)
+    fsync_file(path)  # the bytes (or the directory entry) must be durable before the commit
 
 
 class CheckpointError(RuntimeError):

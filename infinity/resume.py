@@ -23,10 +23,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from io_engine import atomic_write
+
 from .config import Config
 from .job import Job, load_job
 from .options import ConfigError, parse_override, show
-from .run_dir import write_atomic
 
 FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)
 PERIODIC_CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step-<N>: every run.checkpoint_every steps
@@ -184,7 +185,7 @@ def trim_metrics(path: Path, last_step: int) -> int:
     lines = _metrics_records(path)
     kept = [line for line, record in lines if record is not None and record.get("step", 0) <= last_step]
     if len(kept) != len(lines):
-        write_atomic(path, "".join(line + "\n" for line in kept))
+        atomic_write(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
 
 

@@ -24,6 +24,8 @@ import shutil
 import time
 from pathlib import Path
 
+from io_engine import atomic_write
+
 from .config import ConfigError
 
 LOCK = ".lock"  # <run>/.lock: the flock of the job using the run directory
@@ -39,26 +41,22 @@ def _json_default(value):
 
 
 def write_json(path: Path, data) -> None:
-    write_atomic(path, json.dumps(data, indent=1, default=_json_default) + "\n")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and a rename: a reader sees the old contents or the new, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """`data` as JSON, written whole or not at all (io_engine.atomic_write, Note [atomic write])."""
+    atomic_write(path, json.dumps(data, indent=1, default=_json_default) + "\n")
 
 
 class RunDir:
     """The run directory of this job, locked (rank 0) while the job uses it (Note [run directory lock])."""
 
-    def __init__(self, path: Path, created: bool, fd: int | None):
+    def __init__(self, path: Path, created: bool, fd: int | None, made_parent: bool = False):
         self.path, self.created, self._fd = path, created, fd
+        self.made_parent = made_parent  # run.dir did not exist either: a failed start removes it too
 
     @classmethod
     def new(cls, parent: str, name: str) -> "RunDir":
         """A new run's directory: `name` under `parent` ("auto": the start time, with -2, -3, ... when another
         job took that name in the same second). Refused when it holds a run or another job uses it."""
+        made_parent = not os.path.isdir(parent)
         os.makedirs(parent, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         for attempt in range(1, 1000):
@@ -70,7 +68,7 @@ class RunDir:
                 if name == "auto":
                     continue
                 created = False
-            run = cls(path, created, _lock(path))
+            run = cls(path, created, _lock(path), made_parent=made_parent)
             if not created and any(p.name not in (LOCK, SWAP) for p in path.iterdir()):
                 run.release()
                 raise ConfigError(f"run directory {path} already holds a run: choose another run.name, leave "
@@ -92,6 +90,11 @@ class RunDir:
         """Note [failed start]: remove what this job wrote into a directory it created."""
         if self.created:
             shutil.rmtree(self.path, ignore_errors=True)
+            if self.made_parent:
+                try:
+                    os.rmdir(self.path.parent)  # only if empty: another job may have started beside us
+                except OSError:
+                    pass
         self.release()
 
     def release(self) -> None:

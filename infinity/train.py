@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from io_engine import atomic_write
+
 from .checkpoint import count_as_written
 from .config import Config, ConfigError
 from .data import Batches
@@ -75,7 +77,7 @@ from .resume import (
     train_position,
     trim_metrics,
 )
-from .run_dir import RunDir, write_atomic, write_json
+from .run_dir import RunDir, write_json
 
 # ---------------------------------------------------------------- processes
 
@@ -209,7 +211,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0, first_step=start)
         earlier: list[float] = []
         if rank == 0 and resume is None:
-            write_atomic(run_dir / "config.toml", to_toml(config, job))
+            atomic_write(run_dir / "config.toml", to_toml(config, job))
         _measure_links(config, world)
         bundle = build_model(job.model)
         engine = infinity.initialize(bundle.model, config, init_fn=bundle.init_fn)
@@ -219,7 +221,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             count_as_written(engine, [str(p) for step, p in run_checkpoints(run_dir) if step <= start],
                              engine.optimizer_steps)  # the run's periodic and final ones: keep_last goes on
             if rank == 0:  # only now: a resume that fails to start leaves the run's files as they were
-                write_atomic(run_dir / "config.toml", to_toml(config, job))
+                atomic_write(run_dir / "config.toml", to_toml(config, job))
                 dropped = trim_metrics(run_dir / "metrics.jsonl", start)  # steps after the checkpoint: trained again
                 if dropped:
                     say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")
@@ -242,9 +244,13 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         if rank == 0 and result.status != "starting":
             summary = stopped_summary(run_dir, "aborted" if isinstance(e, KeyboardInterrupt) else "failed",
                                       result.steps, e)
-            write_json(run_dir / "summary.json", summary)
+            try:
+                write_json(run_dir / "summary.json", summary)
+                where = run_dir / "summary.json"
+            except OSError as write_error:  # e.g. the disk is full: the message below is all there is
+                where = f"summary.json not written: {write_error.strerror}"
             print(f"infinity train: {summary['status']} after {result.steps} steps: {summary['what_to_do']} "
-                  f"({run_dir / 'summary.json'})", file=sys.stderr, flush=True)
+                  f"({where})", file=sys.stderr, flush=True)
         raise
     finally:
         try:
