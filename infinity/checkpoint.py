@@ -49,14 +49,14 @@ from io_engine import IOEngine
 
 from .checkpoint_files import (  # noqa: F401 - CheckpointError and apply_retention are used through this module
     CheckpointError,
-    _continue_run,
-    _file_crc,
-    _fsync_path,
-    _load_verified,
-    _restore_buffers,
-    _rng_state,
-    _save_buffers,
-    _set_rng_state,
+    continue_run,
+    file_crc,
+    fsync_path,
+    load_verified,
+    restore_buffers,
+    rng_state,
+    save_buffers,
+    set_rng_state,
     apply_retention,
     count_as_written,
     load_buffers,
@@ -185,11 +185,11 @@ class ShardWriter:
                     m.release(used)
         if not records:
             open(path, "wb").close()
-        _fsync_path(path)
+        fsync_path(path)
         index = {"rank": rank, "file": rank_file(rank), "records": [r.__dict__ for r in records]}
         _write_json(os.path.join(self.tmp_dir, rank_index(rank)), index)
-        torch.save(_rng_state(), os.path.join(self.tmp_dir, rank_rng(rank)))  # plain values (Note [safe loading])
-        _fsync_path(os.path.join(self.tmp_dir, rank_rng(rank)))
+        torch.save(rng_state(), os.path.join(self.tmp_dir, rank_rng(rank)))  # plain values (Note [safe loading])
+        fsync_path(os.path.join(self.tmp_dir, rank_rng(rank)))
 
 
 def _write_json(path: str, payload: dict) -> int:
@@ -242,13 +242,13 @@ class PendingCheckpoint:
             for r in range(engine.world_size):
                 with open(os.path.join(self.tmp_dir, rank_index(r)), "rb") as f:
                     ranks.append({"file": rank_file(r), "index": rank_index(r), "index_crc32": zlib.crc32(f.read()),
-                                  "rng": rank_rng(r), "rng_crc32": _file_crc(os.path.join(self.tmp_dir, rank_rng(r)))})
+                                  "rng": rank_rng(r), "rng_crc32": file_crc(os.path.join(self.tmp_dir, rank_rng(r)))})
             self.manifest["ranks"] = ranks
             if self.manifest.get("buffers"):
-                self.manifest["buffers_crc32"] = _file_crc(os.path.join(self.tmp_dir, BUFFERS))
+                self.manifest["buffers_crc32"] = file_crc(os.path.join(self.tmp_dir, BUFFERS))
             try:
                 _write_json(os.path.join(self.tmp_dir, MANIFEST), self.manifest)
-                _fsync_path(self.tmp_dir)
+                fsync_path(self.tmp_dir)
                 os.rename(self.tmp_dir, self.path)  # the checkpoint appears whole, or not at all
             except OSError as e:  # e.g. the disk filled up for the manifest: the partial goes, nothing is visible
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
@@ -256,7 +256,7 @@ class PendingCheckpoint:
                 raise CheckpointError(f"checkpoint {self.path} was not saved: writing its manifest failed ({e}). "
                                       f"Nothing was made visible and no earlier checkpoint was touched; free space "
                                       f"in {os.path.dirname(self.path)}") from e
-            _fsync_path(os.path.dirname(os.path.abspath(self.path)))
+            fsync_path(os.path.dirname(os.path.abspath(self.path)))
             os.remove(os.path.join(self.path, PARTIAL_MARKER))  # after the rename: a dying save stays marked stale
             self._release()
         _barrier(group)
@@ -311,7 +311,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
             f"({need - free} bytes missing); free space or save elsewhere")
     if engine.rank == 0 and writer.error is None:
         try:
-            _save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
+            save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
         except OSError as e:  # reported by commit(), which removes the partial
             writer.error = e
     if writer.error is None:
@@ -399,7 +399,7 @@ def check_layout(manifest: dict, units, path: str) -> None:
                           + ". Load it into the model (and [units] config) it was saved from")
 
 
-class _SavedShards:
+class SavedShards:
     """Random access to the saved records of one (unit, kind), verified, one record cached."""
 
     def __init__(self, path: str, manifest: dict, io: IOEngine):
@@ -457,12 +457,12 @@ def load(engine, path: str) -> dict:
     m = engine.manager
     saved_world = manifest["world_size"]
     entry = manifest["ranks"][engine.rank if engine.rank < saved_world else 0]
-    rng = _load_verified(os.path.join(path, entry["rng"]), entry.get("rng_crc32"), "RNG states")
+    rng = load_verified(os.path.join(path, entry["rng"]), entry.get("rng_crc32"), "RNG states")
     buffers = load_buffers(path, manifest)  # both verified before any state changes
     cpu = torch.device("cpu")
     cfg = engine.config.io
     with IOEngine(cfg.engine_config(checksum="off")) as io:
-        shards = _SavedShards(path, manifest, io)
+        shards = SavedShards(path, manifest, io)
         for unit, layout in zip(engine.units, manifest["units"]):
             saved_padded = -(-layout["flat_numel"] // saved_world) * saved_world if layout["flat_numel"] else 0
             saved_shard = saved_padded // saved_world
@@ -488,11 +488,11 @@ def load(engine, path: str) -> dict:
     engine.scaler.scale, engine.scaler._clean_steps = scale["scale"], scale["clean_steps"]
     engine.scaler.skipped_steps = scale["skipped_steps"]
     try:
-        _set_rng_state(rng)
+        set_rng_state(rng)
     except (TypeError, KeyError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"{path}/{entry['rng']} does not hold RNG states ({type(e).__name__}: {e}): the "
                               f"checkpoint is damaged; use another one") from None
-    _restore_buffers(engine.module, buffers, path)
-    _continue_run(engine, path, manifest)
+    restore_buffers(engine.module, buffers, path)
+    continue_run(engine, path, manifest)
     return manifest["user_state"]
 

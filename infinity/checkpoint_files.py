@@ -21,7 +21,7 @@ from io_engine import fsync_file
 MANIFEST = "manifest.json"
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
     fsync_file(path)  # the bytes (or the directory entry) must be durable before the commit
 
 
@@ -30,12 +30,12 @@ class CheckpointError(RuntimeError):
 
 
 
-def _file_crc(path: str) -> int:
+def file_crc(path: str) -> int:
     with open(path, "rb") as f:
         return zlib.crc32(f.read())
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
     """The RNG states as tensors and plain values, so that `torch.load(weights_only=True)` reads them."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -49,7 +49,7 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -60,10 +60,10 @@ def _set_rng_state(state: dict) -> None:
         np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def _load_verified(path: str, crc: int | None, what: str):
+def load_verified(path: str, crc: int | None, what: str):
     """torch.load of a checkpoint file with weights_only=True, after checking its crc32 (Note [safe loading])."""
     try:
-        if crc is not None and _file_crc(path) != crc:
+        if crc is not None and file_crc(path) != crc:
             raise CheckpointError(f"{path} does not match its checksum in the manifest: the checkpoint's {what} "
                                   f"were changed or damaged and were not loaded; use another checkpoint")
         return torch.load(path, weights_only=True, map_location="cpu")
@@ -79,14 +79,14 @@ def load_buffers(path: str, manifest: dict) -> dict:
     """The persistent buffers saved with the checkpoint at `path` (verified; {} when it has none)."""
     if not manifest.get("buffers"):
         return {}
-    state = _load_verified(os.path.join(path, manifest["buffers"]), manifest.get("buffers_crc32"), "buffers")
+    state = load_verified(os.path.join(path, manifest["buffers"]), manifest.get("buffers_crc32"), "buffers")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(f"{path}/{manifest['buffers']} holds no buffer tensors: the checkpoint is damaged; "
                               f"use another one")
     return state
 
 
-def _restore_buffers(module, saved: dict, path: str) -> None:
+def restore_buffers(module, saved: dict, path: str) -> None:
     """Copy the saved persistent buffers into the module's own (they are not sharded: Note [what is saved])."""
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
@@ -105,9 +105,9 @@ def persistent_buffers(module) -> dict:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict(keep_vars=True).items() if k not in params}
 
 
-def _save_buffers(module, path: str) -> None:
+def save_buffers(module, path: str) -> None:
     torch.save(persistent_buffers(module), path)
-    _fsync_path(path)
+    fsync_path(path)
 
 
 def apply_retention(saved: list[str], keep_last: int, run_id: str) -> list[str]:
@@ -127,7 +127,7 @@ def apply_retention(saved: list[str], keep_last: int, run_id: str) -> list[str]:
     return saved
 
 
-def _continue_run(engine, path: str, manifest: dict) -> None:
+def continue_run(engine, path: str, manifest: dict) -> None:
     """Note [a resumed run keeps its checkpoints in bounds]: the engine that loads a checkpoint continues
     the run that wrote it: it takes that run's id, and `keep_last` counts the run's checkpoints next to
     the loaded one (up to its step) as already written. Otherwise each restart would start a new count,

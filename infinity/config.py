@@ -464,15 +464,3 @@ class Config:
                 lines.append(f"{f.name} = {show(render_default(f.default, f.metadata))}")
             lines.append("")
         return "\n".join(lines)
-
-
-# Note [private aliases]: train.py, data.py and resume.py imported these under their old private names;
-# they stay until those modules import the public names (options.py / SECTIONS), then go.
-_SECTIONS = SECTIONS
-_Section = Section
-_option = option
-_show = show
-_did_you_mean = did_you_mean
-_parse_override = parse_override
-_render_default = render_default
-_type_name = type_name

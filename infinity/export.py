@@ -26,7 +26,7 @@ import torch
 
 from io_engine import IOConfig, IOEngine
 
-from .checkpoint import CheckpointError, _SavedShards, load_buffers, read_manifest
+from .checkpoint import CheckpointError, SavedShards, load_buffers, read_manifest
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -70,7 +70,7 @@ def _tensors(path: str, manifest: dict, entries: list[_Entry]) -> Iterator[tuple
     """Yield each entry's full tensor, one at a time (records read and verified on the way)."""
     world = manifest["world_size"]
     with IOEngine(IOConfig(block_size=1 << 20, queue_depth=8, threads=4, direct=True, checksum="off")) as io:
-        shards = _SavedShards(path, manifest, io)
+        shards = SavedShards(path, manifest, io)
         for entry in entries:
             if entry.buffer is not None:
                 yield entry, entry.buffer

@@ -30,3 +30,18 @@ def test_every_note_is_indexed():
     notes = {" ".join(name.split()) for p in _sources() for name in NOTE.findall(p.read_text())}
     missing = sorted(n for n in notes if f"[{n}]" not in index)
     assert not missing, f"docs/architecture.md's Note index lacks: {missing}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    """Layer rule 5 (docs/architecture.md): a name with a leading underscore is its module's own."""
+    import ast
+    offenders = []
+    for path in _sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.module == "__future__":
+                continue
+            ours = node.level > 0 or (node.module or "").split(".")[0] in ("infinity", "io_engine")
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if ours and private:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module} {private}")
+    assert not offenders, f"imports of another module's private names: {offenders}"
