@@ -198,7 +198,7 @@ class SwapIOConfig(Section):
                               ge=4096, example="1MiB")
     queue_depth: int = option(16, "Block requests in flight at once (over all I/O threads).", "int", ge=1)
     threads: int = option(8, "I/O worker threads: with backend \"threads\" they carry every block (8 at queue depth 16 "
-                           "measured best here: benchmarks/RESULTS.md); with \"aio\" only unaligned heads and tails.",
+                           "measured best: benchmarks/history/io-engine-vs-fio.md); with \"aio\" only unaligned heads and tails.",
                            "int", ge=1)
     backend: str = option("auto", "How blocks reach the disk: \"aio\" = Linux kernel AIO, the whole queue depth on the "
                            "device at once, one thread reaping completions (faster beside compute: Note [kernel aio]); "
@@ -211,9 +211,9 @@ class SwapIOConfig(Section):
         "1/7 of the CPU: Note [sampled checksum]); \"off\".", "enum", choices=("full", "sampled", "off"))
     switch_interval_us: float = option(
         100.0, "Python's thread switch interval while an engine is open (sys.setswitchinterval), in "
-        "microseconds; 0 leaves it alone. I/O completions need the GIL: at Python's default 5000 a "
-        "Python-heavy forward cut 1 MiB writes from 1.9 to 0.5 GB/s here, and the out-of-core step took "
-        "4.5-4.7 s at 100 (also 50, 20) against 5.0-8.4 s at 500 (Note [switch interval]).",
+        "microseconds; 0 leaves it alone. I/O completions need the GIL, and at Python's default 5000 a "
+        "Python-heavy forward starves them (Note [switch interval]; measured: "
+        "benchmarks/history/from-notes.md).",
         "float", ge=0)
 
     def engine_config(self, **overrides: Any):

@@ -12,9 +12,8 @@ engine's queue depth), with and without --lockmem; the best is kept. --sweep tri
 sizes x queue depths x threads and prints the best as a TOML [io] snippet.
 
 Note [footprint]: fio moves every block through one buffer of iodepth x bs bytes; a tensor
-transfer touches `size` bytes of distinct memory. On the Firecracker VM this was tuned on
-that alone costs ~15% (measured with plain threads + pwritev: 3.8 vs 3.2 GB/s write), so
-the bench also reports the engine driven like fio (``io_engine_small_buffer``) to separate
+transfer touches `size` bytes of distinct memory, which costs throughput on some VMs
+(benchmarks/history/from-notes.md), so the bench also reports the engine driven like fio (``io_engine_small_buffer``) to separate
 engine overhead from memory footprint.
 """
 

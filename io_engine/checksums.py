@@ -1,11 +1,9 @@
 """Block checksums of io_engine: CRC-32C of every byte, or of a sample.
 
 Note [sampled checksum]: a CRC-32C of every byte is a pass over memory the disk just
-filled (about 80 us per cold 1 MiB block on one core here, 0.8 CPU-s for the 10 GB an
-out-of-core step of a 311M model moves): on a 2-vCPU machine that ran the step 18-24%
-slower than with no checksum (3 of 3 alternating pairs, benchmarks/RESULTS.md, twelfth
-pass). "sampled" checksums SAMPLE_PIECES pieces of SAMPLE_BYTES spread from a block's
-first byte to its last (64 KiB of 1 MiB, about 11 us): swap is per-run scratch, and
+filled, on cores the compute needs (its cost on a 2-vCPU machine:
+benchmarks/history/step-pass-12.md). "sampled" checksums SAMPLE_PIECES pieces of
+SAMPLE_BYTES spread from a block's first byte to its last (64 KiB of 1 MiB): swap is per-run scratch, and
 what goes wrong with it is a whole block misplaced (a wrong offset), stale (a lost
 write: the previous contents read back, and the optimizer changes every element every
 step) or cut short, which any piece catches; a flip outside the sample is left to the

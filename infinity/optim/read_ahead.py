@@ -14,18 +14,13 @@ forward.
 
 Note [reads before writes]: when the backward is shorter than the reads it has to hold
 (parameters plus the read-ahead), the read-ahead has not finished when the update starts,
-and the update read the rest itself, each task's reads between the previous tasks' writes.
-On the development VM's disk mixed reads and writes moved ~1.7 GB/s together against
-~2.4 GB/s of reads or ~3.2 GB/s of writes alone, and the late update started the next
-read-ahead late again: steps settled at ~6.1 s where unmixed ones took 4.1-4.6. So before
-an update steps its first unit the worker issues every chunk left in the read-ahead's
-order at once (`issue_rest`, within the budget): they queue ahead of the update's writes,
-the disk reads them, then writes. Caveat (eighth pass in benchmarks/RESULTS.md): fio found no
-mixing penalty on the same disk later (mixed / separate 0.88-1.01), and the ~6.3 s steps came
-back with `issue_rest` in place; their trace has the disk busy all step at 25-35% lower rates
-than in the fast steps, so the slow regime looks like the disk's, not the mixing. What this
-costs when the read-ahead is behind: the root unit's writes queue behind the rest (~1.5 GB
-there) and the next forward waits on that update, harmless while the disk is the bottleneck.
+and the update would read the rest itself, each task's reads between the previous tasks'
+writes. So before an update steps its first unit the worker issues every chunk left in
+the read-ahead's order at once (`issue_rest`, within the budget): they queue ahead of the
+update's writes, the disk reads them, then writes. Its premise, a penalty for mixing reads
+and writes, did not hold on the development disk later (benchmarks/history/from-notes.md).
+What this costs when the read-ahead is behind: the root unit's writes queue behind the
+rest and the next forward waits on that update, harmless while the disk is the bottleneck.
 
 Exactness: an entry remembers the manager's version of every chunk it read; an
 entry whose chunk was stored since (a checkpoint load, say) is discarded and read

@@ -6,9 +6,7 @@ every completion needs that thread scheduled again before the next block goes ou
 a 2-core machine whose cores run the training's compute, that wakeup waits for a core.
 Kernel AIO puts every block the engine hands over on the device at once (queue_depth
 of them, as fio's libaio engine does) and one reaper thread collects completions, many
-per wakeup. Measured here, 1 GiB O_DIRECT transfers interleaved (benchmarks/RESULTS.md,
-seventh pass): reads 3% faster alone and 9% faster beside a two-thread compute load
-than 8 preadv threads.
+per wakeup (measured: benchmarks/history/io-engine-vs-fio.md).
 
 Only the common case goes through AIO: a block whose file range and memory are aligned
 as O_DIRECT needs, on a file opened O_DIRECT. Everything else (unaligned heads and
