@@ -29,9 +29,9 @@ from .collectives import all_reduce_sum, broadcast_object
 from .config import Config
 from .environment import check_nvme_paths, resolve, resolve_budgets
 from .grad_reduce import GradReducer
-from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
+from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from .loss_scale import LossScaler
-from .materialize import materialize_units
+from .materialize import buffers_to, materialize_units
 from .memory.buffers import UnshardedMemory
 from .memory.fresh import fresh_budget
 from .memory.manager import TieredMemoryManager
@@ -76,6 +76,7 @@ class Engine:
                                            pin_host=self.env.device.type == "cuda", profiler=self.profiler,
                                            fresh_budget=fresh_budget(self.plan, config.prefetch))
         materialize_units(self.units, self.manager, config.train.seed, init_fn)
+        buffers_to(model, self.env.device)  # the forward reads them there (they are not sharded)
         self.scaler = LossScaler.for_config(config.precision)
         self._pending_checkpoint = None  # a background save, committed at the next step() / wait_for_checkpoint()
         trace = OrderTrace()  # the forward order: the prefetcher replays it, the update mode updates in it
@@ -191,8 +192,9 @@ class Engine:
 
     # ----------------------------------------------------------------- training surface
     def __call__(self, *args, **kwargs):
-        """Forward: returns what the model returns."""
+        """Forward on the engine's device (tensor arguments are moved there): returns what the model returns."""
         self._check_open()
+        args, kwargs = to_device((args, kwargs), self.env.device)
         self.clock.forward_begins()
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)

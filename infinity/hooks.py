@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .unit import Unit
 
@@ -35,6 +35,17 @@ class UnitCallbacks:
 def tensors_needing_grad(output) -> list[torch.Tensor]:
     flat, _ = tree_flatten(output)
     return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def to_device(tree, device: torch.device):
+    """`tree` (tensors in nested lists, tuples, dicts) with every tensor on `device`; the rest as is.
+
+    Inputs from pinned memory are copied asynchronously on the current (compute) stream, which
+    is the stream that reads them next.
+    """
+    def move(x):
+        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
+    return tree_map(move, tree)
 
 
 class GradCounter:
