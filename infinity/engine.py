@@ -93,7 +93,8 @@ class Engine:
         self._stepped_at = 0  # micro_step of the last step() that ran, so a second call is a no-op
         self._handles, self._counters = [], []
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
-                                  pre_backward=self._pre_backward, grads_ready=self._grads_ready)
+                                  pre_backward=self._pre_backward, grads_ready=self._grads_ready,
+                                  in_backward=lambda: self._in_backward)
         for unit in self.units:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
@@ -102,6 +103,7 @@ class Engine:
         self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
         self._backward_pending = False
+        self._in_backward = False  # inside engine.backward: forward hooks firing now are recomputation
         self._closed = False
         self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
         self._saved_checkpoints: list[str] = []
@@ -218,7 +220,11 @@ class Engine:
             self.wait_for_checkpoint()  # updates start during this backward (Note [overlap])
         scale = self.scaler.scale / self.config.train.grad_accum_steps
         self.clock.compute_begin()
-        (loss * scale).backward()
+        self._in_backward = True
+        try:
+            (loss * scale).backward()
+        finally:
+            self._in_backward = False
         self.clock.compute_end("backward")
         final = self._final_micro_batch()
         for unit, counter in zip(self.units, self._counters):

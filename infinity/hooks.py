@@ -5,6 +5,8 @@ Per unit module:
   forward hook       -> reshard; if the outputs need gradients, register a
                         pre-backward hook on them (unshard again before the
                         unit's backward runs)
+During backward the same module hooks fire again when activation checkpointing
+recomputes a unit's forward (Note [recomputed forward]).
 Per trainable parameter:
   post-accumulate-grad hook -> when every trainable parameter of the unit has
                         its gradient for this backward, reduce-scatter them.
@@ -30,6 +32,7 @@ class UnitCallbacks:
     post_forward: Callable[[Unit], None]
     pre_backward: Callable[[Unit], None]
     grads_ready: Callable[[Unit], None]
+    in_backward: Callable[[], bool] = lambda: False  # a backward is running (Note [recomputed forward])
 
 
 def tensors_needing_grad(output) -> list[torch.Tensor]:
@@ -77,11 +80,23 @@ def install_unit_hooks(unit: Unit, callbacks: UnitCallbacks, with_module_hooks: 
     The root unit gets only gradient hooks: the engine unshards it around the whole
     forward and backward instead.
     """
+    # Note [recomputed forward]: activation checkpointing (torch.utils.checkpoint, reentrant or not) runs a
+    # unit's forward again inside backward, just before that unit's backward needs its activations. That is
+    # not a forward of the step: recording it would append the reverse order to the forward order (which then
+    # never replays, so prefetch stops), and resharding after it would free the parameters that the unit's
+    # backward is about to read. So inside a backward the pre-hook is the unit's pre-backward (unshard, and
+    # prefetch along the backward order) and the post-hook does nothing: the unit is resharded once its
+    # gradients are ready, or at the end of the backward, as without recomputation.
     handles = []
     for module in unit.modules if with_module_hooks else ():
-        handles.append(module.register_forward_pre_hook(lambda _m, _a, u=unit: callbacks.pre_forward(u)))
+        def pre(_module, _args, u=unit):
+            (callbacks.pre_backward if callbacks.in_backward() else callbacks.pre_forward)(u)
+
+        handles.append(module.register_forward_pre_hook(pre))
 
         def post(_module, _args, output, u=unit):
+            if callbacks.in_backward():
+                return None  # a recomputed forward: its backward follows at once (Note [recomputed forward])
             callbacks.post_forward(u)
             needing = tensors_needing_grad(output)
             if needing:

@@ -9,11 +9,17 @@ import dataclasses
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import infinity
 import infinity.engine as engine_module
 from infinity.environment import resolve
 from infinity.hooks import to_device
+from infinity.memory.tier import Kind
+from infinity.models.gpt import GPT
+
+from engine_runs import train_steps
+from reference import Recipe, reference_run
 
 META = torch.device("meta")
 
@@ -60,3 +66,56 @@ def test_to_device_moves_every_tensor_of_nested_inputs():
     moved = to_device(tree, META)
     assert [moved[0][0].device, moved[1]["a"][0].device, moved[1]["b"]["c"].device] == [META] * 3
     assert moved[0][1:] == [3, "s"] and moved[1]["a"][1] is None
+
+
+class CheckpointedGPT(GPT):
+    """The GPT with every block under torch.utils.checkpoint: its forward runs again during backward."""
+
+    use_reentrant = False
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_keeps_the_forward_order_and_prefetch(reentrant, tmp_path):
+    """The recomputation in backward fires the blocks' forward pre-hooks again: they are not a new forward
+    (the recorded order stays [1, 2, 3]) and prefetch keeps engaging in every later step."""
+    recipe = Recipe(steps=3)
+
+    def build():
+        torch.manual_seed(recipe.seed)
+        model = CheckpointedGPT(recipe.model)
+        model.use_reentrant = reentrant
+        return model
+
+    ref_losses, _, ref_state = reference_run(recipe, model=build())
+    config = recipe.config(params="nvme", grads="host", optimizer="host") | {"nvme": {"paths": [str(tmp_path)]}}
+    engine = infinity.initialize(build(), config)  # (parameters on the CPU's own tier would alias: no fetch)
+    losses, issued, fetches = [], [], []
+    fetch = engine.manager.fetch
+
+    def counting_fetch(unit, kind, *args, **kwargs):
+        fetches.append((unit, kind))
+        return fetch(unit, kind, *args, **kwargs)
+
+    engine.manager.fetch = counting_fetch
+    with engine:
+        for step in range(recipe.steps):
+            fetches.clear()
+            losses += train_steps(engine, recipe, step, step + 1, rank=0, world=1)
+            assert engine.prefetcher.trace.recorded == [1, 2, 3], engine.prefetcher.trace.recorded
+            issued.append(engine.prefetcher.issued)
+            # once for the forward, once for backward (the recomputation and the backward share it), per micro-batch
+            per_unit = [fetches.count((i, Kind.PARAMS)) for i in (1, 2, 3)]
+            assert per_unit == [2 * recipe.accum] * 3, per_unit
+        state = engine.full_state_dict()
+    assert all(b > a for a, b in zip(issued, issued[1:])), f"prefetches issued by the end of each step: {issued}"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key])
