@@ -30,6 +30,14 @@ class _NoEvent:
         return True
 
 
+def bind_thread(device: torch.device) -> None:
+    """Every thread that queues CUDA work starts here (the optimizer worker, the background checkpoint
+    writer): the current device is per thread and starts as cuda:0, so without this such a thread would
+    create a context on GPU 0 and order its work against GPU 0's streams, not its rank's GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 @dataclass
 class Streams:
     """The four streams of one rank. On CPU all are None and `use` does nothing."""
@@ -59,9 +67,11 @@ class Streams:
         return torch.cuda.Event() if self.is_cuda else _NoEvent()
 
     def record(self, stream=None):
-        """An event marking the work queued so far on `stream` (the current one by default)."""
+        """An event marking the work queued so far on `stream` (by default this thread's current stream of
+        the engine's device: never another GPU's, whatever device the calling thread has selected)."""
         ev = self.event()
-        ev.record(stream) if self.is_cuda else None
+        if self.is_cuda:
+            ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return ev
 
     def wait_event(self, event, stream=None) -> None:

@@ -5,6 +5,8 @@ recording stand-ins for torch.cuda's streams, events and set_device, and a count
 from __future__ import annotations
 
 import dataclasses
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,10 +15,13 @@ import torch.nn.functional as F
 
 import infinity
 import infinity.engine as engine_module
+from infinity.checkpoint import ShardWriter
 from infinity.environment import resolve
 from infinity.hooks import to_device
 from infinity.memory.tier import Kind
 from infinity.models.gpt import GPT
+from infinity.optim.worker import OptimizerWorker
+from infinity.streams import Streams
 
 from engine_runs import train_steps
 from reference import Recipe, reference_run
@@ -119,3 +124,42 @@ def test_activation_checkpointing_keeps_the_forward_order_and_prefetch(reentrant
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     for key in ref_state:
         torch.testing.assert_close(state[key], ref_state[key])
+
+
+def test_record_without_a_stream_records_on_the_engine_device(monkeypatch):
+    """Streams of cuda:1 (stand-ins): an event recorded 'on the current stream' is on cuda:1's current
+    stream, not on whatever torch.cuda.Event.record picks for the calling thread's device (cuda:0)."""
+    recorded = []
+
+    class Event:
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"current stream of {device}")
+    streams = Streams(device=torch.device("cuda", 1), compute="compute", h2d="h2d", d2h="d2h", comm="comm")
+    streams.record()
+    streams.record(streams.comm)
+    assert recorded == ["current stream of cuda:1", "comm"]
+
+
+def test_threads_select_the_engine_device(monkeypatch, tmp_path):
+    """The optimizer worker and the background checkpoint writer select the engine's GPU when they start
+    (torch.cuda.set_device, recorded here with the thread that called it)."""
+    selected = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: selected.append((threading.current_thread().name, torch.device(device))))
+    cuda1 = torch.device("cuda", 1)
+    OptimizerWorker(SimpleNamespace(compute_device=cuda1), num_units=1).close()
+    assert selected == [("infinity-optimizer", cuda1)]
+
+    selected.clear()
+    engine = infinity.initialize(Recipe().build(), Recipe().config())
+    with engine:
+        engine.env = dataclasses.replace(engine.env, device=cuda1)  # (only the writer thread reads it after this)
+        writer = ShardWriter(engine, str(tmp_path))
+        writer._write = lambda: None
+        writer.start(background=True)
+        writer.join()
+        engine.env = dataclasses.replace(engine.env, device=torch.device("cpu"))
+    assert selected == [("infinity-checkpoint", cuda1)]

@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from ..streams import bind_thread
 from ..unit import Unit
 from .cpu_adam import AdamHyper
 from .offloaded import OffloadedOptimizer
@@ -136,6 +137,7 @@ class OptimizerWorker:
             return Issue.IDLE
 
     def _run(self) -> None:
+        bind_thread(self.optimizer.compute_device)  # its copies and kernels go to this rank's GPU
         held = _NOTHING  # an item taken from the queue while merging batches, handled next
         while True:
             item, held = (held, _NOTHING) if held is not _NOTHING else (self._next_item(), _NOTHING)
