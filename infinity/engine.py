@@ -164,15 +164,15 @@ class Engine:
         self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
         if unit.index != 0:
             self.prefetcher.before_forward(unit)
-        unit.unshard(self.manager)
         unit.wait_for_unshard(self.manager)
+        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
 
     def _pre_backward(self, unit: Unit) -> None:
         self.clock.compute_end(f"backward before {unit.name}")
         self.prefetcher.before_backward(unit)
-        unit.unshard(self.manager)
         unit.wait_for_unshard(self.manager)
+        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
 
     def _hyper(self) -> AdamHyper:

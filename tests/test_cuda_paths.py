@@ -23,6 +23,7 @@ from infinity.models.gpt import GPT
 from infinity.optim.worker import OptimizerWorker
 from infinity.streams import Streams
 
+from dist_utils import run_distributed
 from engine_runs import train_steps
 from reference import Recipe, reference_run
 
@@ -163,3 +164,76 @@ def test_threads_select_the_engine_device(monkeypatch, tmp_path):
         writer.join()
         engine.env = dataclasses.replace(engine.env, device=torch.device("cpu"))
     assert selected == [("infinity-checkpoint", cuda1)]
+
+
+def _gather_order_on_rank(rank, world, recipe):
+    """Train `recipe` at world size `world`, recording each all-gather's issue and wait (the collectives
+    seam), the start of each block's forward compute (a forward pre-hook registered after the engine's) and
+    the end of its backward (its gradients' reduction)."""
+    import infinity.collectives as collectives
+    from infinity.unit import Unit
+    events = []
+    engine = infinity.initialize(recipe.build(), recipe.config(params="host", grads="host", optimizer="host"))
+
+    def unit_of(out):
+        return next(u.index for u in engine.units if u.flat_numel and u._storage.data_ptr() == out.data_ptr())
+
+    issue = collectives.all_gather_into
+
+    class Work:
+        def __init__(self, work, index):
+            self.work, self.index = work, index
+
+        def wait(self):
+            events.append(("wait", self.index))
+            return self.work.wait()
+
+    def recording_gather(out, shard, group, async_op=True):
+        index = unit_of(out)
+        events.append(("issue", index))
+        return Work(issue(out, shard, group, async_op), index)
+
+    collectives.all_gather_into = recording_gather
+    reduce_grads = Unit.reduce_grads
+
+    def recording_reduce(unit):
+        events.append(("reduce", unit.index))  # the unit's backward is done: its gradients are reduced
+        return reduce_grads(unit)
+
+    Unit.reduce_grads = recording_reduce
+    for i, block in enumerate(engine.module.blocks, start=1):
+        block.register_forward_pre_hook(lambda _m, _a, i=i: events.append(("compute", i)) if torch.is_grad_enabled()
+                                        and not engine._in_backward else None)
+    per_step, losses = [], []
+    with engine:
+        for step in range(recipe.steps):
+            events.clear()
+            losses += train_steps(engine, recipe, step, step + 1, rank, world)
+            per_step.append(list(events))
+        collectives.all_gather_into = issue
+        state = engine.full_state_dict()
+    return losses, per_step, state
+
+
+def test_all_gather_of_the_next_unit_is_issued_while_one_computes(tmp_path):
+    """World size 2 (gloo): from the second step on, the all-gather of block i+1 is issued before block i
+    computes and waited after it, and in backward that of block i-1 before block i's backward ends; the
+    training matches torch."""
+    recipe = Recipe(steps=3, accum=1)
+    ref_losses, _, ref_state = reference_run(recipe)
+    results = run_distributed(_gather_order_on_rank, 2, recipe)
+    for losses, per_step, _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for events in per_step[1:]:
+            forward = events[:events.index(("compute", 3)) + 1]
+            for i in (1, 2):
+                assert forward.index(("issue", i + 1)) < forward.index(("compute", i)) < \
+                    forward.index(("wait", i + 1)), forward
+            backward = events[len(forward):]
+            for i in (3, 2):
+                assert backward.index(("issue", i - 1)) < backward.index(("reduce", i)) < \
+                    backward.index(("wait", i - 1)), backward
+    state = results[0][2]
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key])
+
