@@ -44,7 +44,7 @@ from .prefetch import OrderTrace, Prefetcher
 from .profile import NullProfiler, Profiler
 from .profile.clock import TrainingClock
 from .state_dict import full_state_dict
-from .streams import Streams
+from .streams import Streams, host_value
 from .unit import Comm, Unit, build_units, unit_sizes
 from .update_modes import NonFiniteGradError, update_mode
 
@@ -253,7 +253,7 @@ class Engine:
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)
-        norm = math.sqrt(float(sumsq)) / self.scaler.scale  # one host sync per step: clipping and skipping need it
+        norm = math.sqrt(host_value(sumsq, "grad norm")) / self.scaler.scale  # clipping and skipping need it
         self.last_grad_norm = norm
         if not self.updates.step(norm, self.optimizer_steps):
             return False

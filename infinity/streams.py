@@ -9,6 +9,7 @@ CPU every stream is the same synchronous executor, and events are no-ops.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,50 @@ class _NoEvent:
 
     def query(self) -> bool:
         return True
+
+
+# Note [host syncs]: the places where a thread blocks until the device has finished work go through
+# `host_wait` (an event), `host_value` (a scalar) and `to_host` (a small tensor the CPU reads), so they can
+# be counted (`count_host_syncs`). On the training thread a steady step has a constant number of them
+# (the global gradient norm; with a global dependency, the flags of which parameters got gradients), never
+# one per unit: per-unit waits for the device happen on the optimizer worker, which needs the bytes anyway,
+# and compute waits for copies and collectives on the device (events), not on the host. The count is of
+# the places, on every device: on the CPU they return at once.
+_sync_records: list[list[tuple[str, str]]] = []
+
+
+def _note_sync(why: str) -> None:
+    for record in _sync_records:
+        record.append((threading.current_thread().name, why))
+
+
+def host_wait(event, why: str) -> None:
+    """Block this thread until the work `event` marks is done (Note [host syncs])."""
+    _note_sync(why)
+    event.synchronize()
+
+
+def host_value(tensor: torch.Tensor, why: str) -> float:
+    """A device scalar read by the CPU (Note [host syncs])."""
+    _note_sync(why)
+    return float(tensor)
+
+
+def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
+    """A small device tensor read by the CPU (Note [host syncs])."""
+    _note_sync(why)
+    return tensor.cpu()
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Inside: a list of (thread name, why) of every host sync, in order (for tests and the profile)."""
+    record: list[tuple[str, str]] = []
+    _sync_records.append(record)
+    try:
+        yield record
+    finally:
+        _sync_records.remove(record)
 
 
 def bind_thread(device: torch.device) -> None:

@@ -21,11 +21,11 @@ from infinity.hooks import to_device
 from infinity.memory.tier import Kind
 from infinity.models.gpt import GPT
 from infinity.optim.worker import OptimizerWorker
-from infinity.streams import Streams
+from infinity.streams import Streams, count_host_syncs
 
 from dist_utils import run_distributed
 from engine_runs import train_steps
-from reference import Recipe, reference_run
+from reference import TINY, Recipe, reference_run
 
 META = torch.device("meta")
 
@@ -237,3 +237,21 @@ def test_all_gather_of_the_next_unit_is_issued_while_one_computes(tmp_path):
     for key in ref_state:
         torch.testing.assert_close(state[key], ref_state[key])
 
+
+@pytest.mark.parametrize("overlap, clip", [(False, 0.5), (True, 0.0), (True, 0.5)],
+                         ids=["inline", "eager", "deferred"])
+def test_host_syncs_per_step_do_not_grow_with_the_units(overlap, clip):
+    """The training thread's host syncs (Note [host syncs], counted at the seam) per steady step are the
+    same with 2 blocks as with 5, in every update mode; the optimizer worker may wait per unit."""
+    per_model = {}
+    for n_layer in (2, 5):
+        recipe = Recipe(model=dataclasses.replace(TINY, n_layer=n_layer), steps=3, grad_clip=clip,
+                        extra={"overlap": {"optimizer_with_backward": overlap}})
+        engine = infinity.initialize(recipe.build(), recipe.config(params="host", grads="host", optimizer="host"))
+        with engine:
+            train_steps(engine, recipe, 0, 1, rank=0, world=1)
+            with count_host_syncs() as syncs:
+                train_steps(engine, recipe, 1, 3, rank=0, world=1)
+                engine.synchronize()
+        per_model[n_layer] = [why for thread, why in syncs if thread == threading.current_thread().name]
+    assert per_model[2] == per_model[5] == ["grad norm"] * 2, per_model

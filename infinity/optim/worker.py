@@ -30,12 +30,15 @@ from .read_ahead import Issue, StateReadAhead
 _POLL_S = 0.002  # while the read-ahead waits for a chunk to land: 2 ms of latency on ~50 ms reads
 
 
+Active = dict[int, list[tuple[int, int, int]]]  # per unit: the (start, length, adam step) runs to step
+
+
 @dataclass
 class _Batch:
     units: list[Unit]
     hyper: AdamHyper
     grad_scale: float | None
-    active: dict[int, list[tuple[int, int, int]]]
+    active: Active | Callable[[], Active | None]  # or resolved on the worker (it may wait for the device there)
     after_unit: Callable[[Unit], None]
 
 
@@ -70,8 +73,10 @@ class OptimizerWorker:
         self._thread.start()
 
     def submit(self, units: list[Unit], *, hyper: AdamHyper, grad_scale: float | None,
-               active: dict[int, list[tuple[int, int, int]]], after_unit: Callable[[Unit], None]) -> None:
-        """Issue the update of `units` (all submitted batches must share hyper and grad_scale)."""
+               active: Active | Callable[[], Active | None], after_unit: Callable[[Unit], None]) -> None:
+        """Issue the update of `units` (all submitted batches must share hyper and grad_scale). `active` may be
+        a function the worker calls first (Note [host syncs] in streams.py); if it returns None the batch's
+        units are not stepped (their waits return; `after_unit` is not called)."""
         for unit in units:
             self._done[unit.index].clear()
         self._queue.put(_Batch(list(units), hyper, grad_scale, active, after_unit))
@@ -160,7 +165,13 @@ class OptimizerWorker:
                     break
                 batches.append(more)
             batch = batches[0]
+            if self._error is None:
+                batches = self._resolve(batches)
             units = [u for b in batches for u in b.units]
+            if self._error is not None:  # sticky: no update runs on the state a failed one left
+                for unit in units:
+                    self._done[unit.index].set()  # (their waits raise the error)
+                continue
             active = {k: v for b in batches for k, v in b.active.items()}
             after = {u.index: b.after_unit for b in batches for u in b.units}
 
@@ -168,10 +179,6 @@ class OptimizerWorker:
                 after[unit.index](unit)
                 self._done[unit.index].set()
 
-            if self._error is not None:  # sticky: no update runs on the state a failed one left
-                for unit in units:
-                    self._done[unit.index].set()  # (their waits raise the error)
-                continue
             try:
                 if self.read_ahead is not None:
                     self.read_ahead.issue_rest()  # Note [reads before writes]
@@ -181,6 +188,23 @@ class OptimizerWorker:
                 self._error = e
                 for unit in units:
                     self._done[unit.index].set()
+
+    def _resolve(self, batches: list[_Batch]) -> list[_Batch]:
+        """The batches with their active ranges resolved; those that resolve to None are done, unstepped."""
+        out = []
+        for b in batches:
+            try:
+                active = b.active() if callable(b.active) else b.active
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                self._error = e
+                active = {}
+            if active is None:
+                for unit in b.units:
+                    self._done[unit.index].set()  # not stepped (the mode knows why)
+                continue
+            b.active = active
+            out.append(b)
+        return out
 
     @property
     def failed(self) -> bool:
