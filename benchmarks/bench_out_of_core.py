@@ -50,7 +50,7 @@ class RssSampler:
         return out
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="swap directory (default: a temporary one under /tmp)")
     ap.add_argument("--layers", type=int, default=26)
@@ -65,22 +65,36 @@ def main(argv=None) -> dict:
     ap.add_argument("--grads", default="nvme", choices=["device", "host", "nvme"])
     ap.add_argument("--sub-group", type=int, default=1 << 23, help="optimizer sub-group size (elements)")
     ap.add_argument("--units-ahead", type=int, default=1, help="units prefetched ahead")
+    ap.add_argument("--host-budget", default=None, help='[memory] host_budget, e.g. "2GiB" (default: auto)')
+    ap.add_argument("--device-budget", default=None, help='[memory] device_budget, e.g. "2GiB" (default: auto)')
     ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    swap_dir = args.dir or tempfile.mkdtemp(prefix="infinity-ooc-")
-    os.makedirs(swap_dir, exist_ok=True)
-    model_cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
-                          d_model=args.d_model, bias=True)
-    n_params = model_cfg.num_params()
+
+def engine_config(args: argparse.Namespace, swap_dir: str | None = None) -> dict:
+    """The engine's config for these arguments (budgets left out: "auto")."""
     config = {
         "optimizer": {"name": "adamw", "lr": args.lr, "weight_decay": 0.0, "grad_clip": 1.0,
                       "sub_group_size": args.sub_group},
         "precision": {"compute_dtype": args.dtype},
         "placement": {"params": "nvme", "grads": args.grads, "optimizer": "nvme"},
-        "nvme": {"paths": [swap_dir]},
+        "nvme": {"paths": [swap_dir or args.dir]},
         "prefetch": {"units_ahead": args.units_ahead},
     }
+    budgets = {k: v for k, v in (("host_budget", args.host_budget), ("device_budget", args.device_budget)) if v}
+    if budgets:
+        config["memory"] = budgets
+    return config
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    swap_dir = args.dir or tempfile.mkdtemp(prefix="infinity-ooc-")
+    os.makedirs(swap_dir, exist_ok=True)
+    model_cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
+                          d_model=args.d_model, bias=True)
+    n_params = model_cfg.num_params()
+    config = engine_config(args, swap_dir)
     t0 = time.perf_counter()
     with infinity.meta_init():
         model = GPT(model_cfg)
@@ -126,6 +140,7 @@ def main(argv=None) -> dict:
         "model": {"params": n_params, "layers": args.layers, "d_model": args.d_model, "vocab": args.vocab,
                   "seq": args.seq, "batch": args.batch, "dtype": args.dtype},
         "placement": config["placement"],
+        "memory": config.get("memory", {"host_budget": "auto", "device_budget": "auto"}),
         "training_state_GB": round(state_bytes / 1e9, 2),
         "ram_GB": round(machine()["ram_GiB"] * 2**30 / 1e9, 2),
         "init_seconds": round(init_s, 1),

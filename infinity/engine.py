@@ -35,6 +35,7 @@ from .materialize import buffers_to, materialize_units
 from .memory.buffers import UnshardedMemory
 from .memory.fresh import fresh_budget
 from .memory.manager import TieredMemoryManager
+from .memory.traffic import plan_report
 from .memory.placement import plan_for_config
 from .memory.tier import Tier
 from .optim.cpu_adam import AdamHyper
@@ -340,9 +341,7 @@ class Engine:
     def memory_report(self) -> dict:
         """Bytes per tier and per state kind on this rank, and the buffers and peaks around them."""
         report = self.manager.memory_report()
-        report["plan"] = {t.value: {k.value: v for k, v in kinds.items()}
-                          for t, kinds in self.plan.state_bytes().items()}
-        report["working_planned"] = {t.value: v for t, v in self.plan.working.items()}
+        report.update(plan_report(self.plan))  # the byte model's: what the planner fitted to the budgets
         report["unsharded_peak_bytes"] = max((u.peak_unsharded for u in self.units), default=0)
         report["unsharded_pool_bytes"] = self.unsharded.pooled_bytes
         report["process_rss_bytes"] = psutil.Process(os.getpid()).memory_info().rss

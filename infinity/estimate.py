@@ -6,21 +6,7 @@ device, split into units exactly as `initialize` splits it (rank 0 of
 `plan_placement`, and one forward + backward is traced on meta tensors to count
 the activations saved for backward and the FLOPs.
 
-Note [peak memory]: the predicted peak of one rank's process memory (RSS without
-a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
-named terms:
-
-    runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
-    state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
-    working       the plan's working buffers: unsharded units, the flat gradient, NVMe staging
-                  (with a state read-ahead the staging holds the next update's NVMe optimizer state,
-                  Note [state read-ahead], plus the write-behind of the chunks taken from it)
-    activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
-                  again for the transient of its gradient
-    allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
-                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
-    init          while a unit is materialized: its full fp32 values, its shard and their casts
-                  (replaces working + activations + allocator when larger)
+The predicted peak is Note [peak memory] (memory/traffic.py, with the byte model it sums).
 
 Preflight checks (shared with `initialize` through `preflight`): the plan fits the
 budgets, free RAM for every rank on this node, free disk on each NVMe path, and
@@ -46,10 +32,9 @@ import torch.nn as nn
 from .config import Config, ConfigError, format_size
 from .environment import PreflightError, resolve_budgets
 from .memory import cost_model
-from .memory.fresh import fresh_budget
 from .memory.placement import Budgets, Plan, PlacementError, plan_for_config
 from .memory.tier import Kind, Tier
-from .optim.read_ahead import largest_chunk_bytes, resolve_read_ahead
+from .optim.read_ahead import resolve_read_ahead
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
@@ -118,6 +103,7 @@ class Estimate:
             "num_params": self.num_params, "units": self.units, "budgets": dataclasses.asdict(self.budgets),
             "state": self.state(),
             "working": {t.value: v for t, v in self.plan.working.items()} if self.plan else {},
+            "working_terms": {t.value: dict(v) for t, v in self.plan.working_terms.items()} if self.plan else {},
             "plan_error": self.plan_error,
             "reasons": list(self.plan.reasons) if self.plan else [],
             "unit_reasons": [{"unit": u.name, **r} for u, r in zip(self.plan.units, self.plan.unit_reasons)]
@@ -238,8 +224,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     if plan is not None:
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
-        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), read_ahead=read_ahead,
-                                    fresh=fresh_budget(plan, config.prefetch))
+        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss())
         est.peak = peak_from_terms(est.peak_terms, cuda)
     est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
                            ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0),
@@ -247,90 +232,33 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     return est
 
 
-def staging_pool_bytes(plan: Plan, *, read_ahead: int = 1, max_writes_in_flight: int = 4) -> int:
-    """Host staging bytes the pool ends up holding: a replay of two optimizer steps' buffer requests.
-
-    Mirrors `optim.offloaded.OffloadedOptimizer` (read `read_ahead` tasks ahead, at most
-    `max_writes_in_flight` stores pending, the last stores left pending into the next step)
-    over the size classes of `io_engine.AlignedBufferPool`, which keeps every buffer it
-    allocated. Only NVMe shards are staged on the host; resident ones are used in place.
-    """
-    from io_engine.aligned import _size_class
-    csize = plan.compute_dtype.itemsize
-    live: dict[int, int] = {}
-    peak: dict[int, int] = {}
-
-    def get(nbytes: int) -> int | None:
-        if nbytes == 0:
-            return None
-        c = _size_class(nbytes, 4096)
-        live[c] = live.get(c, 0) + 1
-        peak[c] = max(peak.get(c, 0), live[c])
-        return c
-
-    def put(c: int | None) -> None:
-        if c is not None:
-            live[c] -= 1
-
-    tasks = [(u, n) for u, sizes in enumerate(plan.units) for n in sizes.chunk_numels]
-    nvme = lambda u, k: plan.tier(u, k) is Tier.NVME  # noqa: E731
-    left: dict[int, list] = {}  # task -> buffers of its stores still pending from the last step
-    for _step in range(2):
-        for task, pending in left.items():
-            for is_params, c in pending:
-                put(c if is_params else None)  # the forward's parameter fetch waits the pending parameter write
-            left[task] = [(False, c) for is_params, c in pending if not is_params]
-        ahead, writes, nxt = [], [], 0
-        for _ in tasks:
-            while nxt < len(tasks) and len(ahead) <= read_ahead:
-                u, n = tasks[nxt]
-                for _, c in left.pop(nxt, []):
-                    put(c)  # fetching a chunk waits its pending write first
-                ahead.append((nxt, u, n, {k: get(n * 4) if nvme(u, k) else None
-                                          for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)}))
-                nxt += 1
-            task, u, n, bufs = ahead.pop(0)
-            alias = plan.aliases_master(u)  # the master's buffer is the parameters' (Note [aliased parameters])
-            params = get(n * csize) if nvme(u, Kind.PARAMS) and not alias else None
-            writes += [(task, alias and k is Kind.MASTER, bufs[k]) for k in (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)]
-            if not alias:
-                writes.append((task, True, params))
-            put(bufs[Kind.GRADS])  # released right after the step
-            while len(writes) > max_writes_in_flight:
-                put(writes.pop(0)[2])
-        for task, is_params, c in writes:
-            left.setdefault(task, []).append((is_params, c))
-    return sum(c * n for c, n in peak.items())
+def staging_pool_bytes(plan: Plan) -> int:
+    """Host staging bytes the update's pool ends up holding: the plan's `update_staging` term
+    (Note [working memory] in memory/traffic.py, a replay of OffloadedOptimizer's buffer requests)."""
+    return plan.working_terms.get(Tier.HOST, {}).get("update_staging", 0)
 
 
-def _host_staging(plan: Plan, read_ahead: int, fresh: int = 0, max_writes_in_flight: int = 4) -> int:
-    """The host staging pool: the update pipeline's buffers; with a state read-ahead, the held state plus the
-    write-behind of the chunks the update has taken from it (the pool recycles one into the other); plus the
-    parameters kept after their write (Note [fresh parameters])."""
-    if not plan.uses(Tier.NVME):
-        return 0
-    pipeline = staging_pool_bytes(plan, max_writes_in_flight=max_writes_in_flight)
-    if not read_ahead:
-        return pipeline + fresh
-    one_kind = largest_chunk_bytes(plan) // 3  # the largest sub-group of one state kind
-    return max(pipeline, read_ahead + max_writes_in_flight * one_kind) + fresh
+def _host_staging(plan: Plan) -> int:
+    """The host staging pool (pinned / mlock'ed): every host working term of the plan (the update's
+    staging, the read-ahead, the fresh copies, parameter staging), as the planner fitted them."""
+    return plan.working.get(Tier.HOST, 0)
 
 
-def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, read_ahead: int = 0,
-               fresh: int = 0) -> dict[str, int]:
-    """Note [peak memory], term by term (bytes, one rank)."""
+def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int) -> dict[str, int]:
+    """Note [peak memory], term by term (bytes, one rank); every working term is the plan's."""
     state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
     largest = max((u.unsharded_numel for u in plan.units), default=0)
     largest_shard = max((u.shard_numel for u in plan.units), default=0)
     csize = plan.compute_dtype.itemsize
+    host_terms = plan.working_terms.get(Tier.HOST, {})
     return {
         "runtime": runtime,
         "state_device": state[Tier.DEVICE],
         "state_host": state[Tier.HOST],
         "working_device": plan.working.get(Tier.DEVICE, 0),
-        "working_host": _host_staging(plan, read_ahead, fresh),
-        "read_ahead": read_ahead,  # part of working_host (Note [state read-ahead])
-        "fresh_params": fresh,  # part of working_host (Note [fresh parameters])
+        "working_host": plan.working.get(Tier.HOST, 0),
+        "read_ahead": plan.read_ahead,  # its working term is part of working_host (Note [state read-ahead])
+        "fresh_params": host_terms.get("fresh_params", 0),  # part of working_host (Note [fresh parameters])
         "activations": trace.activation_bytes + trace.largest_saved_bytes,
         # materializing one unit: full fp32 values, the fp32 shard, its compute-dtype cast
         "init": largest * 4 + largest_shard * (4 + csize),
@@ -440,7 +368,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     if plan.uses(Tier.NVME):
         disk, _ = check_disks(list(config.nvme.paths), nvme_bytes=nvme_bytes, local_world_size=local_world_size)
         checks += disk
-        checks.append(check_locked_memory(_host_staging(plan, read_ahead, fresh_budget(plan, config.prefetch)),
+        checks.append(check_locked_memory(_host_staging(plan),
                                           local_world_size))
     return checks
 

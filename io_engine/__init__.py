@@ -9,7 +9,7 @@ aligned_empty / AlignedBufferPool give page-aligned, locked (pinned with CUDA) b
 MemoryBackend replaces the disk in tests. Never imports `infinity`.
 """
 
-from .aligned import AlignedBufferPool, aligned_empty
+from .aligned import AlignedBufferPool, aligned_empty, size_class
 from .backends import FailRule, MemoryBackend, OpInfo, ThreadBackend
 from .engine import CHECKSUM_ALGORITHM, IOConfig, IOEngine, IOFuture, RequestState, parse_size
 from .errors import ChecksumError, IOEngineError
@@ -19,4 +19,4 @@ from .swap_space import Extent, ExtentPart, SwapSpace
 __all__ = ["AlignedBufferPool", "CHECKSUM_ALGORITHM", "ChecksumError", "DirectionStats", "Extent",
            "ExtentPart", "FailRule", "IOConfig", "IOEngine", "IOEngineError", "IOFuture",
            "IOStats", "MemoryBackend", "OpInfo", "RequestState", "SwapSpace", "ThreadBackend",
-           "aligned_empty", "parse_size"]
+           "aligned_empty", "parse_size", "size_class"]

@@ -106,7 +106,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32, alignment: int
     return raw.view(dtype)
 
 
-def _size_class(nbytes: int, alignment: int) -> int:
+def size_class(nbytes: int, alignment: int) -> int:
     """Smallest class >= nbytes: powers of two split in quarter steps (<= 25% waste)."""
     n = max(nbytes, alignment)
     top = 1 << (n - 1).bit_length()
@@ -150,16 +150,16 @@ class AlignedBufferPool:
         if self._closed:
             raise RuntimeError("AlignedBufferPool.get() after close(): create a new pool")
         nbytes = numel * dtype.itemsize
-        size_class = _size_class(nbytes, self.alignment)
+        nclass = size_class(nbytes, self.alignment)
         with self._guard:
-            free = self._free.get(size_class)
+            free = self._free.get(nclass)
             buf = free.pop() if free else None
         if buf is None:
-            buf = aligned_empty(size_class, torch.uint8, self.alignment, self.pin, self.lock)
+            buf = aligned_empty(nclass, torch.uint8, self.alignment, self.pin, self.lock)
             with self._guard:
-                self._bytes_allocated += size_class
+                self._bytes_allocated += nclass
         with self._guard:
-            self._in_use[buf.data_ptr()] = (size_class, buf)
+            self._in_use[buf.data_ptr()] = (nclass, buf)
         return buf[:nbytes].view(dtype)
 
     def put(self, tensor: torch.Tensor) -> None:
@@ -170,18 +170,18 @@ class AlignedBufferPool:
                 raise ValueError(
                     f"tensor at {tensor.data_ptr():#x} was not handed out by this pool (or was "
                     f"already put back): put() only what get() returned, once")
-            size_class, buf = entry
+            nclass, buf = entry
             if not self._closed:
-                self._free.setdefault(size_class, []).append(buf)
+                self._free.setdefault(nclass, []).append(buf)
             else:
-                self._bytes_allocated -= size_class
+                self._bytes_allocated -= nclass
 
     def close(self) -> None:
         """Drop the free buffers; buffers still in use are freed when their tensors die."""
         with self._guard:
             self._closed = True
-            for size_class, bufs in self._free.items():
-                self._bytes_allocated -= size_class * len(bufs)
+            for nclass, bufs in self._free.items():
+                self._bytes_allocated -= nclass * len(bufs)
             self._free.clear()
 
 

@@ -85,7 +85,7 @@ RSS_CASES = {
 
 def test_estimate_predicts_the_measured_peak_rss(tmp_path):
     """Each case trains 3 steps in a fresh process (`infinity train`); its peak RSS is within 15% of the
-    prediction (Note [peak memory] in infinity/estimate.py)."""
+    prediction (Note [peak memory] in infinity/memory/traffic.py)."""
     runs = {}
     for name, overrides in RSS_CASES.items():
         overrides = overrides + [f"run.dir={tmp_path}", f"run.name={name}", "run.steps=3", "run.eval_batches=1",

@@ -3,13 +3,14 @@ a Chrome trace, a summary and a chart."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 import torch
 
 import infinity
-from infinity.memory.traffic import bytes_per_step
+from infinity.memory.traffic import bytes_per_step, plan_traffic
 from infinity.profile import Link, SpanKind
 from reference import Recipe
 
@@ -128,3 +129,79 @@ def test_profile_peaks_are_the_measured_link_rates(tmp_path, monkeypatch):
     for name, peak in expected.items():
         assert links[name]["peak_GBps"] == pytest.approx(peak)
         assert links[name]["fraction_of_peak"] == pytest.approx(links[name]["GBps"] / peak)
+
+
+# ---------------------------------------------------------------- the CUDA-shaped case, devices faked
+
+GPU, CPU = torch.device("cuda", 0), torch.device("cpu")  # only compared, never allocated on
+
+
+def _events(tiers: dict[str, str], *, accum: int, is_root: bool) -> list[tuple[str, str, torch.device, torch.device]]:
+    """Every transfer one optimizer step makes, as the engine issues them: (kind, what, from, to). A shard
+    on NVMe is staged through host memory; the optimizer runs on the GPU when its state is on the device."""
+    where = {"device": GPU, "host": CPU, "nvme": CPU}
+    opt_at = GPU if tiers["optimizer"] == "device" else CPU
+    out = []
+    for micro in range(accum):
+        for _ in range(1 if is_root else 2):  # forward, and again before backward
+            out.append(("params", "read" if tiers["params"] == "nvme" else "", where[tiers["params"]], GPU))
+        if micro > 0:  # the sum so far, to add this micro-batch's gradient to
+            out.append(("grads", "read" if tiers["grads"] == "nvme" else "", where[tiers["grads"]], GPU))
+        out.append(("grads", "write" if tiers["grads"] == "nvme" else "", GPU, where[tiers["grads"]]))
+    for kind in ("master", "exp_avg", "exp_avg_sq"):  # steady state: all three read and written back
+        out.append((kind, "read" if tiers["optimizer"] == "nvme" else "", where[tiers["optimizer"]], opt_at))
+    out.append(("grads", "read" if tiers["grads"] == "nvme" else "", where[tiers["grads"]], opt_at))
+    for kind in ("master", "exp_avg", "exp_avg_sq"):
+        out.append((kind, "write" if tiers["optimizer"] == "nvme" else "", opt_at, where[tiers["optimizer"]]))
+    out.append(("params", "write" if tiers["params"] == "nvme" else "", opt_at, where[tiers["params"]]))
+    return out
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_cuda_traffic_is_every_crossing_the_manager_counts(accum):
+    """With a GPU (faked: only the arithmetic), the byte model's h2d / d2h / NVMe bytes per step are the
+    sum over every transfer the engine makes, each counted the way the manager counts it (`_crossing`:
+    a copy between host memory and the GPU, whichever tier asked for it), for all 27 placements, root and
+    not. Nothing is kept (no fresh copies) and parameters are bf16, so none alias the master."""
+    from infinity.memory.manager import _crossing
+    from infinity.memory.placement import Plan, UnitSizes
+    from infinity.memory.tier import Kind, Tier
+    n, csize = 1000, 2
+    nbytes = {"params": n * csize, "grads": n * 4, "master": n * 4, "exp_avg": n * 4, "exp_avg_sq": n * 4}
+    for combo in itertools.product(("device", "host", "nvme"), repeat=3):
+        tiers = dict(zip(("params", "grads", "optimizer"), combo))
+        unit_tiers = {k: Tier(tiers[k.group]) for k in Kind}
+        units = tuple(UnitSizes(name=f"u{i}", shard_numel=n, unsharded_numel=n, chunk_numels=(n,)) for i in range(2))
+        plan = Plan(tiers=(unit_tiers, unit_tiers), units=units, compute_dtype=torch.bfloat16)
+        expected = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
+        for is_root in (True, False):
+            for kind, disk, src, dst in _events(tiers, accum=accum, is_root=is_root):
+                link = _crossing(src, dst)
+                if link is not None:
+                    expected[link] += nbytes[kind]
+                if disk:
+                    expected[f"nvme_{disk}"] += nbytes[kind]
+        got = bytes_per_step(plan, grad_accum_steps=accum, first_step=False, cuda=True)
+        assert got == expected, f"placement {combo}"
+        assert got == plan_traffic(plan, cuda=True, accum=accum, kept=frozenset()).total(), f"placement {combo}"
+
+
+def test_the_manager_counts_copies_into_resident_tiers():
+    """A store of a host tensor into a device-resident shard (new parameters from a CPU optimizer) is an
+    h2d, a GPU tensor into a host-resident shard a d2h; copies within one memory cross no link. The
+    device is faked by the meta device (copies into it move no data; the counting is what is checked).
+    Before the manager counted them, the h2d here stayed 0."""
+    from infinity.memory.manager import TieredMemoryManager, _crossing
+    from infinity.memory.placement import Plan, UnitSizes
+    from infinity.memory.tier import Kind, Tier
+    from infinity.streams import Streams
+    assert _crossing(GPU, CPU) == "d2h" and _crossing(CPU, GPU) == "h2d"
+    assert _crossing(CPU, CPU) is None and _crossing(GPU, torch.device("cuda", 0)) is None
+    units = (UnitSizes(name="u0", shard_numel=8, unsharded_numel=8, chunk_numels=(8,)),)
+    tiers = {k: Tier.HOST for k in Kind} | {Kind.PARAMS: Tier.DEVICE}
+    plan = Plan(tiers=(tiers,), units=units, compute_dtype=torch.bfloat16)
+    manager = TieredMemoryManager(plan, torch.device("meta"), Streams.for_device(CPU), None, pin_host=False)
+    for kind in Kind:
+        manager.allocate(0, kind)
+    manager.store_master(0, None, torch.ones(8))  # the CPU optimizer's new master, and parameters to the device
+    assert manager.bytes_moved == {"nvme_read": 0, "nvme_write": 0, "h2d": 8 * 2, "d2h": 0}

@@ -1,4 +1,4 @@
-"""Cost model of a training step: bytes per link for a placement plan, and the predicted step time.
+"""Cost model of a training step: the predicted step time of a plan's traffic, and the link rates.
 
 Link rates (measured once per machine and cached under ~/.cache/infinity, or
 `$INFINITY_CACHE_DIR`; `infinity bench-links --remeasure` measures again):
@@ -8,21 +8,7 @@ Link rates (measured once per machine and cached under ~/.cache/infinity, or
     cpu_adam                fused CPU Adam (elements/s); device_adam the same on the GPU
     matmul_flops            dense matmul throughput of the compute device (FLOP/s)
 
-Note [traffic per step]: what one optimizer step with `accum` micro-batches moves,
-per unit shard (P, G, O = its params, gradient and optimizer-state bytes):
-
-    params     fetched before forward and again before backward: 2 * accum fetches
-               (the root unit stays gathered from forward to the end of backward: accum).
-               nvme: read P each fetch (+ h2d P with a GPU); host: h2d P with a GPU.
-               After the optimizer step the new params are written: nvme: write P; the
-               first fetch after it reads the copy kept in memory, not the disk (Note
-               [fresh parameters]: every unit with deferred updates, the default; the
-               engine's `kept_params` says which chunks in other modes).
-    grads      each micro-batch's reduced shard is stored (nvme: write G; host: d2h G),
-               micro-batches after the first fetch the sum so far (nvme: read G; host: h2d G).
-    optimizer  nvme: read O and write O (steady state; the first step reads zeros for free)
-               plus read G of the gradients it consumes; the step runs on the GPU when the
-               optimizer state is on the device tier of a GPU, else on the CPU.
+Bytes per link come from the byte model (memory/traffic.py, Note [traffic per step]).
 
 Note [step time]: forward/backward and the optimizer step are sequential phases.
 Within a phase transfers overlap compute (prefetch, read ahead, write behind), so a
@@ -51,9 +37,8 @@ from pathlib import Path
 
 import torch
 
-from .tier import Tier, params_alias_master
+from .traffic import LINKS, StepTraffic, plan_traffic, unit_traffic  # noqa: F401 - the byte model's, used here
 
-LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")  # the keys of memory_report()["bytes_moved"]
 CACHE_VERSION = 1
 
 
@@ -88,81 +73,6 @@ def default_rates(cuda: bool) -> LinkRates:
     if cuda:
         return DEFAULT_RATES
     return dataclasses.replace(DEFAULT_RATES, h2d=math.inf, d2h=math.inf, device_adam=DEFAULT_RATES.cpu_adam)
-
-
-# ---------------------------------------------------------------- traffic
-
-
-@dataclass
-class StepTraffic:
-    """Bytes per link in each phase of one optimizer step, and the Adam elements stepped where."""
-
-    fb: dict[str, int] = dataclasses.field(default_factory=lambda: {k: 0 for k in LINKS})
-    opt: dict[str, int] = dataclasses.field(default_factory=lambda: {k: 0 for k in LINKS})
-    adam_cpu: int = 0  # elements stepped on the CPU
-    adam_device: int = 0  # elements stepped on the GPU
-
-    def add(self, other: "StepTraffic", sign: int = 1) -> None:
-        for k in LINKS:
-            self.fb[k] += sign * other.fb[k]
-            self.opt[k] += sign * other.opt[k]
-        self.adam_cpu += sign * other.adam_cpu
-        self.adam_device += sign * other.adam_device
-
-    def total(self) -> dict[str, int]:
-        return {k: self.fb[k] + self.opt[k] for k in LINKS}
-
-
-def unit_traffic(shard_numel: int, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
-                 is_root: bool, kept_numel: int | None = None) -> StepTraffic:
-    """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier.
-    `kept_numel`: parameter elements whose first fetch reads a kept copy (None: all of them)."""
-    t = StepTraffic()
-    P, G, O = shard_numel * compute_bytes, shard_numel * 4, shard_numel * 12
-    fetches = accum * (1 if is_root else 2)
-    params, grads, optim = tiers["params"], tiers["grads"], tiers["optimizer"]
-    opt_on_gpu = cuda and optim is Tier.DEVICE
-    # params: fetched for compute, written back after the step (as the master when aliased)
-    if params is Tier.NVME:
-        kept = shard_numel if kept_numel is None else kept_numel
-        t.fb["nvme_read"] += fetches * P - kept * compute_bytes
-        t.opt["nvme_write"] += 0 if params_alias_master(compute_bytes, params, optim) else P
-    if cuda and params is not Tier.DEVICE:
-        t.fb["h2d"] += fetches * P
-    if cuda and (params is Tier.DEVICE) != opt_on_gpu:  # new params cross between where Adam ran and their tier
-        t.opt["h2d" if params is Tier.DEVICE else "d2h"] += P
-    # grads: stored every micro-batch, accumulated from the second on, read by the optimizer
-    if grads is Tier.NVME:
-        t.fb["nvme_write"] += accum * G
-        t.fb["nvme_read"] += (accum - 1) * G
-        t.opt["nvme_read"] += G
-    if cuda and grads is not Tier.DEVICE:
-        t.fb["d2h"] += accum * G
-        t.fb["h2d"] += (accum - 1) * G
-    if cuda and (grads is Tier.DEVICE) != opt_on_gpu:
-        t.opt["d2h" if grads is Tier.DEVICE else "h2d"] += G
-    # optimizer state: streamed through RAM when on NVMe
-    if optim is Tier.NVME:
-        t.opt["nvme_read"] += O
-        t.opt["nvme_write"] += O
-    if opt_on_gpu:
-        t.adam_device += shard_numel
-    else:
-        t.adam_cpu += shard_numel
-    return t
-
-
-def plan_traffic(plan, *, cuda: bool, accum: int, kept: frozenset[tuple[int, int]] | None = None) -> StepTraffic:
-    """The traffic of every unit of `plan` (unit 0 is the root) per optimizer step. `kept`: the (unit, chunk)s
-    of parameters kept in memory after the update (None: all, as with deferred updates)."""
-    total = StepTraffic()
-    compute_bytes = plan.compute_dtype.itemsize
-    for index, (sizes, kinds) in enumerate(zip(plan.units, plan.tiers)):
-        tiers = {k.group: t for k, t in kinds.items()}
-        kept_numel = None if kept is None else sum(n for c, n in enumerate(sizes.chunk_numels) if (index, c) in kept)
-        total.add(unit_traffic(sizes.shard_numel, tiers, compute_bytes=compute_bytes, cuda=cuda, accum=accum,
-                               is_root=index == 0, kept_numel=kept_numel))
-    return total
 
 
 # ---------------------------------------------------------------- time

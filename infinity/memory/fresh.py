@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .tier import Kind, Tier
+from .traffic import fresh_bytes
 
 
 @dataclass
@@ -177,12 +178,11 @@ class FreshCopies:
 
 
 def fresh_budget(plan, prefetch) -> int:
-    """Bytes the fresh copies may hold: `units_ahead + 1` of the largest parameter shards on NVMe (0 with
-    `[prefetch] keep_written = false`, or no parameters on NVMe)."""
-    if not prefetch.keep_written:
-        return 0
-    shards = [sizes.shard_numel for u, sizes in enumerate(plan.units) if plan.tier(u, Kind.PARAMS) is Tier.NVME]
-    return (prefetch.units_ahead + 1) * max(shards, default=0) * plan.compute_dtype.itemsize
+    """Bytes the fresh copies may hold: the plan's `fresh_params` term (Note [working memory], traffic.py):
+    `units_ahead + 1` of the largest parameter shards on NVMe (0 with `[prefetch] keep_written = false`,
+    or no parameters on NVMe)."""
+    return fresh_bytes(plan.units, plan.compute_dtype.itemsize, prefetch.units_ahead, prefetch.keep_written,
+                       lambda u: plan.tier(u, Kind.PARAMS) is Tier.NVME)
 
 
 def kept_chunks(chunk_bytes: dict[tuple[int, int], int], order: list[tuple[int, int]], budget: int, *,

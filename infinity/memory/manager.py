@@ -312,6 +312,9 @@ class TieredMemoryManager:
                     view.copy_(tensor, non_blocking=stream is not None)
                 if stream is not None:
                     self.streams.record(stream).synchronize()  # the staging buffer is reused as soon as we return
+                link = _crossing(tensor.device, view.device)
+                if link is not None:  # every byte moved is counted (Note [traffic per step] in traffic.py)
+                    self.bytes_moved[link] += numel * shard.dtype.itemsize
             for i in shard.chunk_ids(chunk):
                 self._set(shard, shard.chunks[i], Residency.RESIDENT)
                 shard.chunks[i].version += 1
@@ -426,3 +429,10 @@ class _Chained(Pending):
                 self._result = self._then(self._first.wait())
                 self._done = True
         return self._result
+
+
+def _crossing(src: torch.device, dst: torch.device) -> str | None:
+    """The link a copy from `src` to `dst` crosses: "h2d", "d2h", or None (same memory)."""
+    if (src.type == "cpu") == (dst.type == "cpu"):
+        return None
+    return "h2d" if src.type == "cpu" else "d2h"

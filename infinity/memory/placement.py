@@ -24,11 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import cost_model
-from .tier import Kind, OPTIMIZER_KINDS, Tier, params_alias_master
+from . import cost_model, traffic
+from .tier import Kind, Tier, params_alias_master
+from .traffic import GROUPS, KINDS_OF_GROUP
 
-GROUPS = ("params", "grads", "optimizer")
-KINDS_OF_GROUP = {"params": (Kind.PARAMS,), "grads": (Kind.GRADS,), "optimizer": OPTIMIZER_KINDS}
 FASTEST_FIRST = (Tier.DEVICE, Tier.HOST, Tier.NVME)
 
 
@@ -69,7 +68,9 @@ class Plan:
     tiers: tuple[dict[Kind, Tier], ...]  # indexed by unit index
     units: tuple[UnitSizes, ...]
     compute_dtype: torch.dtype
-    working: dict[Tier, int] = field(default_factory=dict)  # staging / unsharded buffers, bytes
+    working: dict[Tier, int] = field(default_factory=dict)  # staging / unsharded buffers, bytes (the terms' sums)
+    working_terms: dict[Tier, dict[str, int]] = field(default_factory=dict)  # Note [working memory] (traffic.py)
+    read_ahead: int = 0  # bytes the state read-ahead may hold (Note [state read-ahead]); in working_terms
     reasons: tuple[str, ...] = ()
     unit_reasons: tuple[dict[str, str], ...] = ()  # per unit: group -> why it is on its tier (auto policy)
 
@@ -85,15 +86,8 @@ class Plan:
                                    self.tier(unit, Kind.MASTER))
 
     def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
-        """Bytes of state per tier and kind (NVMe extents' alignment not included); parameters
-        that alias the master take none of their own."""
-        out: dict[Tier, dict[Kind, int]] = {t: {k: 0 for k in Kind} for t in Tier}
-        for unit, (sizes, unit_tiers) in enumerate(zip(self.units, self.tiers)):
-            for kind, tier in unit_tiers.items():
-                if kind is Kind.PARAMS and self.aliases_master(unit):
-                    continue
-                out[tier][kind] += sizes.shard_numel * kind.dtype(self.compute_dtype).itemsize
-        return out
+        """Bytes of state per tier and kind (Note [state bytes], traffic.py)."""
+        return traffic.state_bytes(self)
 
     def tier_totals(self) -> dict[Tier, int]:
         per = self.state_bytes()
@@ -101,33 +95,10 @@ class Plan:
 
 
 def working_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
-                  units_ahead: int, pipeline_depth: int = 3) -> dict[Tier, int]:
-    """Buffers the step needs beyond the state itself, per tier.
-
-    DEVICE: unsharded parameters of the root unit and of up to `units_ahead + 1`
-    of the largest other units (the one running plus the prefetched ones), plus
-    one fp32 flat gradient and its reduce-scattered shard for the largest unit.
-    HOST: NVMe staging for `pipeline_depth` optimizer sub-groups of every kind
-    that lives on NVMe; with parameters on NVMe, the shards of up to `units_ahead + 1`
-    units being read for compute, and as many kept after the update wrote them
-    (Note [fresh parameters], memory/fresh.py).
-    """
-    csize = compute_dtype.itemsize
-    if not units:
-        return {}
-    root, rest = units[0], sorted((u.unsharded_numel for u in units[1:]), reverse=True)
-    largest = max(u.unsharded_numel for u in units)
-    largest_shard = max(u.shard_numel for u in units)
-    device = root.unsharded_numel * csize + sum(rest[: units_ahead + 1]) * csize
-    device += largest * 4 + largest_shard * 4
-    host = 0
-    largest_chunk = max(max(u.chunk_numels, default=0) for u in units)
-    nvme_kinds = [k for g in GROUPS if tiers_of[g] is Tier.NVME for k in KINDS_OF_GROUP[g]]
-    for kind in nvme_kinds:
-        host += pipeline_depth * largest_chunk * kind.dtype(compute_dtype).itemsize
-    if tiers_of["params"] is Tier.NVME:
-        host += 2 * (units_ahead + 1) * largest_shard * csize  # being read, and kept (fresh.fresh_budget)
-    return {Tier.DEVICE: device, Tier.HOST: host}
+                  units_ahead: int, **settings) -> dict[Tier, int]:
+    """Buffers the step needs beyond the state itself, per tier: the sums of `traffic.working_terms`
+    (Note [working memory]); `settings` are its keyword arguments."""
+    return traffic.totals(traffic.working_terms(units, compute_dtype, tiers_of, units_ahead, **settings))
 
 
 def _fits(totals: dict[Tier, int], budgets: Budgets) -> list[str]:
@@ -147,16 +118,17 @@ def _fits(totals: dict[Tier, int], budgets: Budgets) -> list[str]:
     return problems
 
 
-def _build(units, compute_dtype, tiers_of: dict[str, Tier], units_ahead: int, reasons=()) -> Plan:
+def _build(units, compute_dtype, tiers_of: dict[str, Tier], units_ahead: int, settings: dict, reasons=()) -> Plan:
     tiers = tuple({k: tiers_of[g] for g in GROUPS for k in KINDS_OF_GROUP[g]} for _ in units)
-    work = working_bytes(units, compute_dtype, tiers_of, units_ahead)
-    return Plan(tiers=tiers, units=units, compute_dtype=compute_dtype, working=work, reasons=tuple(reasons))
+    terms = traffic.working_terms(units, compute_dtype, tiers_of, units_ahead, **settings)
+    return Plan(tiers=tiers, units=units, compute_dtype=compute_dtype, working=traffic.totals(terms),
+                working_terms=terms, reasons=tuple(reasons))
 
 
 def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, policy: str,
                    static: dict[str, str], budgets: Budgets, units_ahead: int,
                    rates: cost_model.LinkRates | None = None, grad_accum_steps: int = 1,
-                   compute_seconds: float = 0.0) -> Plan:
+                   compute_seconds: float = 0.0, keep_written: bool = True, read_ahead: int | str = 0) -> Plan:
     """Decide the tier of every unit's state kinds and check it against the budgets.
 
     policy "static": every unit's params / grads / optimizer state on the tiers of
@@ -164,19 +136,26 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     `rates` (default: this machine's cached measurement, else `cost_model.DEFAULT_RATES`),
     `grad_accum_steps` micro-batches per step and `compute_seconds` of forward and
     backward per step (0 when unknown: transfers are then minimized outright).
+    Every working buffer of Note [working memory] is fitted with the state: `keep_written` (the fresh
+    copies), and `read_ahead`, the state read-ahead's setting ("auto": half of the host memory the rest
+    leaves free; bytes: refused with a ConfigError unless they fit; 0 without the optimizer worker).
     """
+    settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written}
     if policy == "static":
         tiers_of = {g: Tier.parse(static[g]) for g in GROUPS}
-        plan = _build(units, compute_dtype, tiers_of, units_ahead,
+        plan = _build(units, compute_dtype, tiers_of, units_ahead, settings,
                       [f"{g} on {tiers_of[g].value}: set by placement.{g}" for g in GROUPS])
         problems = _fits(plan.tier_totals(), budgets)
         if problems:
-            raise PlacementError(_explain_misfit(problems, units, compute_dtype, budgets, units_ahead))
-        return plan
-    if policy == "auto":
-        return _auto(units, compute_dtype, budgets, units_ahead, rates=rates, accum=grad_accum_steps,
+            raise PlacementError(_explain_misfit(problems, units, compute_dtype, budgets, units_ahead, settings))
+    elif policy == "auto":
+        plan = _auto(units, compute_dtype, budgets, units_ahead, settings, rates=rates, accum=grad_accum_steps,
                      compute_seconds=compute_seconds)
-    raise PlacementError(f"placement.policy = {policy!r} is not one of 'static', 'auto'")
+    else:
+        raise PlacementError(f"placement.policy = {policy!r} is not one of 'static', 'auto'")
+    plan = traffic.with_read_ahead(plan, traffic.resolve_read_ahead(read_ahead, plan, budgets) if read_ahead else 0)
+    assert not _fits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
+    return plan
 
 
 def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
@@ -188,24 +167,25 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
     return plan_placement(units, dtypes[config.precision.compute_dtype], policy=p.policy,
                           static={"params": p.params, "grads": p.grads, "optimizer": p.optimizer},
                           budgets=budgets, units_ahead=config.prefetch.units_ahead, rates=rates,
-                          grad_accum_steps=config.train.grad_accum_steps)
+                          grad_accum_steps=config.train.grad_accum_steps, keep_written=config.prefetch.keep_written,
+                          read_ahead=config.overlap.optimizer_read_ahead if config.overlap.optimizer_with_backward else 0)
 
 
-def _candidates(units, compute_dtype, budgets, units_ahead):
+def _candidates(units, compute_dtype, budgets, units_ahead, settings):
     """Every uniform placement that fits, fastest first."""
     speed = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.NVME: 2}
     combos = sorted(itertools.product(FASTEST_FIRST, repeat=3),
                     key=lambda c: (3 * speed[c[0]] + 2 * speed[c[1]] + speed[c[2]], c[0].value))
     for combo in combos:
         tiers_of = dict(zip(GROUPS, combo))
-        plan = _build(units, compute_dtype, tiers_of, units_ahead)
+        plan = _build(units, compute_dtype, tiers_of, units_ahead, settings)
         if not _fits(plan.tier_totals(), budgets):
             yield tiers_of, plan
 
 
-def _explain_misfit(problems, units, compute_dtype, budgets, units_ahead) -> str:
+def _explain_misfit(problems, units, compute_dtype, budgets, units_ahead, settings) -> str:
     msg = "the placement does not fit: " + "; ".join(problems) + "."
-    fit = next(_candidates(units, compute_dtype, budgets, units_ahead), None)
+    fit = next(_candidates(units, compute_dtype, budgets, units_ahead, settings), None)
     if fit is not None:
         tiers_of, _ = fit
         msg += (" A placement that fits: [placement] " + " ".join(f'{g} = "{t.value}"' for g, t in tiers_of.items())
@@ -215,11 +195,11 @@ def _explain_misfit(problems, units, compute_dtype, budgets, units_ahead) -> str
     return msg
 
 
-def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, *, rates, accum: int,
+def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, settings: dict, *, rates, accum: int,
           compute_seconds: float) -> Plan:
     """Note [auto placement]: the per-unit tiers that minimize the predicted step time."""
     rates = rates or cost_model.cached_link_rates(not budgets.shared_ram)
-    search = _Search(units, compute_dtype, budgets, units_ahead, rates, accum, compute_seconds)
+    search = _Search(units, compute_dtype, budgets, units_ahead, settings, rates, accum, compute_seconds)
     starts = search.uniform_starts(limit=4) + [s for s in (search.slowest_fill(),) if s is not None]
     if not starts:
         raise PlacementError(search.misfit())
@@ -227,9 +207,9 @@ def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, *, rates, ac
     tiers = [dict(zip(GROUPS, COMBOS[c])) for c in combos]
     kinds = tuple({k: t[g] for g in GROUPS for k in KINDS_OF_GROUP[g]} for t in tiers)
     used = {g: Tier.NVME if any(t[g] is Tier.NVME for t in tiers) else Tier.HOST for g in GROUPS}
-    work = working_bytes(units, compute_dtype, used, units_ahead)
+    terms = traffic.working_terms(units, compute_dtype, used, units_ahead, **settings)
     predicted = search.time_of(combos)
-    return Plan(tiers=kinds, units=units, compute_dtype=compute_dtype, working=work,
+    return Plan(tiers=kinds, units=units, compute_dtype=compute_dtype, working=traffic.totals(terms), working_terms=terms,
                 reasons=_summary(tiers, rates, predicted, compute_seconds), unit_reasons=search.reasons(combos))
 
 
@@ -249,7 +229,7 @@ class _Search:
     class are tried per round.
     """
 
-    def __init__(self, units, compute_dtype, budgets: Budgets, units_ahead, rates, accum, compute_seconds):
+    def __init__(self, units, compute_dtype, budgets: Budgets, units_ahead, settings, rates, accum, compute_seconds):
         import numpy as np
         self.np, self.units, self.budgets, self.rates = np, units, budgets, rates
         self.compute_seconds = compute_seconds
@@ -264,16 +244,13 @@ class _Search:
                                             accum=accum, is_root=u == 0)
                 self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
                 self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
-                alias = params_alias_master(compute_dtype.itemsize, tiers["params"], tiers["optimizer"])
                 for g, tier in tiers.items():
-                    nbytes = sum(sizes.shard_numel * kind.dtype(compute_dtype).itemsize for kind in KINDS_OF_GROUP[g])
-                    nbytes = 0 if g == "params" and alias else nbytes  # stored as the master
-                    self.state[u, c, _TIER_INDEX[tier]] += nbytes
+                    self.state[u, c, _TIER_INDEX[tier]] += traffic.group_bytes(sizes.shard_numel, g, tiers, compute_dtype)
                     self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
         self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe
         for mask in range(8):
             tiers_of = {g: Tier.NVME if mask >> i & 1 else Tier.HOST for i, g in enumerate(GROUPS)}
-            w = working_bytes(units, compute_dtype, tiers_of, units_ahead)
+            w = working_bytes(units, compute_dtype, tiers_of, units_ahead, **settings)
             self.work[mask] = [w.get(Tier.DEVICE, 0), w.get(Tier.HOST, 0), 0]
         self.rows = np.arange(n)
 

@@ -1,54 +1,383 @@
-"""Bytes each link moves in one optimizer step, predicted from the plan (a pure function).
+"""The byte model: how many bytes of which kind live where, and move over which link, per step.
 
-Per micro-batch, a unit's parameter shard is fetched for its forward and again for
-its backward; the root unit once (it stays unsharded through both). Gradients are
-written once per micro-batch and read back to accumulate from the second micro-batch
-on, and once more by the optimizer (parameter chunks it keeps in memory are not read back by
-the next forward: Note [fresh parameters]). The optimizer reads the fp32 master and both
-moments (the moments only once they exist: before the first update they are zero
-and nothing is read) and writes all three, plus the new compute-dtype parameters
-(unless they alias the master: Note [aliased parameters] in tier.py).
-On a machine without a GPU, device and host are the same memory: no copy is a link.
-The profile's per-link bytes are checked against this exactly (tests/test_profile_traffic.py).
+One module answers it for a plan, and everyone asks it: the planner (`placement`: what it fits
+to the budgets), the auto policy's cost model (`cost_model.predict_step_time` of `plan_traffic`),
+`infinity estimate` (its peak terms), the engine's `memory_report()["plan"]` (`plan_report`),
+bench_step's I/O floors and the profile-equals-plan test (`bytes_per_step`). Three answers:
+
+Note [state bytes]: state bytes per tier and kind. A unit's shard of each kind takes
+`shard_numel * itemsize` on its tier (parameters in the compute dtype, the rest fp32), except
+parameters that alias the master (Note [aliased parameters] in tier.py): none of their own. The
+rule is applied once, in `group_bytes`; NVMe extents' alignment is not counted.
+
+Note [working memory]: the buffers a step needs beyond the state, per tier, term by term
+(`working_terms`; the plan carries them and the planner fits their sum with the state):
+
+    DEVICE unsharded       the root unit and up to `units_ahead + 1` of the largest other units gathered
+                           (the one running and the prefetched ones), compute dtype
+           flat_grad       one fp32 flat gradient of the largest unit and its reduce-scattered shard
+    HOST   update_staging  the update pipeline's staging pool: a replay of two optimizer steps' buffer
+                           requests (OffloadedOptimizer reads UPDATE_READS_AHEAD tasks ahead and keeps at
+                           most UPDATE_WRITES_IN_FLIGHT stores pending) over io_engine's size classes
+                           (`io_engine.size_class`; the pool keeps every buffer it allocated)
+           read_ahead      the state read-ahead (Note [state read-ahead]) beyond those buffers: it holds
+                           `plan.read_ahead` bytes of the next update's NVMe state, and the update's
+                           write-behind of the chunks taken from it; the pool recycles one into the other
+           fresh_params    parameters kept after their write (Note [fresh parameters], fresh.py)
+           param_staging   with a GPU, parameters read from NVMe for compute pass through host staging:
+                           `units_ahead + 1` of the largest shards (without one they land in the
+                           unsharded buffers: Note [unsharded memory])
+
+The read-ahead's budget is part of the plan: "auto" takes half of the host memory the rest of the
+plan leaves free under the budgets, so a host budget bounds it (`resolve_read_ahead`).
+Activations are not known when planning; `infinity estimate` traces them (Note [peak memory]).
+
+Note [peak memory] (`infinity.estimate.peak_terms`): the predicted peak of one rank's process memory (RSS without
+a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
+named terms:
+
+    runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
+    state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
+    working       the plan's working buffers, term by term as the planner fitted them to the budgets
+                  (Note [working memory] above): unsharded units, the flat gradient,
+                  the update's staging, the state read-ahead, fresh parameters
+    activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
+                  again for the transient of its gradient
+    allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
+                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
+    init          while a unit is materialized: its full fp32 values, its shard and their casts
+                  (replaces working + activations + allocator when larger)
+
+Note [traffic per step]: what one optimizer step with `accum` micro-batches moves, per unit shard
+(P, G, O = its params, gradient and optimizer-state bytes); `unit_traffic`, by phase:
+
+    params     fetched before forward and again before backward: 2 * accum fetches
+               (the root unit stays gathered from forward to the end of backward: accum).
+               nvme: read P each fetch (+ h2d P with a GPU); host: h2d P with a GPU.
+               After the optimizer step the new params are written: nvme: write P (none when they
+               alias the master: its write is theirs); the first fetch after it reads the copy kept
+               in memory, not the disk (Note [fresh parameters]: the engine's `kept_params` says
+               which chunks). With a GPU, new params cross once between where Adam ran and their tier.
+    grads      each micro-batch's reduced shard is stored (nvme: write G; with a GPU, d2h G unless on
+               the device), micro-batches after the first fetch the sum so far (nvme: read G; h2d G);
+               the optimizer reads G (nvme), crossing to where it runs (with a GPU).
+    optimizer  nvme: read O and write O (the first step reads only the master: the moments are
+               zeros, never read); the step runs on the GPU when the optimizer state is on the
+               device tier of a GPU, else on the CPU.
+
+On a machine without a GPU, device and host are the same memory: no copy is a link. The manager
+counts every byte it moves the same way (`TieredMemoryManager.bytes_moved`, d2h / h2d into resident
+tiers included); tests/test_profile_traffic.py checks the two agree.
 """
 
 from __future__ import annotations
 
-from .placement import Plan
-from .tier import Kind, OPTIMIZER_KINDS, Tier
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from ..config import ConfigError, format_size
+from .tier import Kind, OPTIMIZER_KINDS, Tier, params_alias_master
+
+if TYPE_CHECKING:
+    from .placement import Budgets, Plan, UnitSizes
+
+LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")  # the keys of memory_report()["bytes_moved"]
+GROUPS = ("params", "grads", "optimizer")
+KINDS_OF_GROUP = {"params": (Kind.PARAMS,), "grads": (Kind.GRADS,), "optimizer": OPTIMIZER_KINDS}
+# What OffloadedOptimizer holds (its defaults are these): tasks whose reads are issued ahead of the one
+# being stepped, and stores left pending before it waits for the oldest.
+UPDATE_READS_AHEAD = 1
+UPDATE_WRITES_IN_FLIGHT = 4
+STAGING_ALIGNMENT = 4096  # the host staging pool's (memory/buffers.py)
+_FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
 
 
-def bytes_per_step(plan: Plan, *, grad_accum_steps: int, first_step: bool, cuda: bool,
+# ---------------------------------------------------------------- Note [state bytes]
+
+
+def group_bytes(shard_numel: int, group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> int:
+    """Bytes one unit's `group` takes on its tier: the one place the aliasing rule is applied."""
+    if group == "params" and params_alias_master(compute_dtype.itemsize, tiers["params"], tiers["optimizer"]):
+        return 0  # stored as the master (Note [aliased parameters])
+    return sum(shard_numel * kind.dtype(compute_dtype).itemsize for kind in KINDS_OF_GROUP[group])
+
+
+def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
+    """Bytes of state per tier and kind (NVMe extents' alignment not included)."""
+    out: dict[Tier, dict[Kind, int]] = {t: {k: 0 for k in Kind} for t in Tier}
+    for unit, (sizes, unit_tiers) in enumerate(zip(plan.units, plan.tiers)):
+        tiers = {k.group: t for k, t in unit_tiers.items()}
+        for kind, tier in unit_tiers.items():
+            if kind is Kind.PARAMS and group_bytes(1, "params", tiers, plan.compute_dtype) == 0:
+                continue
+            out[tier][kind] += sizes.shard_numel * kind.dtype(plan.compute_dtype).itemsize
+    return out
+
+
+# ---------------------------------------------------------------- Note [working memory]
+
+
+def update_staging_bytes(units: tuple["UnitSizes", ...], compute_dtype: torch.dtype,
+                         on_nvme: Callable[[int, Kind], bool], aliased: Callable[[int], bool], *,
+                         reads_ahead: int = UPDATE_READS_AHEAD, writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT) -> int:
+    """Host staging bytes the pool ends up holding for the update: a replay of two optimizer steps'
+    buffer requests as OffloadedOptimizer.step makes them (read `reads_ahead` tasks ahead, at most
+    `writes_in_flight` stores pending, the last stores left pending into the next step) over the size
+    classes of io_engine's pool, which keeps every buffer it allocated. Only NVMe shards are staged."""
+    from io_engine import size_class
+    csize = compute_dtype.itemsize
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+
+    def get(nbytes: int) -> int | None:
+        if nbytes == 0:
+            return None
+        c = size_class(nbytes, STAGING_ALIGNMENT)
+        live[c] = live.get(c, 0) + 1
+        peak[c] = max(peak.get(c, 0), live[c])
+        return c
+
+    def put(c: int | None) -> None:
+        if c is not None:
+            live[c] -= 1
+
+    tasks = [(u, n) for u, sizes in enumerate(units) for n in sizes.chunk_numels]
+    left: dict[int, list] = {}  # task -> buffers of its stores still pending from the last step
+    for _step in range(2):
+        for task, pending in left.items():
+            for is_params, c in pending:
+                put(c if is_params else None)  # the forward's parameter fetch waits the pending parameter write
+            left[task] = [(False, c) for is_params, c in pending if not is_params]
+        ahead, writes, nxt = [], [], 0
+        for _ in tasks:
+            while nxt < len(tasks) and len(ahead) <= reads_ahead:
+                u, n = tasks[nxt]
+                for _, c in left.pop(nxt, []):
+                    put(c)  # fetching a chunk waits its pending write first
+                ahead.append((nxt, u, n, {k: get(n * 4) if on_nvme(u, k) else None for k in _FETCHED}))
+                nxt += 1
+            task, u, n, bufs = ahead.pop(0)
+            alias = aliased(u)  # the master's buffer is the parameters' (Note [aliased parameters])
+            params = get(n * csize) if on_nvme(u, Kind.PARAMS) and not alias else None
+            writes += [(task, alias and k is Kind.MASTER, bufs[k]) for k in OPTIMIZER_KINDS]
+            if not alias:
+                writes.append((task, True, params))
+            put(bufs[Kind.GRADS])  # released right after the step
+            while len(writes) > writes_in_flight:
+                put(writes.pop(0)[2])
+        for task, is_params, c in writes:
+            left.setdefault(task, []).append((is_params, c))
+    return sum(c * n for c, n in peak.items())
+
+
+def largest_nvme_chunk_bytes(units: tuple["UnitSizes", ...], optimizer_on_nvme: Callable[[int, Kind], bool]) -> int:
+    """Bytes one optimizer sub-group's NVMe state takes (all its NVMe kinds)."""
+    return max((max(sizes.chunk_numels, default=0) * 4 * sum(optimizer_on_nvme(u, k) for k in OPTIMIZER_KINDS)
+                for u, sizes in enumerate(units)), default=0)
+
+
+def read_ahead_term(update_staging: int, read_ahead: int, one_kind_chunk: int) -> int:
+    """What a read-ahead of `read_ahead` bytes adds to the update's staging: the pool holds the read state
+    plus the write-behind of the chunks taken from it, or the pipeline's own buffers, whichever is more."""
+    if read_ahead <= 0:
+        return 0
+    return max(0, read_ahead + UPDATE_WRITES_IN_FLIGHT * one_kind_chunk - update_staging)
+
+
+def working_terms(units: tuple["UnitSizes", ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
+                  units_ahead: int, *, cuda: bool = False, keep_written: bool = True,
+                  read_ahead: int = 0) -> dict[Tier, dict[str, int]]:
+    """Note [working memory], term by term, for every unit's groups on the tiers of `tiers_of`
+    (the planner passes a group's slowest tier of any unit: its staging exists once one unit has it)."""
+    if not units:
+        return {Tier.DEVICE: {}, Tier.HOST: {}}
+    csize = compute_dtype.itemsize
+    root, rest = units[0], sorted((u.unsharded_numel for u in units[1:]), reverse=True)
+    largest = max(u.unsharded_numel for u in units)
+    largest_shard = max(u.shard_numel for u in units)
+    device = {"unsharded": (root.unsharded_numel + sum(rest[: units_ahead + 1])) * csize,
+              "flat_grad": largest * 4 + largest_shard * 4}
+    on_nvme = lambda u, k: tiers_of[k.group] is Tier.NVME  # noqa: E731
+    alias = params_alias_master(csize, tiers_of["params"], tiers_of["optimizer"])
+    staging = update_staging_bytes(units, compute_dtype, on_nvme, lambda u: alias)
+    params_nvme = tiers_of["params"] is Tier.NVME
+    one_kind = largest_nvme_chunk_bytes(units, lambda u, k: k is Kind.MASTER and on_nvme(u, k))
+    host = {"update_staging": staging,
+            "read_ahead": read_ahead_term(staging, read_ahead, one_kind),
+            "fresh_params": fresh_bytes(units, csize, units_ahead, keep_written, lambda u: params_nvme),
+            "param_staging": (units_ahead + 1) * largest_shard * csize if cuda and params_nvme else 0}
+    return {Tier.DEVICE: device, Tier.HOST: host}
+
+
+def totals(terms: dict[Tier, dict[str, int]]) -> dict[Tier, int]:
+    return {t: sum(v.values()) for t, v in terms.items()}
+
+
+def fresh_bytes(units: tuple["UnitSizes", ...], compute_itemsize: int, units_ahead: int, keep_written: bool,
+                params_on_nvme: Callable[[int], bool]) -> int:
+    """Bytes the fresh copies may hold: `units_ahead + 1` of the largest parameter shards on NVMe (0 with
+    `[prefetch] keep_written = false`, or no parameters on NVMe)."""
+    if not keep_written:
+        return 0
+    shards = [sizes.shard_numel for u, sizes in enumerate(units) if params_on_nvme(u)]
+    return (units_ahead + 1) * max(shards, default=0) * compute_itemsize
+
+
+# ---------------------------------------------------------------- the read-ahead's budget
+
+
+def nvme_optimizer_bytes(plan: "Plan") -> int:
+    """Bytes of optimizer state on NVMe: all a read-ahead could ever hold."""
+    return sum(plan.state_bytes()[Tier.NVME][k] for k in OPTIMIZER_KINDS)
+
+
+def largest_chunk_bytes(plan: "Plan") -> int:
+    """Bytes one optimizer sub-group's NVMe state takes: a read-ahead budget below it never reads."""
+    return largest_nvme_chunk_bytes(plan.units, lambda u, k: plan.tier(u, k) is Tier.NVME)
+
+
+def host_slack(plan: "Plan", budgets: "Budgets") -> int:
+    """Host memory the plan leaves free under the budgets (state and every working term counted)."""
+    totals_ = plan.tier_totals()
+    slack = budgets.host - totals_[Tier.HOST]
+    if budgets.shared_ram:
+        slack = min(slack, budgets.shared_limit - totals_[Tier.DEVICE] - totals_[Tier.HOST])
+    return max(0, slack)
+
+
+def resolve_read_ahead(setting, plan: "Plan", budgets: "Budgets") -> int:
+    """The read-ahead budget for `[overlap] optimizer_read_ahead` = `setting` (0: none; callers pass 0
+    without the optimizer worker) given the rest of `plan`: "auto" takes half the host memory the plan
+    leaves free (none when that is less than one sub-group's state); an explicit size must fit in it
+    (ConfigError otherwise). Either way its working term fits the host budget."""
+    wanted, chunk = nvme_optimizer_bytes(plan), largest_chunk_bytes(plan)
+    # the read-ahead's write-behind may outgrow the update pipeline's own buffers (few chunks)
+    over = read_ahead_term(plan.working_terms.get(Tier.HOST, {}).get("update_staging", 0), 1, _one_kind(plan)) - 1
+    free = max(0, host_slack(plan, budgets) - max(0, over))
+    if setting == "auto":
+        num_bytes = min(wanted, free // 2)
+        return num_bytes if num_bytes >= chunk else 0  # too little memory left to hold one sub-group
+    num_bytes = min(int(setting), wanted)
+    if num_bytes > free:
+        raise ConfigError(
+            f"overlap.optimizer_read_ahead = {format_size(setting)} would hold {format_size(num_bytes)} of optimizer "
+            f"state, but the plan leaves only {format_size(free)} of host memory free under "
+            f'memory.host_budget: lower it, or set it to "auto"')
+    if 0 < num_bytes < chunk:
+        raise ConfigError(
+            f"overlap.optimizer_read_ahead = {format_size(num_bytes)} is less than one optimizer sub-group's state "
+            f"({format_size(chunk)}), so nothing could be read ahead: raise it to at least that, lower "
+            f"optimizer.sub_group_size, or set it to 0")
+    return num_bytes
+
+
+def _one_kind(plan: "Plan") -> int:
+    """The largest NVMe sub-group of one optimizer state kind."""
+    return largest_nvme_chunk_bytes(plan.units, lambda u, k: k is Kind.MASTER and plan.tier(u, k) is Tier.NVME)
+
+
+def with_read_ahead(plan: "Plan", read_ahead: int) -> "Plan":
+    """`plan` holding a state read-ahead of `read_ahead` bytes: its working term updated."""
+    terms = {t: dict(v) for t, v in plan.working_terms.items()}
+    host = terms.setdefault(Tier.HOST, {})
+    host["read_ahead"] = read_ahead_term(host.get("update_staging", 0), read_ahead, _one_kind(plan))
+    return dataclasses.replace(plan, working_terms=terms, working=totals(terms), read_ahead=read_ahead)
+
+
+def plan_report(plan: "Plan") -> dict:
+    """memory_report()'s plan section: state per tier and kind, working bytes per tier (total and term by
+    term), and the read-ahead's budget; the same numbers the planner fitted to the budgets."""
+    return {"plan": {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in plan.state_bytes().items()},
+            "working_planned": {t.value: v for t, v in plan.working.items()},
+            "working_planned_terms": {t.value: dict(v) for t, v in plan.working_terms.items()},
+            "read_ahead_planned": plan.read_ahead}
+
+
+# ---------------------------------------------------------------- Note [traffic per step]
+
+
+@dataclass
+class StepTraffic:
+    """Bytes per link in each phase of one optimizer step, and the Adam elements stepped where."""
+
+    fb: dict[str, int] = dataclasses.field(default_factory=lambda: {k: 0 for k in LINKS})
+    opt: dict[str, int] = dataclasses.field(default_factory=lambda: {k: 0 for k in LINKS})
+    adam_cpu: int = 0  # elements stepped on the CPU
+    adam_device: int = 0  # elements stepped on the GPU
+
+    def add(self, other: "StepTraffic", sign: int = 1) -> None:
+        for k in LINKS:
+            self.fb[k] += sign * other.fb[k]
+            self.opt[k] += sign * other.opt[k]
+        self.adam_cpu += sign * other.adam_cpu
+        self.adam_device += sign * other.adam_device
+
+    def total(self) -> dict[str, int]:
+        return {k: self.fb[k] + self.opt[k] for k in LINKS}
+
+
+def unit_traffic(shard_numel: int, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
+                 is_root: bool, kept_numel: int | None = None, first_step: bool = False) -> StepTraffic:
+    """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier.
+    `kept_numel`: parameter elements whose first fetch reads a kept copy (None: all of them).
+    `first_step`: no update before it (nothing kept) and the moments are still zeros (never read)."""
+    t = StepTraffic()
+    P, G = shard_numel * compute_bytes, shard_numel * 4
+    fetches = accum * (1 if is_root else 2)
+    params, grads, optim = tiers["params"], tiers["grads"], tiers["optimizer"]
+    opt_on_gpu = cuda and optim is Tier.DEVICE
+    # params: fetched for compute, written back after the step (as the master when aliased)
+    if params is Tier.NVME:
+        kept = 0 if first_step else shard_numel if kept_numel is None else kept_numel
+        t.fb["nvme_read"] += fetches * P - kept * compute_bytes
+        t.opt["nvme_write"] += 0 if params_alias_master(compute_bytes, params, optim) else P
+    if cuda and params is not Tier.DEVICE:
+        t.fb["h2d"] += fetches * P
+    if cuda and (params is Tier.DEVICE) != opt_on_gpu:  # new params cross between where Adam ran and their tier
+        t.opt["h2d" if params is Tier.DEVICE else "d2h"] += P
+    # grads: stored every micro-batch, accumulated from the second on, read by the optimizer
+    if grads is Tier.NVME:
+        t.fb["nvme_write"] += accum * G
+        t.fb["nvme_read"] += (accum - 1) * G
+        t.opt["nvme_read"] += G
+    if cuda and grads is not Tier.DEVICE:
+        t.fb["d2h"] += accum * G
+        t.fb["h2d"] += (accum - 1) * G
+    if cuda and (grads is Tier.DEVICE) != opt_on_gpu:
+        t.opt["d2h" if grads is Tier.DEVICE else "h2d"] += G
+    # optimizer state: streamed through RAM when on NVMe
+    if optim is Tier.NVME:
+        t.opt["nvme_read"] += shard_numel * (4 if first_step else 12)
+        t.opt["nvme_write"] += shard_numel * 12
+    if opt_on_gpu:
+        t.adam_device += shard_numel
+    else:
+        t.adam_cpu += shard_numel
+    return t
+
+
+def plan_traffic(plan: "Plan", *, cuda: bool, accum: int, kept: frozenset[tuple[int, int]] | None = None,
+                 first_step: bool = False) -> StepTraffic:
+    """The traffic of every unit of `plan` (unit 0 is the root) per optimizer step. `kept`: the (unit, chunk)s
+    of parameters kept in memory after the update (None: all, as with deferred updates)."""
+    total = StepTraffic()
+    compute_bytes = plan.compute_dtype.itemsize
+    for index, (sizes, kinds) in enumerate(zip(plan.units, plan.tiers)):
+        if sizes.shard_numel == 0:
+            continue
+        tiers = {k.group: t for k, t in kinds.items()}
+        kept_numel = None if kept is None else sum(n for c, n in enumerate(sizes.chunk_numels) if (index, c) in kept)
+        total.add(unit_traffic(sizes.shard_numel, tiers, compute_bytes=compute_bytes, cuda=cuda, accum=accum,
+                               is_root=index == 0, kept_numel=kept_numel, first_step=first_step))
+    return total
+
+
+def bytes_per_step(plan: "Plan", *, grad_accum_steps: int, first_step: bool, cuda: bool,
                    kept: frozenset[tuple[int, int]] = frozenset()) -> dict[str, int]:
     """Predicted bytes per link for one optimizer step ("nvme_read", "nvme_write", "h2d", "d2h").
     `kept`: the (unit, chunk)s of parameters whose first fetch after an update reads the copy kept in
     memory, not the disk (Note [fresh parameters]; `Engine.kept_params`)."""
-    out = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
-    cbytes = plan.compute_dtype.itemsize
-    accum = grad_accum_steps
-    for index, sizes in enumerate(plan.units):
-        shard = sizes.shard_numel
-        if shard == 0:
-            continue
-        tier = {k: plan.tier(index, k) for k in Kind}
-        fetches = accum * (1 if index == 0 else 2)
-        params = shard * cbytes
-        if tier[Kind.PARAMS] is Tier.NVME:
-            out["nvme_read"] += fetches * params
-            if not first_step:  # the previous step's update kept these chunks: the first fetch reads memory
-                out["nvme_read"] -= sum(n for c, n in enumerate(sizes.chunk_numels) if (index, c) in kept) * cbytes
-            if not plan.aliases_master(index):  # aliased: the master's write is theirs (Note [aliased parameters])
-                out["nvme_write"] += params  # the optimizer's new parameters
-            out["h2d"] += fetches * params if cuda else 0
-        elif tier[Kind.PARAMS] is Tier.HOST and cuda:
-            out["h2d"] += fetches * params
-        grads = shard * 4
-        if tier[Kind.GRADS] is Tier.NVME:
-            out["nvme_write"] += accum * grads
-            out["nvme_read"] += (accum - 1) * grads + grads  # accumulation, then the optimizer
-        optimizer_state = [k for k in OPTIMIZER_KINDS if tier[k] is Tier.NVME]
-        for kind in optimizer_state:
-            read = kind is Kind.MASTER or not first_step
-            out["nvme_read"] += shard * 4 if read else 0
-            out["nvme_write"] += shard * 4
-    return out
+    return plan_traffic(plan, cuda=cuda, accum=grad_accum_steps, kept=kept, first_step=first_step).total()

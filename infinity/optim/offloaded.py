@@ -23,6 +23,7 @@ import torch
 
 from ..memory.manager import TieredMemoryManager
 from ..memory.tier import Kind, Tier
+from ..memory.traffic import UPDATE_READS_AHEAD, UPDATE_WRITES_IN_FLIGHT  # the byte model stages these
 from ..profile import Link, NullProfiler
 from ..unit import Unit
 from .cpu_adam import AdamHyper, adam_step
@@ -43,8 +44,8 @@ class OffloadedOptimizer:
     """Adam / AdamW over all units' flat fp32 shards, wherever they live."""
 
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, compute_device: torch.device,
-                 read_ahead: int = 1, max_writes_in_flight: int = 4, profiler=None, blocks_compute: bool = True,
-                 state_read_ahead: StateReadAhead | None = None):
+                 read_ahead: int = UPDATE_READS_AHEAD, max_writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT,
+                 profiler=None, blocks_compute: bool = True, state_read_ahead: StateReadAhead | None = None):
         self.units, self.manager, self.compute_device = units, manager, compute_device
         self.profiler = profiler or NullProfiler()
         self.blocks_compute = blocks_compute  # on the training thread: its read waits are exposed time

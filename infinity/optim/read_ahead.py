@@ -47,7 +47,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ConfigError, format_size
 from ..memory.manager import Pending, TieredMemoryManager
 from ..memory.tier import OPTIMIZER_KINDS, Kind, Tier
 
@@ -219,51 +218,8 @@ class StateReadAhead:
         return entry.fetches
 
 
-def nvme_optimizer_bytes(plan) -> int:
-    """This rank's optimizer state on NVMe: the most there is to read ahead."""
-    return sum(plan.state_bytes()[Tier.NVME][k] for k in OPTIMIZER_KINDS)
-
-
-def host_slack(plan, budgets) -> int:
-    """Host memory the plan leaves free under the budgets (state and working buffers counted)."""
-    totals = plan.tier_totals()
-    slack = budgets.host - totals[Tier.HOST]
-    if budgets.shared_ram:
-        slack = min(slack, budgets.shared_limit - totals[Tier.DEVICE] - totals[Tier.HOST])
-    return max(0, slack)
-
-
 def resolve_read_ahead(cfg, plan, budgets) -> int:
-    """The read-ahead budget of a run of `cfg` with `plan` under `budgets` (0: none), as `initialize` and
-    `infinity estimate` resolve it; raises ConfigError for an explicit size that cannot work."""
-    setting = cfg.overlap.optimizer_read_ahead
-    if not cfg.overlap.optimizer_with_backward:
-        return 0  # no worker to read ahead (Config refuses an explicit size then)
-    num_bytes, chunk = read_ahead_budget(setting, plan, budgets), largest_chunk_bytes(plan)
-    if setting == "auto":
-        return num_bytes if num_bytes >= chunk else 0  # too little memory left to hold one sub-group
-    if num_bytes > host_slack(plan, budgets):
-        raise ConfigError(
-            f"overlap.optimizer_read_ahead = {format_size(setting)} would hold {format_size(num_bytes)} of optimizer "
-            f"state, but the plan leaves only {format_size(host_slack(plan, budgets))} of host memory free under "
-            f'memory.host_budget: lower it, or set it to "auto"')
-    if 0 < num_bytes < chunk:
-        raise ConfigError(
-            f"overlap.optimizer_read_ahead = {format_size(num_bytes)} is less than one optimizer sub-group's state "
-            f"({format_size(chunk)}), so nothing could be read ahead: raise it to at least that, lower "
-            f"optimizer.sub_group_size, or set it to 0")
-    return num_bytes
-
-
-def read_ahead_budget(setting, plan, budgets) -> int:
-    """Bytes the state read-ahead may hold, for `[overlap] optimizer_read_ahead` = `setting`."""
-    wanted = nvme_optimizer_bytes(plan)
-    if setting == "auto":
-        return min(wanted, host_slack(plan, budgets) // 2)
-    return min(int(setting), wanted)
-
-
-def largest_chunk_bytes(plan) -> int:
-    """Bytes one optimizer sub-group's NVMe state takes: a read-ahead budget below it never reads."""
-    return max((max(sizes.chunk_numels, default=0) * 4 * sum(plan.tier(u, k) is Tier.NVME for k in OPTIMIZER_KINDS)
-                for u, sizes in enumerate(plan.units)), default=0)
+    """The read-ahead budget of a run of `cfg` with `plan` under `budgets` (0: none). The planner resolved
+    it into the plan (`traffic.resolve_read_ahead`, fitted to the host budget with everything else), so
+    this is `plan.read_ahead`; the arguments say which run it is."""
+    return plan.read_ahead
