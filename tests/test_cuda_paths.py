@@ -4,6 +4,7 @@ recording stand-ins for torch.cuda's streams, events and set_device, and a count
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from types import SimpleNamespace
@@ -255,3 +256,50 @@ def test_host_syncs_per_step_do_not_grow_with_the_units(overlap, clip):
                 engine.synchronize()
         per_model[n_layer] = [why for thread, why in syncs if thread == threading.current_thread().name]
     assert per_model[2] == per_model[5] == ["grad norm"] * 2, per_model
+
+
+class RecordingStreams(Streams):
+    """Streams of a pretend GPU: every record / wait / use / host sync is logged, in order."""
+
+    def __init__(self):
+        super().__init__(device=torch.device("cuda", 0), compute="compute", h2d="h2d", d2h="d2h", comm="comm")
+        self.log = []
+
+    def record(self, stream=None):
+        log, on = self.log, stream or "current"
+        log.append(("record", on))
+
+        class Event:
+            def synchronize(self):
+                log.append(("host waits", on))
+        return Event()
+
+    def wait_event(self, event, stream=None) -> None:
+        self.log.append(("wait", stream or "current"))
+
+    @contextlib.contextmanager
+    def use(self, stream):
+        self.log.append(("use", stream))
+        yield
+        self.log.append(("end", stream))
+
+
+def test_device_to_host_store_waits_for_the_producing_stream(tmp_path, monkeypatch):
+    """Defect 1: a store of a device tensor to the host or NVMe tier copies on the d2h stream only after
+    that stream waits for the stream that produced the tensor; and both tiers' stores take that path."""
+    recipe = Recipe()
+    config = recipe.config(params="nvme", grads="host", optimizer="nvme") | {"nvme": {"paths": [str(tmp_path)]}}
+    engine = infinity.initialize(recipe.build(), config)
+    with engine:
+        manager = engine.manager
+        streams = manager.streams = RecordingStreams()
+        manager._to_host(torch.empty(4), torch.ones(4))
+        assert streams.log == [("record", "current"), ("wait", "d2h"), ("use", "d2h"), ("record", "d2h"),
+                               ("end", "d2h"), ("host waits", "d2h")]
+        copies = []
+        monkeypatch.setattr(manager, "_to_host", lambda dst, src: copies.append((dst.device.type, src.device.type)))
+        for kind in (Kind.GRADS, Kind.EXP_AVG):  # host tier, NVMe tier
+            start, numel = manager.chunk_span(1, 0)
+            manager.store(1, kind, 0, torch.empty(numel, device=META)).wait()
+        assert copies == [("cpu", "meta"), ("cpu", "meta")]
+        manager.mark_zero(1, Kind.EXP_AVG)

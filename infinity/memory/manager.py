@@ -31,7 +31,7 @@ from .fresh import FreshCopies
 from ..profile import Link, NullProfiler
 from .placement import Plan
 from .tier import Kind, Residency, Tier, check_transition
-from ..streams import Streams
+from ..streams import Streams, host_wait
 
 
 @dataclass
@@ -307,11 +307,10 @@ class TieredMemoryManager:
         if shard.tier is not Tier.NVME:
             view = shard.resident.narrow(0, start, numel)
             if tensor.data_ptr() != view.data_ptr():
-                stream = self.streams.d2h if view.device.type == "cpu" and tensor.device.type != "cpu" else None
-                with self.streams.use(stream):
-                    view.copy_(tensor, non_blocking=stream is not None)
-                if stream is not None:
-                    self.streams.record(stream).synchronize()  # the staging buffer is reused as soon as we return
+                if view.device.type == "cpu" and tensor.device.type != "cpu":
+                    self._to_host(view, tensor)
+                else:
+                    view.copy_(tensor)  # (on the producer's stream: in order after it)
                 link = _crossing(tensor.device, view.device)
                 if link is not None:  # every byte moved is counted (Note [traffic per step] in traffic.py)
                     self.bytes_moved[link] += numel * shard.dtype.itemsize
@@ -324,9 +323,7 @@ class TieredMemoryManager:
         host = tensor
         if tensor.device.type != "cpu":
             host = self.staging.host_buffer(numel, shard.dtype)
-            with self.streams.use(self.streams.d2h):
-                host.copy_(tensor, non_blocking=True)
-                self.streams.record(self.streams.d2h).synchronize()  # the disk write reads host memory
+            self._to_host(host, tensor)  # (the disk write reads host memory)
             self.bytes_moved["d2h"] += numel * shard.dtype.itemsize
             if release:
                 self.staging.release(tensor)
@@ -370,6 +367,16 @@ class TieredMemoryManager:
         if keep and not self.fresh.put(unit, ids[0], host, params.chunks[ids[0]].version, pending):
             self.fresh.done_with(host, pending)  # not kept: back to the pool once written
         return pending
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy device `src` into host `dst` on the d2h stream, after the work that produced `src` (queued on
+        this thread's current stream: the reduce-scatter's accumulation, the optimizer's cast), and wait."""
+        streams = self.streams
+        streams.wait_event(streams.record(), streams.d2h)  # the copy must see the producer's last writes to src
+        with streams.use(streams.d2h):
+            dst.copy_(src, non_blocking=True)
+            done = streams.record(streams.d2h)
+        host_wait(done, "d2h store")  # the caller reuses src, and the CPU (or the disk) reads dst, next
 
     def _timed(self, fut, link: Link, shard: _Shard, c: _Chunk):
         """Record the transfer as a span when it completes (on the io thread)."""
