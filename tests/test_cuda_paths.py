@@ -19,7 +19,8 @@ import infinity.engine as engine_module
 from infinity.checkpoint import ShardWriter
 from infinity.environment import resolve
 from infinity.hooks import to_device
-from infinity.memory.tier import Kind
+from infinity.memory.manager import TieredMemoryManager
+from infinity.memory.tier import Kind, Tier
 from infinity.models.gpt import GPT
 from infinity.optim.worker import OptimizerWorker
 from infinity.streams import Streams, count_host_syncs
@@ -303,3 +304,41 @@ def test_device_to_host_store_waits_for_the_producing_stream(tmp_path, monkeypat
             manager.store(1, kind, 0, torch.empty(numel, device=META)).wait()
         assert copies == [("cpu", "meta"), ("cpu", "meta")]
         manager.mark_zero(1, Kind.EXP_AVG)
+
+
+def test_host_tier_is_one_arena_pinned_at_its_exact_size(monkeypatch):
+    """Defect 5 (Note [pinned arena]): with pinning, the host tier is one allocation registered once with
+    CUDA at the plan's bytes (each shard rounded up to a page), every shard inside it; nothing goes
+    through the caching host allocator, which rounds pinned blocks up to powers of two."""
+    calls = []
+
+    class CudaRuntime:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr, nbytes))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", CudaRuntime)
+    recipe = Recipe()
+    engine = infinity.initialize(recipe.build(), recipe.config(params="host", grads="host", optimizer="host"))
+    with engine:
+        plan = engine.plan
+        manager = TieredMemoryManager(plan, torch.device("cpu"), Streams(torch.device("cpu")), None, pin_host=True)
+        for unit in range(len(plan.units)):
+            for kind in Kind:
+                manager.allocate(unit, kind)
+        shards = [manager.resident(u, k) for u in range(len(plan.units)) for k in Kind]
+        page = 4096
+        expected = sum(-(-s.numel() * s.element_size() // page) * page for s in shards)
+        host_state = sum(plan.state_bytes()[Tier.HOST].values())
+        assert host_state <= expected <= host_state + page * len(shards)
+        assert calls == [("register", calls[0][1], expected)]
+        base = calls[0][1]
+        for s in shards:
+            assert base <= s.data_ptr() and s.data_ptr() + s.numel() * s.element_size() <= base + expected
+        assert manager.memory_report()["pinned_host_tier_bytes"] == expected
+        manager.close()
+        assert calls[1:] == [("unregister", base)]

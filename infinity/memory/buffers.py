@@ -150,3 +150,49 @@ class PooledUnshardedMemory(UnshardedMemory):
     @property
     def pooled_bytes(self) -> int:
         return self._bytes
+
+
+# Note [pinned arena]: every host-tier shard comes from one allocation, sub-allocated at page boundaries
+# and, with CUDA, page-locked once at its exact size (cudaHostRegister). A `torch.empty(pin_memory=True)` per
+# shard goes through PyTorch's caching host allocator, which rounds each block up to a power of two and
+# keeps it: up to twice the planned pinned bytes, so a host tier sized to the RAM that is free would fail
+# or be OOM-killed. The arena's bytes are the plan's host state bytes plus at most one page per shard.
+ARENA_ALIGN = 4096
+
+
+def arena_bytes(numels_and_dtypes) -> int:
+    """The arena bytes of shards of (numel, dtype): each rounded up to a page."""
+    return sum(-(-n * dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN for n, dtype in numels_and_dtypes)
+
+
+def cuda_host_register(tensor: torch.Tensor) -> None:
+    """Page-lock `tensor`'s bytes for DMA, exactly (torch.cuda.cudart's cudaHostRegister)."""
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    assert int(err) == 0, f"cudaHostRegister of {tensor.numel() * tensor.element_size()} bytes failed: {err}"
+
+
+def cuda_host_unregister(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+class HostArena:
+    """The host tier's shards, sub-allocated from one allocation of `nbytes` (Note [pinned arena])."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes, self.pinned = nbytes, pin and nbytes > 0
+        self._raw = aligned_empty(nbytes, torch.uint8, pin=False, lock=False) if nbytes else None
+        if self.pinned:
+            cuda_host_register(self._raw)
+        self._used = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `numel` elements at the next page boundary of the arena."""
+        nbytes = numel * dtype.itemsize
+        start, self._used = self._used, self._used + arena_bytes([(numel, dtype)])
+        assert self._used <= self.nbytes, f"host arena of {self.nbytes} bytes overrun: {self._used} taken"
+        return self._raw[start:start + nbytes].view(dtype)
+
+    def close(self) -> None:
+        if self.pinned:
+            self.pinned = False
+            cuda_host_unregister(self._raw)  # (the bytes go when the last shard view dies)

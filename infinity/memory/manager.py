@@ -26,7 +26,7 @@ import torch
 
 from io_engine import Extent, SwapSpace
 
-from .buffers import StagingBuffers
+from .buffers import HostArena, StagingBuffers, arena_bytes
 from .fresh import FreshCopies
 from ..profile import Link, NullProfiler
 from .placement import Plan
@@ -99,6 +99,9 @@ class TieredMemoryManager:
         self.staging = StagingBuffers(device, pin=pin_host)
         self.fresh = FreshCopies(fresh_budget, self.staging.release)  # Note [fresh parameters]
         self._shards: dict[tuple[int, Kind], _Shard] = {}
+        host = [(u.shard_numel, k.dtype(plan.compute_dtype)) for i, u in enumerate(plan.units) for k in Kind
+                if plan.tier(i, k) is Tier.HOST]
+        self.host_arena = HostArena(arena_bytes(host), pin=pin_host) if pin_host else None  # Note [pinned arena]
         self.bytes_moved: dict[str, int] = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
 
     # ----------------------------------------------------------------- allocation
@@ -115,8 +118,10 @@ class TieredMemoryManager:
         assert start == sizes.shard_numel, (start, sizes.shard_numel)
         if tier is Tier.DEVICE:
             shard.resident = torch.empty(shard.numel, dtype=dtype, device=self.device)
+        elif tier is Tier.HOST and self.host_arena is not None:
+            shard.resident = self.host_arena.take(shard.numel, dtype)  # pinned at its exact size
         elif tier is Tier.HOST:
-            shard.resident = torch.empty(shard.numel, dtype=dtype, pin_memory=self.pin_host)
+            shard.resident = torch.empty(shard.numel, dtype=dtype)
         elif not self._aliased(shard):  # aliased parameters take the master's extents (_link_alias)
             assert self.swap is not None, "NVMe placement without a swap space"
             for c in shard.chunks:
@@ -402,6 +407,7 @@ class TieredMemoryManager:
             "state": state,
             "tier_totals": {t: sum(v.values()) for t, v in state.items()},
             "staging_host_bytes": self.staging.host_bytes_allocated,
+            "pinned_host_tier_bytes": self.host_arena.nbytes if self.host_arena is not None else 0,
             "staging_peak_bytes_out": self.staging.peak_bytes_out,
             "nvme_reserved_bytes": self.swap.bytes_reserved if self.swap is not None else 0,
             "bytes_moved": dict(self.bytes_moved),
@@ -418,6 +424,8 @@ class TieredMemoryManager:
         self.drain()
         self.fresh.close()
         self.staging.close()
+        if self.host_arena is not None:
+            self.host_arena.close()
 
 
 class _Chained(Pending):
