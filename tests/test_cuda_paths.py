@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -265,14 +266,20 @@ class RecordingStreams(Streams):
     def __init__(self):
         super().__init__(device=torch.device("cuda", 0), compute="compute", h2d="h2d", d2h="d2h", comm="comm")
         self.log = []
+        self.complete = True
 
     def record(self, stream=None):
         log, on = self.log, stream or "current"
         log.append(("record", on))
 
+        streams = self
+
         class Event:
             def synchronize(self):
                 log.append(("host waits", on))
+
+            def query(self):
+                return streams.complete  # (the test says when the device has finished)
         return Event()
 
     def wait_event(self, event, stream=None) -> None:
@@ -342,3 +349,43 @@ def test_host_tier_is_one_arena_pinned_at_its_exact_size(monkeypatch):
         assert manager.memory_report()["pinned_host_tier_bytes"] == expected
         manager.close()
         assert calls[1:] == [("unregister", base)]
+
+
+def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path):
+    """Defects 6 and 8: a fetch to the device (faked by meta) from the host tier, or from NVMe, is waited
+    for by the consumer's stream (no host sync); the NVMe read's copy is issued as soon as the read lands,
+    before wait(); its staging buffer goes back only once the copy is done; host bytes a copy may still
+    read are waited for before they are rewritten."""
+    recipe = Recipe()
+    config = recipe.config(params="nvme", grads="host", optimizer="host") | {"nvme": {"paths": [str(tmp_path)]}}
+    engine = infinity.initialize(recipe.build(), config)
+    with engine:
+        manager = engine.manager
+        streams = manager.streams = RecordingStreams()
+        numel = manager.chunk_span(1, None)[1]
+        with count_host_syncs() as syncs:
+            pending = manager.fetch(1, Kind.GRADS, None, into=torch.empty(numel, device=META))  # host tier
+            assert streams.log == [("use", "h2d"), ("record", "h2d"), ("end", "h2d")]  # (host bytes: no wait)
+            pending.wait()
+            assert streams.log[3:] == [("wait", "current")]
+        assert syncs == []
+        streams.log.clear()
+        manager.store(1, Kind.GRADS, None, torch.zeros(numel))  # rewrites the bytes the copy reads
+        assert streams.log == [("host waits", "h2d")]
+
+        streams.log.clear()
+        streams.complete = False  # the copies below have not finished on the device
+        with count_host_syncs() as syncs:
+            pending = manager.fetch(1, Kind.PARAMS, None, into=torch.empty(numel, dtype=torch.float32, device=META),
+                                    urgent=True)
+            deadline = time.monotonic() + 30
+            while ("record", "h2d") not in streams.log and time.monotonic() < deadline:
+                time.sleep(0.01)  # the read lands on the I/O thread, which issues the copy
+            assert streams.log == [("use", "h2d"), ("record", "h2d"), ("end", "h2d")], streams.log
+            pending.wait()
+            assert streams.log[3:] == [("wait", "current")]
+        assert syncs == []
+        assert len(manager.staging._after) == 1  # the staging buffer waits for its copy
+        streams.complete = True
+        manager.staging.host_buffer(16, torch.float32)
+        assert manager.staging._after == []

@@ -14,6 +14,8 @@ import torch
 
 from io_engine import AlignedBufferPool, aligned_empty
 
+from ..streams import host_wait
+
 
 class StagingBuffers:
     """Host staging for NVMe and cross-device copies, plus device staging on a GPU."""
@@ -23,10 +25,13 @@ class StagingBuffers:
         self.host = AlignedBufferPool(alignment=4096, pin=pin, lock=True)
         self._out: dict[int, tuple[str, torch.Tensor]] = {}  # data_ptr -> (where, the pooled tensor)
         self._lock = threading.Lock()  # a background checkpoint writer shares the pool with training
+        self._after: list[tuple[torch.Tensor, object]] = []  # (buffer, event): back to the pool once it is done
         self.peak_bytes_out = 0
         self._bytes_out = 0
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._after:
+            self._sweep()  # buffers whose copies to the device have finished go back first
         t = self.host.get(numel, dtype)
         self._track(t, "host")
         return t
@@ -45,6 +50,22 @@ class StagingBuffers:
             self._out[t.data_ptr()] = (where, t)
             self._bytes_out += t.numel() * t.element_size()
             self.peak_bytes_out = max(self.peak_bytes_out, self._bytes_out)
+
+    def release_after(self, t: torch.Tensor, event) -> None:
+        """Give a buffer back once the device work `event` marks (a copy reading it) is done; checked when
+        a host buffer is next asked for, and at close."""
+        with self._lock:
+            self._after.append((t, event))
+        self._sweep()
+
+    def _sweep(self, wait: bool = False) -> None:
+        with self._lock:
+            ready = [item for item in self._after if wait or item[1].query()]
+            self._after = [item for item in self._after if not any(item is r for r in ready)]
+        for t, ev in ready:
+            if wait:
+                host_wait(ev, "staging buffer reuse")  # closing: its copy must have read it
+            self.release(t)
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.numel() > 0 and t.data_ptr() in self._out
@@ -72,6 +93,7 @@ class StagingBuffers:
         return self.host.bytes_allocated
 
     def close(self) -> None:
+        self._sweep(wait=True)
         self._out.clear()
         self.host.close()
 

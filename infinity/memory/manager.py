@@ -42,6 +42,7 @@ class _Chunk:
     extent: Extent | None = None  # NVMe only
     write: object = None  # the IOFuture of a write-back in flight (NVMe only)
     version: int = 0  # bumped by every store / mark_zero: a copy read earlier is current iff it matches
+    reading: object = None  # HOST only: the event of a copy to the device still reading these bytes
 
 
 @dataclass
@@ -198,13 +199,30 @@ class TieredMemoryManager:
         for i in shard.chunk_ids(chunk):
             c = shard.chunks[i]
             if c.state is Residency.ZERO:
+                self._settle_reads(shard, range(i, i + 1))
                 view.narrow(0, c.start - start, c.numel).zero_()
             self._set(shard, c, Residency.RESIDENT)
         if into is None and view.device == device:
             return Pending(view)
-        return self._copy_across(view, device, into)
+        pending, done = self._copy_across(view, device, into)
+        if view.device.type == "cpu" and device.type != "cpu":
+            for i in shard.chunk_ids(chunk):
+                shard.chunks[i].reading = done  # the host bytes may not change before this copy has read them
+        return pending
 
-    def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None) -> Pending:
+    def _settle_reads(self, shard: _Shard, ids) -> None:
+        """Before host bytes of `shard` are rewritten: the copies to the device reading them must be done."""
+        for i in ids:
+            c = shard.chunks[i]
+            if c.reading is not None:
+                host_wait(c.reading, "h2d source rewritten")  # (issued long ago: normally already done)
+                c.reading = None
+
+    def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None):
+        """Issue a copy of `src` to `device` (into `dst`); returns (its Pending, the copy's done event).
+
+        Waiting for a copy to the device makes the waiting thread's current stream wait for it on the
+        device (no host sync: Note [host syncs]); for a copy to the host, the host waits (it reads next)."""
         if device.type == "cpu":
             dst = self.staging.host_buffer(src.numel(), src.dtype) if dst is None else dst
             stream, key = self.streams.d2h, "d2h"
@@ -213,13 +231,17 @@ class TieredMemoryManager:
             stream, key = self.streams.h2d, "h2d"
         if src.device == dst.device:
             stream, key = None, None
-        self.streams.wait_event(self.streams.record(), stream)  # the copy must see compute's last writes to src
+        if src.device.type != "cpu":
+            self.streams.wait_event(self.streams.record(), stream)  # the copy must see compute's last writes to src
         with self.streams.use(stream):
             dst.copy_(src, non_blocking=stream is not None)
             done = self.streams.record(stream)
-        if key is not None:
-            self.bytes_moved[key] += src.numel() * src.element_size()
-        return Pending(dst, after=done.synchronize)
+        if key is None:
+            return Pending(dst), done
+        self.bytes_moved[key] += src.numel() * src.element_size()
+        if device.type == "cpu":
+            return Pending(dst, after=lambda: host_wait(done, "d2h fetch")), done  # the CPU reads dst next
+        return Pending(dst, after=lambda: self.streams.wait_event(done)), done  # the waiter's stream, on the device
 
     def _fetch_nvme(self, shard: _Shard, chunk, start: int, numel: int, device: torch.device,
                     into: torch.Tensor | None, urgent: bool) -> Pending:
@@ -250,13 +272,28 @@ class TieredMemoryManager:
         pend = Pending(host, futures, after=landed)
         if device.type == "cpu":
             return pend
-        return _Chained(pend, lambda t: self._to_device_and_release(t, device, into))
+        return self._to_device_when_read(pend, futures, host, device, into)
 
-    def _to_device_and_release(self, host: torch.Tensor, device: torch.device, into=None) -> torch.Tensor:
-        pend = self._copy_across(host, device, into)
-        out = pend.wait()
-        self.staging.release(host)
-        return out
+    def _to_device_when_read(self, read: Pending, futures: list, host: torch.Tensor, device: torch.device,
+                             into: torch.Tensor | None) -> Pending:
+        """The copy of an NVMe read to the device is issued as soon as the last block lands (on the thread
+        that completes it), so it runs behind compute instead of starting at `wait()`; `wait()` then makes
+        the waiting stream wait for the copy on the device. The host staging buffer goes back to the pool
+        once the copy has read it."""
+        lock, left, copy = threading.Lock(), [len(futures)], []
+
+        def issue(_future=None, landed: bool = False) -> None:
+            with lock:
+                left[0] -= _future is not None
+                if copy or (left[0] > 0 and not landed):  # (landed: wait() saw every read done)
+                    return
+                pending, done = self._copy_across(host, device, into)
+                self.staging.release_after(host, done)
+                copy.append(pending)
+
+        for future in futures:
+            future.add_done_callback(issue)
+        return _Chained(read, lambda _host: (issue(landed=True), copy[0].wait())[1])
 
     def resident(self, unit: int, kind: Kind) -> torch.Tensor | None:
         """The whole stored shard of a DEVICE / HOST shard (None on NVMe), for aliasing."""
@@ -268,6 +305,8 @@ class TieredMemoryManager:
         shard = self._shards[(unit, kind)]
         start, numel = shard.span(chunk)
         if shard.resident is not None and shard.resident.device == device:
+            if device.type == "cpu":
+                self._settle_reads(shard, shard.chunk_ids(chunk))  # the caller rewrites these bytes
             return shard.resident.narrow(0, start, numel)
         if device.type == "cpu":
             return self.staging.host_buffer(numel, shard.dtype)
@@ -311,6 +350,8 @@ class TieredMemoryManager:
         assert not self._aliased(shard), f"unit {unit}'s parameters alias its master: store them with store_master"
         if shard.tier is not Tier.NVME:
             view = shard.resident.narrow(0, start, numel)
+            if tensor.data_ptr() != view.data_ptr() and view.device.type == "cpu":
+                self._settle_reads(shard, shard.chunk_ids(chunk))  # these bytes are rewritten now
             if tensor.data_ptr() != view.data_ptr():
                 if view.device.type == "cpu" and tensor.device.type != "cpu":
                     self._to_host(view, tensor)
