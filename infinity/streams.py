@@ -85,20 +85,21 @@ def bind_thread(device: torch.device) -> None:
 
 @dataclass
 class Streams:
-    """The four streams of one rank. On CPU all are None and `use` does nothing."""
+    """The streams of one rank. On CPU all are None and `use` does nothing."""
 
     device: torch.device
     compute: object = None
     h2d: object = None
     d2h: object = None
     comm: object = None
+    update: object = None  # the optimizer worker's (Note [update stream] in optim/worker.py)
 
     @classmethod
     def for_device(cls, device: torch.device) -> "Streams":
         if device.type != "cuda":
             return cls(device=device)
-        return cls(device=device, compute=torch.cuda.current_stream(device),
-                   h2d=torch.cuda.Stream(device), d2h=torch.cuda.Stream(device), comm=torch.cuda.Stream(device))
+        return cls(device=device, compute=torch.cuda.current_stream(device), h2d=torch.cuda.Stream(device),
+                   d2h=torch.cuda.Stream(device), comm=torch.cuda.Stream(device), update=torch.cuda.Stream(device))
 
     @property
     def is_cuda(self) -> bool:

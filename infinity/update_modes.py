@@ -360,5 +360,5 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
         read_ahead.reserve_buffers()  # its staging, allocated now rather than during the first steps
     optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
                                    state_read_ahead=read_ahead)
-    worker = OptimizerWorker(optimizer, len(units), read_ahead)
+    worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams)
     return cls(optimizer=optimizer, worker=worker, reading_swap=reading_swap, **shared)

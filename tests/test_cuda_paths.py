@@ -389,3 +389,48 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path):
         streams.complete = True
         manager.staging.host_buffer(16, torch.float32)
         assert manager.staging._after == []
+
+
+def test_worker_updates_on_its_own_stream_ordered_by_events():
+    """Defect 9 (Note [update stream]): the optimizer worker queues its device work on the update stream,
+    waits on the device for the gradients the training thread queued before submitting, and a user of
+    the unit waits on the device for the event recorded after its update (stand-in streams, by thread)."""
+    log = []
+
+    class ThreadStreams(RecordingStreams):
+        def __init__(self):
+            super().__init__()
+            self.update = "update"
+            self.log = _ByThread(log)
+
+    class _Optimizer:
+        compute_device = torch.device("cpu")
+
+        def step(self, *, hyper, grad_scale, active, units, on_unit_done):
+            log.append((threading.current_thread().name, "step"))
+            for unit in units:
+                on_unit_done(unit)
+
+    worker = OptimizerWorker(_Optimizer(), num_units=1, streams=ThreadStreams())
+    try:
+        unit = SimpleNamespace(index=0)
+        worker.submit([unit], hyper=None, grad_scale=None, active={0: [(0, 1, 1)]}, after_unit=lambda u: None)
+        worker.wait_unit(0)
+    finally:
+        worker.close()
+    main, work = threading.current_thread().name, "infinity-optimizer"
+    assert [e for e in log if e[0] == work][:4] == [(work, "use", "update"), (work, "wait", "current"), (work, "step"),
+                                                    (work, "record", "current")], log
+    # the initial 'updated' event, the event at submit, then the wait for the unit's update event
+    assert [e for e in log if e[0] == main] == [(main, "record", "current")] * 2 + [(main, "wait", "current")], log
+
+
+class _ByThread(list):
+    """A log whose entries carry the name of the thread that appended them."""
+
+    def __init__(self, sink: list):
+        super().__init__()
+        self.sink = sink
+
+    def append(self, entry) -> None:
+        self.sink.append((threading.current_thread().name, *entry))
