@@ -90,7 +90,7 @@ class Engine:
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
                                      config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace)
-        self.clock = TrainingClock(self.profiler)  # the training thread's compute spans and step marks
+        self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
         self._stepped_at = 0  # micro_step of the last step() that ran, so a second call is a no-op
         self._handles, self._counters = [], []
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,

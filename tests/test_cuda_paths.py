@@ -23,6 +23,8 @@ from infinity.hooks import to_device
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
 from infinity.models.gpt import GPT
+from infinity.profile import Link
+from infinity.profile.clock import TrainingClock
 from infinity.optim.worker import OptimizerWorker
 from infinity.streams import Streams, count_host_syncs
 
@@ -370,6 +372,13 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path):
             assert streams.log[3:] == [("wait", "current")]
         assert syncs == []
         streams.log.clear()
+        spans = []
+        manager.profiler = SimpleNamespace(enabled=True, device_span=lambda name, link, num_bytes: (
+            spans.append((link, num_bytes)) or contextlib.nullcontext()))
+        manager.fetch(1, Kind.GRADS, None, into=torch.empty(numel, device=META)).wait()
+        assert spans == [(Link.H2D, numel * 4)]  # (defect 11: the copy's profile span is device time)
+        manager.profiler = engine.profiler
+        streams.log.clear()
         manager.store(1, Kind.GRADS, None, torch.zeros(numel))  # rewrites the bytes the copy reads
         assert streams.log == [("host waits", "h2d")]
 
@@ -434,3 +443,37 @@ class _ByThread(list):
 
     def append(self, entry) -> None:
         self.sink.append((threading.current_thread().name, *entry))
+
+
+def test_compute_spans_on_a_gpu_are_device_time():
+    """Defect 11: on a GPU the training thread's compute spans are device spans (CUDA events on the compute
+    stream, named when they end), not host-clock spans around kernel launches."""
+    calls = []
+
+    class DeviceSpan:
+        def __enter__(self):
+            calls.append("device span begins")
+            return self
+
+        def end(self, name):
+            calls.append(("device span ends", name))
+
+    class Profiler:
+        enabled = True
+
+        def device_span(self, name, link, **kwargs):
+            assert link is Link.COMPUTE
+            return DeviceSpan()
+
+        def record(self, name, link, start, end, **kwargs):
+            calls.append(("host span", name))
+
+    clock = TrainingClock(Profiler(), device_time=True)
+    clock.compute_begin()
+    clock.compute_end("forward before blocks.1")
+    assert calls == ["device span begins", ("device span ends", "forward before blocks.1")]
+    calls.clear()
+    cpu = TrainingClock(Profiler())
+    cpu.compute_begin()
+    cpu.compute_end("backward")
+    assert calls == [("host span", "backward")]

@@ -18,6 +18,7 @@ write when the parameters alias the master on NVMe (Note [aliased parameters]).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -210,6 +211,14 @@ class TieredMemoryManager:
                 shard.chunks[i].reading = done  # the host bytes may not change before this copy has read them
         return pending
 
+    def _device_span(self, key: str | None, src: torch.Tensor):
+        """A profile span of a copy across, in device time (CUDA events on the stream now current)."""
+        if key is None or not self.streams.is_cuda or not self.profiler.enabled:
+            return contextlib.nullcontext()
+        nbytes = src.numel() * src.element_size()
+        return self.profiler.device_span(f"{key} {nbytes} B", Link.H2D if key == "h2d" else Link.D2H,
+                                         num_bytes=nbytes)
+
     def _settle_reads(self, shard: _Shard, ids) -> None:
         """Before host bytes of `shard` are rewritten: the copies to the device reading them must be done."""
         for i in ids:
@@ -233,7 +242,7 @@ class TieredMemoryManager:
             stream, key = None, None
         if src.device.type != "cpu":
             self.streams.wait_event(self.streams.record(), stream)  # the copy must see compute's last writes to src
-        with self.streams.use(stream):
+        with self.streams.use(stream), self._device_span(key, src):
             dst.copy_(src, non_blocking=stream is not None)
             done = self.streams.record(stream)
         if key is None:
@@ -419,7 +428,7 @@ class TieredMemoryManager:
         this thread's current stream: the reduce-scatter's accumulation, the optimizer's cast), and wait."""
         streams = self.streams
         streams.wait_event(streams.record(), streams.d2h)  # the copy must see the producer's last writes to src
-        with streams.use(streams.d2h):
+        with streams.use(streams.d2h), self._device_span("d2h", src):
             dst.copy_(src, non_blocking=True)
             done = streams.record(streams.d2h)
         host_wait(done, "d2h store")  # the caller reuses src, and the CPU (or the disk) reads dst, next
