@@ -307,12 +307,24 @@ def test_device_to_host_store_waits_for_the_producing_stream(tmp_path, monkeypat
         assert streams.log == [("record", "current"), ("wait", "d2h"), ("use", "d2h"), ("record", "d2h"),
                                ("end", "d2h"), ("host waits", "d2h")]
         copies = []
-        monkeypatch.setattr(manager, "_to_host", lambda dst, src: copies.append((dst.device.type, src.device.type)))
+
+        def to_host(dst, src, wait=True):
+            copies.append((dst.device.type, src.device.type, wait))
+            return streams.record("d2h")
+
+        monkeypatch.setattr(manager, "_to_host", to_host)
+        streams.log.clear()
         for kind in (Kind.GRADS, Kind.EXP_AVG):  # host tier, NVMe tier
             start, numel = manager.chunk_span(1, 0)
             manager.store(1, kind, 0, torch.empty(numel, device=META)).wait()
-        assert copies == [("cpu", "meta"), ("cpu", "meta")]
+        assert copies == [("cpu", "meta", False), ("cpu", "meta", True)]  # (the disk write reads host memory next)
         manager.mark_zero(1, Kind.EXP_AVG)
+        # defect 8: the host-tier store does not wait; the thread that reads those host bytes next does
+        assert ("host waits", "d2h") not in streams.log
+        streams.log.clear()
+        with count_host_syncs() as syncs:
+            manager.fetch(1, Kind.GRADS, 0, torch.device("cpu")).wait()
+        assert streams.log == [("host waits", "d2h")] and len(syncs) == 1
 
 
 def test_host_tier_is_one_arena_pinned_at_its_exact_size(monkeypatch):

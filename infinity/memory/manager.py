@@ -43,7 +43,7 @@ class _Chunk:
     extent: Extent | None = None  # NVMe only
     write: object = None  # the IOFuture of a write-back in flight (NVMe only)
     version: int = 0  # bumped by every store / mark_zero: a copy read earlier is current iff it matches
-    reading: object = None  # HOST only: the event of a copy to the device still reading these bytes
+    device_use: object = None  # HOST only: the event of the last copy to or from the device of these bytes
 
 
 @dataclass
@@ -200,15 +200,20 @@ class TieredMemoryManager:
         for i in shard.chunk_ids(chunk):
             c = shard.chunks[i]
             if c.state is Residency.ZERO:
-                self._settle_reads(shard, range(i, i + 1))
+                self._settle(shard, range(i, i + 1))
                 view.narrow(0, c.start - start, c.numel).zero_()
             self._set(shard, c, Residency.RESIDENT)
+        ids = shard.chunk_ids(chunk)
         if into is None and view.device == device:
+            if view.device.type == "cpu":
+                return Pending(view, after=lambda: self._settle(shard, ids))  # the CPU reads or rewrites them
             return Pending(view)
+        if view.device.type == "cpu":
+            self._order_device(shard, ids, self.streams.h2d)  # a copy from the device may still be landing
         pending, done = self._copy_across(view, device, into)
         if view.device.type == "cpu" and device.type != "cpu":
-            for i in shard.chunk_ids(chunk):
-                shard.chunks[i].reading = done  # the host bytes may not change before this copy has read them
+            for i in ids:
+                shard.chunks[i].device_use = done  # the host bytes may not change before this copy has read them
         return pending
 
     def _device_span(self, key: str | None, src: torch.Tensor):
@@ -219,13 +224,21 @@ class TieredMemoryManager:
         return self.profiler.device_span(f"{key} {nbytes} B", Link.H2D if key == "h2d" else Link.D2H,
                                          num_bytes=nbytes)
 
-    def _settle_reads(self, shard: _Shard, ids) -> None:
-        """Before host bytes of `shard` are rewritten: the copies to the device reading them must be done."""
+    def _settle(self, shard: _Shard, ids) -> None:
+        """Before the CPU reads or rewrites host bytes of `shard`: the copies to or from the device using them
+        must be done (on the thread that touches them: the optimizer worker, a checkpoint writer)."""
         for i in ids:
             c = shard.chunks[i]
-            if c.reading is not None:
-                host_wait(c.reading, "h2d source rewritten")  # (issued long ago: normally already done)
-                c.reading = None
+            if c.device_use is not None:
+                host_wait(c.device_use, "host bytes in a device copy")  # (issued long ago: normally done)
+                c.device_use = None
+
+    def _order_device(self, shard: _Shard, ids, stream) -> None:
+        """Before a copy on `stream` reads or writes host bytes of `shard`: it waits, on the device, for the
+        copies using them before."""
+        for i in ids:
+            if shard.chunks[i].device_use is not None:
+                self.streams.wait_event(shard.chunks[i].device_use, stream)
 
     def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None):
         """Issue a copy of `src` to `device` (into `dst`); returns (its Pending, the copy's done event).
@@ -315,7 +328,7 @@ class TieredMemoryManager:
         start, numel = shard.span(chunk)
         if shard.resident is not None and shard.resident.device == device:
             if device.type == "cpu":
-                self._settle_reads(shard, shard.chunk_ids(chunk))  # the caller rewrites these bytes
+                self._settle(shard, shard.chunk_ids(chunk))  # the caller rewrites these bytes
             return shard.resident.narrow(0, start, numel)
         if device.type == "cpu":
             return self.staging.host_buffer(numel, shard.dtype)
@@ -359,12 +372,17 @@ class TieredMemoryManager:
         assert not self._aliased(shard), f"unit {unit}'s parameters alias its master: store them with store_master"
         if shard.tier is not Tier.NVME:
             view = shard.resident.narrow(0, start, numel)
-            if tensor.data_ptr() != view.data_ptr() and view.device.type == "cpu":
-                self._settle_reads(shard, shard.chunk_ids(chunk))  # these bytes are rewritten now
+            ids = shard.chunk_ids(chunk)
             if tensor.data_ptr() != view.data_ptr():
                 if view.device.type == "cpu" and tensor.device.type != "cpu":
-                    self._to_host(view, tensor)
+                    self._order_device(shard, ids, self.streams.d2h)
+                    done = self._to_host(view, tensor, wait=False)  # whoever reads these bytes next waits for it
+                    self.streams.hold(tensor, self.streams.d2h)  # (its device memory is not reused before)
+                    for i in ids:
+                        shard.chunks[i].device_use = done
                 else:
+                    if view.device.type == "cpu":
+                        self._settle(shard, ids)  # these bytes are rewritten now
                     view.copy_(tensor)  # (on the producer's stream: in order after it)
                 link = _crossing(tensor.device, view.device)
                 if link is not None:  # every byte moved is counted (Note [traffic per step] in traffic.py)
@@ -423,15 +441,19 @@ class TieredMemoryManager:
             self.fresh.done_with(host, pending)  # not kept: back to the pool once written
         return pending
 
-    def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, wait: bool = True):
         """Copy device `src` into host `dst` on the d2h stream, after the work that produced `src` (queued on
-        this thread's current stream: the reduce-scatter's accumulation, the optimizer's cast), and wait."""
+        this thread's current stream: the reduce-scatter's accumulation, the optimizer's cast), and wait
+        (else return the copy's event: a host-tier store, which whoever touches the bytes next waits for)."""
         streams = self.streams
         streams.wait_event(streams.record(), streams.d2h)  # the copy must see the producer's last writes to src
         with streams.use(streams.d2h), self._device_span("d2h", src):
             dst.copy_(src, non_blocking=True)
             done = streams.record(streams.d2h)
-        host_wait(done, "d2h store")  # the caller reuses src, and the CPU (or the disk) reads dst, next
+        if not wait:
+            return done
+        host_wait(done, "d2h store")  # the caller reuses src, and the disk write reads dst, next
+        return done
 
     def _timed(self, fut, link: Link, shard: _Shard, c: _Chunk):
         """Record the transfer as a span when it completes (on the io thread)."""
