@@ -27,10 +27,15 @@ from collections import deque
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from common import machine, write_json  # noqa: E402
-from io_engine import IOConfig, IOEngine, aligned_empty, parse_size  # noqa: E402
-from io_engine.bench import fsync_file  # noqa: E402
+
+from io_engine import (  # noqa: E402
+    IOConfig,
+    IOEngine,
+    aligned_empty,
+    fsync_file,  # noqa: E402
+    parse_size,
+)
 
 
 def _busy(kind: str, stop: threading.Event) -> None:

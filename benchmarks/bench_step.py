@@ -185,9 +185,9 @@ def infinity_config(args, placement: str, swap: str) -> dict:
               if value}
     if memory:
         config["memory"] = memory
-    from infinity.config import _parse_override
+    from infinity.options import parse_override
     for item in args.set:  # e.g. io.checksum=full: one engine key for every infinity system
-        section, key, value = _parse_override(item)
+        section, key, value = parse_override(item)
         config.setdefault(section, {})[key] = value
     return config
 
@@ -330,10 +330,11 @@ def run_fsdp2(args, kind: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from infinity.environment import init_process_group
     from infinity.models.gpt import GPT
     if kind not in ("none", "cpu_both"):
         raise ValueError("FSDP2 offloads parameters, gradients and optimizer state together: none | cpu_both")
-    dist.init_process_group("gloo")
+    init_process_group("gloo")  # FSDP2 here: one CPU process
     cfg = model_config(args)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -488,7 +489,7 @@ def fitting_placements(args) -> dict:
 
     import torch
     import infinity
-    from infinity.environment import check_nvme_paths
+    from infinity.preflight import check_nvme_paths
     from infinity.estimate import resolve_budgets_for, unit_sizes_of
     from infinity.memory.placement import PlacementError, plan_for_config
     from infinity.models.gpt import GPT
@@ -536,8 +537,8 @@ def drive(args) -> dict:
               f"{', '.join(fit['fitting']) or 'none'}", flush=True)
     systems = expand_systems(requested, fit)
     if args.profile:  # the profile's per-link peaks are the link rates cached for this disk (measured once)
-        from infinity.memory import cost_model
-        rates = cost_model.link_rates(args.dir)
+        from infinity.link_rates import link_rates
+        rates = link_rates(args.dir)
         print(f"link rates ({rates.source}): nvme read {rates.nvme_read / 1e9:.2f} GB/s, write "
               f"{rates.nvme_write / 1e9:.2f} GB/s, cpu adam {rates.cpu_adam / 1e9:.2f} Gelem/s", flush=True)
     results = {}

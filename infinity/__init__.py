@@ -6,10 +6,10 @@
 
 from .config import Config, ConfigError
 from .engine import Engine, NonFiniteGradError, initialize
-from .environment import PreflightError
 from .materialize import meta_init
 from .memory.placement import PlacementError
 from .memory.tier import Kind, Tier
+from .preflight import PreflightError
 
 __all__ = ["Config", "ConfigError", "Engine", "Kind", "NonFiniteGradError", "PlacementError", "PreflightError",
            "Tier", "initialize", "meta_init"]

@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True, metavar="command")
 
     p = sub.add_parser("train", help="train a model (default: a small GPT on the shipped corpus)",
-                       description="Train the job: with no arguments, a small byte-level GPT on infinity/corpus/kjv.txt.gz "
+                       description="Train the job: with no arguments, a small byte-level GPT on "
+                                   "infinity/corpus/kjv.txt.gz "
                                    "with parameters and optimizer state on NVMe under runs/<time>/swap.")
     _add_job_args(p)
     p.add_argument("--resume", metavar="RUN_DIR_OR_CHECKPOINT",
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .checkpoint import CheckpointError
     from .config import ConfigError
-    from .environment import PreflightError
     from .memory.placement import PlacementError
+    from .preflight import PreflightError
     try:
         return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links}[
             args.command](args)
@@ -131,6 +132,8 @@ def _estimate(args) -> int:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
     job = load_job(args.config, overrides)
     config = job.engine_config(os.path.join(job.run.dir, "<run>"))
+    from .preflight import check_nvme_paths
+    check_nvme_paths(list(config.nvme.paths), created_at_start=True)  # unusable swap paths: exit 2 (Note [nvme paths])
     make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model))
     if job.run.batch_size % args.world_size:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "
@@ -178,13 +181,13 @@ def _generic_loss(forward, x, y):
 
 
 def _bench_links(args) -> int:
-    from .memory import cost_model
-    rates = cost_model.link_rates(args.dir, remeasure=args.remeasure)
+    from .link_rates import cache_path, link_rates
+    rates = link_rates(args.dir, remeasure=args.remeasure)
     if args.json:
         print(json.dumps(rates.to_json(), indent=1))
         return 0
     gb = 1e9
-    print(f"link rates ({rates.source}; cache {cost_model.cache_path()}):")
+    print(f"link rates ({rates.source}; cache {cache_path()}):")
     print(f"  nvme read   {rates.nvme_read / gb:8.2f} GB/s")
     print(f"  nvme write  {rates.nvme_write / gb:8.2f} GB/s")
     for name in ("h2d", "d2h"):

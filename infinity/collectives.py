@@ -21,6 +21,12 @@ class _Done:
 DONE = _Done()
 
 
+def barrier(group) -> None:
+    """Wait until every rank of `group` arrives (None: a single process, nothing to wait for)."""
+    if group is not None:
+        dist.barrier(group=group)
+
+
 def world_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

@@ -27,7 +27,8 @@ from .checkpoint import apply_retention, begin_save
 from .checkpoint import load as load_checkpoint
 from .collectives import all_reduce_sum, broadcast_object
 from .config import Config
-from .environment import check_nvme_paths, resolve, resolve_budgets
+from .dtypes import DTYPES
+from .environment import resolve, resolve_budgets
 from .grad_reduce import GradReducer
 from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from .loss_scale import LossScaler
@@ -49,7 +50,6 @@ from .streams import Streams, host_value
 from .unit import Comm, Unit, build_units, unit_sizes
 from .update_modes import NonFiniteGradError, update_mode
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 __all__ = ["Engine", "NonFiniteGradError", "initialize"]
 
@@ -125,27 +125,27 @@ class Engine:
     def _link_peaks(self) -> dict[str, float]:
         """The profile's per-link peaks: the link rates measured on this machine and swap disk (cached by
         `infinity bench-links --dir DIR` or the auto policy); none measured = no achieved-vs-peak."""
+        from .link_rates import cached_rates_for
         from .memory import cost_model
         paths = self.config.nvme.paths
         if paths and not os.path.isdir(paths[0]):
             return {}  # the plan's preflight names the missing directory
-        return cost_model.profile_peaks(cost_model.cached_rates_for(paths[0] if paths else None, self.env.device))
+        return cost_model.profile_peaks(cached_rates_for(paths[0] if paths else None, self.env.device))
 
     def _plan(self):
         """The placement, planned exactly as `infinity estimate` plans it, then the same preflight checks."""
-        from .estimate import preflight, require
-        from .memory import cost_model
+        from .link_rates import rates_for_plan
+        from .preflight import check_nvme_paths, preflight, require
         cfg = self.config
         sizes = unit_sizes(self.units, cfg.optimizer.sub_group_size)
         nvme_free = check_nvme_paths(list(cfg.nvme.paths)) if cfg.nvme.paths else 0
         budgets = resolve_budgets(cfg.memory, self.env.device, self.env.local_world_size, nvme_free)
-        rates = None
-        if cfg.placement.policy == "auto" and cfg.nvme.paths:  # measured once per machine, then cached
-            rates = cost_model.link_rates(cfg.nvme.paths[0], self.env.device, io_config=cfg.io)
+        auto = cfg.placement.policy == "auto"  # the swap disk's rates measured once per machine, then cached
+        rates = rates_for_plan(cfg, self.env.device, measure=True) if auto else None
         plan = plan_for_config(sizes, cfg, budgets, rates=rates)
         self.read_ahead_bytes = resolve_read_ahead(cfg, plan, budgets)
         require(preflight(plan, None, cfg, local_world_size=self.env.local_world_size,
-                          cuda=self.env.device.type == "cuda", read_ahead=self.read_ahead_bytes))
+                          cuda=self.env.device.type == "cuda"))
         return plan
 
     def _open_swap(self):

@@ -1,15 +1,12 @@
-"""Where a run executes: process group, compute device, memory budgets, preflight checks.
+"""Where a run executes: process group, compute device, memory budgets.
 
-Everything here runs once at `initialize`, before any state is built, so that a
-run that cannot fit or cannot write its swap files fails in seconds with a
-message that says what to change.
+Everything here runs once at `initialize`, before any state is built (the checks
+that the machine can run the plan are infinity/preflight.py).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import psutil
@@ -19,12 +16,26 @@ import torch.distributed as dist
 from .memory.placement import Budgets
 
 
-class PreflightError(RuntimeError):
-    """The machine cannot run this configuration; the message names the fix."""
+def init_process_group(backend: str | None = None) -> None:
+    """Create the default process group: the one place the project does (NCCL with a GPU, after making
+    LOCAL_RANK's GPU current; gloo without), unless `backend` is given."""
+    if backend is None and torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+
+
+def join_process_group() -> bool:
+    """Under torchrun (WORLD_SIZE > 1) with no default group yet, create it; returns whether this call did."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    init_process_group()
+    return True
 
 
 @dataclass(frozen=True)
-class Placement:
+class ProcessEnv:
+    """This process's place in the run: its process group, rank and device."""
+
     group: object  # process group, None for one process
     rank: int
     world_size: int
@@ -33,13 +44,9 @@ class Placement:
     owns_group: bool  # initialize created the default group (close destroys it)
 
 
-def resolve(group=None) -> Placement:
+def resolve(group=None) -> ProcessEnv:
     """The process group (given, existing default, or created from torchrun's environment) and device."""
-    owns = False
-    if group is None and not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        owns = True
+    owns = join_process_group() if group is None else False
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     world = dist.get_world_size(group) if group is not None else 1
@@ -53,28 +60,8 @@ def resolve(group=None) -> Placement:
         device = torch.device("cpu")
     if world == 1:
         group = None  # a single process needs no collectives
-    return Placement(group=group, rank=rank, world_size=world, local_world_size=local_world, device=device,
-                     owns_group=owns)
-
-
-def check_nvme_paths(paths: list[str]) -> int:
-    """Each swap directory exists and is writable; returns the free bytes over distinct filesystems."""
-    free, seen_devices = 0, set()
-    for path in paths:
-        if not os.path.isdir(path):
-            raise PreflightError(f"nvme.paths entry {path!r} does not exist or is not a directory: create it "
-                                 f"(mkdir -p {path}) or point nvme.paths at a directory on a fast local disk")
-        try:
-            with tempfile.NamedTemporaryFile(dir=path, prefix=".infinity-probe-"):
-                pass
-        except OSError as e:
-            raise PreflightError(f"nvme.paths entry {path!r} is not writable ({e.strerror}): swap files cannot be "
-                                 f"created there; choose a writable directory on a local disk") from e
-        st = os.stat(path)
-        if st.st_dev not in seen_devices:
-            seen_devices.add(st.st_dev)
-            free += shutil.disk_usage(path).free
-    return free
+    return ProcessEnv(group=group, rank=rank, world_size=world, local_world_size=local_world, device=device,
+                      owns_group=owns)
 
 
 def resolve_budgets(memory_cfg, device: torch.device, local_world_size: int, nvme_free: int) -> Budgets:

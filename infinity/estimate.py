@@ -8,52 +8,33 @@ the activations saved for backward and the FLOPs.
 
 The predicted peak is Note [peak memory] (memory/traffic.py, with the byte model it sums).
 
-Preflight checks (shared with `initialize` through `preflight`): the plan fits the
-budgets, free RAM for every rank on this node, free disk on each NVMe path, and
-the locked-memory limit for the pinned / mlock'ed staging buffers.
+Preflight checks (infinity/preflight.py, shared with `initialize`): the plan fits the
+budgets, free RAM for every rank on this node, free disk on each NVMe path and for
+the checkpoints, and the locked-memory limit for the pinned / mlock'ed staging buffers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import resource
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-import psutil
 import torch
 import torch.nn as nn
 
-from .config import Config, ConfigError, format_size
-from .environment import PreflightError, resolve_budgets
+from io_engine import format_size
+
+from . import link_rates
+from .config import Config, ConfigError
+from .dtypes import dtype_of
+from .environment import resolve_budgets
 from .memory import cost_model
-from .memory.placement import Budgets, Plan, PlacementError, plan_for_config
+from .memory.placement import Budgets, PlacementError, Plan, plan_for_config
 from .memory.tier import Kind, Tier
-from .optim.read_ahead import resolve_read_ahead
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
-
-
-@dataclass(frozen=True)
-class Check:
-    """One preflight check; a failed "error" stops the run, a failed "warning" slows it."""
-
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    level: str = "error"
-
-    def line(self) -> str:
-        mark = "ok  " if self.ok else ("FAIL" if self.level == "error" else "WARN")
-        text = f"[{mark}] {self.name}: {self.detail}"
-        return text + (f"\n         fix: {self.fix}" if not self.ok and self.fix else "")
+from .preflight import Check, check_disks, preflight
 
 
 @dataclass
@@ -125,7 +106,7 @@ def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
     from .streams import Streams
     from .unit import Comm, build_units, unit_sizes
     comm = Comm(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
-                compute_dtype=DTYPES[config.precision.compute_dtype], streams=Streams.for_device(torch.device("cpu")))
+                compute_dtype=dtype_of(config.precision.compute_dtype), streams=Streams.for_device(torch.device("cpu")))
     units = build_units(model, list(config.units.classes), comm)
     return unit_sizes(units, config.optimizer.sub_group_size)
 
@@ -183,7 +164,7 @@ def runtime_rss(remeasure: bool = False) -> int:
         out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, check=True,
                              timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
         return int(out.stdout.strip().splitlines()[-1])
-    return int(cost_model.cached_measurement("runtime_rss", measure, remeasure=remeasure))
+    return int(link_rates.cached_measurement("runtime_rss", measure, remeasure=remeasure))
 
 
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
@@ -202,23 +183,27 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     sizes = unit_sizes_of(bundle.model, config, world_size)
     num_params = sum(p.numel() for p in {id(p): p for p in bundle.model.parameters()}.values())
     paths = list(config.nvme.paths)
-    _, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    unusable = [c for c in path_checks if not c.ok]
     if rates is None:
         existing = next((p for p in paths if os.path.isdir(p)), None)
         if existing is not None or remeasure:
-            rates = cost_model.link_rates(existing, remeasure=remeasure, io_config=config.io)
+            rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
         else:
-            rates = cost_model.cached_link_rates(cuda)
+            rates = link_rates.cached_link_rates(cuda)
     traced = make_model()  # a second copy: tracing moves its buffers to the meta device
     trace = trace_step(traced.model, traced.loss, batch_size, seq_len)
     compute = cost_model.compute_seconds(trace.flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
     budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free)
-    plan, plan_error, read_ahead = None, None, 0
+    plan, plan_error = None, None
     try:
-        plan = plan_for_config(sizes, config, budgets)  # exactly as initialize plans (cached rates, no compute time)
-        read_ahead = resolve_read_ahead(config, plan, budgets)
+        # as initialize plans: no compute time, this machine's cached rates
+        plan_rates = link_rates.cached_link_rates(cuda)
+        plan = plan_for_config(sizes, config, budgets, rates=plan_rates)
     except (PlacementError, ConfigError) as e:
         plan, plan_error = None, str(e)
+    if unusable and (plan is None or plan.uses(Tier.NVME)):  # the swap paths' own failure, not "no space"
+        plan, plan_error = None, "; ".join(f"{c.detail} ({c.fix})" for c in unusable)
     est = Estimate(world_size=world_size, local_world_size=local, cuda=cuda, num_params=num_params, units=len(sizes),
                    budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace)
     if plan is not None:
@@ -227,8 +212,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss())
         est.peak = peak_from_terms(est.peak_terms, cuda)
     est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
-                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0),
-                           read_ahead=read_ahead)
+                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
     return est
 
 
@@ -236,12 +220,6 @@ def staging_pool_bytes(plan: Plan) -> int:
     """Host staging bytes the update's pool ends up holding: the plan's `update_staging` term
     (Note [working memory] in memory/traffic.py, a replay of OffloadedOptimizer's buffer requests)."""
     return plan.working_terms.get(Tier.HOST, {}).get("update_staging", 0)
-
-
-def _host_staging(plan: Plan) -> int:
-    """The host staging pool (pinned / mlock'ed): every host working term of the plan (the update's
-    staging, the read-ahead, the fresh copies, parameter staging), as the planner fitted them."""
-    return plan.working.get(Tier.HOST, 0)
 
 
 def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int) -> dict[str, int]:
@@ -279,112 +257,11 @@ def peak_from_terms(terms: dict[str, int], cuda: bool) -> dict[str, int]:
             + max(train_device + terms["working_host"] + terms["allocator"], terms["init"])}
 
 
-# ---------------------------------------------------------------- preflight
-
-
-def _existing_parent(path: str) -> Path:
-    p = Path(path).resolve()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    return p
-
-
-def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int) -> tuple[list[Check], int]:
-    """Each swap path is (or can be created as) a writable directory with room for its stripe of
-    `nvme_bytes` per rank; returns the checks and the free bytes over distinct filesystems."""
-    checks, free_total, seen = [], 0, {}
-    for path in paths:
-        where = _existing_parent(path)
-        if not where.is_dir() or not os.access(where, os.W_OK):
-            checks.append(Check(f"nvme path {path}", False, f"{where} is not a writable directory",
-                                f"create it (mkdir -p {path}) on a fast local disk, or change nvme.paths"))
-            continue
-        st = os.stat(where)
-        free = shutil.disk_usage(where).free
-        if st.st_dev not in seen:
-            seen[st.st_dev] = [free, 0]
-            free_total += free
-        seen[st.st_dev][1] += 1
-    stripe = nvme_bytes * local_world_size / max(1, len(paths))  # striping spreads every extent over the paths
-    for path in paths:
-        where = _existing_parent(path)
-        if not where.is_dir():
-            continue
-        free, sharing = seen[os.stat(where).st_dev]
-        need = int(stripe * sharing)
-        note = " (created at start)" if str(where) != str(Path(path).resolve()) else ""
-        checks.append(Check(f"free disk on {path}{note}", need <= free,
-                            f"{_fmt(need)} of swap for {local_world_size} rank(s), {_fmt(free)} free",
-                            "free space there, add more nvme.paths (stripes), or keep more state in RAM "
-                            "(placement.* = \"host\" or policy = \"auto\")"))
-    return checks, free_total
-
-
-def _has_cap_ipc_lock() -> bool:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) >> CAP_IPC_LOCK & 1)
-    except (OSError, ValueError):
-        pass
-    return False
-
-
-def check_locked_memory(locked_bytes: int, local_world_size: int) -> Check:
-    """mlock'ed (pinned) staging buffers against RLIMIT_MEMLOCK, unless CAP_IPC_LOCK lifts the limit."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    need = locked_bytes  # the limit is per process: one rank
-    if soft == resource.RLIM_INFINITY or _has_cap_ipc_lock():
-        why = "unlimited" if soft == resource.RLIM_INFINITY else "CAP_IPC_LOCK (not limited)"
-        return Check("locked memory", True, f"{_fmt(need)} per rank to lock; limit {why}", level="warning")
-    return Check("locked memory", need <= soft, f"{_fmt(need)} per rank of staging buffers to lock; "
-                 f"RLIMIT_MEMLOCK is {_fmt(soft)}",
-                 "raise the limit: `ulimit -l unlimited` in the launching shell (Docker: --ulimit memlock=-1; "
-                 "systemd: LimitMEMLOCK=infinity; /etc/security/limits.conf: `* - memlock unlimited`). "
-                 "Unlocked buffers work, with direct I/O up to ~2x slower", level="warning")
-
-
-def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, local_world_size: int, cuda: bool,
-              ram_per_rank: int = 0, device_per_rank: int = 0, read_ahead: int = 0) -> list[Check]:
-    """The checks `infinity estimate` prints and `initialize` should refuse to start without (see `require`)."""
-    checks = [Check("placement fits the budgets", plan is not None, "yes" if plan else (plan_error or "no plan"),
-                    "see above: change [placement] or [memory] as it says")]
-    if plan is None:
-        return checks
-    ram = ram_per_rank or sum(plan.state_bytes()[Tier.HOST].values()) + plan.working.get(Tier.HOST, 0) + (
-        0 if cuda else sum(plan.state_bytes()[Tier.DEVICE].values()) + plan.working.get(Tier.DEVICE, 0))
-    available = psutil.virtual_memory().available
-    checks.append(Check("free RAM", ram * local_world_size <= available,
-                        f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available",
-                        "move state to NVMe (placement.optimizer / grads / params = \"nvme\", or policy = \"auto\" "
-                        "with a smaller memory.host_budget), run fewer ranks per node, or lower the batch size"))
-    if cuda:
-        free, _total = torch.cuda.mem_get_info()
-        checks.append(Check("free GPU memory", device_per_rank <= free,
-                            f"{_fmt(device_per_rank)} per rank, {_fmt(free)} free",
-                            "move state off the GPU (placement.* = \"host\" / \"nvme\", or policy = \"auto\"), "
-                            "lower prefetch.units_ahead, or lower the batch size"))
-    nvme_bytes = sum(plan.state_bytes()[Tier.NVME].values())
-    if plan.uses(Tier.NVME):
-        disk, _ = check_disks(list(config.nvme.paths), nvme_bytes=nvme_bytes, local_world_size=local_world_size)
-        checks += disk
-        checks.append(check_locked_memory(_host_staging(plan),
-                                          local_world_size))
-    return checks
-
-
-def require(checks: list[Check]) -> None:
-    """Raise PreflightError listing every failed error-level check and its fix (for `initialize`)."""
-    failed = [c for c in checks if not c.ok and c.level == "error"]
-    if failed:
-        raise PreflightError("the run cannot start:\n" + "\n".join(c.line() for c in failed))
-
-
 # ---------------------------------------------------------------- text
 
 
 def _fmt(n: float) -> str:
-    return format_size(int(n), exact=False)
+    return format_size(n, exact=False)
 
 
 def format_estimate(est: Estimate, *, explain: bool = False) -> str:

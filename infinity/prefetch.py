@@ -12,8 +12,12 @@ what was predicted but not used is released, and the new order is recorded.
 With several ranks the all-gather of the unit predicted next is issued as soon
 as the unit before it has its parameters (`gather_ahead`), so it runs on the
 comm stream while that unit computes. Collectives must be issued in the same
-order on every rank: every decision here depends only on the recorded order and
-the shard sizes, which all ranks share.
+order on every rank, and they are, though whether a unit is prefetched may differ
+between ranks (its update may still run on one rank's worker): in forward only
+all-gathers are issued, each after the previous unit's and before the next one's,
+early or not; in backward every unit still to come is ready (the forward waited
+for its update), so the decisions depend only on the recorded order and the
+shard sizes, which all ranks share.
 """
 
 from __future__ import annotations

@@ -492,9 +492,9 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
     config = job.engine_config(str(run_dir))
     batches = Batches.from_config(job.data, seq_len=job.model.seq_len, global_batch=job.run.batch_size,
                                   rank=rank, world=world)  # bad data settings fail before any work
+    from .preflight import prepare_nvme_paths
+    prepare_nvme_paths(list(config.nvme.paths))  # a path that is a file: exit 2 naming it (Note [nvme paths])
     os.makedirs(run_dir, exist_ok=True)
-    for path in config.nvme.paths:
-        os.makedirs(path, exist_ok=True)
     start = resume.step if resume else 0
     say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0, first_step=start)
     earlier: list[float] = []
@@ -559,10 +559,10 @@ def _placement_text(engine) -> str:
 
 def _measure_links(config: Config, world: int) -> None:
     """The auto policy plans with this machine's link rates: measure them once (local rank 0), then cached."""
-    from .memory import cost_model
+    from .link_rates import link_rates
     if config.placement.policy == "auto" and config.nvme.paths:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            cost_model.link_rates(config.nvme.paths[0], io_config=config.io)
+            link_rates(config.nvme.paths[0], io_config=config.io)
         _barrier(world)
 
 

@@ -150,16 +150,16 @@ class AlignedBufferPool:
         if self._closed:
             raise RuntimeError("AlignedBufferPool.get() after close(): create a new pool")
         nbytes = numel * dtype.itemsize
-        nclass = size_class(nbytes, self.alignment)
+        cls = size_class(nbytes, self.alignment)
         with self._guard:
-            free = self._free.get(nclass)
+            free = self._free.get(cls)
             buf = free.pop() if free else None
         if buf is None:
-            buf = aligned_empty(nclass, torch.uint8, self.alignment, self.pin, self.lock)
+            buf = aligned_empty(cls, torch.uint8, self.alignment, self.pin, self.lock)
             with self._guard:
-                self._bytes_allocated += nclass
+                self._bytes_allocated += cls
         with self._guard:
-            self._in_use[buf.data_ptr()] = (nclass, buf)
+            self._in_use[buf.data_ptr()] = (cls, buf)
         return buf[:nbytes].view(dtype)
 
     def put(self, tensor: torch.Tensor) -> None:
@@ -170,18 +170,18 @@ class AlignedBufferPool:
                 raise ValueError(
                     f"tensor at {tensor.data_ptr():#x} was not handed out by this pool (or was "
                     f"already put back): put() only what get() returned, once")
-            nclass, buf = entry
+            size_class, buf = entry
             if not self._closed:
-                self._free.setdefault(nclass, []).append(buf)
+                self._free.setdefault(size_class, []).append(buf)
             else:
-                self._bytes_allocated -= nclass
+                self._bytes_allocated -= size_class
 
     def close(self) -> None:
         """Drop the free buffers; buffers still in use are freed when their tensors die."""
         with self._guard:
             self._closed = True
-            for nclass, bufs in self._free.items():
-                self._bytes_allocated -= nclass * len(bufs)
+            for size_class, bufs in self._free.items():
+                self._bytes_allocated -= size_class * len(bufs)
             self._free.clear()
 
 

@@ -34,8 +34,11 @@ import zlib
 import torch
 
 from .aligned import aligned_empty, tensor_memoryview
-from .engine import (BACKENDS, CHECKSUM_ALGORITHM, IOConfig, IOEngine, backend_name, checksum, sampled_checksum,
-                     parse_size)
+from .checksums import CHECKSUM_ALGORITHM, checksum, sampled_checksum
+from .engine import IOEngine, backend_name
+from .files import drop_page_cache, fsync_file
+from .io_config import BACKENDS, IOConfig
+from .sizes import SizeError, format_size, parse_size
 from .swap_space import SwapSpace
 
 _FILL_CHUNK = 16 << 20
@@ -49,24 +52,6 @@ def _fill_random(buf: torch.Tensor) -> None:
     for pos in range(0, buf.numel(), chunk.numel()):
         n = min(chunk.numel(), buf.numel() - pos)
         buf[pos:pos + n] = chunk[:n]
-
-
-def drop_page_cache(path: str) -> None:
-    """Flush the file and drop its cached pages, so the next read comes from the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _median_GBps(num_bytes: int, seconds: list[float]) -> float:
@@ -270,7 +255,7 @@ def machine_info(directory: str) -> dict:
             "torch": torch.__version__, "machine": platform.machine()}
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
         import psutil
         info["ram_bytes"] = psutil.virtual_memory().total
         best = ("", "", "")
@@ -313,20 +298,13 @@ def sweep(buf: torch.Tensor, path: str, repeats: int, base: IOConfig) -> tuple[I
     return best, results
 
 
-def _human(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m io_engine.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     default = IOConfig()
     p.add_argument("--dir", required=True, help="directory on the disk to measure (created)")
     p.add_argument("--size", default="1GiB", help="bytes per transfer (default 1GiB)")
-    p.add_argument("--block-size", default=None, help=f"default {_human(default.block_size)}")
+    p.add_argument("--block-size", default=None, help=f"default {format_size(default.block_size)}")
     p.add_argument("--queue-depth", type=int, default=default.queue_depth)
     p.add_argument("--threads", type=int, default=default.threads)
     p.add_argument("--backend", default=default.backend, choices=BACKENDS,
@@ -339,8 +317,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--keep", action="store_true", help="keep the data files")
     a = p.parse_args(argv)
-    size = parse_size(a.size)
-    block_size = parse_size(a.block_size) if a.block_size else default.block_size
+    try:
+        size = parse_size(a.size, "--size")
+        block_size = parse_size(a.block_size, "--block-size") if a.block_size else default.block_size
+    except SizeError as e:
+        p.error(str(e))
     if a.repeats < 1:
         p.error("--repeats must be >= 1")
     compare = {c.strip() for c in a.compare.split(",") if c.strip()}
@@ -422,7 +403,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _print(report: dict, cfg: IOConfig) -> None:
-    print(f"size {report['size_bytes'] / 1e9:.3f} GB, block {_human(cfg.block_size)}, queue depth "
+    print(f"size {report['size_bytes'] / 1e9:.3f} GB, block {format_size(cfg.block_size)}, queue depth "
           f"{cfg.queue_depth}, threads {cfg.threads}, direct {cfg.direct}, backend "
           f"{backend_name(cfg)}")
     for name in ("io_engine", "io_engine_small_buffer", "fio", "naive", "swap_checksummed"):
@@ -443,7 +424,7 @@ def _print(report: dict, cfg: IOConfig) -> None:
           f"(sampled {c['sampled_GBps']:.2f}, zlib.crc32 {c['zlib.crc32_GBps']:.2f})")
     if "sweep" in report:
         print("best config:\n[io]")
-        print(f'block_size = "{_human(cfg.block_size)}"\nqueue_depth = {cfg.queue_depth}\n'
+        print(f'block_size = "{format_size(cfg.block_size)}"\nqueue_depth = {cfg.queue_depth}\n'
               f"threads = {cfg.threads}\ndirect = {str(cfg.direct).lower()}\n"
               f'backend = "{backend_name(cfg)}"')
 

@@ -17,18 +17,7 @@ submitted with ``urgent=True`` go to a second FIFO that ``_take_ready`` drains f
 blocks already handed to the backend (at most queue_depth) are not pre-empted, so an
 urgent block waits for at most queue_depth blocks. Within each lane order is FIFO.
 
-Note [sampled checksum]: a CRC-32C of every byte is a pass over memory the disk just
-filled (about 80 us per cold 1 MiB block on one core here, 0.8 CPU-s for the 10 GB an
-out-of-core step of a 311M model moves): on a 2-vCPU machine that ran the step 18-24%
-slower than with no checksum (3 of 3 alternating pairs, benchmarks/RESULTS.md, twelfth
-pass). "sampled" checksums SAMPLE_PIECES pieces of SAMPLE_BYTES spread from a block's
-first byte to its last (64 KiB of 1 MiB, about 11 us): swap is per-run scratch, and
-what goes wrong with it is a whole block misplaced (a wrong offset), stale (a lost
-write: the previous contents read back, and the optimizer changes every element every
-step) or cut short, which any piece catches; a flip outside the sample is left to the
-drive's own ECC. "full" remains for those who want every byte covered. Blocks no larger
-than twice the sample are checksummed whole either way. Checkpoints are always checked
-whole (infinity/checkpoint.py).
+Checksums of blocks (full or sampled): io_engine/checksums.py.
 """
 
 from __future__ import annotations
@@ -39,11 +28,9 @@ import errno
 import itertools
 import logging
 import os
-import re
 import threading
 import time
 import warnings
-import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -52,126 +39,20 @@ import torch
 
 from .aligned import address_memoryview
 from .backends import Backend, BlockOp, Direction, ThreadBackend, kernel_aio
+from .checksums import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUM_MODES,
+    SAMPLE_BYTES,
+    SAMPLE_PIECES,
+    checksum,
+    checksum_mode,
+    sampled_checksum,
+)
 from .errors import ChecksumError, IOEngineError, describe_failure
+from .io_config import IOConfig
 from .stats import IOStats, StatsRecorder
 
 log = logging.getLogger(__name__)
-
-try:  # Note [checksum]: crc32c (~10 GB/s) when installed, else zlib.crc32 (~2 GB/s per core)
-    from crc32c import crc32c as _fast_crc
-    CHECKSUM_ALGORITHM = "crc32c"
-except ImportError:  # pragma: no cover - depends on the environment
-    _fast_crc = zlib.crc32
-    CHECKSUM_ALGORITHM = "zlib.crc32"
-
-
-def checksum(data) -> int:
-    """Checksum of a bytes-like object (releases the GIL on large buffers)."""
-    return _fast_crc(data)
-
-
-CHECKSUM_MODES = ("full", "sampled", "off")
-SAMPLE_PIECES, SAMPLE_BYTES = 8, 8192  # Note [sampled checksum]: 64 KiB of a 1 MiB block
-
-
-def sampled_checksum(data) -> int:
-    """CRC-32C of SAMPLE_PIECES pieces of SAMPLE_BYTES spread evenly over a block, the first
-    at its start and the last at its end; the whole block when it is not larger than twice
-    the sample. Note [sampled checksum]."""
-    mem = memoryview(data).cast("B")
-    n = len(mem)
-    if n <= 2 * SAMPLE_PIECES * SAMPLE_BYTES:
-        return _fast_crc(mem)
-    crc = 0
-    for k in range(SAMPLE_PIECES):
-        start = k * (n - SAMPLE_BYTES) // (SAMPLE_PIECES - 1)
-        crc = _fast_crc(mem[start:start + SAMPLE_BYTES], crc)
-    return crc
-
-
-def checksum_mode(value: bool | str | None) -> str:
-    """A checksum setting as one of CHECKSUM_MODES: True is "full", False and None "off"."""
-    if value is None or value is False:
-        return "off"
-    if value is True:
-        return "full"
-    if value not in CHECKSUM_MODES:
-        raise ValueError(f"checksum must be one of {' | '.join(CHECKSUM_MODES)} (or true / false), "
-                         f"got {value!r}")
-    return value
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-_UNIT = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string: "1GiB", "512 MiB", "4k" (binary), "1 GB" (decimal)."""
-    if isinstance(value, bool):
-        raise ValueError(f"size must be an int or a string like '1MiB', got {value!r}")
-    if isinstance(value, int):
-        return value
-    m = _SIZE_RE.match(str(value))
-    if not m:
-        raise ValueError(f"cannot parse size {value!r}: use bytes or e.g. '4KiB', '1MiB', '1 GB'")
-    number, prefix, binary, b = m.groups()
-    power = _UNIT[prefix.lower()]
-    decimal = bool(b) and not binary and power > 0  # "GB" is decimal; "G" / "GiB" binary
-    return int(float(number) * ((1000 if decimal else 1024) ** power))
-
-
-@dataclass(frozen=True, kw_only=True)
-class IOConfig:
-    """How the engine moves bytes. Sizes accept ints or strings like "1MiB"."""
-
-    block_size: int = 1 << 20
-    """Bytes per block request; a multiple of 4096. Larger blocks mean fewer syscalls."""
-    queue_depth: int = 16
-    """Blocks handed to the backend at once (the rest wait in the engine's FIFO)."""
-    threads: int = 8
-    """Worker threads issuing syscalls. With backend "threads" they carry every block (blocks
-    on the device at once = min(threads, queue_depth)); with "aio" only the blocks kernel AIO
-    does not take (unaligned heads and tails, buffered files)."""
-    backend: str = "auto"
-    """"aio": Linux kernel AIO for aligned direct blocks, all queue_depth on the device at once
-    (Note [kernel aio]); "threads": preadv/pwritev from the worker threads; "auto": aio
-    where the kernel offers it, else threads."""
-    direct: bool = True
-    """O_DIRECT where the filesystem allows (bypasses the page cache); else buffered."""
-    checksum: str = "sampled"
-    """Checksum swap extents on write, verify on read (SwapSpace follows this by default):
-    "full" (CRC-32C of every byte), "sampled" (of 64 KiB spread over each block: Note
-    [sampled checksum]) or "off"; True / False mean "full" / "off"."""
-
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "block_size", parse_size(self.block_size))
-        except ValueError as e:
-            raise ValueError(f"IOConfig.block_size: {e}") from None
-        bs = self.block_size
-        if bs < 4096 or bs % 4096 or bs > (1 << 30):
-            raise ValueError(f"IOConfig.block_size must be a multiple of 4096 between 4KiB and "
-                             f"1GiB, got {bs}: try 1MiB")
-        for name, hi in (("queue_depth", 4096), ("threads", 1024)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi:
-                raise ValueError(f"IOConfig.{name} must be an int in [1, {hi}], got {v!r}")
-        if self.threads > self.queue_depth:
-            raise ValueError(f"IOConfig.threads ({self.threads}) > queue_depth "
-                             f"({self.queue_depth}): at most queue_depth blocks are in flight, so "
-                             f"the extra threads would idle; raise queue_depth or lower threads")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"IOConfig.backend must be one of {' | '.join(BACKENDS)}, got "
-                             f"{self.backend!r}")
-        if not isinstance(self.direct, bool):
-            raise ValueError(f"IOConfig.direct must be true or false, got {self.direct!r}")
-        try:
-            object.__setattr__(self, "checksum", checksum_mode(self.checksum))
-        except ValueError as e:
-            raise ValueError(f"IOConfig.{e}") from None
-
-
-BACKENDS = ("auto", "aio", "threads")
 
 
 def backend_name(cfg: IOConfig) -> str:
@@ -631,5 +512,5 @@ class IOEngine:
         req.future._set(req.error)
 
 
-__all__ = ["CHECKSUM_ALGORITHM", "CHECKSUM_MODES", "IOConfig", "IOEngine", "IOFuture", "RequestState", "checksum",
-           "parse_size"]
+__all__ = ["CHECKSUM_ALGORITHM", "CHECKSUM_MODES", "IOConfig", "IOEngine", "IOFuture", "RequestState",
+           "SAMPLE_BYTES", "SAMPLE_PIECES", "checksum", "checksum_mode", "sampled_checksum"]

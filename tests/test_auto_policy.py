@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import infinity
+from infinity import link_rates
 from infinity.memory import cost_model
 from infinity.memory.cost_model import LinkRates, StepTraffic, plan_traffic, predict_step_time, unit_traffic
 from infinity.memory.placement import (GROUPS, KINDS_OF_GROUP, Budgets, Plan, UnitSizes, _fits, plan_placement,
@@ -223,21 +224,34 @@ def test_engine_with_auto_policy_trains_like_plain_pytorch(tmp_path):
 
 def test_link_rates_are_measured_once_then_cached(tmp_path, monkeypatch):
     calls = []
-    real = cost_model.measure_link_rates
+    real = link_rates.measure_link_rates
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, disk_bytes=4 << 20, **{k: v for k, v in kwargs.items() if k != "disk_bytes"})
-    monkeypatch.setattr(cost_model, "measure_link_rates", counting)
-    first = cost_model.link_rates(str(tmp_path))
-    second = cost_model.link_rates(str(tmp_path))
+    monkeypatch.setattr(link_rates, "measure_link_rates", counting)
+    first = link_rates.link_rates(str(tmp_path))
+    second = link_rates.link_rates(str(tmp_path))
     assert len(calls) == 1 and first == second
     assert first.nvme_read > 0 and first.nvme_write > 0 and first.cpu_adam > 0 and first.matmul_flops > 0
-    assert cost_model.cached_link_rates(cuda=torch.cuda.is_available()) == first
-    cost_model.link_rates(str(tmp_path), remeasure=True)
+    assert link_rates.cached_link_rates(cuda=torch.cuda.is_available()) == first
+    link_rates.link_rates(str(tmp_path), remeasure=True)
     assert len(calls) == 2
 
 
+def test_the_planner_takes_rates_and_never_reads_the_cache(monkeypatch):
+    """The caller decides to measure or read the cache (infinity/link_rates.py); the planner with no rates
+    plans with cost_model.default_rates, whatever the cache holds."""
+    def no_cache():
+        raise AssertionError("the planner read the link-rate cache")
+    monkeypatch.setattr(link_rates, "_load_cache", no_cache)
+    units = units_of([4_000_000, 2_000_000, 2_000_000], chunk=250_000)
+    budgets = Budgets(device=100_000_000, host=1 << 34, nvme=1 << 40)
+    plan = auto(units, budgets, None)
+    assert plan.reasons == auto(units, budgets, cost_model.default_rates(cuda=True)).reasons
+    assert "link rates: defaults" in plan.reasons[-1]
+
+
 def test_without_a_measurement_the_defaults_are_used():
-    assert cost_model.cached_link_rates(cuda=False).source == "defaults"
-    assert cost_model.cached_link_rates(cuda=False).h2d == math.inf  # no copies without a GPU
+    assert link_rates.cached_link_rates(cuda=False).source == "defaults"
+    assert link_rates.cached_link_rates(cuda=False).h2d == math.inf  # no copies without a GPU

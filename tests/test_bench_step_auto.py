@@ -99,7 +99,8 @@ def test_default_budgets_leave_only_placements_with_the_optimizer_on_nvme_for_th
     import types
 
     import infinity.environment
-    monkeypatch.setattr(infinity.environment, "check_nvme_paths", lambda paths: 1 << 40)
+    import infinity.preflight
+    monkeypatch.setattr(infinity.preflight, "check_nvme_paths", lambda paths: 1 << 40)
     monkeypatch.setattr(infinity.environment.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 36))
     args = bench_args(tmp_path, None, model=None)
     assert (args.layers, args.d_model, args.vocab) == (24, 1024, 8192)

@@ -11,9 +11,9 @@ import tomllib
 import pytest
 import torch.nn as nn
 
+from infinity import link_rates
 from infinity.cli import EXIT_USAGE, main
 from infinity.config import Config
-from infinity.memory import cost_model
 from infinity.memory.cost_model import LinkRates
 from infinity.train import JOB_SECTIONS
 
@@ -27,7 +27,7 @@ def private_cache(tmp_path_factory):
     """One cache per module (the runtime RSS probe runs once); link rates are never really measured here."""
     mp = pytest.MonkeyPatch()
     mp.setenv("INFINITY_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    mp.setattr(cost_model, "measure_link_rates", lambda *a, **k: FAKE_RATES)
+    mp.setattr(link_rates, "measure_link_rates", lambda *a, **k: FAKE_RATES)
     yield
     mp.undo()
 
@@ -128,7 +128,7 @@ def test_bench_links_measures_once_and_caches(capsys, tmp_path):
     assert code == 0 and json.loads(out)["nvme_read"] == FAKE_RATES.nvme_read
     code, out, _ = run(capsys, "bench-links", "--dir", str(tmp_path))
     assert code == 0 and "nvme read" in out and "measured (fake)" in out
-    assert cost_model.cache_path().exists()
+    assert link_rates.cache_path().exists()
 
 
 def test_module_entry_point_and_bench_io_passthrough():

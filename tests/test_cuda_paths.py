@@ -178,7 +178,9 @@ def _gather_order_on_rank(rank, world, recipe):
     import infinity.collectives as collectives
     from infinity.unit import Unit
     events = []
-    engine = infinity.initialize(recipe.build(), recipe.config(params="host", grads="host", optimizer="host"))
+    config = recipe.config(params="host", grads="host", optimizer="host")
+    config["overlap"] = {"optimizer_with_backward": False}  # (else a unit still updating is fetched late)
+    engine = infinity.initialize(recipe.build(), config)
 
     def unit_of(out):
         return next(u.index for u in engine.units if u.flat_numel and u._storage.data_ptr() == out.data_ptr())

@@ -13,6 +13,7 @@ import infinity
 from dist_utils import run_distributed
 from engine_runs import ALL_PLACEMENTS
 from infinity import estimate as est
+from infinity import preflight as pf
 from infinity.memory.cost_model import LinkRates
 from infinity.memory.placement import Budgets
 from infinity.train import ModelConfig, build_model, load_job
@@ -127,7 +128,7 @@ def test_placement_that_does_not_fit_fails_with_the_fix(tmp_path):
     failed = [c for c in result.checks if not c.ok]
     assert failed[0].name == "placement fits the budgets" and "memory.device_budget" in failed[0].detail
     with pytest.raises(infinity.PreflightError, match="placement fits the budgets"):
-        est.require(result.checks)
+        pf.require(result.checks)
 
 
 def test_more_ram_than_available_fails_with_the_fix(tmp_path):
@@ -138,13 +139,13 @@ def test_more_ram_than_available_fails_with_the_fix(tmp_path):
                           cuda=False)
     ram = next(c for c in result.checks if c.name == "free RAM")
     assert ram.ok  # the model is small: the budget is only an upper bound
-    checks = est.preflight(result.plan, None, config, local_world_size=1, cuda=False, ram_per_rank=100 << 40)
+    checks = pf.preflight(result.plan, None, config, local_world_size=1, cuda=False, ram_per_rank=100 << 40)
     ram = next(c for c in checks if c.name == "free RAM")
     assert not ram.ok and "nvme" in ram.fix and "fewer ranks per node" in ram.fix
 
 
 def test_disk_too_small_and_missing_path(tmp_path):
-    checks, _ = est.check_disks([str(tmp_path)], nvme_bytes=1 << 60, local_world_size=2)
+    checks, _ = pf.check_disks([str(tmp_path)], nvme_bytes=1 << 60, local_world_size=2)
     disk = next(c for c in checks if c.name.startswith("free disk"))
     assert not disk.ok and "2 rank(s)" in disk.detail and "nvme.paths" in disk.fix
     unwritable = tmp_path / "ro"
@@ -153,7 +154,7 @@ def test_disk_too_small_and_missing_path(tmp_path):
     try:
         if os.access(unwritable, os.W_OK):
             pytest.skip("running as a user who can write anywhere")
-        checks, _ = est.check_disks([str(unwritable / "swap")], nvme_bytes=1, local_world_size=1)
+        checks, _ = pf.check_disks([str(unwritable / "swap")], nvme_bytes=1, local_world_size=1)
         assert not checks[0].ok and "mkdir -p" in checks[0].fix
     finally:
         unwritable.chmod(0o700)
@@ -161,12 +162,12 @@ def test_disk_too_small_and_missing_path(tmp_path):
 
 def test_locked_memory_limit(monkeypatch):
     import resource
-    monkeypatch.setattr(est, "_has_cap_ipc_lock", lambda: False)
+    monkeypatch.setattr(pf, "_has_cap_ipc_lock", lambda: False)
     monkeypatch.setattr(resource, "getrlimit", lambda what: (64 << 10, 64 << 10))
-    check = est.check_locked_memory(1 << 30, local_world_size=1)
+    check = pf.check_locked_memory(1 << 30, local_world_size=1)
     assert not check.ok and check.level == "warning" and "ulimit -l unlimited" in check.fix
-    assert est.check_locked_memory(4096, local_world_size=1).ok
-    est.require([check])  # a warning does not stop a run
+    assert pf.check_locked_memory(4096, local_world_size=1).ok
+    pf.require([check])  # a warning does not stop a run
 
 
 def test_report_text_has_every_section(tmp_path):

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from io_engine import (AlignedBufferPool, IOConfig, IOEngine, IOFuture, IOStats, aligned_empty,
-                       parse_size)
+from io_engine import AlignedBufferPool, IOConfig, IOEngine, IOFuture, IOStats, SizeError, aligned_empty, parse_size
 from io_engine import engine as engine_module
 from io_engine.backends import kernel_aio
 from io_engine.backends import threads as threads_backend
@@ -229,9 +228,39 @@ def test_sampled_checksum_is_the_crc_of_its_pieces():
 def test_config_accepts_size_strings():
     assert IOConfig(block_size="4MiB").block_size == 4 << 20
     assert parse_size("1GiB") == 1 << 30 and parse_size("512MiB") == 512 << 20
-    assert parse_size("1 GB") == 10 ** 9 and parse_size(123) == 123 and parse_size("4k") == 4096
+    assert parse_size("1 GB") == 10 ** 9 and parse_size(123) == 123 and parse_size("4KiB") == 4096
     with pytest.raises(dataclass_error()):
         IOConfig().block_size = 5  # frozen
+
+
+def test_one_meaning_of_size_strings():
+    """Note [size strings]: io_engine and the config parse sizes with one function, so "4KiB" is 4096 and
+    "4KB" 4000 in both, and a bare "4k" (1024 or 1000?) is refused in both with the two spellings to choose."""
+    from infinity.config import ConfigError
+    from infinity.config import parse_size as config_parse_size
+    for text, num_bytes in (("4KiB", 4096), ("4KB", 4000), ("1.5GiB", 3 << 29), ("2 mib", 2 << 20), ("7", 7)):
+        assert parse_size(text) == config_parse_size(text, "k") == num_bytes
+    for bare in ("4k", "12 G", "1m"):
+        with pytest.raises(SizeError, match=r"ambiguous unit.*KiB|ambiguous unit.*GiB|ambiguous unit.*MiB"):
+            parse_size(bare)
+        with pytest.raises(ConfigError, match=r"^io\.block_size = .*ambiguous"):
+            config_parse_size(bare, "io.block_size")
+    with pytest.raises(ValueError, match="IOConfig.block_size.*ambiguous"):
+        IOConfig(block_size="4k")
+
+
+def test_atomic_write_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Note [atomic write]: the new contents replace the old in one rename; a failed write leaves the old file
+    and no temporary file."""
+    from io_engine import atomic_write
+    target = tmp_path / "cache.json"
+    atomic_write(target, "old")
+    atomic_write(target, b"new bytes")
+    assert target.read_bytes() == b"new bytes"
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(target, "lost")
+    assert target.read_bytes() == b"new bytes" and sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
 
 
 def dataclass_error():

@@ -103,6 +103,7 @@ def test_profile_outputs(tmp_path):
 def test_profile_peaks_are_the_measured_link_rates(tmp_path, monkeypatch):
     """With link rates measured for this machine and swap disk (`infinity bench-links`), the summary
     gives each link's peak and achieved / peak; with none measured, no peak is made up."""
+    from infinity import link_rates
     from infinity.memory import cost_model
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
     recipe = Recipe(steps=2, accum=1)
@@ -123,7 +124,7 @@ def test_profile_peaks_are_the_measured_link_rates(tmp_path, monkeypatch):
 
     rates = cost_model.LinkRates(nvme_read=2.5e9, nvme_write=3.25e9, cpu_adam=1.5e9, device_adam=1.5e9,
                                  matmul_flops=1e11, source="measured in this test")
-    cost_model._store_cache({cost_model.rates_key(str(tmp_path), torch.device("cpu")): rates.to_json()})
+    link_rates.store_rates(str(tmp_path), torch.device("cpu"), rates)
     links = median_links()
     expected = {"nvme_read": 2.5, "nvme_write": 3.25, "cpu_optimizer": 1.5 * 16}
     for name, peak in expected.items():

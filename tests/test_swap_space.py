@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from io_engine import (ChecksumError, Extent, FailRule, IOConfig, IOEngine, IOEngineError,
-                       MemoryBackend, SwapSpace)
+from io_engine import ChecksumError, Extent, FailRule, IOConfig, IOEngine, IOEngineError, MemoryBackend, SwapSpace
 from tmpfs import tmpfs
 
 CFG = IOConfig(block_size=64 << 10, queue_depth=8, threads=4)

@@ -24,6 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from io_engine import format_size
+
+from ..dtypes import dtype_of
 from . import cost_model, traffic
 from .tier import Kind, Tier, params_alias_master
 from .traffic import GROUPS, KINDS_OF_GROUP
@@ -133,7 +136,8 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
 
     policy "static": every unit's params / grads / optimizer state on the tiers of
     `static` (the `[placement]` keys). "auto": Note [auto placement], with the link
-    `rates` (default: this machine's cached measurement, else `cost_model.DEFAULT_RATES`),
+    `rates` (default: `cost_model.default_rates`; the planner never measures nor reads a cache: the
+    caller passes what `infinity.link_rates` measured or cached),
     `grad_accum_steps` micro-batches per step and `compute_seconds` of forward and
     backward per step (0 when unknown: transfers are then minimized outright).
     Every working buffer of Note [working memory] is fitted with the state: `keep_written` (the fresh
@@ -162,9 +166,8 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
                     rates: cost_model.LinkRates | None = None) -> Plan:
     """`plan_placement` with every argument taken from a `Config` the way `initialize` takes them, so
     `infinity estimate` and the engine plan the same run identically (the engine should call this)."""
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     p = config.placement
-    return plan_placement(units, dtypes[config.precision.compute_dtype], policy=p.policy,
+    return plan_placement(units, dtype_of(config.precision.compute_dtype), policy=p.policy,
                           static={"params": p.params, "grads": p.grads, "optimizer": p.optimizer},
                           budgets=budgets, units_ahead=config.prefetch.units_ahead, rates=rates,
                           grad_accum_steps=config.train.grad_accum_steps, keep_written=config.prefetch.keep_written,
@@ -198,7 +201,7 @@ def _explain_misfit(problems, units, compute_dtype, budgets, units_ahead, settin
 def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, settings: dict, *, rates, accum: int,
           compute_seconds: float) -> Plan:
     """Note [auto placement]: the per-unit tiers that minimize the predicted step time."""
-    rates = rates or cost_model.cached_link_rates(not budgets.shared_ram)
+    rates = rates or cost_model.default_rates(not budgets.shared_ram)
     search = _Search(units, compute_dtype, budgets, units_ahead, settings, rates, accum, compute_seconds)
     starts = search.uniform_starts(limit=4) + [s for s in (search.slowest_fill(),) if s is not None]
     if not starts:
@@ -444,7 +447,4 @@ def _ms(seconds: float) -> str:
 
 
 def _fmt(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit} ({n} bytes)"
-    return f"{n} bytes"
+    return f"{format_size(n, exact=False)} ({n} bytes)"

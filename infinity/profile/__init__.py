@@ -11,14 +11,16 @@ Chrome trace, an overlap summary and a timeline chart.
     prof.write("profile/rank0")   # trace.json, summary.json, timeline.png
 
 Layout:
-    spans.py    Link, Span, Profiler (recording, thread-safe), NullProfiler
+    records.py  Link, SpanKind, Span, StepMark: what is recorded (the writers read only these)
+    spans.py    Profiler (recording, thread-safe), NullProfiler
     device.py   CUDA-event spans mapped onto the host clock
     summary.py  interval unions per step and link: the summary contract
     chrome.py   Chrome trace event JSON (Perfetto, chrome://tracing)
     chart.py    timeline PNG (needs matplotlib; skipped without it)
 """
 
-from .spans import Link, NullProfiler, Profiler, Span, SpanKind, StepMark
+from .records import Link, Span, SpanKind, StepMark
+from .spans import NullProfiler, Profiler
 from .summary import format_summary, summarize, union_length
 
 __all__ = [

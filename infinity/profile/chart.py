@@ -9,7 +9,7 @@ so no global state and no display); without it nothing is drawn.
 
 from __future__ import annotations
 
-from .spans import Link, Span, SpanKind, StepMark
+from .records import Link, Span, SpanKind, StepMark
 
 _COLORS = {
     Link.COMPUTE: "#4c72b0",
@@ -65,7 +65,8 @@ def draw_timeline(spans: list[Span], steps: list[StepMark], summary: dict, path:
         y = len(links) - 1 - lane  # compute on top
         work = [(s.start - origin, s.end - s.start) for s in spans if s.link is link and s.kind is SpanKind.WORK]
         axes.broken_barh(work, (y - 0.35, 0.7), facecolors=_COLORS[link], alpha=0.75, linewidth=0)
-        waits = [(s.start - origin, s.end - s.start) for s in spans if s.kind is SpanKind.WAIT and (s.link is link or link is Link.COMPUTE)]
+        waits = [(s.start - origin, s.end - s.start) for s in spans
+                 if s.kind is SpanKind.WAIT and (s.link is link or link is Link.COMPUTE)]
         height = 0.35 if link is Link.COMPUTE else 0.12
         axes.broken_barh(waits, (y - 0.35, height), facecolors=_WAIT_COLOR, linewidth=0)
 

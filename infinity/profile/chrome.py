@@ -14,7 +14,7 @@ link gets extra rows ("nvme_read (2)", ...), filled greedily.
 
 from __future__ import annotations
 
-from .spans import Link, Span, SpanKind, StepMark
+from .records import Link, Span, SpanKind, StepMark
 
 _US = 1e6
 

@@ -22,6 +22,8 @@ from typing import Callable
 
 import torch
 
+from .records import Span, SpanKind
+
 
 class DeviceSpans:
     """Pending device spans of one profiler, resolved into host-clock spans."""
@@ -75,7 +77,8 @@ class DeviceSpans:
 class _DeviceSpanTimer:
     """Context manager of one device span: events around the enqueued work."""
 
-    __slots__ = ("_owner", "_name", "_link", "_stream", "_unit", "_torch_range", "_reference", "start_event", "end_event", "num_bytes")
+    __slots__ = ("_owner", "_name", "_link", "_stream", "_unit", "_torch_range", "_reference", "start_event",
+                 "end_event", "num_bytes")
 
     def __init__(self, owner: DeviceSpans, name, link, stream, num_bytes, unit):
         self._owner = owner
@@ -110,8 +113,6 @@ class _DeviceSpanTimer:
 
     def resolve(self):
         """The host-clock Span; call once `end_event` has completed."""
-        from .spans import Span, SpanKind
-
         reference_event, reference_time = self._reference
         reference_event.synchronize()  # elapsed_time needs both events complete; this one is long done
         start = reference_time + reference_event.elapsed_time(self.start_event) / 1e3

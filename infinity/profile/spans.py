@@ -19,59 +19,13 @@ opened only while a torch profiler is active.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import threading
 import time
 
 import torch
 
 from . import device as device_timing
-
-
-class Link(enum.Enum):
-    """A resource that carries work; one lane per link in the trace and chart.
-
-    The values are the display names and the keys of `summary()["links"]`.
-    """
-
-    COMPUTE = "compute"  # the training thread's work on the device (or CPU)
-    NVME_READ = "nvme_read"  # swap file -> pinned host staging
-    NVME_WRITE = "nvme_write"  # pinned host staging -> swap file
-    H2D = "h2d"  # host -> device copies
-    D2H = "d2h"  # device -> host copies
-    ALL_GATHER = "all_gather"  # unshard parameters
-    REDUCE_SCATTER = "reduce_scatter"  # shard gradients
-    CPU_OPTIMIZER = "cpu_optimizer"  # optimizer sub-steps on the CPU
-
-
-class SpanKind(enum.Enum):
-    """What a span's interval means for its link."""
-
-    WORK = "work"  # the link was busy (counts in busy time, bytes)
-    WAIT = "wait"  # compute was blocked on the link (counts in exposed time)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Span:
-    """One recorded interval; `start`/`end` in `time.perf_counter()` seconds."""
-
-    name: str
-    link: Link
-    start: float
-    end: float
-    num_bytes: int = 0
-    unit: str | None = None  # the unit's qualified name, when the span serves one
-    kind: SpanKind = SpanKind.WORK
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepMark:
-    """The host-clock boundaries of one training step."""
-
-    step: int
-    begin: float
-    end: float
+from .records import Link, Span, SpanKind, StepMark
 
 
 class _SpanTimer:
@@ -135,7 +89,8 @@ def _normalize_peaks(peaks_GBps) -> dict[Link, float]:
     for key, value in (peaks_GBps or {}).items():
         link = key if isinstance(key, Link) else Link(key)
         if not value > 0:
-            raise ValueError(f"peaks_GBps[{link.value!r}] = {value!r}: give a positive measured bandwidth or leave it out")
+            raise ValueError(f"peaks_GBps[{link.value!r}] = {value!r}: give a positive measured bandwidth or "
+                             f"leave it out")
         peaks[link] = float(value)
     return peaks
 
@@ -181,16 +136,19 @@ class Profiler:
             return self.span(name, link, num_bytes=num_bytes, unit=unit)
         return self._device.timer(name, link, stream, num_bytes, unit)
 
-    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0, unit: str | None = None) -> None:
+    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0,
+               unit: str | None = None) -> None:
         """Add an already-timed span (e.g. an I/O completion on a worker thread)."""
         if end < start:
-            raise ValueError(f"span {name!r} ends before it starts (start={start}, end={end}): pass time.perf_counter() values")
+            raise ValueError(f"span {name!r} ends before it starts (start={start}, end={end}): pass "
+                             f"time.perf_counter() values")
         self._append(Span(name, link, start, end, num_bytes, unit, SpanKind.WORK))
 
     def record_wait(self, link: Link, name: str, start: float, end: float) -> None:
         """Add an already-timed wait of compute on `link`."""
         if end < start:
-            raise ValueError(f"wait {name!r} ends before it starts (start={start}, end={end}): pass time.perf_counter() values")
+            raise ValueError(f"wait {name!r} ends before it starts (start={start}, end={end}): pass "
+                             f"time.perf_counter() values")
         self._append(Span(name, link, start, end, 0, None, SpanKind.WAIT))
 
     def step_begin(self, step: int) -> None:
@@ -259,6 +217,8 @@ class Profiler:
         import json
         import os
 
+        from io_engine import atomic_write
+
         from . import chart, chrome
         from .summary import format_summary, summarize
 
@@ -266,10 +226,8 @@ class Profiler:
         summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank)
         os.makedirs(out_dir, exist_ok=True)
         paths = {"trace": os.path.join(out_dir, "trace.json"), "summary": os.path.join(out_dir, "summary.json")}
-        with open(paths["trace"], "w") as f:
-            json.dump(chrome.chrome_trace(spans, steps, rank=self.rank), f)
-        with open(paths["summary"], "w") as f:
-            json.dump(summary, f, indent=2)
+        atomic_write(paths["trace"], json.dumps(chrome.chrome_trace(spans, steps, rank=self.rank)))
+        atomic_write(paths["summary"], json.dumps(summary, indent=2))
         timeline = os.path.join(out_dir, "timeline.png")
         if chart.draw_timeline(spans, steps, summary, timeline):
             paths["timeline"] = timeline
@@ -296,10 +254,12 @@ class NullProfiler:
     def wait(self, link: Link, name: str) -> _NullSpan:
         return _NULL_SPAN
 
-    def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0, unit: str | None = None) -> _NullSpan:
+    def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0,
+                    unit: str | None = None) -> _NullSpan:
         return _NULL_SPAN
 
-    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0, unit: str | None = None) -> None:
+    def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0,
+               unit: str | None = None) -> None:
         pass
 
     def record_wait(self, link: Link, name: str, start: float, end: float) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 from typing import Iterable
 
-from .spans import Link, Span, SpanKind, StepMark
+from .records import Link, Span, SpanKind, StepMark
 
 GB = 1e9
 
@@ -88,7 +88,8 @@ def _link_summary(work: list[Span], waits: list[Span], begin: float, end: float,
     }
 
 
-def summarize_window(spans: list[Span], step: int | None, begin: float, end: float, links: list[Link], peaks_GBps: dict[Link, float]) -> dict:
+def summarize_window(spans: list[Span], step: int | None, begin: float, end: float, links: list[Link],
+                     peaks_GBps: dict[Link, float]) -> dict:
     """The summary of one step window (see the module docstring)."""
     work = [s for s in spans if s.kind is SpanKind.WORK]
     waits = [s for s in spans if s.kind is SpanKind.WAIT]
@@ -102,7 +103,8 @@ def summarize_window(spans: list[Span], step: int | None, begin: float, end: flo
         "overlap_efficiency": _ratio(compute_s, step_s),
         "links": {
             link.value: _link_summary(
-                [s for s in work if s.link is link], [s for s in waits if s.link is link], begin, end, peaks_GBps.get(link)
+                [s for s in work if s.link is link], [s for s in waits if s.link is link], begin, end,
+                peaks_GBps.get(link)
             )
             for link in links
         },
@@ -126,7 +128,8 @@ def _median_of_steps(steps: list[dict]) -> dict | None:
     return median
 
 
-def summarize(spans: list[Span], steps: list[StepMark], peaks_GBps: dict[Link, float] | None = None, *, rank: int = 0) -> dict:
+def summarize(spans: list[Span], steps: list[StepMark], peaks_GBps: dict[Link, float] | None = None, *,
+              rank: int = 0) -> dict:
     """{"rank", "num_steps", "steps": [per-step summary], "median": {...}}."""
     peaks_GBps = peaks_GBps or {}
     seen = {s.link for s in spans} | set(peaks_GBps)
@@ -166,14 +169,17 @@ def format_summary(summary: dict) -> str:
     ]
     for s in summary["steps"]:
         step = "all" if s["step"] is None else str(s["step"])
-        lines.append(f"{step:>6} {_ms(s['step_s']):>10} {_ms(s['compute_s']):>11} {_ms(s['exposed_s']):>11} {_percent(s['overlap_efficiency']):>8}")
+        lines.append(f"{step:>6} {_ms(s['step_s']):>10} {_ms(s['compute_s']):>11} {_ms(s['exposed_s']):>11} "
+                     f"{_percent(s['overlap_efficiency']):>8}")
     if median["links"]:
         lines.append("per link, median over steps:")
-        lines.append(f"{'link':<15} {'MB/step':>10} {'busy_ms':>9} {'GB/s':>7} {'peak':>7} {'of peak':>8} {'exposed_ms':>11}")
+        lines.append(f"{'link':<15} {'MB/step':>10} {'busy_ms':>9} {'GB/s':>7} {'peak':>7} {'of peak':>8} "
+                     f"{'exposed_ms':>11}")
         for name, link in median["links"].items():
             megabytes = None if link["bytes"] is None else link["bytes"] / 1e6
             lines.append(
-                f"{name:<15} {_number(megabytes, '.1f'):>10} {_ms(link['busy_s']):>9} {_number(link['GBps'], '.2f'):>7} "
-                f"{_number(link['peak_GBps'], '.2f'):>7} {_percent(link['fraction_of_peak']):>8} {_ms(link['exposed_s']):>11}"
+                f"{name:<15} {_number(megabytes, '.1f'):>10} {_ms(link['busy_s']):>9} "
+                f"{_number(link['GBps'], '.2f'):>7} {_number(link['peak_GBps'], '.2f'):>7} "
+                f"{_percent(link['fraction_of_peak']):>8} {_ms(link['exposed_s']):>11}"
             )
     return "\n".join(lines)

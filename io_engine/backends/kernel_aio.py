@@ -33,7 +33,7 @@ import os
 import platform
 import threading
 
-from . import BlockOp, Complete, Direction
+from .base import BlockOp, Complete, Direction
 from .threads import FileHandle, ThreadBackend
 
 log = logging.getLogger(__name__)

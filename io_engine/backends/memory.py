@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Union
 
 from ..errors import ShortRead
-from . import Backend, BlockOp, Complete, Direction, split_blocks
+from .base import Backend, BlockOp, Complete, Direction, split_blocks
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch
 
 from ..aligned import address_memoryview, aligned_empty
 from ..errors import ShortRead
-from . import Backend, BlockOp, Complete, Direction, split_blocks
+from .base import Backend, BlockOp, Complete, Direction, split_blocks
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,12 @@
+"""The compute dtypes a config names ("fp32", "bf16", "fp16") as torch dtypes: the one map."""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of `precision.compute_dtype` = `name` (validated by the config)."""
+    return DTYPES[name]
