@@ -17,19 +17,18 @@ import torch.nn.functional as F
 
 import infinity
 import infinity.engine as engine_module
+from dist_utils import run_distributed
+from engine_runs import train_steps
 from infinity.checkpoint import ShardWriter
 from infinity.environment import resolve
 from infinity.hooks import to_device
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
 from infinity.models.gpt import GPT
+from infinity.optim.worker import OptimizerWorker
 from infinity.profile import Link
 from infinity.profile.clock import TrainingClock
-from infinity.optim.worker import OptimizerWorker
 from infinity.streams import Streams, count_host_syncs
-
-from dist_utils import run_distributed
-from engine_runs import train_steps
 from reference import TINY, Recipe, reference_run
 
 META = torch.device("meta")
