@@ -212,7 +212,10 @@ class _OnWorker(UpdateMode):
         self._settled = 0  # depth of settled(): the read-ahead stays paused inside
 
     def ready(self, index: int) -> bool:
-        return not self.worker.pending(index)
+        if self.worker.pending(index):
+            return False
+        self.worker.wait_unit(index)  # (done: this only makes the fetch follow the update on the device)
+        return True
 
     def before_forward(self, unit: Unit) -> None:
         pending = self.worker.pending(unit.index)

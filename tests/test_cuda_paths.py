@@ -490,3 +490,14 @@ def test_compute_spans_on_a_gpu_are_device_time():
     cpu.compute_begin()
     cpu.compute_end("backward")
     assert calls == [("host span", "backward")]
+
+
+def test_a_prefetch_after_an_update_follows_it_on_the_device():
+    """Note [update stream]: a unit whose update is done may be prefetched (ready), and the stream that
+    fetches it then waits for the update's event, so the fetch or gather reads the new parameters."""
+    recipe = Recipe(extra={"overlap": {"optimizer_with_backward": True}})
+    engine = infinity.initialize(recipe.build(), recipe.config())
+    with engine:
+        streams = engine.updates.worker.streams = RecordingStreams()
+        assert engine.updates.ready(1)
+        assert streams.log == [("wait", "current")]
