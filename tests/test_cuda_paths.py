@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import infinity
 import infinity.engine as engine_module
+import infinity.memory.manager as manager_module
 from dist_utils import run_distributed
 from engine_runs import train_steps
 from infinity.checkpoint import ShardWriter
@@ -366,7 +367,7 @@ def test_host_tier_is_one_arena_pinned_at_its_exact_size(monkeypatch):
         assert calls[1:] == [("unregister", base)]
 
 
-def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path):
+def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path, monkeypatch):
     """Defects 6 and 8: a fetch to the device (faked by meta) from the host tier, or from NVMe, is waited
     for by the consumer's stream (no host sync); the NVMe read's copy is issued as soon as the read lands,
     before wait(); its staging buffer goes back only once the copy is done; host bytes a copy may still
@@ -397,6 +398,9 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path):
 
         streams.log.clear()
         streams.complete = False  # the copies below have not finished on the device
+        bound = []  # (defect 4: the I/O thread that issues the copy selects the engine's device first)
+        monkeypatch.setattr(manager_module, "bind_thread", lambda device: bound.append(
+            (threading.current_thread() is threading.main_thread(), device)))
         with count_host_syncs() as syncs:
             pending = manager.fetch(1, Kind.PARAMS, None, into=torch.empty(numel, dtype=torch.float32, device=META),
                                     urgent=True)
@@ -407,6 +411,7 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path):
             pending.wait()
             assert streams.log[3:] == [("wait", "current")]
         assert syncs == []
+        assert bound == [(False, META)]
         assert len(manager.staging._after) == 1  # the staging buffer waits for its copy
         streams.complete = True
         manager.staging.host_buffer(16, torch.float32)

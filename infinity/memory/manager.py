@@ -32,7 +32,7 @@ from .fresh import FreshCopies
 from ..profile import Link, NullProfiler
 from .placement import Plan
 from .tier import Kind, Residency, Tier, check_transition
-from ..streams import Streams, host_wait
+from ..streams import Streams, bind_thread, host_wait
 
 
 @dataclass
@@ -309,6 +309,7 @@ class TieredMemoryManager:
                 left[0] -= _future is not None
                 if copy or (left[0] > 0 and not landed):  # (landed: wait() saw every read done)
                     return
+                bind_thread(device)  # (an I/O thread: its current device would be cuda:0, Note in streams.py)
                 pending, done = self._copy_across(host, device, into)
                 self.staging.release_after(host, done)
                 copy.append(pending)
