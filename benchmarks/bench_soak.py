@@ -1,12 +1,18 @@
 """Soak: many steps with parameters and optimizer state on NVMe; resources must stay flat.
 
     python benchmarks/bench_soak.py --steps 500 --dir /path/on/nvme --json soak.json
+    python benchmarks/bench_soak.py --faults --json soak-faults.json     # as root: faults, see below
 
 Every `--every` steps it samples RSS, open file descriptors, threads, staging
 (pinned / locked) bytes, and the swap files' sizes. After warm-up each must stay
 flat: the report gives the first and last sample after warm-up and the largest
 rise. A checkpoint is saved (keep_last 2) every `--save-every` steps, so saving
 is soaked too.
+
+With --faults (benchmarks/soak_faults.py; root, for a small tmpfs): 300 steps with background
+checkpoints on a small filesystem that a helper process fills to ENOSPC and frees again, while
+the job is SIGKILLed and resumed 5 times; at the end the parameters must equal an undisturbed
+run's bit for bit, and RSS and open fds stay flat.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import infinity  # noqa: E402
 from common import machine, write_json  # noqa: E402
+
+import infinity  # noqa: E402
 from infinity.models.gpt import GPT, GPTConfig, gpt_init, synthetic_batch  # noqa: E402
 
 
@@ -45,7 +52,13 @@ def main(argv=None):
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--faults", action="store_true", help="the fault soak (benchmarks/soak_faults.py; root)")
+    ap.add_argument("--kills", type=int, default=5)
     args = ap.parse_args(argv)
+    if args.faults:
+        import soak_faults
+        steps = args.steps if "--steps" in (sys.argv if argv is None else argv) else 300
+        return soak_faults.main(steps=steps, kills=args.kills, json_path=args.json)
     root = tempfile.mkdtemp(prefix="bench-soak-", dir=args.dir)
     os.makedirs(os.path.join(root, "swap"))
     cfg = GPTConfig(vocab_size=4096, seq_len=64, n_layer=4, n_head=4, d_model=256)

@@ -7,7 +7,12 @@ Layout of a checkpoint directory::
     rank00000.bin        this rank's fp32 master, exp_avg, exp_avg_sq, one record per optimizer
                          sub-group, each at a 4 KiB-aligned offset
     rank00000.json       the records: unit, kind, chunk, element range in the shard, offset, crc32
-    rank00000.rng.pt     this rank's RNG states (torch, CUDA, python, numpy)
+    rank00000.rng.pt     this rank's RNG states (torch, CUDA, python, numpy), tensors and plain values only
+    buffers.pt           the model's persistent buffers (rank 0; BatchNorm statistics, masks), restored on load
+
+Note [safe loading]: every file is loaded with `torch.load(..., weights_only=True)` (tensors and plain
+values; no pickled code runs) after its crc32 in the manifest was checked, so a tampered or garbage
+file fails with a CheckpointError that names it, not an unpickling traceback or someone else's code.
 
 Note [what is saved]: a checkpoint is taken at an accumulation boundary, where gradients
 are zero and the compute-dtype parameters are exactly the cast of the fp32 masters; so
@@ -28,9 +33,9 @@ records, each verified against its checksum.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-import random
 import secrets
 import shutil
 import threading
@@ -42,6 +47,21 @@ import torch.distributed as dist
 
 from io_engine import IOEngine
 
+from .checkpoint_files import (  # noqa: F401 - CheckpointError and apply_retention are used through this module
+    CheckpointError,
+    _continue_run,
+    _file_crc,
+    _fsync_path,
+    _load_verified,
+    _restore_buffers,
+    _rng_state,
+    _save_buffers,
+    _set_rng_state,
+    apply_retention,
+    count_as_written,
+    load_buffers,
+    persistent_buffers,
+)
 from .memory.tier import Kind
 from .streams import bind_thread
 
@@ -52,10 +72,6 @@ MANIFEST = "manifest.json"
 PARTIAL_MARKER = ".infinity-partial"
 BUFFERS = "buffers.pt"  # the model's persistent buffers (small; rank 0), so exports load with strict=True
 WRITES_IN_FLIGHT = 4
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the file and what to do."""
 
 
 def rank_file(rank: int) -> str:
@@ -80,14 +96,6 @@ def model_layout(units) -> list[dict]:
     return [{"name": u.name, "flat_numel": u.flat_numel, "trainable_numel": u.trainable_numel,
              "slots": [{"names": list(s.names), "shape": list(s.shape), "offset": s.offset,
                         "requires_grad": s.requires_grad} for s in u.slots]} for u in units]
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the bytes (or the directory entry) must be durable before the commit
-    finally:
-        os.close(fd)
 
 
 def _barrier(group) -> None:
@@ -182,7 +190,7 @@ class ShardWriter:
         _fsync_path(path)
         index = {"rank": rank, "file": rank_file(rank), "records": [r.__dict__ for r in records]}
         _write_json(os.path.join(self.tmp_dir, rank_index(rank)), index)
-        torch.save(_rng_state(), os.path.join(self.tmp_dir, rank_rng(rank)))
+        torch.save(_rng_state(), os.path.join(self.tmp_dir, rank_rng(rank)))  # plain values (Note [safe loading])
         _fsync_path(os.path.join(self.tmp_dir, rank_rng(rank)))
 
 
@@ -195,34 +203,19 @@ def _write_json(path: str, payload: dict) -> int:
     return zlib.crc32(data)
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # numpy is a dependency; keep loading robust anyway
-        pass
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-        np.random.set_state(state["numpy"])
-
-
 class PendingCheckpoint:
     """A save in progress: `commit()` makes it visible (all ranks call it)."""
 
-    def __init__(self, engine, path: str, tmp_dir: str, writer: ShardWriter, user_state: dict, manifest: dict):
+    def __init__(self, engine, path: str, tmp_dir: str, writer: ShardWriter, user_state: dict, manifest: dict,
+                 hold: int | None):
         self.engine, self.path, self.tmp_dir, self.writer = engine, path, tmp_dir, writer
         self.user_state, self.manifest = user_state, manifest
+        self._hold = hold  # rank 0: the flock on the partial's marker (Note [partials in use])
+
+    def _release(self) -> None:
+        if self._hold is not None:
+            os.close(self._hold)  # closing the descriptor drops the flock
+            self._hold = None
 
     def commit(self) -> str:
         engine = self.engine
@@ -236,26 +229,38 @@ class PendingCheckpoint:
         if int(failed):
             if engine.rank == 0:
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self._release()
             _barrier(group)
             err = self.writer.error
             if err is None:
                 raise CheckpointError(f"checkpoint {self.path} was not saved: another rank failed to write its "
-                                      f"shard (see its error); the previous checkpoint is intact")
+                                      f"shard (see its error); nothing was made visible and no earlier checkpoint "
+                                      f"was touched")
             raise CheckpointError(f"checkpoint {self.path} was not saved (rank {engine.rank}): {err}. Nothing was "
-                                  f"made visible and the previous checkpoint is intact") from err
+                                  f"made visible and no earlier checkpoint was touched") from err
         _barrier(group)  # all rank files are durable
         if engine.rank == 0:
             ranks = []
             for r in range(engine.world_size):
                 with open(os.path.join(self.tmp_dir, rank_index(r)), "rb") as f:
                     ranks.append({"file": rank_file(r), "index": rank_index(r), "index_crc32": zlib.crc32(f.read()),
-                                  "rng": rank_rng(r)})
+                                  "rng": rank_rng(r), "rng_crc32": _file_crc(os.path.join(self.tmp_dir, rank_rng(r)))})
             self.manifest["ranks"] = ranks
-            _write_json(os.path.join(self.tmp_dir, MANIFEST), self.manifest)
-            _fsync_path(self.tmp_dir)
-            os.rename(self.tmp_dir, self.path)  # the checkpoint appears whole, or not at all
+            if self.manifest.get("buffers"):
+                self.manifest["buffers_crc32"] = _file_crc(os.path.join(self.tmp_dir, BUFFERS))
+            try:
+                _write_json(os.path.join(self.tmp_dir, MANIFEST), self.manifest)
+                _fsync_path(self.tmp_dir)
+                os.rename(self.tmp_dir, self.path)  # the checkpoint appears whole, or not at all
+            except OSError as e:  # e.g. the disk filled up for the manifest: the partial goes, nothing is visible
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self._release()
+                raise CheckpointError(f"checkpoint {self.path} was not saved: writing its manifest failed ({e}). "
+                                      f"Nothing was made visible and no earlier checkpoint was touched; free space "
+                                      f"in {os.path.dirname(self.path)}") from e
             _fsync_path(os.path.dirname(os.path.abspath(self.path)))
             os.remove(os.path.join(self.path, PARTIAL_MARKER))  # after the rename: a dying save stays marked stale
+            self._release()
         _barrier(group)
         return self.path
 
@@ -281,14 +286,23 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         token = box[0]
     tmp_dir = f"{path}.tmp-{token}"
     parent = os.path.dirname(path)
+    hold = None
     if engine.rank == 0:
         if os.path.exists(path):
             raise CheckpointError(f"checkpoint path {path} already exists: save to a new directory (e.g. one per "
                                   f"step), or remove it first")
-        os.makedirs(parent, exist_ok=True)
-        _remove_stale_partials(parent)
-        os.makedirs(tmp_dir)
-        open(os.path.join(tmp_dir, PARTIAL_MARKER), "w").close()
+        try:
+            os.makedirs(parent, exist_ok=True)
+            _remove_stale_partials(parent)
+            os.makedirs(tmp_dir)
+            hold = os.open(os.path.join(tmp_dir, PARTIAL_MARKER), os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(hold, fcntl.LOCK_EX)  # held until the commit (or this process's death)
+        except OSError as e:  # e.g. a full disk: nothing is left behind
+            if hold is not None:
+                os.close(hold)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {path} was not saved: cannot create {tmp_dir} ({e}); free space "
+                                  f"in {parent} or save elsewhere. No earlier checkpoint was touched") from e
     _barrier(group)  # the partial directory exists for every rank
     writer = ShardWriter(engine, tmp_dir)
     need = sum(-(-r.numel * 4 // ALIGN) * ALIGN for r in writer.records()) + (256 << 10)  # + index, RNG, manifest
@@ -297,7 +311,12 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         writer.error = CheckpointError(
             f"not enough space in {parent}: rank {engine.rank} needs {need} bytes, {free} are free "
             f"({need - free} bytes missing); free space or save elsewhere")
-    else:
+    if engine.rank == 0 and writer.error is None:
+        try:
+            _save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
+        except OSError as e:  # reported by commit(), which removes the partial
+            writer.error = e
+    if writer.error is None:
         writer.start(background)
     manifest = {
         "format": FORMAT, "world_size": engine.world_size, "compute_dtype": engine.config.precision.compute_dtype,
@@ -310,45 +329,32 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True).keys()),
         "buffers": BUFFERS if engine.rank == 0 else None,
     }
-    if engine.rank == 0 and writer.error is None:
-        _save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
-    return PendingCheckpoint(engine, path, tmp_dir, writer, user_state, manifest)
-
-
-def persistent_buffers(module) -> dict:
-    """Entries of module.state_dict() that are not parameters (buffers registered as persistent)."""
-    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict(keep_vars=True).items() if k not in params}
-
-
-def _save_buffers(module, path: str) -> None:
-    torch.save(persistent_buffers(module), path)
-    _fsync_path(path)
+    return PendingCheckpoint(engine, path, tmp_dir, writer, user_state, manifest, hold)
 
 
 def _remove_stale_partials(parent: str) -> None:
-    """Partial directories of saves that never completed (a killed run) are never valid: remove them."""
+    """Partial directories of saves that never completed (a killed run) are never valid: remove them.
+
+    Note [partials in use]: a save in progress holds an flock on its partial's marker file from
+    creation to commit; the kernel drops it when the process dies. Only a marker whose flock can be
+    taken (its saver is gone) makes a partial stale: another live process's save is never removed.
+    """
     for name in os.listdir(parent):
         full = os.path.join(parent, name)
-        if ".tmp-" in name and os.path.isfile(os.path.join(full, PARTIAL_MARKER)):
-            shutil.rmtree(full, ignore_errors=True)
-
-
-def apply_retention(saved: list[str], keep_last: int, run_id: str) -> list[str]:
-    """Remove the oldest checkpoints this run wrote beyond `keep_last`; returns those kept."""
-    if keep_last <= 0:
-        return saved
-    while len(saved) > keep_last:
-        old = saved.pop(0)
-        manifest = os.path.join(old, MANIFEST)
+        marker = os.path.join(full, PARTIAL_MARKER)
+        if ".tmp-" not in name or not os.path.isfile(marker):
+            continue
         try:
-            with open(manifest) as f:
-                ours = json.load(f).get("run_id") == run_id
-        except (OSError, ValueError):
-            ours = False
-        if ours:  # only what this run wrote, and only if it still is what we wrote
-            shutil.rmtree(old)
-    return saved
+            fd = os.open(marker, os.O_RDWR)
+        except OSError:
+            continue  # committed or removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live save holds it
+        finally:
+            os.close(fd)
+        shutil.rmtree(full, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -452,6 +458,9 @@ def load(engine, path: str) -> dict:
     check_layout(manifest, engine.units, path)
     m = engine.manager
     saved_world = manifest["world_size"]
+    entry = manifest["ranks"][engine.rank if engine.rank < saved_world else 0]
+    rng = _load_verified(os.path.join(path, entry["rng"]), entry.get("rng_crc32"), "RNG states")
+    buffers = load_buffers(path, manifest)  # both verified before any state changes
     cpu = torch.device("cpu")
     cfg = engine.config.io
     with IOEngine(cfg.engine_config(checksum="off")) as io:
@@ -480,6 +489,12 @@ def load(engine, path: str) -> dict:
     scale = manifest["loss_scale"]
     engine.scaler.scale, engine.scaler._clean_steps = scale["scale"], scale["clean_steps"]
     engine.scaler.skipped_steps = scale["skipped_steps"]
-    rng_rank = engine.rank if engine.rank < saved_world else 0
-    _set_rng_state(torch.load(os.path.join(path, rank_rng(rng_rank)), weights_only=False))
+    try:
+        _set_rng_state(rng)
+    except (TypeError, KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}/{entry['rng']} does not hold RNG states ({type(e).__name__}: {e}): the "
+                              f"checkpoint is damaged; use another one") from None
+    _restore_buffers(engine.module, buffers, path)
+    _continue_run(engine, path, manifest)
     return manifest["user_state"]
+

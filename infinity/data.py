@@ -15,13 +15,14 @@ samples per step, and a run is reproducible from its config alone.
 from __future__ import annotations
 
 import gzip
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
 import torch
 
-from .config import ConfigError, _option, _Section
+from .options import ConfigError, Section, option
 
 VOCAB_SIZE = 256  # byte-level
 SHIPPED = "kjv"
@@ -29,16 +30,16 @@ SHIPPED_PATH = Path(__file__).resolve().parent / "corpus" / "kjv.txt.gz"
 
 
 @dataclass(frozen=True, kw_only=True)
-class DataConfig(_Section):
+class DataConfig(Section):
     """Text corpus and batching of `infinity train` (byte-level tokens, vocabulary 256)."""
 
     SECTION: ClassVar[str] = "data"
 
-    path: str = _option(SHIPPED, 'Text file to train on (plain or .gz), or "kjv" for the corpus shipped in '
+    path: str = option(SHIPPED, 'Text file to train on (plain or .gz), or "kjv" for the corpus shipped in '
                         "infinity/corpus/kjv.txt.gz (King James Bible, public domain).", "str")
-    val_fraction: float = _option(0.05, "Fraction of the corpus (its tail) held out for the validation loss.",
+    val_fraction: float = option(0.05, "Fraction of the corpus (its tail) held out for the validation loss.",
                                   "float", gt=0.0, lt=0.5, example=0.05)
-    seed: int = _option(1234, "Seed of the batch sampler (independent of train.seed, which seeds the weights).",
+    seed: int = option(1234, "Seed of the batch sampler (independent of train.seed, which seeds the weights).",
                         "int", ge=0)
 
 
@@ -50,6 +51,9 @@ def corpus_path(path: str) -> Path:
 def load_tokens(path: str) -> torch.Tensor:
     """The corpus as a uint8 tensor of byte tokens."""
     file = corpus_path(path)
+    if file.is_dir():
+        raise ConfigError(f"data.path = {path!r} is a directory: point it at a UTF-8 text file inside it (plain "
+                          f'or .gz), or use "kjv" for the shipped corpus')
     if not file.is_file():
         if path == SHIPPED:
             raise ConfigError(f'data.path = "kjv": the shipped corpus {file} is missing (it is part of the '
@@ -57,7 +61,19 @@ def load_tokens(path: str) -> torch.Tensor:
                               f"text file")
         raise ConfigError(f"data.path = {path!r}: no such file; point it at a UTF-8 text file (plain or .gz), "
                           f'or use "kjv" for the shipped corpus')
-    raw = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
+    try:
+        raw = file.read_bytes()
+        if file.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ConfigError(f"data.path = {path!r}: the file ends in .gz but is not a valid gzip file ({e}); "
+                          f"compress it with gzip, or rename it without .gz if it is plain text") from None
+    except OSError as e:
+        raise ConfigError(f"data.path = {path!r}: cannot read it ({e.strerror}); check the file's "
+                          f"permissions") from None
+    if not raw:
+        raise ConfigError(f"data.path = {path!r} is empty: point it at a text file with the training text, or "
+                          f'use "kjv" for the shipped corpus')
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 

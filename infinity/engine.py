@@ -249,8 +249,8 @@ class Engine:
         at = self.micro_step
         if at == 0 or at % self.config.train.grad_accum_steps != 0 or self._stepped_at == at:
             return False
+        self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
         self._stepped_at = self.micro_step
-        self.wait_for_checkpoint()  # the optimizer must not change state a background save is still writing
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)

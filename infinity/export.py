@@ -26,7 +26,7 @@ import torch
 
 from io_engine import IOConfig, IOEngine
 
-from .checkpoint import CheckpointError, _SavedShards, read_manifest
+from .checkpoint import CheckpointError, _SavedShards, load_buffers, read_manifest
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -53,9 +53,7 @@ def _entries(path: str, manifest: dict, dtype: torch.dtype | None) -> list[_Entr
         for slot in unit["slots"]:
             for name in slot["names"]:
                 by_name[name] = (u, slot)
-    buffers = {}
-    if manifest.get("buffers"):
-        buffers = torch.load(os.path.join(path, manifest["buffers"]), weights_only=True)
+    buffers = load_buffers(path, manifest)
     out = []
     for key in manifest.get("state_dict_keys") or list(by_name):
         if key in by_name:
@@ -90,7 +88,8 @@ def write_safetensors(path: str, manifest: dict, out: str, dtype: torch.dtype | 
     entries = _entries(path, manifest, dtype)
     header, pos = {}, 0
     for e in entries:
-        header[e.key] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.num_bytes]}
+        header[e.key] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [pos, pos + e.num_bytes]}
         pos += e.num_bytes
     header["__metadata__"] = {"format": "pt", "source": "infinity", "checkpoint": os.path.basename(path)}
     blob = json.dumps(header, separators=(",", ":")).encode()

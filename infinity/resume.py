@@ -22,13 +22,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .config import Config, ConfigError, _parse_override, _show
+from io_engine import atomic_write
 
-if TYPE_CHECKING:
-    from .train import Job
-
+from .config import Config
+from .job import Job, load_job
+from .options import ConfigError, parse_override, show
 
 FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)
 PERIODIC_CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step-<N>: every run.checkpoint_every steps
@@ -130,24 +129,23 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
                           f"(step {position['step']}), e.g. {newer[-1]}: resuming from it would overwrite them. "
                           f"Resume from the latest (--resume {run_dir}), or move the newer ones away first")
     for item in overrides:
-        section, key, _ = _parse_override(item)
+        section, key, _ = parse_override(item)
         if section == "run" and key in ("dir", "name"):
             raise ConfigError(f"--set {item}: a resumed run continues in its own directory {run_dir}; drop it (to "
                               f"branch into a new run, copy the run directory and resume the copy)")
-    from .train import load_job  # (train imports this module)
     job = load_job(config_path if config_path is not None else run_dir / "config.toml", overrides)
     job = _relocate(job, run_dir)
     config = job.engine_config(str(run_dir))
     saved_model, saved_batches = position.get("model", {}), position.get("batches", {})
     for key, value in job.model.to_dict().items():
         if key in saved_model and saved_model[key] != value:
-            raise ConfigError(f"--resume {path}: model.{key} = {_show(value)}, but the checkpoint was trained with "
-                              f"model.{key} = {_show(saved_model[key])}: resume with the run's model (drop the "
+            raise ConfigError(f"--resume {path}: model.{key} = {show(value)}, but the checkpoint was trained with "
+                              f"model.{key} = {show(saved_model[key])}: resume with the run's model (drop the "
                               f"--set or --config that changes it)")
     for key, value in _batch_keys(job, config).items():
         if key in saved_batches and saved_batches[key] != value:
-            raise ConfigError(f"--resume {path}: {key} = {_show(value)}, but the run trained with {key} = "
-                              f"{_show(saved_batches[key])}, so the batches after the checkpoint would differ from "
+            raise ConfigError(f"--resume {path}: {key} = {show(value)}, but the run trained with {key} = "
+                              f"{show(saved_batches[key])}, so the batches after the checkpoint would differ from "
                               f"the run's: resume with the run's value (drop the --set or --config that changes it)")
     if job.run.steps <= position["step"]:
         raise ConfigError(f"--resume {path}: the checkpoint is at step {position['step']} and run.steps = "
@@ -158,7 +156,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
 
 
 def _relocate(job: Job, run_dir: Path) -> Job:
-    """Drop the swap and profile paths config.toml resolved for the run directory (they may be relative to
+    """Drop the swap, profile and checkpoint paths config.toml resolved for the run directory (they may be relative to
     another working directory): the engine config then derives them from `run_dir` again."""
     written_for = os.path.join(job.run.dir, run_dir.name)  # the run directory's path when config.toml was written
     keys = {section: dict(table) for section, table in job.engine_keys.items()}
@@ -166,6 +164,8 @@ def _relocate(job: Job, run_dir: Path) -> Job:
         del keys["nvme"]["paths"]
     if keys.get("profile", {}).get("trace_dir") == os.path.join(written_for, "profile"):
         del keys["profile"]["trace_dir"]
+    if keys.get("checkpoint", {}).get("dir") == written_for:
+        del keys["checkpoint"]["dir"]
     return dataclasses.replace(job, engine_keys=keys)
 
 
@@ -185,7 +185,7 @@ def trim_metrics(path: Path, last_step: int) -> int:
     lines = _metrics_records(path)
     kept = [line for line, record in lines if record is not None and record.get("step", 0) <= last_step]
     if len(kept) != len(lines):
-        write_atomic(path, "".join(line + "\n" for line in kept))
+        atomic_write(path, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
 
 
@@ -193,8 +193,22 @@ def earlier_losses(path: Path) -> list[float]:
     return [record["loss"] for _, record in _metrics_records(path) if record is not None]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file and a rename: a reader sees the old contents or the new, never a part."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+
+def stopped_summary(run_dir: Path, status: str, steps: int, error: BaseException) -> dict:
+    """summary.json of a run that stopped before its end: the error, and the checkpoint to continue from
+    (none is named when the run has none: then its training is lost, and it says so)."""
+    found = run_checkpoints(run_dir)
+    message = str(error).strip() or type(error).__name__
+    if found:
+        step, path = found[-1]
+        what = (f"the latest complete checkpoint is {path} (step {step}); "
+                f"{'fix the cause above, then ' if status == 'failed' else ''}continue with: "
+                f"infinity train --resume {run_dir}")
+    else:
+        what = (f"this run has no complete checkpoint, so the {steps} step(s) it trained are lost; "
+                f"{'fix the cause above, then ' if status == 'failed' else ''}start again with: infinity train "
+                f"--config {run_dir / 'config.toml'} --set run.name=<new name> (run.checkpoint_every = N saves "
+                f"a checkpoint every N steps)")
+    return {"status": status, "steps": steps, "error": message if status == "failed" else "stopped by a second "
+            "Ctrl-C (or signal) before the clean stop finished", "checkpoint": str(found[-1][1]) if found else None,
+            "what_to_do": what}

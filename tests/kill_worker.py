@@ -63,7 +63,9 @@ def main() -> None:
     engine = infinity.initialize(RECIPE.build(), cfg)
     start = 0
     resume = latest_checkpoint(args.root)
+    complete = None
     if resume:
+        complete = os.path.isfile(os.path.join(resume, "manifest.json"))  # (keep_last may remove it later)
         start = engine.load_checkpoint(resume)["next_step"]
     if site == "write":
         real_submit, count = ckpt_mod.IOEngine.submit_write, {"n": 0}
@@ -100,7 +102,7 @@ def main() -> None:
     state = engine.full_state_dict()
     engine.close()
     torch.save(state, os.path.join(args.root, "final.pt"))
-    print(json.dumps({"resumed_from": resume, "start": start}))
+    print(json.dumps({"resumed_from": resume, "resumed_complete": complete, "start": start}))
 
 
 if __name__ == "__main__":

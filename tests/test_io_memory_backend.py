@@ -41,7 +41,7 @@ def test_no_reorder_completes_in_submission_order():
 
 def test_reorder_without_jitter_still_shuffles():
     order = completion_order(MemoryBackend(reorder=True, latency_s=0.001, seed=3), 40)
-    assert sorted(order) == list(range(40))
+    assert sorted(order) == list(range(40)) and order != list(range(40)), f"completed in submission order: {order}"
 
 
 def test_latency_is_applied():
