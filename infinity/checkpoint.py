@@ -63,6 +63,7 @@ from .checkpoint_files import (  # noqa: F401 - CheckpointError and apply_retent
     persistent_buffers,
 )
 from .memory.tier import Kind
+from .streams import bind_thread
 
 FORMAT = "infinity-checkpoint/1"
 SAVED_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
@@ -151,6 +152,7 @@ class ShardWriter:
 
     def _run(self) -> None:
         try:
+            bind_thread(self.engine.device)  # (a background thread: its device copies go to this rank's GPU)
             self._write()
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread at commit
             self.error = e

@@ -69,9 +69,10 @@ def all_reduce_sum(tensor: torch.Tensor, group, async_op: bool = False):
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op) or _Done()
 
 
-def all_reduce_max(tensor: torch.Tensor, group) -> None:
-    if group is not None:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+def all_reduce_max(tensor: torch.Tensor, group, async_op: bool = False):
+    if group is None:
+        return _Done()
+    return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op) or _Done()
 
 
 def broadcast_object(obj, group, src: int = 0):

@@ -30,9 +30,9 @@ from .config import Config
 from .dtypes import DTYPES
 from .environment import resolve, resolve_budgets
 from .grad_reduce import GradReducer
-from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad
+from .hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from .loss_scale import LossScaler
-from .materialize import materialize_units
+from .materialize import buffers_to, materialize_units
 from .memory.buffers import UnshardedMemory
 from .memory.fresh import fresh_budget
 from .memory.manager import TieredMemoryManager
@@ -46,7 +46,7 @@ from .prefetch import OrderTrace, Prefetcher
 from .profile import NullProfiler, Profiler
 from .profile.clock import TrainingClock
 from .state_dict import full_state_dict
-from .streams import Streams
+from .streams import Streams, host_value
 from .unit import Comm, Unit, build_units, unit_sizes
 from .update_modes import NonFiniteGradError, update_mode
 
@@ -77,6 +77,7 @@ class Engine:
                                            pin_host=self.env.device.type == "cuda", profiler=self.profiler,
                                            fresh_budget=fresh_budget(self.plan, config.prefetch))
         materialize_units(self.units, self.manager, config.train.seed, init_fn)
+        buffers_to(model, self.env.device)  # the forward reads them there (they are not sharded)
         self.scaler = LossScaler.for_config(config.precision)
         self._pending_checkpoint = None  # a background save, committed at the next step() / wait_for_checkpoint()
         trace = OrderTrace()  # the forward order: the prefetcher replays it, the update mode updates in it
@@ -89,11 +90,12 @@ class Engine:
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
                                      config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace)
-        self.clock = TrainingClock(self.profiler)  # the training thread's compute spans and step marks
+        self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
         self._stepped_at = 0  # micro_step of the last step() that ran, so a second call is a no-op
         self._handles, self._counters = [], []
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
-                                  pre_backward=self._pre_backward, grads_ready=self._grads_ready)
+                                  pre_backward=self._pre_backward, grads_ready=self._grads_ready,
+                                  in_backward=lambda: self._in_backward)
         for unit in self.units:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
@@ -102,6 +104,7 @@ class Engine:
         self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
         self._backward_pending = False
+        self._in_backward = False  # inside engine.backward: forward hooks firing now are recomputation
         self._closed = False
         self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
         self._saved_checkpoints: list[str] = []
@@ -162,15 +165,15 @@ class Engine:
         self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
         if unit.index != 0:
             self.prefetcher.before_forward(unit)
-        unit.unshard(self.manager)
         unit.wait_for_unshard(self.manager)
+        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
 
     def _pre_backward(self, unit: Unit) -> None:
         self.clock.compute_end(f"backward before {unit.name}")
         self.prefetcher.before_backward(unit)
-        unit.unshard(self.manager)
         unit.wait_for_unshard(self.manager)
+        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
 
     def _hyper(self) -> AdamHyper:
@@ -192,8 +195,9 @@ class Engine:
 
     # ----------------------------------------------------------------- training surface
     def __call__(self, *args, **kwargs):
-        """Forward: returns what the model returns."""
+        """Forward on the engine's device (tensor arguments are moved there): returns what the model returns."""
         self._check_open()
+        args, kwargs = to_device((args, kwargs), self.env.device)
         self.clock.forward_begins()
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
@@ -217,7 +221,11 @@ class Engine:
             self.wait_for_checkpoint()  # updates start during this backward (Note [overlap])
         scale = self.scaler.scale / self.config.train.grad_accum_steps
         self.clock.compute_begin()
-        (loss * scale).backward()
+        self._in_backward = True
+        try:
+            (loss * scale).backward()
+        finally:
+            self._in_backward = False
         self.clock.compute_end("backward")
         final = self._final_micro_batch()
         for unit, counter in zip(self.units, self._counters):
@@ -246,7 +254,7 @@ class Engine:
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)
-        norm = math.sqrt(float(sumsq)) / self.scaler.scale  # one host sync per step: clipping and skipping need it
+        norm = math.sqrt(host_value(sumsq, "grad norm")) / self.scaler.scale  # clipping and skipping need it
         self.last_grad_norm = norm
         if not self.updates.step(norm, self.optimizer_steps):
             return False

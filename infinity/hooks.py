@@ -5,6 +5,8 @@ Per unit module:
   forward hook       -> reshard; if the outputs need gradients, register a
                         pre-backward hook on them (unshard again before the
                         unit's backward runs)
+During backward the same module hooks fire again when activation checkpointing
+recomputes a unit's forward (Note [recomputed forward]).
 Per trainable parameter:
   post-accumulate-grad hook -> when every trainable parameter of the unit has
                         its gradient for this backward, reduce-scatter them.
@@ -19,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .unit import Unit
 
@@ -30,11 +32,23 @@ class UnitCallbacks:
     post_forward: Callable[[Unit], None]
     pre_backward: Callable[[Unit], None]
     grads_ready: Callable[[Unit], None]
+    in_backward: Callable[[], bool] = lambda: False  # a backward is running (Note [recomputed forward])
 
 
 def tensors_needing_grad(output) -> list[torch.Tensor]:
     flat, _ = tree_flatten(output)
     return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def to_device(tree, device: torch.device):
+    """`tree` (tensors in nested lists, tuples, dicts) with every tensor on `device`; the rest as is.
+
+    Inputs from pinned memory are copied asynchronously on the current (compute) stream, which
+    is the stream that reads them next.
+    """
+    def move(x):
+        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
+    return tree_map(move, tree)
 
 
 class GradCounter:
@@ -66,11 +80,23 @@ def install_unit_hooks(unit: Unit, callbacks: UnitCallbacks, with_module_hooks: 
     The root unit gets only gradient hooks: the engine unshards it around the whole
     forward and backward instead.
     """
+    # Note [recomputed forward]: activation checkpointing (torch.utils.checkpoint, reentrant or not) runs a
+    # unit's forward again inside backward, just before that unit's backward needs its activations. That is
+    # not a forward of the step: recording it would append the reverse order to the forward order (which then
+    # never replays, so prefetch stops), and resharding after it would free the parameters that the unit's
+    # backward is about to read. So inside a backward the pre-hook is the unit's pre-backward (unshard, and
+    # prefetch along the backward order) and the post-hook does nothing: the unit is resharded once its
+    # gradients are ready, or at the end of the backward, as without recomputation.
     handles = []
     for module in unit.modules if with_module_hooks else ():
-        handles.append(module.register_forward_pre_hook(lambda _m, _a, u=unit: callbacks.pre_forward(u)))
+        def pre(_module, _args, u=unit):
+            (callbacks.pre_backward if callbacks.in_backward() else callbacks.pre_forward)(u)
+
+        handles.append(module.register_forward_pre_hook(pre))
 
         def post(_module, _args, output, u=unit):
+            if callbacks.in_backward():
+                return None  # a recomputed forward: its backward follows at once (Note [recomputed forward])
             callbacks.post_forward(u)
             needing = tensors_needing_grad(output)
             if needing:

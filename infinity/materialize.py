@@ -111,6 +111,17 @@ def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn) -> No
                                 f"initialization: its init must fill it in place")
 
 
+def buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer of `model` (persistent or not: causal masks, rotary tables, BatchNorm
+    statistics) to `device`, where the forward reads them. Buffers are not sharded: each rank
+    holds them whole. A buffer shared by several modules stays one tensor."""
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = moved.setdefault(id(buf), buf.to(device))
+
+
 def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int,
                       init_fn: Callable[[nn.Module], None] | None) -> None:
     """Unit by unit: full fp32 values -> this rank's shard -> tiers; the full copy is dropped."""

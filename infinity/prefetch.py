@@ -8,6 +8,16 @@ step actually took, so it is always predicted exactly. When the forward order
 changes (a branch, a skipped or repeated unit, eval), the mismatch stops the
 replay for the rest of the step: what was not predicted is fetched on demand,
 what was predicted but not used is released, and the new order is recorded.
+
+With several ranks the all-gather of the unit predicted next is issued as soon
+as the unit before it has its parameters (`gather_ahead`), so it runs on the
+comm stream while that unit computes. Collectives must be issued in the same
+order on every rank, and they are, though whether a unit is prefetched may differ
+between ranks (its update may still run on one rank's worker): in forward only
+all-gathers are issued, each after the previous unit's and before the next one's,
+early or not; in backward every unit still to come is ready (the forward waited
+for its update), so the decisions depend only on the recorded order and the
+shard sizes, which all ranks share.
 """
 
 from __future__ import annotations
@@ -65,11 +75,12 @@ class Prefetcher:
         self.units_ahead, self.max_bytes = units_ahead, max_bytes_in_flight
         self.trace = trace or OrderTrace()  # (shared with the update mode, which updates in forward order)
         self._backward_order: list[int] = []
+        self._next: int | None = None  # the unit predicted to run after the one starting now
         self.issued = 0  # prefetches issued (for tests and the profile)
         self.wasted = 0  # prefetches released unused
 
     def _in_flight_bytes(self) -> int:
-        return sum(u.shard_bytes for u in self.units if u.state is UnitState.UNSHARDING)
+        return sum(u.shard_bytes for u in self.units if u.state in (UnitState.UNSHARDING, UnitState.GATHERING))
 
     def _issue(self, indices: list[int]) -> None:
         for i in indices:
@@ -82,10 +93,9 @@ class Prefetcher:
             self.issued += 1
 
     def before_forward(self, unit: Unit) -> None:
-        if self.units_ahead:
-            self._issue(self.trace.on_forward(unit.index, self.units_ahead))
-        else:
-            self.trace.on_forward(unit.index, 0)
+        predicted = self.trace.on_forward(unit.index, self.units_ahead)
+        self._issue(predicted)
+        self._next = predicted[0] if predicted else None
 
     def end_forward(self) -> None:
         order = self.trace.end_forward()
@@ -100,11 +110,22 @@ class Prefetcher:
         order = self._backward_order
         if self.units_ahead and unit.index in order:
             pos = order.index(unit.index)
-            self._issue(order[pos + 1: pos + 1 + self.units_ahead])
+            predicted = order[pos + 1: pos + 1 + self.units_ahead]
+            self._issue(predicted)
+            self._next = predicted[0] if predicted else None
+
+    def gather_ahead(self) -> None:
+        """The unit starting now has its parameters: issue the all-gather of the one predicted next (its
+        fetch issued earlier) so that it runs while this one computes. One rank gathers nothing."""
+        index, self._next = self._next, None
+        if index is not None and self.units[index].comm.group is not None \
+                and self.units[index].state is UnitState.UNSHARDING:
+            self.units[index].issue_gather(self.manager)
 
     def release_unused(self) -> None:
         """Drop prefetched units that were not used (order changed, or no backward came)."""
+        self._next = None
         for unit in self.units:
-            if unit.state is UnitState.UNSHARDING:
+            if unit.state in (UnitState.UNSHARDING, UnitState.GATHERING):
                 unit.cancel_unshard(self.manager)
                 self.wasted += 1

@@ -9,6 +9,7 @@ CPU every stream is the same synchronous executor, and events are no-ops.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -30,22 +31,75 @@ class _NoEvent:
         return True
 
 
+# Note [host syncs]: the places where a thread blocks until the device has finished work go through
+# `host_wait` (an event), `host_value` (a scalar) and `to_host` (a small tensor the CPU reads), so they can
+# be counted (`count_host_syncs`). On the training thread a steady step has a constant number of them
+# (the global gradient norm; with a global dependency, the flags of which parameters got gradients), never
+# one per unit: per-unit waits for the device happen on the optimizer worker, which needs the bytes anyway,
+# and compute waits for copies and collectives on the device (events), not on the host. The count is of
+# the places, on every device: on the CPU they return at once.
+_sync_records: list[list[tuple[str, str]]] = []
+
+
+def _note_sync(why: str) -> None:
+    for record in _sync_records:
+        record.append((threading.current_thread().name, why))
+
+
+def host_wait(event, why: str) -> None:
+    """Block this thread until the work `event` marks is done (Note [host syncs])."""
+    _note_sync(why)
+    event.synchronize()
+
+
+def host_value(tensor: torch.Tensor, why: str) -> float:
+    """A device scalar read by the CPU (Note [host syncs])."""
+    _note_sync(why)
+    return float(tensor)
+
+
+def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
+    """A small device tensor read by the CPU (Note [host syncs])."""
+    _note_sync(why)
+    return tensor.cpu()
+
+
+@contextlib.contextmanager
+def count_host_syncs():
+    """Inside: a list of (thread name, why) of every host sync, in order (for tests and the profile)."""
+    record: list[tuple[str, str]] = []
+    _sync_records.append(record)
+    try:
+        yield record
+    finally:
+        _sync_records.remove(record)
+
+
+def bind_thread(device: torch.device) -> None:
+    """Every thread that queues CUDA work starts here (the optimizer worker, the background checkpoint
+    writer): the current device is per thread and starts as cuda:0, so without this such a thread would
+    create a context on GPU 0 and order its work against GPU 0's streams, not its rank's GPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 @dataclass
 class Streams:
-    """The four streams of one rank. On CPU all are None and `use` does nothing."""
+    """The streams of one rank. On CPU all are None and `use` does nothing."""
 
     device: torch.device
     compute: object = None
     h2d: object = None
     d2h: object = None
     comm: object = None
+    update: object = None  # the optimizer worker's (Note [update stream] in optim/worker.py)
 
     @classmethod
     def for_device(cls, device: torch.device) -> "Streams":
         if device.type != "cuda":
             return cls(device=device)
-        return cls(device=device, compute=torch.cuda.current_stream(device),
-                   h2d=torch.cuda.Stream(device), d2h=torch.cuda.Stream(device), comm=torch.cuda.Stream(device))
+        return cls(device=device, compute=torch.cuda.current_stream(device), h2d=torch.cuda.Stream(device),
+                   d2h=torch.cuda.Stream(device), comm=torch.cuda.Stream(device), update=torch.cuda.Stream(device))
 
     @property
     def is_cuda(self) -> bool:
@@ -59,9 +113,11 @@ class Streams:
         return torch.cuda.Event() if self.is_cuda else _NoEvent()
 
     def record(self, stream=None):
-        """An event marking the work queued so far on `stream` (the current one by default)."""
+        """An event marking the work queued so far on `stream` (by default this thread's current stream of
+        the engine's device: never another GPU's, whatever device the calling thread has selected)."""
         ev = self.event()
-        ev.record(stream) if self.is_cuda else None
+        if self.is_cuda:
+            ev.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return ev
 
     def wait_event(self, event, stream=None) -> None:

@@ -29,10 +29,12 @@ from .streams import Streams
 
 
 class UnitState(enum.Enum):
-    """SHARDED -> UNSHARDING (unshard issued) -> UNSHARDED (gathered, views valid) -> SHARDED (reshard)."""
+    """SHARDED -> UNSHARDING (fetch issued) -> GATHERING (all-gather issued, several ranks) -> UNSHARDED
+    (gathered, views valid) -> SHARDED (reshard)."""
 
     SHARDED = "sharded"
     UNSHARDING = "unsharding"
+    GATHERING = "gathering"
     UNSHARDED = "unsharded"
 
 
@@ -78,7 +80,8 @@ class Unit:
         itemsize = comm.compute_dtype.itemsize
         self._nbytes = self.padded_numel * itemsize
         self._storage = torch.empty(0, dtype=comm.compute_dtype, device=comm.device).untyped_storage()
-        self._pending: Pending | None = None
+        self._pending: Pending | None = None  # the fetch of this rank's shard (UNSHARDING)
+        self._gather: tuple[object, float] | None = None  # the all-gather's handle and issue time (GATHERING)
         self.aliased = False  # parameters view the stored shard (see alias)
         self._grad_flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
         self.slots_with_grad: set[int] = set()  # ids of slots that got a gradient in this accumulation window
@@ -134,37 +137,59 @@ class Unit:
                                       urgent=True)
         self.state = UnitState.UNSHARDING
 
-    def wait_for_unshard(self, manager: TieredMemoryManager) -> None:
-        """Wait: all-gather the shard into the unsharded buffer; the views are valid after this."""
-        if self.flat_numel == 0 or self.aliased:
-            return
+    def issue_gather(self, manager: TieredMemoryManager) -> None:
+        """Issue: once this rank's shard has landed, all-gather it into the unsharded buffer on the comm
+        stream, asynchronously (a prefetch issues it while the previous unit computes, as FSDP2 does).
+        With one rank the fetch fills the whole buffer: the unit is unsharded once it lands."""
         if self.state is UnitState.SHARDED:
             self.unshard(manager)
-        if self.state is UnitState.UNSHARDED:
+        if self.state is not UnitState.UNSHARDING:
             return
         prof = self.comm.profiler
         link = Link.NVME_READ if manager.tier(self.index, Kind.PARAMS) is Tier.NVME else Link.H2D  # the plan's
         with prof.wait(link, f"fetch {self.name}"):
-            shard = self._pending.wait()  # compute needs this unit's bytes on the device
+            shard = self._pending.wait()  # the gather (or, with one rank, compute) reads this unit's bytes
         self._pending = None
+        if self.comm.group is None:
+            self.state = UnitState.UNSHARDED
+            return
         streams = self.comm.streams
-        if self.comm.group is not None:
-            streams.wait_event(streams.record(), streams.comm)  # the comm stream must see the fetched shard
-            with streams.use(streams.comm), prof.wait(Link.ALL_GATHER, f"all-gather {self.name}"):
-                with prof.span(f"all-gather {self.name}", Link.ALL_GATHER, num_bytes=self._nbytes, unit=self.name):
-                    work = collectives.all_gather_into(self._flat(), shard, self.comm.group)
-                    work.wait()  # the parameters are read right after this returns
-                done = streams.record(streams.comm)
-            streams.wait_event(done)  # compute waits on the device for the gathered bytes, not the host
-        self.state = UnitState.UNSHARDED
+        streams.wait_event(streams.record(), streams.comm)  # the comm stream must see the fetched shard
+        with streams.use(streams.comm):
+            self._gather = (collectives.all_gather_into(self._flat(), shard, self.comm.group), time.perf_counter())
+        self.state = UnitState.GATHERING
+
+    def wait_for_unshard(self, manager: TieredMemoryManager) -> None:
+        """Wait: the views are valid after this (compute waits for the gather on the device, not the host)."""
+        if self.flat_numel == 0 or self.aliased:
+            return
+        self.issue_gather(manager)
+        if self.state is UnitState.GATHERING:
+            self._wait_gather()
+            streams = self.comm.streams
+            streams.wait_event(streams.record(streams.comm))  # compute waits for the gathered bytes, on the device
+            self.state = UnitState.UNSHARDED
+
+    def _wait_gather(self) -> None:
+        (work, issued), self._gather = self._gather, None
+        prof, streams = self.comm.profiler, self.comm.streams
+        with streams.use(streams.comm), prof.wait(Link.ALL_GATHER, f"all-gather {self.name}"):
+            work.wait()  # NCCL: the comm stream waits for the collective; gloo: the host waits for the bytes
+        prof.record(f"all-gather {self.name}", Link.ALL_GATHER, issued, time.perf_counter(), num_bytes=self._nbytes,
+                    unit=self.name)
 
     def cancel_unshard(self, manager: TieredMemoryManager) -> None:
         """Abandon an issued unshard that will not be used (a prefetch the order did not need)."""
         if self.state is UnitState.UNSHARDING:
             self._pending.wait()  # the read must finish before its buffer is freed
             self._pending = None
-            self.comm.unsharded.shrink(self.index, self._storage)
-            self.state = UnitState.SHARDED
+        elif self.state is UnitState.GATHERING:
+            self._wait_gather()  # the collective writes the buffer until it completes
+            self.comm.streams.wait_event(self.comm.streams.record(self.comm.streams.comm))  # (the buffer's reuse)
+        else:
+            return
+        self.comm.unsharded.shrink(self.index, self._storage)
+        self.state = UnitState.SHARDED
 
     def reshard(self) -> None:
         """Free the unsharded buffer (its bytes go back: the storage holds zero bytes)."""

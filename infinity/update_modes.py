@@ -47,6 +47,7 @@ from .optim.read_ahead import StateReadAhead
 from .optim.worker import OptimizerWorker
 from .prefetch import OrderTrace
 from .profile import Link
+from .streams import host_value, to_host
 from .unit import Unit
 
 NO_SPAN = contextlib.nullcontext()
@@ -124,16 +125,12 @@ class UpdateMode(abc.ABC):
 
     def reduce_flags(self, per_unit: list[list[bool]]) -> list[list[bool]]:
         """Per unit and trainable parameter: did it get a gradient on any rank this window?"""
-        flags = torch.tensor([f for unit_flags in per_unit for f in unit_flags], dtype=torch.int32)
-        if self.group is not None and flags.numel():
-            reduced = flags.to(self.device)  # NCCL reduces device tensors; gloo CPU ones
-            all_reduce_max(reduced, self.group)
-            flags = reduced.cpu()
-        out, pos = [], 0
-        for unit_flags in per_unit:
-            out.append([bool(f) for f in flags[pos: pos + len(unit_flags)].tolist()])
-            pos += len(unit_flags)
-        return out
+        return self.issue_flags(per_unit).wait()
+
+    def issue_flags(self, per_unit: list[list[bool]]) -> "_Flags":
+        """Issue `reduce_flags` (the collective starts now, on this thread: every rank issues it in the
+        same place); its `wait()` may run on another thread."""
+        return _Flags(per_unit, self.group, self.device)
 
     def _global_update(self, norm: float, index: int):
         """A window whose update depends on the global norm: (hyper, grad_scale, flags, active), or None
@@ -156,6 +153,29 @@ class UpdateMode(abc.ABC):
         flags = self.reduce_flags([u.grad_flags() for u in self.units])
         active = {u.index: u.active_ranges(f) for u, f in zip(self.units, flags)}
         return self.hyper(), None if grad_scale == 1.0 else grad_scale, flags, active
+
+
+class _Flags:
+    """An issued max-reduction of per-parameter gradient flags over the ranks."""
+
+    def __init__(self, per_unit: list[list[bool]], group, device: torch.device):
+        self.lengths = [len(f) for f in per_unit]
+        self.flags = torch.tensor([f for unit_flags in per_unit for f in unit_flags], dtype=torch.int32)
+        self.work = None
+        if group is not None and self.flags.numel():
+            self.flags = self.flags.to(device)  # NCCL reduces device tensors; gloo CPU ones
+            self.work = all_reduce_max(self.flags, group, async_op=True)
+
+    def wait(self) -> list[list[bool]]:
+        flags = self.flags
+        if self.work is not None:
+            self.work.wait()  # (NCCL: this thread's stream waits for it; gloo: the host does)
+            flags = to_host(flags, "gradient flags")
+        out, pos = [], 0
+        for n in self.lengths:
+            out.append([bool(f) for f in flags[pos: pos + n].tolist()])
+            pos += n
+        return out
 
 
 def after_update(flags: list[bool], unit: Unit) -> Callable[[Unit], None]:
@@ -192,7 +212,10 @@ class _OnWorker(UpdateMode):
         self._settled = 0  # depth of settled(): the read-ahead stays paused inside
 
     def ready(self, index: int) -> bool:
-        return not self.worker.pending(index)
+        if self.worker.pending(index):
+            return False
+        self.worker.wait_unit(index)  # (done: this only makes the fetch follow the update on the device)
+        return True
 
     def before_forward(self, unit: Unit) -> None:
         pending = self.worker.pending(unit.index)
@@ -251,31 +274,39 @@ class EagerUpdate(_OnWorker):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._nonfinite: tuple[str, float] | None = None  # the first unit whose gradient was not finite
-        self._active: dict[int, list[tuple[int, int, int]]] = {}  # this window's submitted ranges (read-ahead)
+        self._predicted: dict[int, list[tuple[int, int, int]]] = {}  # this window's ranges by local flags (read-ahead)
 
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
-        flags = self.reduce_flags([unit.grad_flags()])[0]
-        value = float(sumsq)  # host sync: a non-finite unit must not be stepped
-        if not math.isfinite(value):
-            self._nonfinite = self._nonfinite or (unit.name, value)
-            return
-        active = {unit.index: unit.active_ranges(flags)}
-        self._active.update(active)
+        """Submit `unit`'s update now; the worker reads its norm and flags (Note [host syncs]): the training
+        thread does not wait for the device here, once per unit."""
+        local = unit.grad_flags()
+        reduced = self.issue_flags([local])
+        self._predicted[unit.index] = unit.active_ranges(local)  # (the state read-ahead's guess: local flags)
+        flags: list[bool] = []
+
+        def active() -> dict[int, list[tuple[int, int, int]]] | None:  # on the worker
+            value = host_value(sumsq, "unit grad norm")  # a non-finite unit must not be stepped
+            if not math.isfinite(value):
+                self._nonfinite = self._nonfinite or (unit.name, value)
+                return None
+            flags.extend(reduced.wait()[0])
+            return {unit.index: unit.active_ranges(flags)}
+
         self.worker.submit([unit], hyper=self.hyper(), grad_scale=None, active=active,
-                           after_unit=after_update(flags, unit))
+                           after_unit=lambda u: after_update(flags, u)(u))
 
     def step(self, norm: float, index: int) -> bool:
-        bad, self._nonfinite = self._nonfinite, None
-        if bad is not None or not math.isfinite(norm):
-            self.wait_all()
+        if self._nonfinite is not None or not math.isfinite(norm):
+            self.wait_all()  # (the worker finds which unit was not finite)
+            bad, self._nonfinite = self._nonfinite, None
             raise NonFiniteGradError(
                 f"gradient norm is {norm} at optimizer step {index} (unit {bad[0] if bad else '?'}): the loss or a "
                 f"gradient overflowed. With overlap.optimizer_with_backward and no clipping, units whose gradients "
                 f"were finite were already updated: resume from the last checkpoint. Lower optimizer.lr or check "
                 f"the data")
         # the next window's updates come as backward finalizes units: about the reverse of the forward order
-        active, self._active = self._active, {}
-        self.worker.read_ahead_next(self.optimizer.task_chunks(active, self.put_order()))
+        predicted, self._predicted = self._predicted, {}
+        self.worker.read_ahead_next(self.optimizer.task_chunks(predicted, self.put_order()))
         return True
 
     def put_order(self) -> list[Unit]:
@@ -332,5 +363,5 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
         read_ahead.reserve_buffers()  # its staging, allocated now rather than during the first steps
     optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
                                    state_read_ahead=read_ahead)
-    worker = OptimizerWorker(optimizer, len(units), read_ahead)
+    worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams)
     return cls(optimizer=optimizer, worker=worker, reading_swap=reading_swap, **shared)

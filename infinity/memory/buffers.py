@@ -14,6 +14,8 @@ import torch
 
 from io_engine import AlignedBufferPool, aligned_empty
 
+from ..streams import host_wait
+
 
 class StagingBuffers:
     """Host staging for NVMe and cross-device copies, plus device staging on a GPU."""
@@ -23,10 +25,13 @@ class StagingBuffers:
         self.host = AlignedBufferPool(alignment=4096, pin=pin, lock=True)
         self._out: dict[int, tuple[str, torch.Tensor]] = {}  # data_ptr -> (where, the pooled tensor)
         self._lock = threading.Lock()  # a background checkpoint writer shares the pool with training
+        self._after: list[tuple[torch.Tensor, object]] = []  # (buffer, event): back to the pool once it is done
         self.peak_bytes_out = 0
         self._bytes_out = 0
 
     def host_buffer(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._after:
+            self._sweep()  # buffers whose copies to the device have finished go back first
         t = self.host.get(numel, dtype)
         self._track(t, "host")
         return t
@@ -45,6 +50,22 @@ class StagingBuffers:
             self._out[t.data_ptr()] = (where, t)
             self._bytes_out += t.numel() * t.element_size()
             self.peak_bytes_out = max(self.peak_bytes_out, self._bytes_out)
+
+    def release_after(self, t: torch.Tensor, event) -> None:
+        """Give a buffer back once the device work `event` marks (a copy reading it) is done; checked when
+        a host buffer is next asked for, and at close."""
+        with self._lock:
+            self._after.append((t, event))
+        self._sweep()
+
+    def _sweep(self, wait: bool = False) -> None:
+        with self._lock:
+            ready = [item for item in self._after if wait or item[1].query()]
+            self._after = [item for item in self._after if not any(item is r for r in ready)]
+        for t, ev in ready:
+            if wait:
+                host_wait(ev, "staging buffer reuse")  # closing: its copy must have read it
+            self.release(t)
 
     def owns(self, t: torch.Tensor) -> bool:
         return t.numel() > 0 and t.data_ptr() in self._out
@@ -72,6 +93,7 @@ class StagingBuffers:
         return self.host.bytes_allocated
 
     def close(self) -> None:
+        self._sweep(wait=True)
         self._out.clear()
         self.host.close()
 
@@ -150,3 +172,49 @@ class PooledUnshardedMemory(UnshardedMemory):
     @property
     def pooled_bytes(self) -> int:
         return self._bytes
+
+
+# Note [pinned arena]: every host-tier shard comes from one allocation, sub-allocated at page boundaries
+# and, with CUDA, page-locked once at its exact size (cudaHostRegister). A `torch.empty(pin_memory=True)` per
+# shard goes through PyTorch's caching host allocator, which rounds each block up to a power of two and
+# keeps it: up to twice the planned pinned bytes, so a host tier sized to the RAM that is free would fail
+# or be OOM-killed. The arena's bytes are the plan's host state bytes plus at most one page per shard.
+ARENA_ALIGN = 4096
+
+
+def arena_bytes(numels_and_dtypes) -> int:
+    """The arena bytes of shards of (numel, dtype): each rounded up to a page."""
+    return sum(-(-n * dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN for n, dtype in numels_and_dtypes)
+
+
+def cuda_host_register(tensor: torch.Tensor) -> None:
+    """Page-lock `tensor`'s bytes for DMA, exactly (torch.cuda.cudart's cudaHostRegister)."""
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
+    assert int(err) == 0, f"cudaHostRegister of {tensor.numel() * tensor.element_size()} bytes failed: {err}"
+
+
+def cuda_host_unregister(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+class HostArena:
+    """The host tier's shards, sub-allocated from one allocation of `nbytes` (Note [pinned arena])."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes, self.pinned = nbytes, pin and nbytes > 0
+        self._raw = aligned_empty(nbytes, torch.uint8, pin=False, lock=False) if nbytes else None
+        if self.pinned:
+            cuda_host_register(self._raw)
+        self._used = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of `numel` elements at the next page boundary of the arena."""
+        nbytes = numel * dtype.itemsize
+        start, self._used = self._used, self._used + arena_bytes([(numel, dtype)])
+        assert self._used <= self.nbytes, f"host arena of {self.nbytes} bytes overrun: {self._used} taken"
+        return self._raw[start:start + nbytes].view(dtype)
+
+    def close(self) -> None:
+        if self.pinned:
+            self.pinned = False
+            cuda_host_unregister(self._raw)  # (the bytes go when the last shard view dies)

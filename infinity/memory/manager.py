@@ -18,6 +18,7 @@ write when the parameters alias the master on NVMe (Note [aliased parameters]).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,12 +27,12 @@ import torch
 
 from io_engine import Extent, SwapSpace
 
-from .buffers import StagingBuffers
+from .buffers import HostArena, StagingBuffers, arena_bytes
 from .fresh import FreshCopies
 from ..profile import Link, NullProfiler
 from .placement import Plan
 from .tier import Kind, Residency, Tier, check_transition
-from ..streams import Streams
+from ..streams import Streams, bind_thread, host_wait
 
 
 @dataclass
@@ -42,6 +43,7 @@ class _Chunk:
     extent: Extent | None = None  # NVMe only
     write: object = None  # the IOFuture of a write-back in flight (NVMe only)
     version: int = 0  # bumped by every store / mark_zero: a copy read earlier is current iff it matches
+    device_use: object = None  # HOST only: the event of the last copy to or from the device of these bytes
 
 
 @dataclass
@@ -99,6 +101,9 @@ class TieredMemoryManager:
         self.staging = StagingBuffers(device, pin=pin_host)
         self.fresh = FreshCopies(fresh_budget, self.staging.release)  # Note [fresh parameters]
         self._shards: dict[tuple[int, Kind], _Shard] = {}
+        host = [(u.shard_numel, k.dtype(plan.compute_dtype)) for i, u in enumerate(plan.units) for k in Kind
+                if plan.tier(i, k) is Tier.HOST]
+        self.host_arena = HostArena(arena_bytes(host), pin=pin_host) if pin_host else None  # Note [pinned arena]
         self.bytes_moved: dict[str, int] = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
 
     # ----------------------------------------------------------------- allocation
@@ -115,8 +120,10 @@ class TieredMemoryManager:
         assert start == sizes.shard_numel, (start, sizes.shard_numel)
         if tier is Tier.DEVICE:
             shard.resident = torch.empty(shard.numel, dtype=dtype, device=self.device)
+        elif tier is Tier.HOST and self.host_arena is not None:
+            shard.resident = self.host_arena.take(shard.numel, dtype)  # pinned at its exact size
         elif tier is Tier.HOST:
-            shard.resident = torch.empty(shard.numel, dtype=dtype, pin_memory=self.pin_host)
+            shard.resident = torch.empty(shard.numel, dtype=dtype)
         elif not self._aliased(shard):  # aliased parameters take the master's extents (_link_alias)
             assert self.swap is not None, "NVMe placement without a swap space"
             for c in shard.chunks:
@@ -193,13 +200,51 @@ class TieredMemoryManager:
         for i in shard.chunk_ids(chunk):
             c = shard.chunks[i]
             if c.state is Residency.ZERO:
+                self._settle(shard, range(i, i + 1))
                 view.narrow(0, c.start - start, c.numel).zero_()
             self._set(shard, c, Residency.RESIDENT)
+        ids = shard.chunk_ids(chunk)
         if into is None and view.device == device:
+            if view.device.type == "cpu":
+                return Pending(view, after=lambda: self._settle(shard, ids))  # the CPU reads or rewrites them
             return Pending(view)
-        return self._copy_across(view, device, into)
+        if view.device.type == "cpu":
+            self._order_device(shard, ids, self.streams.h2d)  # a copy from the device may still be landing
+        pending, done = self._copy_across(view, device, into)
+        if view.device.type == "cpu" and device.type != "cpu":
+            for i in ids:
+                shard.chunks[i].device_use = done  # the host bytes may not change before this copy has read them
+        return pending
 
-    def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None) -> Pending:
+    def _device_span(self, key: str | None, src: torch.Tensor):
+        """A profile span of a copy across, in device time (CUDA events on the stream now current)."""
+        if key is None or not self.streams.is_cuda or not self.profiler.enabled:
+            return contextlib.nullcontext()
+        nbytes = src.numel() * src.element_size()
+        return self.profiler.device_span(f"{key} {nbytes} B", Link.H2D if key == "h2d" else Link.D2H,
+                                         num_bytes=nbytes)
+
+    def _settle(self, shard: _Shard, ids) -> None:
+        """Before the CPU reads or rewrites host bytes of `shard`: the copies to or from the device using them
+        must be done (on the thread that touches them: the optimizer worker, a checkpoint writer)."""
+        for i in ids:
+            c = shard.chunks[i]
+            if c.device_use is not None:
+                host_wait(c.device_use, "host bytes in a device copy")  # (issued long ago: normally done)
+                c.device_use = None
+
+    def _order_device(self, shard: _Shard, ids, stream) -> None:
+        """Before a copy on `stream` reads or writes host bytes of `shard`: it waits, on the device, for the
+        copies using them before."""
+        for i in ids:
+            if shard.chunks[i].device_use is not None:
+                self.streams.wait_event(shard.chunks[i].device_use, stream)
+
+    def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None):
+        """Issue a copy of `src` to `device` (into `dst`); returns (its Pending, the copy's done event).
+
+        Waiting for a copy to the device makes the waiting thread's current stream wait for it on the
+        device (no host sync: Note [host syncs]); for a copy to the host, the host waits (it reads next)."""
         if device.type == "cpu":
             dst = self.staging.host_buffer(src.numel(), src.dtype) if dst is None else dst
             stream, key = self.streams.d2h, "d2h"
@@ -208,13 +253,17 @@ class TieredMemoryManager:
             stream, key = self.streams.h2d, "h2d"
         if src.device == dst.device:
             stream, key = None, None
-        self.streams.wait_event(self.streams.record(), stream)  # the copy must see compute's last writes to src
-        with self.streams.use(stream):
+        if src.device.type != "cpu":
+            self.streams.wait_event(self.streams.record(), stream)  # the copy must see compute's last writes to src
+        with self.streams.use(stream), self._device_span(key, src):
             dst.copy_(src, non_blocking=stream is not None)
             done = self.streams.record(stream)
-        if key is not None:
-            self.bytes_moved[key] += src.numel() * src.element_size()
-        return Pending(dst, after=done.synchronize)
+        if key is None:
+            return Pending(dst), done
+        self.bytes_moved[key] += src.numel() * src.element_size()
+        if device.type == "cpu":
+            return Pending(dst, after=lambda: host_wait(done, "d2h fetch")), done  # the CPU reads dst next
+        return Pending(dst, after=lambda: self.streams.wait_event(done)), done  # the waiter's stream, on the device
 
     def _fetch_nvme(self, shard: _Shard, chunk, start: int, numel: int, device: torch.device,
                     into: torch.Tensor | None, urgent: bool) -> Pending:
@@ -245,13 +294,29 @@ class TieredMemoryManager:
         pend = Pending(host, futures, after=landed)
         if device.type == "cpu":
             return pend
-        return _Chained(pend, lambda t: self._to_device_and_release(t, device, into))
+        return self._to_device_when_read(pend, futures, host, device, into)
 
-    def _to_device_and_release(self, host: torch.Tensor, device: torch.device, into=None) -> torch.Tensor:
-        pend = self._copy_across(host, device, into)
-        out = pend.wait()
-        self.staging.release(host)
-        return out
+    def _to_device_when_read(self, read: Pending, futures: list, host: torch.Tensor, device: torch.device,
+                             into: torch.Tensor | None) -> Pending:
+        """The copy of an NVMe read to the device is issued as soon as the last block lands (on the thread
+        that completes it), so it runs behind compute instead of starting at `wait()`; `wait()` then makes
+        the waiting stream wait for the copy on the device. The host staging buffer goes back to the pool
+        once the copy has read it."""
+        lock, left, copy = threading.Lock(), [len(futures)], []
+
+        def issue(_future=None, landed: bool = False) -> None:
+            with lock:
+                left[0] -= _future is not None
+                if copy or (left[0] > 0 and not landed):  # (landed: wait() saw every read done)
+                    return
+                bind_thread(device)  # (an I/O thread: its current device would be cuda:0, Note in streams.py)
+                pending, done = self._copy_across(host, device, into)
+                self.staging.release_after(host, done)
+                copy.append(pending)
+
+        for future in futures:
+            future.add_done_callback(issue)
+        return _Chained(read, lambda _host: (issue(landed=True), copy[0].wait())[1])
 
     def resident(self, unit: int, kind: Kind) -> torch.Tensor | None:
         """The whole stored shard of a DEVICE / HOST shard (None on NVMe), for aliasing."""
@@ -263,6 +328,8 @@ class TieredMemoryManager:
         shard = self._shards[(unit, kind)]
         start, numel = shard.span(chunk)
         if shard.resident is not None and shard.resident.device == device:
+            if device.type == "cpu":
+                self._settle(shard, shard.chunk_ids(chunk))  # the caller rewrites these bytes
             return shard.resident.narrow(0, start, numel)
         if device.type == "cpu":
             return self.staging.host_buffer(numel, shard.dtype)
@@ -306,12 +373,18 @@ class TieredMemoryManager:
         assert not self._aliased(shard), f"unit {unit}'s parameters alias its master: store them with store_master"
         if shard.tier is not Tier.NVME:
             view = shard.resident.narrow(0, start, numel)
+            ids = shard.chunk_ids(chunk)
             if tensor.data_ptr() != view.data_ptr():
-                stream = self.streams.d2h if view.device.type == "cpu" and tensor.device.type != "cpu" else None
-                with self.streams.use(stream):
-                    view.copy_(tensor, non_blocking=stream is not None)
-                if stream is not None:
-                    self.streams.record(stream).synchronize()  # the staging buffer is reused as soon as we return
+                if view.device.type == "cpu" and tensor.device.type != "cpu":
+                    self._order_device(shard, ids, self.streams.d2h)
+                    done = self._to_host(view, tensor, wait=False)  # whoever reads these bytes next waits for it
+                    self.streams.hold(tensor, self.streams.d2h)  # (its device memory is not reused before)
+                    for i in ids:
+                        shard.chunks[i].device_use = done
+                else:
+                    if view.device.type == "cpu":
+                        self._settle(shard, ids)  # these bytes are rewritten now
+                    view.copy_(tensor)  # (on the producer's stream: in order after it)
                 link = _crossing(tensor.device, view.device)
                 if link is not None:  # every byte moved is counted (Note [traffic per step] in traffic.py)
                     self.bytes_moved[link] += numel * shard.dtype.itemsize
@@ -324,9 +397,7 @@ class TieredMemoryManager:
         host = tensor
         if tensor.device.type != "cpu":
             host = self.staging.host_buffer(numel, shard.dtype)
-            with self.streams.use(self.streams.d2h):
-                host.copy_(tensor, non_blocking=True)
-                self.streams.record(self.streams.d2h).synchronize()  # the disk write reads host memory
+            self._to_host(host, tensor)  # (the disk write reads host memory)
             self.bytes_moved["d2h"] += numel * shard.dtype.itemsize
             if release:
                 self.staging.release(tensor)
@@ -371,6 +442,20 @@ class TieredMemoryManager:
             self.fresh.done_with(host, pending)  # not kept: back to the pool once written
         return pending
 
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, wait: bool = True):
+        """Copy device `src` into host `dst` on the d2h stream, after the work that produced `src` (queued on
+        this thread's current stream: the reduce-scatter's accumulation, the optimizer's cast), and wait
+        (else return the copy's event: a host-tier store, which whoever touches the bytes next waits for)."""
+        streams = self.streams
+        streams.wait_event(streams.record(), streams.d2h)  # the copy must see the producer's last writes to src
+        with streams.use(streams.d2h), self._device_span("d2h", src):
+            dst.copy_(src, non_blocking=True)
+            done = streams.record(streams.d2h)
+        if not wait:
+            return done
+        host_wait(done, "d2h store")  # the caller reuses src, and the disk write reads dst, next
+        return done
+
     def _timed(self, fut, link: Link, shard: _Shard, c: _Chunk):
         """Record the transfer as a span when it completes (on the io thread)."""
         if self.profiler.enabled:
@@ -395,6 +480,7 @@ class TieredMemoryManager:
             "state": state,
             "tier_totals": {t: sum(v.values()) for t, v in state.items()},
             "staging_host_bytes": self.staging.host_bytes_allocated,
+            "pinned_host_tier_bytes": self.host_arena.nbytes if self.host_arena is not None else 0,
             "staging_peak_bytes_out": self.staging.peak_bytes_out,
             "nvme_reserved_bytes": self.swap.bytes_reserved if self.swap is not None else 0,
             "bytes_moved": dict(self.bytes_moved),
@@ -411,6 +497,8 @@ class TieredMemoryManager:
         self.drain()
         self.fresh.close()
         self.staging.close()
+        if self.host_arena is not None:
+            self.host_arena.close()
 
 
 class _Chained(Pending):

@@ -21,6 +21,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from ..streams import Streams, bind_thread
 from ..unit import Unit
 from .cpu_adam import AdamHyper
 from .offloaded import OffloadedOptimizer
@@ -29,13 +32,17 @@ from .read_ahead import Issue, StateReadAhead
 _POLL_S = 0.002  # while the read-ahead waits for a chunk to land: 2 ms of latency on ~50 ms reads
 
 
+Active = dict[int, list[tuple[int, int, int]]]  # per unit: the (start, length, adam step) runs to step
+
+
 @dataclass
 class _Batch:
     units: list[Unit]
     hyper: AdamHyper
     grad_scale: float | None
-    active: dict[int, list[tuple[int, int, int]]]
+    active: Active | Callable[[], Active | None]  # or resolved on the worker (it may wait for the device there)
     after_unit: Callable[[Unit], None]
+    submitted: object = None  # an event after the work the submitting thread queued (the gradients)
 
 
 _NOTHING = object()
@@ -56,9 +63,17 @@ class _Mark:
 class OptimizerWorker:
     """One background thread stepping submitted units in submission order."""
 
-    def __init__(self, optimizer: OffloadedOptimizer, num_units: int, read_ahead: StateReadAhead | None = None):
+    def __init__(self, optimizer: OffloadedOptimizer, num_units: int, read_ahead: StateReadAhead | None = None,
+                 streams: Streams | None = None):
         self.optimizer = optimizer
         self.read_ahead = read_ahead
+        # Note [update stream]: on a GPU the worker queues its device work (a device-tier Adam step, the
+        # parameters' cast and copies) on its own stream, never the compute stream it would serialize with:
+        # it waits on the device for the gradients the training thread produced (an event recorded at
+        # submit), and whoever uses a unit after its update waits on the device for an event recorded
+        # when the update was issued (wait_unit).
+        self.streams = streams or Streams(torch.device("cpu"))
+        self._updated = [self.streams.record() for _ in range(num_units)]  # per unit: after its last update
         self._queue: queue.Queue = queue.Queue()
         self._done = [threading.Event() for _ in range(num_units)]
         for ev in self._done:
@@ -69,11 +84,13 @@ class OptimizerWorker:
         self._thread.start()
 
     def submit(self, units: list[Unit], *, hyper: AdamHyper, grad_scale: float | None,
-               active: dict[int, list[tuple[int, int, int]]], after_unit: Callable[[Unit], None]) -> None:
-        """Issue the update of `units` (all submitted batches must share hyper and grad_scale)."""
+               active: Active | Callable[[], Active | None], after_unit: Callable[[Unit], None]) -> None:
+        """Issue the update of `units` (all submitted batches must share hyper and grad_scale). `active` may be
+        a function the worker calls first (Note [host syncs] in streams.py); if it returns None the batch's
+        units are not stepped (their waits return; `after_unit` is not called)."""
         for unit in units:
             self._done[unit.index].clear()
-        self._queue.put(_Batch(list(units), hyper, grad_scale, active, after_unit))
+        self._queue.put(_Batch(list(units), hyper, grad_scale, active, after_unit, self.streams.record()))
 
     def read_ahead_next(self, chunks: list[tuple[int, int]]) -> None:
         """After the batches submitted so far: read ahead the state of `chunks` (the next update's order)."""
@@ -100,11 +117,14 @@ class OptimizerWorker:
 
     def wait_unit(self, index: int) -> None:
         self._done[index].wait()  # this unit's parameters and optimizer state are being rewritten
+        self.streams.wait_event(self._updated[index])  # (and its device work, on the device: Note [update stream])
         self._raise()
 
     def wait_all(self) -> None:
         for ev in self._done:
             ev.wait()  # every submitted update must be finished
+        for event in self._updated:
+            self.streams.wait_event(event)
         self._raise()
 
     def _raise(self) -> None:
@@ -136,6 +156,11 @@ class OptimizerWorker:
             return Issue.IDLE
 
     def _run(self) -> None:
+        bind_thread(self.optimizer.compute_device)  # its copies and kernels go to this rank's GPU
+        with self.streams.use(self.streams.update):  # Note [update stream]
+            self._loop()
+
+    def _loop(self) -> None:
         held = _NOTHING  # an item taken from the queue while merging batches, handled next
         while True:
             item, held = (held, _NOTHING) if held is not _NOTHING else (self._next_item(), _NOTHING)
@@ -158,18 +183,23 @@ class OptimizerWorker:
                     break
                 batches.append(more)
             batch = batches[0]
+            for b in batches:
+                self.streams.wait_event(b.submitted)  # the gradients were produced on the training thread's stream
+            if self._error is None:
+                batches = self._resolve(batches)
             units = [u for b in batches for u in b.units]
+            if self._error is not None:  # sticky: no update runs on the state a failed one left
+                for unit in units:
+                    self._done[unit.index].set()  # (their waits raise the error)
+                continue
             active = {k: v for b in batches for k, v in b.active.items()}
             after = {u.index: b.after_unit for b in batches for u in b.units}
 
             def done(unit: Unit) -> None:
                 after[unit.index](unit)
+                self._updated[unit.index] = self.streams.record()  # users of the unit wait for this on the device
                 self._done[unit.index].set()
 
-            if self._error is not None:  # sticky: no update runs on the state a failed one left
-                for unit in units:
-                    self._done[unit.index].set()  # (their waits raise the error)
-                continue
             try:
                 if self.read_ahead is not None:
                     self.read_ahead.issue_rest()  # Note [reads before writes]
@@ -179,6 +209,23 @@ class OptimizerWorker:
                 self._error = e
                 for unit in units:
                     self._done[unit.index].set()
+
+    def _resolve(self, batches: list[_Batch]) -> list[_Batch]:
+        """The batches with their active ranges resolved; those that resolve to None are done, unstepped."""
+        out = []
+        for b in batches:
+            try:
+                active = b.active() if callable(b.active) else b.active
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                self._error = e
+                active = {}
+            if active is None:
+                for unit in b.units:
+                    self._done[unit.index].set()  # not stepped (the mode knows why)
+                continue
+            b.active = active
+            out.append(b)
+        return out
 
     @property
     def failed(self) -> bool:

@@ -1,5 +1,8 @@
 """The training thread's own spans: its compute between waits, and where each step begins and ends.
 
+On a GPU a compute span is device time: CUDA events on the compute stream around the kernels the
+thread queued between two waits (`Profiler.device_span`), not the host time it took to launch them.
+
 A profiled step runs from its first forward to the next step's first forward: with overlap its
 update runs during that next forward, so it ends there (or at `close` for the last one).
 """
@@ -14,18 +17,26 @@ from .spans import Link
 class TrainingClock:
     """Compute spans and step marks of the training thread, recorded into `profiler` when it is enabled."""
 
-    def __init__(self, profiler):
+    def __init__(self, profiler, device_time: bool = False):
         self.profiler = profiler
+        self.device_time = device_time  # compute spans are CUDA events on the compute stream
         self._compute_since: float | None = None  # the training thread computes since then
+        self._device_span = None  # the open device span of the compute in progress (device_time)
         self._step_started: float | None = None  # the first forward of the step in progress
         self._pending: tuple[int, float | None] | None = None  # (step, start) of the step the next one ends
 
     def compute_begin(self) -> None:
-        if self.profiler.enabled:
+        if self.profiler.enabled and self.device_time:
+            self._device_span = self.profiler.device_span("compute", Link.COMPUTE)
+            self._device_span.__enter__()
+        elif self.profiler.enabled:
             self._compute_since = time.perf_counter()
 
     def compute_end(self, name: str) -> None:
         """Close the current compute span (the thread is about to wait, or is done)."""
+        if self._device_span is not None:
+            span, self._device_span = self._device_span, None
+            span.end(name)
         if self._compute_since is not None:
             self.profiler.record(name, Link.COMPUTE, self._compute_since, time.perf_counter())
             self._compute_since = None

@@ -98,6 +98,11 @@ class _DeviceSpanTimer:
         self.start_event.record(self._stream)
         return self
 
+    def end(self, name: str) -> None:
+        """Close the span under `name` (known only at its end, e.g. what compute waits for next)."""
+        self._name = name
+        self.__exit__(None, None, None)
+
     def __exit__(self, *exc) -> bool:
         self.end_event = torch.cuda.Event(enable_timing=True)
         self.end_event.record(self._stream)

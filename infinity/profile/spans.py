@@ -52,6 +52,11 @@ class _SpanTimer:
         self._start = time.perf_counter()
         return self
 
+    def end(self, name: str) -> None:
+        """Close the span under `name` (known only at its end)."""
+        self._name = name
+        self.__exit__(None, None, None)
+
     def __exit__(self, *exc) -> bool:
         end = time.perf_counter()
         if self._torch_range is not None:

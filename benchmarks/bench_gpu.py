@@ -1,0 +1,195 @@
+"""GPU step times beside their floors (issue 21, Deliver 2): a first version, cases a and b.
+
+    python benchmarks/bench_gpu.py --json benchmarks/results/gpu_<date>.json
+    python benchmarks/bench_gpu.py --cases a --layers 12 --d-model 1024 --steps 6
+    python benchmarks/bench_gpu.py --tiny --device cpu      # the smoke test (tests/test_bench_gpu.py)
+
+Case a, a model that fits in HBM: infinity with every state kind on the device
+against plain PyTorch with torch.optim.AdamW(fused=True), same GPT, batch and
+hyper-parameters; `ratio` = infinity / torch (bar: <= 1.10).
+
+Case b, the ZeRO-Offload shape: parameters on the GPU, gradients and optimizer
+state in pinned host RAM, CPU Adam; `ratio` = step / max(floors) (bar: <= 1.15) with
+floors measured in the same run: `gpu_compute` (the forward and backward of the
+same model and batch in plain PyTorch, no optimizer), `cpu_adam` (infinity's CPU
+Adam kernel over the model's parameters), `pcie` (the step's gradient bytes down
+and parameter bytes up over pinned-memory copy bandwidth measured here). TFLOPS per
+GPU = 6 x parameters x tokens per step / step time.
+
+Cases c (optimizer state, then parameters, on the disk) and d (DeepSpeed ZeRO-3
+beside it) are not written yet: they are listed in the JSON as "not implemented".
+Step times are medians over `--steps` timed steps after `--warmup` steps; every
+step ends with a device synchronize (and infinity's `synchronize`), so queued work
+is paid by the step that queued it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import machine, median, write_json  # noqa: E402
+
+import infinity  # noqa: E402
+from infinity.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from infinity.optim.cpu_adam import AdamHyper, adam_step  # noqa: E402
+
+LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the step's queued work is paid by the step
+
+
+def timed(step, device: torch.device, warmup: int, steps: int) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def torch_step_times(cfg: GPTConfig, batch, device, warmup, steps, optimizer: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            fused=device.type == "cuda") if optimizer else None
+    x, y = (t.to(device) for t in batch)
+
+    def step():
+        model(x, y).backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
+    return timed(step, device, warmup, steps)
+
+
+def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement: dict) -> list[float]:
+    torch.manual_seed(0)
+    engine = infinity.initialize(GPT(cfg), {
+        "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": 0.0},
+        "placement": placement})
+    x, y = batch  # CPU tensors: the engine moves them, as a data loader's would be
+
+    def step():
+        engine.backward(engine(x, y))
+        engine.step()
+        engine.synchronize()  # the overlapped update is paid by this step
+    with engine:
+        return timed(step, device, warmup, steps)
+
+
+def cpu_adam_floor(numel: int, repeats: int = 3) -> float:
+    """Seconds of infinity's CPU Adam kernel over `numel` fp32 elements (fp32 grads)."""
+    master, grad, m, v = (torch.randn(numel) for _ in range(4))
+    v.abs_()
+    hyper = AdamHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, decoupled=True)
+    times = []
+    for step in range(1, repeats + 1):
+        start = time.perf_counter()
+        adam_step(master, grad, m, v, step=step, hyper=hyper, grad_scale=None)
+        times.append(time.perf_counter() - start)
+    return median(times)
+
+
+def pcie_floor(nbytes_down: int, nbytes_up: int, device: torch.device) -> float:
+    """Seconds to move the step's bytes over pinned-memory copies, at the bandwidth measured now."""
+    if device.type != "cuda":
+        return 0.0
+    probe = 256 << 20
+    host = torch.empty(probe, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(probe, dtype=torch.uint8, device=device)
+    rates = {}
+    for name, (dst, src) in {"h2d": (dev, host), "d2h": (host, dev)}.items():
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(4):
+            dst.copy_(src, non_blocking=True)
+        sync(device)
+        rates[name] = 4 * probe / (time.perf_counter() - start)
+    return nbytes_down / rates["d2h"] + nbytes_up / rates["h2d"]
+
+
+def case_a(cfg, batch, device, args) -> dict:
+    ours = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps,
+                                      {"params": "device", "grads": "device", "optimizer": "device"}))
+    ref = median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=True))
+    return {"step_s": ours, "floors": {"torch_fused_adamw": ref}, "ratio": ours / ref, "bar": 1.10,
+            "tflops": tflops(cfg, batch, ours)}
+
+
+def case_b(cfg, batch, device, args) -> dict:
+    numel = sum(p.numel() for p in GPT(cfg).parameters())
+    ours = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps,
+                                      {"params": "device", "grads": "host", "optimizer": "host"}))
+    floors = {
+        "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
+        "cpu_adam": cpu_adam_floor(numel),
+        "pcie": pcie_floor(numel * 4, numel * 4, device),  # fp32 gradients down, fp32 parameters up
+    }
+    return {"step_s": ours, "floors": floors, "ratio": ours / max(floors.values()), "bar": 1.15,
+            "tflops": tflops(cfg, batch, ours), "params": numel}
+
+
+def tflops(cfg: GPTConfig, batch, step_s: float) -> float:
+    numel = cfg.num_params()
+    tokens = batch[0].numel()
+    return 6 * numel * tokens / step_s / 1e12
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="a,b", help="comma-separated: a, b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and one timed step (smoke test)")
+    ap.add_argument("--json", default=None)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = parser().parse_args(argv)
+    if args.tiny:
+        args.layers, args.d_model, args.heads, args.seq, args.batch, args.vocab = 2, 32, 4, 16, 2, 64
+        args.warmup, args.steps = 1, 1
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # both sides: the comparison is at the same maths
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model)
+    batch = synthetic_batch(cfg, args.batch, torch.Generator().manual_seed(0))
+    cases = {"a": case_a, "b": case_b}
+    out = {"machine": machine(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "seq_len": cfg.seq_len, "batch": args.batch},
+           "c": "not implemented", "d": "not implemented"}
+    for name in args.cases.split(","):
+        out[name] = cases[name](cfg, batch, device, args)
+        print(f"case {name}: {out[name]}", flush=True)
+    write_json(args.json, out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
