@@ -25,8 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from common import machine, write_json  # noqa: E402
+
 from io_engine import IOConfig, IOEngine, aligned_empty, parse_size  # noqa: E402
 
 KINDS = ("pooled", "huge_fresh", "torch_fresh", "torch_warm")

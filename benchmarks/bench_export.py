@@ -44,6 +44,7 @@ def save(args, ckpt: str) -> dict:
 
 def export(ckpt: str, out: str) -> dict:
     from common import peak_rss_bytes
+
     from infinity.export import export_checkpoint
     t = time.perf_counter()
     export_checkpoint(ckpt, out)

@@ -20,14 +20,14 @@ import threading
 import time
 
 import psutil
-
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import infinity  # noqa: E402
 from common import machine, peak_rss_bytes, write_json  # noqa: E402
+
+import infinity  # noqa: E402
 from infinity.models.gpt import GPT, GPTConfig, gpt_init, synthetic_batch  # noqa: E402
 
 

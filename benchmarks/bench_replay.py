@@ -111,6 +111,7 @@ def replay(io, requests: list[dict], files: dict[str, str], buf, checksum: str) 
 def run(args) -> dict:
     import torch
     from common import machine, median
+
     from io_engine import IOEngine, aligned_empty
     torch.set_num_threads(args.threads)
     swap = tempfile.mkdtemp(prefix="bench-replay-", dir=args.dir)

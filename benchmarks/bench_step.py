@@ -91,6 +91,7 @@ def optimizer_args(args) -> dict:
 def batches(args, cfg, trailing: int = 0, timed: int | None = None):
     """Warm-up + timed (default `--steps`) batches (+ `trailing` untimed ones), the same for every system."""
     import torch
+
     from infinity.models.gpt import synthetic_batch
     g = torch.Generator().manual_seed(1)
     timed = args.steps if timed is None else timed
@@ -159,6 +160,7 @@ def plain_step(args, model, opt):
 
 def run_torch(args) -> dict:
     import torch
+
     from infinity.models.gpt import GPT
     cfg = model_config(args)
     torch.manual_seed(0)
@@ -208,11 +210,15 @@ def plan_summary(plan) -> dict:
 def infinity_engine(args, placement: str, swap: str, profile: bool = False):
     """`initialize` of system `infinity:<placement>` with swap files in `swap` (removed if it fails)."""
     import torch
+
     import infinity
     from infinity.models.gpt import GPT, gpt_init
     config = infinity_config(args, placement, swap)
     if profile and "profile" in infinity.Config.from_dict({}).to_dict():
-        config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.dir, f"trace-{placement.replace('/', '-')}")}
+        config["profile"] = {
+            "enabled": True,
+            "trace_dir": os.path.join(args.dir, f"trace-{placement.replace('/', '-')}"),
+        }
     torch.manual_seed(0)
     try:
         return infinity.initialize(GPT(model_config(args)), config, init_fn=gpt_init)  # a plan that does not fit raises
@@ -276,6 +282,7 @@ def run_deepspeed(args, kind: str) -> dict:
         os.environ.setdefault(k, v)
     import deepspeed
     import torch
+
     from infinity.models.gpt import GPT
     cfg = model_config(args)
     torch.manual_seed(0)
@@ -330,6 +337,7 @@ def run_fsdp2(args, kind: str) -> dict:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
     from infinity.environment import init_process_group
     from infinity.models.gpt import GPT
     if kind not in ("none", "cpu_both"):
@@ -362,8 +370,9 @@ def burst_sample(args, io, path: str, buf=None) -> dict:
     """The I/O floor's sample on an open IOEngine: `--io-bytes` written then read at `path` as one
     request, twice, the faster pass of each direction kept. `buf`: an aligned buffer of that size
     to reuse (default: one allocated here)."""
-    from io_engine import aligned_empty
     import torch
+
+    from io_engine import aligned_empty
     if buf is None:
         buf = aligned_empty(args.io_bytes // 4, torch.float32)
         buf.fill_(1.0)
@@ -387,8 +396,9 @@ def run_io_floor(args) -> dict:
     read-ahead stream them, once each; it sees a disk that slows down under sustained
     load where the burst sample would not, and carries no best-of-two.
     """
-    from io_engine import IOEngine, aligned_empty
     import torch
+
+    from io_engine import IOEngine, aligned_empty
     path = os.path.join(args.dir, f"bench-io-{os.getpid()}.bin")
     try:
         with IOEngine(io_engine_config(args)) as io:
@@ -423,9 +433,10 @@ def run_paired(args, placement: str) -> dict:
     samples i and i+1; the driver (`_floors`) puts it over the floor of each and reports
     the median ratio. Its own process: the sample's buffer is not in the system's peak RSS.
     """
-    from common import DiskCounters
-    from io_engine import IOEngine, aligned_empty
     import torch
+    from common import DiskCounters
+
+    from io_engine import IOEngine, aligned_empty
     swap = tempfile.mkdtemp(prefix="bench-paired-", dir=args.dir)
     engine = infinity_engine(args, placement, swap)
     step = engine_step(engine)
@@ -488,11 +499,12 @@ def fitting_placements(args) -> dict:
     import dataclasses
 
     import torch
+
     import infinity
-    from infinity.preflight import check_nvme_paths
     from infinity.estimate import resolve_budgets_for, unit_sizes_of
     from infinity.memory.placement import PlacementError, plan_for_config
     from infinity.models.gpt import GPT
+    from infinity.preflight import check_nvme_paths
     with infinity.meta_init():
         model = GPT(model_config(args))
     base = infinity.Config.from_dict(infinity_config(args, "auto", args.dir))
@@ -607,7 +619,8 @@ def auto_vs_static(results: dict, fit: dict) -> dict:
 def _print_auto_vs_static(a: dict) -> None:
     print(f"auto vs static ({len(a['fitting'])} static placements fit and ran, {len(a['not_fitting'])} do not fit):")
     for placement, r in sorted(a["fitting"].items(), key=lambda kv: kv[1].get("step_s") or float("inf")):
-        print(f"  {placement:24s} " + (f"{r['step_s']:.3f} s/step" if r.get("step_s") else f"failed: {r['error']}"[:160]))
+        outcome = f"{r['step_s']:.3f} s/step" if r.get("step_s") else f"failed: {r['error']}"[:160]
+        print(f"  {placement:24s} " + outcome)
     if a["auto_fits"]:
         plan = a["auto_plan"] or {}
         counts = "; ".join(f"{g} " + ", ".join(f"{n} on {t}" for t, n in c.items())
@@ -763,7 +776,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=6, help="timed steps (infinity runs one more, untimed, then drains: tail_s)")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="timed steps (infinity runs one more, untimed, then drains: tail_s)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=1.0)

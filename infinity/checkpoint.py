@@ -49,18 +49,18 @@ from io_engine import IOEngine
 
 from .checkpoint_files import (  # noqa: F401 - CheckpointError and apply_retention are used through this module
     CheckpointError,
+    apply_retention,
     continue_run,
+    count_as_written,
     file_crc,
     fsync_path,
+    load_buffers,
     load_verified,
+    persistent_buffers,
     restore_buffers,
     rng_state,
     save_buffers,
     set_rng_state,
-    apply_retention,
-    count_as_written,
-    load_buffers,
-    persistent_buffers,
 )
 from .memory.tier import Kind
 from .streams import bind_thread

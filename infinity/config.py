@@ -197,9 +197,13 @@ class SwapIOConfig(Section):
     block_size: int = option(2**20, "Bytes per I/O request (a power of two, >= 4KiB).", "size",
                               ge=4096, example="1MiB")
     queue_depth: int = option(16, "Block requests in flight at once (over all I/O threads).", "int", ge=1)
-    threads: int = option(8, "I/O worker threads: with backend \"threads\" they carry every block (8 at queue depth 16 "
-                           "measured best: benchmarks/history/io-engine-vs-fio.md); with \"aio\" only unaligned heads and tails.",
-                           "int", ge=1)
+    threads: int = option(
+        8,
+        'I/O worker threads: with backend "threads" they carry every block (8 at queue depth 16 '
+        'measured best: benchmarks/history/io-engine-vs-fio.md); with "aio" only unaligned heads and tails.',
+        "int",
+        ge=1,
+    )
     backend: str = option("auto", "How blocks reach the disk: \"aio\" = Linux kernel AIO, the whole queue depth on the "
                            "device at once, one thread reaping completions (faster beside compute: Note [kernel aio]); "
                            "\"threads\" = preadv/pwritev from the worker threads; \"auto\" = aio where the kernel "

@@ -36,9 +36,9 @@ from .materialize import buffers_to, materialize_units
 from .memory.buffers import UnshardedMemory
 from .memory.fresh import fresh_budget
 from .memory.manager import TieredMemoryManager
-from .memory.traffic import plan_report
 from .memory.placement import plan_for_config
 from .memory.tier import Tier
+from .memory.traffic import plan_report
 from .optim.cpu_adam import AdamHyper
 from .optim.read_ahead import resolve_read_ahead
 from .optim.schedule import lr_at
@@ -49,7 +49,6 @@ from .state_dict import full_state_dict
 from .streams import Streams, host_value
 from .unit import Comm, Unit, build_units, unit_sizes
 from .update_modes import NonFiniteGradError, update_mode
-
 
 __all__ = ["Engine", "NonFiniteGradError", "initialize"]
 

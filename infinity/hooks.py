@@ -74,7 +74,9 @@ class GradCounter:
         self.fired = False
 
 
-def install_unit_hooks(unit: Unit, callbacks: UnitCallbacks, with_module_hooks: bool = True) -> tuple[list, GradCounter]:
+def install_unit_hooks(
+    unit: Unit, callbacks: UnitCallbacks, with_module_hooks: bool = True
+) -> tuple[list, GradCounter]:
     """Register the hooks of one unit; returns the handles and its gradient counter.
 
     The root unit gets only gradient hooks: the engine unshards it around the whole

@@ -21,9 +21,9 @@ import torch.nn as nn
 from . import collectives
 from .memory.buffers import UnshardedMemory
 from .memory.manager import Pending, TieredMemoryManager
+from .memory.placement import UnitSizes
 from .memory.tier import Kind, Tier
 from .profile import Link
-from .memory.placement import UnitSizes
 from .sharded_param import ParamSlot, collect_slots, install, layout
 from .streams import Streams
 
@@ -92,7 +92,10 @@ class Unit:
         """One rank, parameters stored on the compute device: the module's parameters view the
         stored shard itself, so unshard and reshard cost nothing (no copy, no second buffer).
         The optimizer writes the new values there, after the unit's backward is done with them."""
-        assert resident.numel() == self.padded_numel and self.comm.world_size == 1, (resident.numel(), self.padded_numel)
+        assert resident.numel() == self.padded_numel and self.comm.world_size == 1, (
+            resident.numel(),
+            self.padded_numel,
+        )
         install(self.slots, resident)
         self.aliased = True
 
@@ -133,8 +136,8 @@ class Unit:
             self.peak_unsharded = max(self.peak_unsharded, self._nbytes)
         start, _ = self.shard_range()
         # The shard lands in its own slot of the unsharded buffer; the all-gather fills the rest in place.
-        self._pending = manager.fetch(self.index, Kind.PARAMS, None, into=self._flat().narrow(0, start, self.shard_numel),
-                                      urgent=True)
+        slot = self._flat().narrow(0, start, self.shard_numel)
+        self._pending = manager.fetch(self.index, Kind.PARAMS, None, into=slot, urgent=True)
         self.state = UnitState.UNSHARDING
 
     def issue_gather(self, manager: TieredMemoryManager) -> None:

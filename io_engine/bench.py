@@ -13,8 +13,8 @@ sizes x queue depths x threads and prints the best as a TOML [io] snippet.
 
 Note [footprint]: fio moves every block through one buffer of iodepth x bs bytes; a tensor
 transfer touches `size` bytes of distinct memory, which costs throughput on some VMs
-(benchmarks/history/from-notes.md), so the bench also reports the engine driven like fio (``io_engine_small_buffer``) to separate
-engine overhead from memory footprint.
+(benchmarks/history/from-notes.md), so the bench also reports the engine driven like fio
+(``io_engine_small_buffer``) to separate engine overhead from memory footprint.
 """
 
 from __future__ import annotations

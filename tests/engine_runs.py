@@ -7,7 +7,6 @@ import os
 import torch.distributed as dist
 
 import infinity
-
 from reference import Recipe
 
 

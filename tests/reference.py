@@ -36,7 +36,9 @@ class Recipe:
     def batches(self):
         """[step][micro] -> (x, y) over the whole micro-batch."""
         g = torch.Generator().manual_seed(self.seed + 1)
-        return [[synthetic_batch(self.model, self.micro_batch, g) for _ in range(self.accum)] for _ in range(self.steps)]
+        return [
+            [synthetic_batch(self.model, self.micro_batch, g) for _ in range(self.accum)] for _ in range(self.steps)
+        ]
 
     def config(self, **placement) -> dict:
         return {

@@ -12,8 +12,16 @@ import infinity
 from infinity import link_rates
 from infinity.memory import cost_model
 from infinity.memory.cost_model import LinkRates, StepTraffic, plan_traffic, predict_step_time, unit_traffic
-from infinity.memory.placement import (GROUPS, KINDS_OF_GROUP, Budgets, Plan, UnitSizes, _fits, plan_placement,
-                                       working_bytes)
+from infinity.memory.placement import (
+    GROUPS,
+    KINDS_OF_GROUP,
+    Budgets,
+    Plan,
+    UnitSizes,
+    _fits,
+    plan_placement,
+    working_bytes,
+)
 from infinity.memory.tier import Tier
 from reference import Recipe
 

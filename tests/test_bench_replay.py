@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import bench_replay  # noqa: E402
+
 from io_engine import IOConfig, IOEngine, aligned_empty  # noqa: E402
 
 
@@ -27,9 +28,23 @@ def test_replay_writes_each_request_at_its_offset_in_the_scratch_copy(tmp_path):
         # b holds the buffer's own bytes: the read into the shared buffer, racing the writes, changes nothing
         io.submit("write", buf[:4 * 4096], files["/swap/b"], 0).wait()
         requests = [
-            {"direction": "write", "path": "/swap/a", "offset": 4096, "num_bytes": 8192, "urgent": False, "pad_tail": False},
+            {
+                "direction": "write",
+                "path": "/swap/a",
+                "offset": 4096,
+                "num_bytes": 8192,
+                "urgent": False,
+                "pad_tail": False,
+            },
             {"direction": "read", "path": "/swap/b", "offset": 0, "num_bytes": 4096, "urgent": True, "pad_tail": False},
-            {"direction": "write", "path": "/swap/b", "offset": 3 * 4096, "num_bytes": 4096, "urgent": False, "pad_tail": False},
+            {
+                "direction": "write",
+                "path": "/swap/b",
+                "offset": 3 * 4096,
+                "num_bytes": 4096,
+                "urgent": False,
+                "pad_tail": False,
+            },
         ]
         assert bench_replay.replay(io, requests, files, buf, checksum=True) > 0
     a, b = (open(files[p], "rb").read() for p in ("/swap/a", "/swap/b"))

@@ -56,7 +56,9 @@ def test_disk_counters_read_this_machines_device_when_it_has_one(tmp_path):
         f.write(os.urandom(4 << 20))
         os.fsync(f.fileno())  # the 4 MiB reach the device, whatever else it did meanwhile
     d = disk.between(a, disk.snapshot())
-    assert d["write_GB"] >= 0.004 and d["busy_fraction"] >= 0 and d["device"]  # io_ticks may round a short write to 0 ms
+    assert (
+        d["write_GB"] >= 0.004 and d["busy_fraction"] >= 0 and d["device"]
+    )  # io_ticks may round a short write to 0 ms
 
 
 def results_with(step_s: float, compute_s: float, samples: list[dict]) -> dict:
@@ -142,5 +144,6 @@ def test_driver_brackets_each_paired_step_with_samples(tmp_path, monkeypatch):
              for s in run["samples"]]
     expected = [st["step_s"] / max(compute, (floor[i] + floor[i + 1]) / 2) for i, st in enumerate(run["steps"])]
     assert payload["floors"]["infinity:nvme/host/nvme"]["paired"]["ratios"] == pytest.approx(expected, rel=1e-2)
-    leftovers = [f for f in os.listdir(tmp_path / "disk") if f.startswith(("bench-io-", "bench-paired-", "bench-step-"))]
+    prefixes = ("bench-io-", "bench-paired-", "bench-step-")
+    leftovers = [f for f in os.listdir(tmp_path / "disk") if f.startswith(prefixes)]
     assert not leftovers  # swap directories and sample files are removed

@@ -105,7 +105,11 @@ def test_staging_is_derived_from_the_optimizer_and_the_pool(tmp_path):
     # on up to as many writes left pending by the previous step (waited when their chunk is fetched again)
     one, tasks = size_class(3000 * 4, 4096), (traffic.UPDATE_READS_AHEAD + 1) * 4
     assert one == 16384 and staging % one == 0
-    assert (tasks + traffic.UPDATE_WRITES_IN_FLIGHT) * one <= staging <= (tasks + 2 * traffic.UPDATE_WRITES_IN_FLIGHT) * one
+    assert (
+        (tasks + traffic.UPDATE_WRITES_IN_FLIGHT) * one
+        <= staging
+        <= (tasks + 2 * traffic.UPDATE_WRITES_IN_FLIGHT) * one
+    )
     assert est.staging_pool_bytes(plan) == staging
 
 

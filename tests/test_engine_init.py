@@ -11,8 +11,7 @@ import torch.nn as nn
 
 import infinity
 from dist_utils import run_distributed
-from engine_runs import engine_run
-from infinity.models.gpt import GPT, GPTConfig, gpt_init
+from infinity.models.gpt import GPT, gpt_init
 from reference import TINY, Recipe, reference_run
 
 

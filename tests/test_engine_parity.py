@@ -37,7 +37,9 @@ def assert_matches(reference, losses, norms, state, what):
 @pytest.mark.parametrize("placement", ALL_PLACEMENTS, ids=lambda p: "-".join(p.values()))
 def test_world_size_1_matches_pytorch(reference, placement, overlap, tmp_path):
     swap = str(tmp_path / "swap") if "nvme" in placement.values() else None
-    losses, norms, state, report = engine_run(RECIPE, placement, swap, {"overlap": {"optimizer_with_backward": overlap}})
+    losses, norms, state, report = engine_run(
+        RECIPE, placement, swap, {"overlap": {"optimizer_with_backward": overlap}}
+    )
     assert report["update_mode"] == ("DeferredUpdate" if overlap else "InlineUpdate")  # RECIPE clips
     assert_matches(reference, losses, norms, state, f"world 1 {placement} overlap={overlap}")
 

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from infinity.memory.fresh import FreshCopies, kept_chunks
 from engine_runs import engine_run
+from infinity.memory.fresh import FreshCopies, kept_chunks
 from reference import Recipe
 
 

@@ -14,7 +14,12 @@ from infinity.memory.traffic import bytes_per_step, plan_traffic
 from infinity.profile import Link, SpanKind
 from reference import Recipe
 
-PLACEMENTS = [("nvme", "host", "nvme"), ("nvme", "nvme", "nvme"), ("device", "nvme", "host"), ("host", "device", "nvme")]
+PLACEMENTS = [
+    ("nvme", "host", "nvme"),
+    ("nvme", "nvme", "nvme"),
+    ("device", "nvme", "host"),
+    ("host", "device", "nvme"),
+]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import infinity
-from infinity.config import ConfigError
 from engine_runs import train_steps
+from infinity.config import ConfigError
 from reference import Recipe
 
 STEPS = 4

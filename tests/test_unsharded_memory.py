@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import infinity.memory.buffers as buffers
-from infinity.memory.buffers import PooledUnshardedMemory, UnshardedMemory
 from engine_runs import engine_run
+from infinity.memory.buffers import PooledUnshardedMemory, UnshardedMemory
 from reference import TINY, Recipe
 
 NBYTES = 3 * (1 << 20) + 4096  # not a power of two: the pool keeps exact sizes

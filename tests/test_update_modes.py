@@ -16,7 +16,6 @@ import torch
 
 import infinity
 from infinity.update_modes import DeferredUpdate, EagerUpdate, InlineUpdate, UpdateMode, mode_class
-
 from reference import Recipe
 
 ENGINE = os.path.join(os.path.dirname(infinity.__file__), "engine.py")

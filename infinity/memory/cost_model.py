@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from .traffic import LINKS, StepTraffic, plan_traffic, unit_traffic  # noqa: F401 - the byte model's, used here
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class LinkRates:
     """Throughput of every resource a step uses. h2d / d2h are `math.inf` without a GPU (no copy)."""

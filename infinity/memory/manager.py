@@ -27,12 +27,12 @@ import torch
 
 from io_engine import Extent, SwapSpace
 
+from ..profile import Link, NullProfiler
+from ..streams import Streams, bind_thread, host_wait
 from .buffers import HostArena, StagingBuffers, arena_bytes
 from .fresh import FreshCopies
-from ..profile import Link, NullProfiler
 from .placement import Plan
 from .tier import Kind, Residency, Tier, check_transition
-from ..streams import Streams, bind_thread, host_wait
 
 
 @dataclass

@@ -108,13 +108,16 @@ def _fits(totals: dict[Tier, int], budgets: Budgets) -> list[str]:
     """The budget violations of `totals`, as readable lines (empty when it fits)."""
     problems = []
     if totals[Tier.DEVICE] > budgets.device:
-        problems.append(f"device tier needs {_fmt(totals[Tier.DEVICE])} but memory.device_budget is {_fmt(budgets.device)}")
+        problems.append(
+            f"device tier needs {_fmt(totals[Tier.DEVICE])} but memory.device_budget is {_fmt(budgets.device)}"
+        )
     if totals[Tier.HOST] > budgets.host:
         problems.append(f"host tier needs {_fmt(totals[Tier.HOST])} but memory.host_budget is {_fmt(budgets.host)}")
     if budgets.shared_ram and totals[Tier.DEVICE] + totals[Tier.HOST] > budgets.shared_limit:
         problems.append(
             f"device + host tiers share this machine's RAM (no GPU) and need "
-            f"{_fmt(totals[Tier.DEVICE] + totals[Tier.HOST])} together, over the {_fmt(budgets.shared_limit)} available")
+            f"{_fmt(totals[Tier.DEVICE] + totals[Tier.HOST])} together, over the {_fmt(budgets.shared_limit)} available"
+        )
     if totals[Tier.NVME] > budgets.nvme:
         where = "no nvme.paths are set" if budgets.nvme == 0 else f"the nvme.paths have {_fmt(budgets.nvme)} free"
         problems.append(f"nvme tier needs {_fmt(totals[Tier.NVME])} but {where}")
@@ -167,11 +170,18 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
     """`plan_placement` with every argument taken from a `Config` the way `initialize` takes them, so
     `infinity estimate` and the engine plan the same run identically (the engine should call this)."""
     p = config.placement
-    return plan_placement(units, dtype_of(config.precision.compute_dtype), policy=p.policy,
-                          static={"params": p.params, "grads": p.grads, "optimizer": p.optimizer},
-                          budgets=budgets, units_ahead=config.prefetch.units_ahead, rates=rates,
-                          grad_accum_steps=config.train.grad_accum_steps, keep_written=config.prefetch.keep_written,
-                          read_ahead=config.overlap.optimizer_read_ahead if config.overlap.optimizer_with_backward else 0)
+    return plan_placement(
+        units,
+        dtype_of(config.precision.compute_dtype),
+        policy=p.policy,
+        static={"params": p.params, "grads": p.grads, "optimizer": p.optimizer},
+        budgets=budgets,
+        units_ahead=config.prefetch.units_ahead,
+        rates=rates,
+        grad_accum_steps=config.train.grad_accum_steps,
+        keep_written=config.prefetch.keep_written,
+        read_ahead=config.overlap.optimizer_read_ahead if config.overlap.optimizer_with_backward else 0,
+    )
 
 
 def _candidates(units, compute_dtype, budgets, units_ahead, settings):
@@ -194,7 +204,8 @@ def _explain_misfit(problems, units, compute_dtype, budgets, units_ahead, settin
         msg += (" A placement that fits: [placement] " + " ".join(f'{g} = "{t.value}"' for g, t in tiers_of.items())
                 + ' (or policy = "auto"), or raise the budgets.')
     else:
-        msg += " No placement fits these budgets: raise memory.host_budget / memory.device_budget, or add nvme.paths with more free space."
+        msg += (" No placement fits these budgets: raise memory.host_budget / memory.device_budget, "
+                "or add nvme.paths with more free space.")
     return msg
 
 
@@ -212,8 +223,8 @@ def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, settings: di
     used = {g: Tier.NVME if any(t[g] is Tier.NVME for t in tiers) else Tier.HOST for g in GROUPS}
     terms = traffic.working_terms(units, compute_dtype, used, units_ahead, **settings)
     predicted = search.time_of(combos)
-    return Plan(tiers=kinds, units=units, compute_dtype=compute_dtype, working=traffic.totals(terms), working_terms=terms,
-                reasons=_summary(tiers, rates, predicted, compute_seconds), unit_reasons=search.reasons(combos))
+    return Plan(tiers=kinds, units=units, compute_dtype=compute_dtype, working=traffic.totals(terms),
+                working_terms=terms, reasons=_summary(tiers, rates, predicted, compute_seconds), unit_reasons=search.reasons(combos))
 
 
 SLOWEST_FIRST = (Tier.NVME, Tier.HOST, Tier.DEVICE)
@@ -248,7 +259,8 @@ class _Search:
                 self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
                 self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
                 for g, tier in tiers.items():
-                    self.state[u, c, _TIER_INDEX[tier]] += traffic.group_bytes(sizes.shard_numel, g, tiers, compute_dtype)
+                    stored = traffic.group_bytes(sizes.shard_numel, g, tiers, compute_dtype)
+                    self.state[u, c, _TIER_INDEX[tier]] += stored
                     self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
         self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe
         for mask in range(8):
@@ -265,7 +277,8 @@ class _Search:
         disk_fb = fb[..., 0] / r.nvme_read + fb[..., 1] / r.nvme_write
         disk_opt = opt[..., 0] / r.nvme_read + opt[..., 1] / r.nvme_write
         h2d, d2h = inv(r.h2d), inv(r.d2h)
-        t_fb = np.maximum.reduce([np.full(disk_fb.shape, self.compute_seconds), disk_fb, fb[..., 2] * h2d, fb[..., 3] * d2h])
+        compute = np.full(disk_fb.shape, self.compute_seconds)
+        t_fb = np.maximum.reduce([compute, disk_fb, fb[..., 2] * h2d, fb[..., 3] * d2h])
         adam = opt[..., 4] / r.cpu_adam + opt[..., 5] / r.device_adam
         t_opt = np.maximum.reduce([adam, disk_opt, opt[..., 2] * h2d, opt[..., 3] * d2h])
         links = disk_fb + disk_opt + (fb[..., 2] + opt[..., 2]) * h2d + (fb[..., 3] + opt[..., 3]) * d2h
@@ -345,7 +358,8 @@ class _Search:
             pairs += [(m[0], m[1]) for m in classes if len(m) > 1]
             best = None
             for a in reps:  # one unit changes combo
-                cand = [x + (arr[a] - arr[a, combos[a]]) for x, arr in zip(totals, (self.fb, self.opt, self.state, self.nvme))]
+                arrays = (self.fb, self.opt, self.state, self.nvme)
+                cand = [x + (arr[a] - arr[a, combos[a]]) for x, arr in zip(totals, arrays)]
                 best = self._better(best, cand, lambda idx, a=a: {a: idx[0]})
             for a, b in pairs:  # two units change together (one frees the room the other takes)
                 cand = [x + (arr[a] - arr[a, combos[a]])[:, None] + (arr[b] - arr[b, combos[b]])[None, :]

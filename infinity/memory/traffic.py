@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..config import ConfigError, format_size
-from .tier import Kind, OPTIMIZER_KINDS, Tier, params_alias_master
+from .tier import OPTIMIZER_KINDS, Kind, Tier, params_alias_master
 
 if TYPE_CHECKING:
     from .placement import Budgets, Plan, UnitSizes

@@ -9,8 +9,8 @@ So once a step's updates are issued, the worker reads the next step's state, in 
 order the next update will want it, into staging buffers while forward and backward
 run, up to `[overlap] optimizer_read_ahead` bytes, READS_IN_FLIGHT chunks at a time (a
 deeper queue would make the update's write-behind and the parameter fetches wait behind
-reads needed only later). The update then finds its reads done. Without clipping (updates during backward) the same read-ahead runs during the
-forward.
+reads needed only later). The update then finds its reads done. Without clipping
+(updates during backward) the same read-ahead runs during the forward.
 
 Note [reads before writes]: when the backward is shorter than the reads it has to hold
 (parameters plus the read-ahead), the read-ahead has not finished when the update starts,
@@ -185,7 +185,9 @@ class StateReadAhead:
         unit, chunk = key
         kinds = state_read_ahead_kinds(self.manager, unit)
         versions = {k: self.manager.versions(unit, k, chunk) for k in kinds}
-        disk = sum(self.manager.chunk_span(unit, chunk)[1] * 4 for k in kinds if not self.manager.is_zero(unit, k, chunk))
+        disk = sum(
+            self.manager.chunk_span(unit, chunk)[1] * 4 for k in kinds if not self.manager.is_zero(unit, k, chunk)
+        )
         fetches = {k: self.manager.fetch(unit, k, chunk, _CPU) for k in kinds}
         with self._lock:
             self._held[key] = _Entry(fetches, versions, num_bytes, disk)

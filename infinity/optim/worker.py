@@ -10,8 +10,9 @@ longer the one the step meant, so nothing may continue on it).
 
 When its queue is empty the thread reads the next update's optimizer state ahead
 (Note [state read-ahead]), one chunk at a time so that a new submission is never kept
-waiting for more than one chunk's issue, with at most READS_IN_FLIGHT chunks being read; `read_ahead_next(chunks)` queues the order of
-the next update behind the batches already submitted.
+waiting for more than one chunk's issue, with at most READS_IN_FLIGHT chunks being read;
+`read_ahead_next(chunks)` queues the order of the next update behind the batches already
+submitted.
 """
 
 from __future__ import annotations
