@@ -224,7 +224,8 @@ def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, settings: di
     terms = traffic.working_terms(units, compute_dtype, used, units_ahead, **settings)
     predicted = search.time_of(combos)
     return Plan(tiers=kinds, units=units, compute_dtype=compute_dtype, working=traffic.totals(terms),
-                working_terms=terms, reasons=_summary(tiers, rates, predicted, compute_seconds), unit_reasons=search.reasons(combos))
+                working_terms=terms, reasons=_summary(tiers, rates, predicted, compute_seconds),
+                unit_reasons=search.reasons(combos))
 
 
 SLOWEST_FIRST = (Tier.NVME, Tier.HOST, Tier.DEVICE)

@@ -6,8 +6,9 @@ gradient are fetched to where the optimizer runs (the device when the
 optimizer state lives there, else the CPU), updated in place, written back,
 and the new master weights are cast to the compute dtype and stored to the
 parameters' tier (or are the parameters: Note [aliased parameters] in
-memory/tier.py). With state on NVMe this is a pipeline: the reads of task j+1 are issued before task j is stepped, and the writes of task j drain while
-later tasks run (read ahead, step, write behind). Resident tiers are updated
+memory/tier.py). With state on NVMe this is a pipeline: the reads of task j+1
+are issued before task j is stepped, and the writes of task j drain while later
+tasks run (read ahead, step, write behind). Resident tiers are updated
 in place with no copies. With a `StateReadAhead` (run by the optimizer worker,
 Note [state read-ahead]) a task's state may already have been read during the
 forward / backward before the update: its fetches are taken from there.
