@@ -22,16 +22,7 @@ RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, 
 SMALL = ModelConfig(n_layer=2, d_model=48, n_head=4, seq_len=16, vocab_size=300)  # odd sizes: padding shows
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    """One cache per module: the runtime RSS is measured once for all tests here."""
-    old = os.environ.get("INFINITY_CACHE_DIR")
-    os.environ["INFINITY_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    yield
-    if old is None:
-        os.environ.pop("INFINITY_CACHE_DIR", None)
-    else:
-        os.environ["INFINITY_CACHE_DIR"] = old
+pytestmark = pytest.mark.usefixtures("module_cache")  # one cache for the module (conftest.py)
 
 
 def engine_config(placement: dict, swap: str) -> infinity.Config:

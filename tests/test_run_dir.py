@@ -26,12 +26,7 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model
         "--set", "run.steps=4", "--set", "profile.enabled=false", "--quiet"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("INFINITY_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("module_cache")  # one cache for the module (conftest.py)
 
 
 def train(capsys, root: Path, name: str, *extra: str) -> tuple[int, str]:

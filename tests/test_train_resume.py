@@ -27,13 +27,7 @@ TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=
 N = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    """One cache per module: the runtime RSS probe of the run's estimate is measured once."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("INFINITY_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("module_cache")  # one cache for the module (conftest.py)
 
 
 def run_job(root: Path, name: str, *overrides: str):
