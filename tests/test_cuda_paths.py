@@ -296,15 +296,20 @@ class RecordingStreams(Streams):
         self.log.append(("end", stream))
 
 
+@contextlib.contextmanager
+def recorded_manager(tmp_path, optimizer: str):
+    """An engine with params on NVMe and grads on the host; its manager's streams record every call."""
+    recipe = Recipe()
+    config = recipe.config(params="nvme", grads="host", optimizer=optimizer) | {"nvme": {"paths": [str(tmp_path)]}}
+    with infinity.initialize(recipe.build(), config) as engine:
+        engine.manager.streams = RecordingStreams()
+        yield engine.manager, engine.manager.streams
+
+
 def test_device_to_host_store_waits_for_the_producing_stream(tmp_path, monkeypatch):
     """Defect 1: a store of a device tensor to the host or NVMe tier copies on the d2h stream only after
     that stream waits for the stream that produced the tensor; and both tiers' stores take that path."""
-    recipe = Recipe()
-    config = recipe.config(params="nvme", grads="host", optimizer="nvme") | {"nvme": {"paths": [str(tmp_path)]}}
-    engine = infinity.initialize(recipe.build(), config)
-    with engine:
-        manager = engine.manager
-        streams = manager.streams = RecordingStreams()
+    with recorded_manager(tmp_path, "nvme") as (manager, streams):
         manager._to_host(torch.empty(4), torch.ones(4))
         assert streams.log == [("record", "current"), ("wait", "d2h"), ("use", "d2h"), ("record", "d2h"),
                                ("end", "d2h"), ("host waits", "d2h")]
@@ -372,12 +377,7 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path, monkeypatch
     for by the consumer's stream (no host sync); the NVMe read's copy is issued as soon as the read lands,
     before wait(); its staging buffer goes back only once the copy is done; host bytes a copy may still
     read are waited for before they are rewritten."""
-    recipe = Recipe()
-    config = recipe.config(params="nvme", grads="host", optimizer="host") | {"nvme": {"paths": [str(tmp_path)]}}
-    engine = infinity.initialize(recipe.build(), config)
-    with engine:
-        manager = engine.manager
-        streams = manager.streams = RecordingStreams()
+    with recorded_manager(tmp_path, "host") as (manager, streams):
         numel = manager.chunk_span(1, None)[1]
         with count_host_syncs() as syncs:
             pending = manager.fetch(1, Kind.GRADS, None, into=torch.empty(numel, device=META))  # host tier
@@ -386,12 +386,12 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path, monkeypatch
             assert streams.log[3:] == [("wait", "current")]
         assert syncs == []
         streams.log.clear()
-        spans = []
+        spans, profiler = [], manager.profiler
         manager.profiler = SimpleNamespace(enabled=True, device_span=lambda name, link, num_bytes: (
             spans.append((link, num_bytes)) or contextlib.nullcontext()))
         manager.fetch(1, Kind.GRADS, None, into=torch.empty(numel, device=META)).wait()
         assert spans == [(Link.H2D, numel * 4)]  # (defect 11: the copy's profile span is device time)
-        manager.profiler = engine.profiler
+        manager.profiler = profiler
         streams.log.clear()
         manager.store(1, Kind.GRADS, None, torch.zeros(numel))  # rewrites the bytes the copy reads
         assert streams.log == [("host waits", "h2d")]
