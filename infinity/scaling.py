@@ -9,7 +9,7 @@ says a rank sends (stages 0-2 2Ψ, stage 3 3Ψ), split over the intra- and inter
 Note [link model]. Nothing is launched or allocated: the model is built on the meta device.
 
 A step's time per stage follows Note [step time] (memory/cost_model.py) with the two network links
-added as resources of the phase their collectives run in, at the rates of a `Hardware`: a preset
+added as resources of forward/backward (where every collective runs), at the rates of a `Hardware`: a preset
 (`HARDWARE`, the assumptions docs/scaling.md states) or this machine's measured rates (no network rates:
 its collectives are counted in bytes, not in time).
 
@@ -112,11 +112,11 @@ G, T = 10**9, 10**12
 HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     Hardware(name="dgx2", gpus_per_node=16, device_bytes=32 * G, host_bytes=1500 * G, nvme_bytes=30 * T,
              pcie=12 * G, nvme_read=25 * G, nvme_write=20 * G, nvlink=150 * G, network=100 * G, flops=125 * T,
-             cpu_adam=3.0e9, device_adam=2.0e10,
+             cpu_adam=5.0e9, device_adam=2.0e10,
              note="ZeRO-Infinity's DGX-2: 16 x V100 32 GB, PCIe 3 x16, NVSwitch, 8 x 100 Gb/s InfiniBand"),
     Hardware(name="dgx-h100", gpus_per_node=8, device_bytes=80 * G, host_bytes=2000 * G, nvme_bytes=30 * T,
              pcie=50 * G, nvme_read=50 * G, nvme_write=25 * G, nvlink=450 * G, network=400 * G, flops=989 * T,
-             cpu_adam=6.0e9, device_adam=1.0e11,
+             cpu_adam=1.0e10, device_adam=1.0e11,
              note="8 x H100 80 GB, PCIe 5 x16, NVLink 4, 8 x 400 Gb/s InfiniBand, 8 Gen4 NVMe drives"),
 )}
 
@@ -194,21 +194,17 @@ def stage_row(stage: int, sizes, config: Config, budgets: Budgets, cluster: Clus
         return row
     row.state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
     traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=accum)
-    # collectives: reductions (and stage 3's gathers) run in forward/backward, stages 1-2 gather after the update
-    fb_net = network_bytes(reduced * 4 + (gathered * csize if st.gathers_params else 0), cluster)
-    opt_net = network_bytes(0 if st.gathers_params else gathered * csize, cluster)
-    row.links = {**traffic.total(), **{k: fb_net[k] + opt_net[k] for k in NETWORK}}
-    row.links["inter_node"] = row.links["inter_node"] // cluster.per_node  # this rank's share of its node's
+    # every collective runs in forward/backward: the reductions in backward, stage 3's gathers before each use,
+    # stages 1-2's gathers of the updated partitions at the unit's first unshard after its update
+    net = network_bytes(row.comm_bytes, cluster)
     g = cluster.per_node
+    row.links = {**traffic.total(), "intra_node": net["intra_node"], "inter_node": net["inter_node"] // g}
     row.link_bytes = {"h2d": row.links["h2d"], "d2h": row.links["d2h"], "nvme_read": row.links["nvme_read"] * g,
-                      "nvme_write": row.links["nvme_write"] * g, "intra_node": row.links["intra_node"],
-                      "inter_node": fb_net["inter_node"] + opt_net["inter_node"]}
+                      "nvme_write": row.links["nvme_write"] * g, **net}
     base = cost_model.predict_step_time(traffic, rates, compute_s)
-
-    def seconds(net: dict[str, int]) -> dict[str, float]:  # the node's network bytes over the node's rate
-        return {k: net[k] / network[k] if network.get(k) and net[k] else 0.0 for k in NETWORK}
-    row.step_time = cost_model.StepTime(compute=base.compute, fb={**base.fb, **seconds(fb_net)},
-                                        opt={**base.opt, **seconds(opt_net)})
+    # the rank's NVLink bytes over its rate; the node's network bytes over the node's rate
+    seconds = {k: net[k] / network[k] if network.get(k) and net[k] else 0.0 for k in NETWORK}
+    row.step_time = cost_model.StepTime(compute=base.compute, fb={**base.fb, **seconds}, opt=base.opt)
     return row
 
 
