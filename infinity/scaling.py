@@ -185,7 +185,7 @@ def stage_row(stage: int, sizes, config: Config, budgets: Budgets, cluster: Clus
     plan: Plan | None = None
     try:
         plan = plan_for_config(sizes, config, budgets, rates=rates)
-    except PlacementError as e:
+    except (PlacementError, ConfigError) as e:  # ConfigError: an explicit read-ahead that does not fit
         row.fits, row.error = False, str(e)
         if config.placement.policy == "static":  # its bytes all the same: the same tiers, no budget
             unlimited = dataclasses.replace(budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
