@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -733,7 +734,11 @@ def _run_worker(name: str, args) -> dict:
             line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT ")), None)
             result = json.loads(line[len("RESULT "):]) if proc.returncode == 0 and line is not None else None
     if result is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        # under torchrun the last lines are its failure summary: end at the worker's own exception instead
+        exception = re.compile(r"(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt)\b")
+        raised = [i for i, ln in enumerate(lines) if exception.match(ln) and "ChildFailedError" not in ln]
+        tail = lines[max(0, raised[-1] - 5):raised[-1] + 1] if distributed and raised else lines[-6:]
         result = {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
     result["wall_s"] = round(time.perf_counter() - t, 1)
     return result
