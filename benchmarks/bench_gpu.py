@@ -29,6 +29,9 @@ AdamW maths (gradient clipping off on both), in a child process (its process gro
 stays out of this one): `ratio` = infinity's step at the same placement (case b's,
 run if b was not asked for) / DeepSpeed's (bar: <= 0.8). `--ds-nvme` adds d_nvme:
 DeepSpeed's optimizer on `--dir` (its async_io op needs libaio) against case c1.
+
+Case e, `--profile DIR`: cases b and c profiled (device-time compute and every link) as
+a Chrome trace, summary and timeline PNG under DIR/case_<name>/rank0.
 Step times are medians over `--steps` timed steps after `--warmup` steps; every
 step ends with a device synchronize (and infinity's `synchronize`), so queued work
 is paid by the step that queued it.
@@ -93,15 +96,18 @@ def torch_step_times(cfg: GPTConfig, batch, device, warmup, steps, optimizer: bo
 
 
 def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement: dict, nvme_dir: str | None = None,
-                        nvme_bytes: dict | None = None) -> list[float]:
+                        nvme_bytes: dict | None = None, profile_dir: str | None = None) -> list[float]:
     """Step times of infinity at `placement`; with `nvme_bytes` (a dict) it receives the predicted NVMe bytes
-    of a steady step."""
+    of a steady step; with `profile_dir` the run is profiled (Chrome trace, summary, timeline PNG there:
+    case e)."""
     from infinity.memory.traffic import bytes_per_step
     torch.manual_seed(0)
     config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": 0.0},
               "placement": placement}
     if nvme_dir is not None:
         config["nvme"] = {"paths": [nvme_dir]}
+    if profile_dir is not None:
+        config["profile"] = {"enabled": True, "trace_dir": profile_dir}
     engine = infinity.initialize(GPT(cfg), config)
     x, y = batch  # CPU tensors: the engine moves them, as a data loader's would be
 
@@ -159,8 +165,10 @@ def case_a(cfg, batch, device, args) -> dict:
 
 def case_b(cfg, batch, device, args) -> dict:
     numel = sum(p.numel() for p in GPT(cfg).parameters())
+    profile = os.path.join(args.profile, "case_b") if args.profile else None
     ours = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps,
-                                      {"params": "device", "grads": "host", "optimizer": "host"}))
+                                      {"params": "device", "grads": "host", "optimizer": "host"},
+                                      profile_dir=profile))
     floors = {
         "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
         "cpu_adam": cpu_adam_floor(numel),
@@ -191,7 +199,9 @@ def case_c(cfg, batch, device, args) -> dict:
                             "c2": {"params": "nvme", "grads": "host", "optimizer": "nvme"}}.items():
         swap = tempfile.mkdtemp(prefix="bench-gpu-", dir=args.dir)
         nbytes: dict = {}
-        ours = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps, placement, swap, nbytes))
+        profile = os.path.join(args.profile, f"case_{name}") if args.profile else None
+        ours = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps, placement, swap, nbytes,
+                                          profile_dir=profile))
         floors = {**base, "disk": disk_floor(nbytes, args.dir, device)}
         out[name] = {"placement": placement, "step_s": ours, "floors": floors, "nvme_bytes": nbytes,
                      "ratio": ours / max(floors.values()), "bar": 1.15, "tflops": tflops(cfg, batch, ours),
@@ -266,6 +276,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", default=None, help="a directory on the disk under test (case c, d --ds-nvme)")
     ap.add_argument("--ds-nvme", action="store_true", help="case d also with DeepSpeed's optimizer on --dir")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds for DeepSpeed's child process")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="case e: profile cases b and c (Chrome trace, "
+                    "summary and timeline PNG under DIR/case_<name>/rank0)")
     ap.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=24)

@@ -24,7 +24,11 @@ def test_bench_gpu_tiny_case_c_counts_the_disk(tmp_path):
     """Case c runs both shapes with the disk among the floors, its bytes from the byte model (nonzero: the
     optimizer state, and in c2 the parameters, live on the disk)."""
     import bench_gpu
-    out = bench_gpu.main(["--tiny", "--device", "cpu", "--cases", "c", "--dir", str(tmp_path)])
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--cases", "c", "--dir", str(tmp_path),
+                          "--profile", str(tmp_path / "e")])
+    for name in ("c1", "c2"):  # case e: each profiled run leaves its trace, summary and timeline
+        files = set(os.listdir(tmp_path / "e" / f"case_{name}" / "rank0"))
+        assert {"trace.json", "summary.json", "timeline.png"} <= files
     for name in ("c1", "c2"):
         case = out["c"][name]
         assert set(case["floors"]) == {"gpu_compute", "cpu_adam", "pcie", "disk"}
