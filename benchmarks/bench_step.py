@@ -883,7 +883,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--threads", type=int, default=None, help="threads per process (default: 2 // --world, >= 1)")
+    ap.add_argument("--threads", type=int, default=2, help="threads per process (default 2; with --world N and no "
+                                                           "--threads, 2 // N, at least 1)")
     ap.add_argument("--world", type=int, default=1, metavar="N",
                     help="ranks per system: N torchrun processes, gloo on the CPU (default 1)")
     ap.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3), metavar="S",
@@ -916,8 +917,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
-    if args.threads is None:
+    if args.world > 1 and not any(a == "--threads" or a.startswith("--threads=") for a in argv):
         args.threads = max(1, 2 // args.world)  # PEERS.md: the same threads per rank for every system
     if args.worker:
         result = json.dumps(worker(args), default=str)
