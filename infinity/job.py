@@ -14,12 +14,13 @@ device (AutoModelForCausalLM.from_config) and its weights are streamed from DIR 
 tiers (`initialize(weights=DIR)`), so the job never holds the model in RAM. The shape keys
 of [model] must then stay unset (they would be silently ignored otherwise). `[model.lora]
 r > 0` wraps the model with PEFT's LoRA (get_peft_model) before it is sharded: the base
-weights are frozen and only the adapters get gradients and Adam state. The data stays the
-job's byte-level corpus, each byte being the token id it is (0..255): the simplest choice
-that needs no tokenizer and works with any model whose vocabulary has at least 256 ids (a
-smaller one is refused); it does not use a tokenizer DIR may hold (to train on text tokenized
-by the model's own tokenizer, write the loop with the API: README, "Fine-tune a pretrained
-model"). At the end the model is exported into <run>/export as a Hugging Face directory
+weights are frozen and only the adapters get gradients and Adam state. The data is the job's
+corpus (`data.path`) in the model's own vocabulary: tokenized by the tokenizer saved in DIR
+(AutoTokenizer, `model.tokenizer = "auto"`) when DIR has one, since a pretrained model knows
+its own ids only; else (or with `model.tokenizer = "bytes"`) each byte is the token id it is
+(0..255), which needs a vocabulary of at least 256 ids (a smaller one is refused). The
+corpus is tokenized once per run start, in chunks of lines (a fast tokenizer takes seconds
+for the shipped 4 MB). At the end the model is exported into <run>/export as a Hugging Face directory
 (merged LoRA weights by default, `model.lora.merge = false` for the adapters alone) with
 DIR's config and tokenizer files, loadable with `from_pretrained`. The pretrained path and
 the LoRA keys are part of the model a checkpoint was trained with: `--resume` refuses to
@@ -93,7 +94,12 @@ class ModelConfig(Section):
     n_head: int = option(4, "Attention heads (must divide d_model).", "int", ge=1)
     n_kv_head: int = option(0, "Key/value heads of llama (grouped-query attention); 0 = n_head.", "int", ge=0)
     ffn_dim: int = option(0, "MLP hidden size; 0 = 4 * d_model (gpt, gpt2) or the llama default.", "int", ge=0)
-    seq_len: int = option(128, "Tokens (bytes) per training sequence.", "int", ge=2)
+    tokenizer: str = option("auto", 'With model.pretrained: "auto" tokenizes data.path with the tokenizer saved in '
+                             'that directory when it has one (else bytes); "bytes": each byte is its own token id '
+                             "(0..255; the vocabulary must have at least 256 ids). Without model.pretrained the data "
+                             "is always bytes.", "enum", choices=("auto", "bytes"))
+    seq_len: int = option(128, "Tokens (bytes, or the pretrained tokenizer's tokens) per training sequence.", "int",
+                          ge=2)
     vocab_size: int = option(VOCAB_SIZE, "Vocabulary size; the data is bytes, so at least 256.", "int",
                               ge=VOCAB_SIZE)
 
@@ -366,10 +372,10 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
         raise ConfigError(f"{where}: transformers cannot read its config.json ({e}); fix the file or upgrade "
                           f"transformers") from None
     vocab = getattr(hf_cfg, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab < VOCAB_SIZE:
+    if tokenizer_dir(cfg) is None and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
         raise ConfigError(f"{where}: its vocabulary has {vocab} token ids, fewer than the {VOCAB_SIZE} byte values "
                           f"the job's data uses as token ids; fine-tune a model with at least {VOCAB_SIZE} ids, or "
-                          f"write your own loop with the API and the model's tokenizer")
+                          f"save the model's tokenizer in it (tokenizer.save_pretrained) so the job tokenizes with it")
     positions = getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None)
     if isinstance(positions, int) and cfg.seq_len > positions:
         raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
@@ -380,7 +386,8 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
     except ValueError as e:
         raise ConfigError(f"{where}: not a causal language model transformers can build ({e})") from None
     total = _count(model)
-    description = f"{hf_cfg.model_type} from {cfg.pretrained} ({total}"
+    data = "its tokenizer" if tokenizer_dir(cfg) else "bytes as token ids"
+    description = f"{hf_cfg.model_type} from {cfg.pretrained}, data: {data} ({total}"
     if lora.r:
         model = _with_lora(model, lora)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -400,3 +407,52 @@ def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     except ValueError as e:  # e.g. a target that names no module, or no default for this kind of model
         raise ConfigError(f"model.lora.targets = {show(list(lora.targets))}: PEFT cannot apply it ({e}); name the "
                           f"model's linear layers, e.g. targets = [\"q_proj\", \"v_proj\"]") from None
+
+
+# ---------------------------------------------------------------- data
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one: DIR holds a tokenizer
+
+
+def tokenizer_dir(cfg: ModelConfig) -> str | None:
+    """The directory whose tokenizer tokenizes the job's data, or None for bytes (Note [fine-tuning job])."""
+    if not cfg.pretrained or cfg.tokenizer == "bytes":
+        return None
+    has = any(os.path.isfile(os.path.join(cfg.pretrained, name)) for name in TOKENIZER_FILES)
+    return cfg.pretrained if has else None
+
+
+def corpus_tokens(job: Job) -> torch.Tensor:
+    """The job's corpus as token ids: bytes (uint8), or int32 ids of the pretrained model's tokenizer."""
+    from .data import load_tokens
+    raw = load_tokens(job.data.path)
+    where = tokenizer_dir(job.model)
+    if where is None:
+        return raw
+    transformers = _transformers(f"model.pretrained = {where!r}", 'or --set model.tokenizer=bytes')
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.pretrained = {where!r}: its tokenizer does not load ({e}); fix its files, or "
+                          f"--set model.tokenizer=bytes to train on bytes as token ids") from None
+    lines = bytes(raw.numpy()).decode("utf-8", errors="replace").splitlines(keepends=True)
+    ids: list[int] = []
+    for i in range(0, len(lines), 4096):  # batches of lines: a fast tokenizer encodes them in parallel
+        chunk = tokenizer(lines[i:i + 4096], add_special_tokens=False, verbose=False)["input_ids"]
+        for row in chunk:
+            ids.extend(row)
+    tokens = torch.tensor(ids, dtype=torch.int32)
+    vocab = transformers.AutoConfig.from_pretrained(where, local_files_only=True).vocab_size
+    if len(tokens) and int(tokens.max()) >= vocab:
+        raise ConfigError(f"model.pretrained = {where!r}: its tokenizer gives token id {int(tokens.max())}, beyond "
+                          f"the model's vocabulary of {vocab}: save the model's own tokenizer there, or --set "
+                          f"model.tokenizer=bytes")
+    return tokens
+
+
+def job_batches(job: Job, rank: int = 0, world: int = 1):
+    """The job's training and validation batches for one rank (data.py's sampler over `corpus_tokens`)."""
+    from .data import Batches, split
+    train, val = split(corpus_tokens(job), job.data.val_fraction, job.model.seq_len)
+    return Batches(train, val, seq_len=job.model.seq_len, global_batch=job.run.batch_size, seed=job.data.seed,
+                   rank=rank, world=world)

@@ -67,6 +67,7 @@ from .job import (  # noqa: F401 - re-exported: infinity.train is where users an
     ModelConfig,
     RunConfig,
     build_model,
+    job_batches,
     job_defaults_text,
     load_job,
     to_toml,
@@ -205,8 +206,7 @@ def _make_dirs(config: Config, run_dir: Path) -> None:
 def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) -> Result:
     import infinity
 
-    batches = Batches.from_config(job.data, seq_len=job.model.seq_len, global_batch=job.run.batch_size,
-                                  rank=rank, world=world)  # bad data settings fail before any work
+    batches = job_batches(job, rank, world)  # bad data settings fail before any work
     run = _open_run_dir(job, resume, rank, world)
     run_dir, engine, say = run.path, None, None
     start = resume.step if resume else 0
