@@ -11,10 +11,10 @@ import warnings
 
 import pytest
 import torch
-from hf_tiny import HOST, VOCAB, logits, nvme, on_meta, reference, transformers  # noqa: F401
 
 import infinity
 from dist_utils import run_distributed
+from hf_tiny import HOST, logits, nvme, on_meta, reference
 from infinity.weights import WeightsError
 
 LAYOUTS = ["dir", "sharded", "file", "torch"]
