@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import infinity
-from infinity.export import export_checkpoint
 from hf_tiny import HOST, config, logits, model_class, on_meta, reference, train
+from infinity.export import export_checkpoint
 
 peft = pytest.importorskip("peft")
 from safetensors import safe_open  # noqa: E402
