@@ -110,7 +110,7 @@ def _tensors(path: str, manifest: dict, entries: list[_Entry]) -> Iterator[tuple
         reader.close()
 
 
-def _write_safetensors_file(out: str, specs: list[tuple[str, tuple, torch.dtype]], tensors: Iterator[torch.Tensor],
+def write_safetensors_file(out: str, specs: list[tuple[str, tuple, torch.dtype]], tensors: Iterator[torch.Tensor],
                             metadata: dict) -> int:
     """Write one safetensors file from (key, shape, dtype) specs and their tensors in the same order, streaming;
     returns the data bytes."""
@@ -137,7 +137,7 @@ def _write_safetensors_file(out: str, specs: list[tuple[str, tuple, torch.dtype]
 def write_safetensors(path: str, manifest: dict, out: str, dtype: torch.dtype | None) -> None:
     entries = _entries(path, manifest, dtype)
     metadata = {"format": "pt", "source": "infinity", "checkpoint": os.path.basename(path)}
-    _write_safetensors_file(out, [(e.key, e.shape, e.dtype) for e in entries],
+    write_safetensors_file(out, [(e.key, e.shape, e.dtype) for e in entries],
                             (t for _, t in _tensors(path, manifest, entries)), metadata)
 
 
@@ -269,7 +269,7 @@ def write_hf(path: str, manifest: dict, out: str, dtype: torch.dtype | None, max
     weight_map, total = {}, 0
     try:
         for name, group in zip(names, groups):
-            total += _write_safetensors_file(os.path.join(out, name), [g[:3] for g in group], tensors(group),
+            total += write_safetensors_file(os.path.join(out, name), [g[:3] for g in group], tensors(group),
                                              {"format": "pt"})
             weight_map.update({g[0]: name for g in group})
     finally:
@@ -295,7 +295,7 @@ def _write_adapters(path: str, manifest: dict, out: str, by_key: dict, model, dt
     specs = [(key, e.shape, (dtype or e.dtype) if e.buffer is None else e.dtype) for key, e in chosen]
     reader = _Reader(path, manifest)
     try:
-        _write_safetensors_file(os.path.join(out, ADAPTER_FILE), specs,
+        write_safetensors_file(os.path.join(out, ADAPTER_FILE), specs,
                                 (reader.tensor(e).to(s[2]) for (_, e), s in zip(chosen, specs)), {"format": "pt"})
     finally:
         reader.close()

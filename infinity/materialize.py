@@ -4,8 +4,9 @@ Under `meta_init()` every parameter is created on the meta device (no bytes),
 while buffers stay real (a causal mask or rotary table is small, and its
 values come from the model's own constructor). `initialize` then materializes
 one unit at a time: it creates the unit's parameters on the CPU, runs each
-owning module's `reset_parameters()` (or the user's `init_fn(module)`; PEFT's
-own rule for LoRA adapters, Note [adapter init]) under a generator seeded from
+owning module's `reset_parameters()` (or the user's `init_fn(module)`;
+transformers' `_init_weights` for modules without one; PEFT's own rule for
+LoRA adapters, Note [adapter init]) under a generator seeded from
 `[train] seed` and the unit's index, keeps this rank's shard of them, hands it
 to the tiers, and drops the rest. With `weights=` the parameters the file holds
 are read instead, only the shard's part (weights.py). The same seed gives the same
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -65,7 +67,7 @@ def unit_seed(seed: int, unit_index: int) -> int:
 
 
 def materialize_shard(unit: Unit, seed: int, init_fn: Callable[[nn.Module], None] | None,
-                      weights: WeightsPlan | None = None, adapters: dict | None = None) -> torch.Tensor:
+                      weights: WeightsPlan | None = None, inits: ModuleInits | None = None) -> torch.Tensor:
     """This rank's shard of the unit's parameters as fp32 (padding zero).
 
     Parameters the weights file holds are read from it, only the shard's part
@@ -79,7 +81,7 @@ def materialize_shard(unit: Unit, seed: int, init_fn: Callable[[nn.Module], None
     rest = [s for s in unit.slots if id(s) not in loaded]
     pending = [s for s in rest if is_meta(s)]
     if pending:
-        _init_meta(unit.name, pending, seed, init_fn, adapters or {})
+        _init_meta(unit.name, pending, seed, init_fn, inits or ModuleInits())
     with torch.no_grad():
         for slot in rest:
             span = slot.overlap(start, end)
@@ -88,6 +90,20 @@ def materialize_shard(unit: Unit, seed: int, init_fn: Callable[[nn.Module], None
                 value = module._parameters[attr].detach().reshape(-1)[span[0]:span[1]]
                 master.narrow(0, slot.offset + span[0] - start, span[1] - span[0]).copy_(value)
     return master
+
+
+@dataclass
+class ModuleInits:
+    """The model's own initializers, beside `init_fn` and `reset_parameters()`."""
+
+    adapters: dict = field(default_factory=dict)  # peft_adapter_inits (Note [adapter init])
+    # transformers' `model._init_weights(module)`, for its modules with no reset_parameters (RMSNorm, Conv1D)
+    fallback: Callable[[nn.Module], None] | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModuleInits:
+        fallback = getattr(model, "_init_weights", None)
+        return cls(peft_adapter_inits(model), fallback if callable(fallback) else None)
 
 
 def peft_adapter_inits(model: nn.Module) -> dict[int, tuple[nn.Module, str, object]]:
@@ -119,7 +135,7 @@ def peft_adapter_inits(model: nn.Module) -> dict[int, tuple[nn.Module, str, obje
     return found
 
 
-def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn, adapters: dict) -> None:
+def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn, inits: ModuleInits) -> None:
     modules: list[nn.Module] = []
     for slot in slots:
         module, attr = slot.owners[0]
@@ -135,8 +151,8 @@ def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn, adapt
         # first owner (in module order) gives it, as the last to run wins.
         adapters_done = set()
         for module in reversed(modules):
-            if id(module) in adapters:  # Note [adapter init]
-                layer, adapter, init = adapters[id(module)]
+            if id(module) in inits.adapters:  # Note [adapter init]
+                layer, adapter, init = inits.adapters[id(module)]
                 if (id(layer), adapter) not in adapters_done:
                     adapters_done.add((id(layer), adapter))
                     layer.reset_lora_parameters(adapter, init)
@@ -144,6 +160,8 @@ def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn, adapt
                 init_fn(module)
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+            elif inits.fallback is not None:
+                inits.fallback(module)
             else:
                 names = [n for s in slots for (m, _), n in zip(s.owners, s.names) if m is module]
                 raise TypeError(
@@ -174,14 +192,14 @@ def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int
                       init_fn: Callable[[nn.Module], None] | None, weights: WeightsPlan | None = None) -> None:
     """Unit by unit: this rank's shard (read from `weights`, or initialized) -> tiers; nothing of the
     model is held beyond one unit. `weights` is closed at the end."""
-    adapters = peft_adapter_inits(units[0].modules[0]) if units else {}
+    inits = ModuleInits.of(units[0].modules[0]) if units else ModuleInits()
     try:
         if weights is not None:
             weights.load_buffers()
         for unit in units:
             for kind in Kind:
                 manager.allocate(unit.index, kind)
-            master = materialize_shard(unit, unit_seed(seed, unit.index), init_fn, weights, adapters)
+            master = materialize_shard(unit, unit_seed(seed, unit.index), init_fn, weights, inits)
             pending = manager.store_master(unit.index, None, master, release=False)
             for p in pending:
                 p.wait()  # the shard's values must be stored before the unit's parameters go away

@@ -146,6 +146,9 @@ class SafetensorsFiles:
             os.close(fd)
         self._fds.clear()
 
+    def __del__(self):  # an initialize that fails after the keys were checked (a preflight error) drops it
+        self.close()
+
 
 class TorchStateDict:
     """A torch.save'd state dict, loaded memory-mapped (its pages count in RSS: Note [reading without mmap])."""
