@@ -143,7 +143,7 @@ class LoraConfig(Section):
             given = [k for k in ("alpha", "dropout", "targets", "merge") if not self._is_default(k)]
             if given:
                 raise ConfigError(f"model.lora.{given[0]} = {show(getattr(self, given[0]))} but "
-                                  f" model.lora.r = 0 (no LoRA): set model.lora.r (e.g. 8) or remove it")
+                                  f"model.lora.r = 0 (no LoRA): set model.lora.r (e.g. 8) or remove it")
 
 
 JOB_SECTIONS: dict[str, type[Section]] = {"run": RunConfig, "model": ModelConfig, "model.lora": LoraConfig,
