@@ -24,7 +24,7 @@ base names, and the adapters (`lora_A`, `lora_B`, ...) are never missing: they k
 their own initialization (PEFT's: B = 0, so the wrapped model first computes the base
 model; see materialize.py).
 
-Note [reading without mmap]: safetensors' `safe_open` and `torch.load(mmap=True)` map
+Note [reading without mmap]: safetensors' `safe_open` and `torch.load` with `mmap=True` map
 the whole file; every page the load touches then counts in the process's resident set
 until the file is unmapped, so a 6 GB checkpoint read through a mapping shows 6 GB of
 RSS however little is held. The safetensors reader here parses the header (8-byte
