@@ -69,9 +69,10 @@ class GradReducer:
                 acc = pending.wait()  # the window's earlier gradient is added to
             acc.add_(out)
         if final:
-            n = unit.trainable_in_shard()
+            grads, update = unit.layout.grads, unit.layout.update
+            own = acc.narrow(0, update.start - grads.start, update.numel)  # the gradients this rank updates
             # fp32 norm (a reduction, no temporary copy of the shard), squared in fp64 for the global sum.
-            self._sumsq[unit.index] = torch.linalg.vector_norm(acc[:n]).double().square()
+            self._sumsq[unit.index] = torch.linalg.vector_norm(own).double().square()
         while self._writes:
             with prof.wait(Link.NVME_WRITE, f"grad write-behind {unit.name}"):
                 self._writes.pop(0).wait()  # one gradient shard in write-behind at a time bounds its memory

@@ -1,12 +1,13 @@
 """Unit: the parameters of one block, which move and communicate together.
 
-A unit's parameters are flattened into one buffer, padded to a multiple of the
-world size; each rank stores one contiguous shard of it on the tiers the plan
-chose. Before the unit runs (forward, and again in backward) its shard is
-fetched to the device and all-gathered into the unsharded buffer, whose storage
-the parameters view; afterwards that storage is resized to zero bytes.
-Gradients are flattened, reduce-scattered in fp32 and accumulated into the
-unit's gradient shard.
+A unit's parameters are flattened into one buffer (trainable ones first), padded
+to a multiple of the world size and cut into one partition per rank; what a rank
+stores of each state kind is the unit's `layout` for the ZeRO stage (Note [stage
+layouts] in memory/stages.py), on the tiers the plan chose. Before the unit
+runs (forward, and again in backward) its shard is fetched to the device and
+all-gathered into the unsharded buffer, whose storage the parameters view;
+afterwards that storage is resized to zero bytes. Gradients are flattened,
+reduce-scattered in fp32 and accumulated into the unit's gradient shard.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from . import collectives
 from .memory.buffers import UnshardedMemory
 from .memory.manager import Pending, TieredMemoryManager
 from .memory.placement import UnitSizes
+from .memory.stages import Stage, UnitLayout, padded_numel, stage_for
 from .memory.tier import Kind, Tier
 from .profile import Link
 from .sharded_param import ParamSlot, collect_slots, install, layout
@@ -50,20 +52,8 @@ class Comm:
     streams: Streams
     profiler: object = None  # infinity.profile.Profiler or NullProfiler
     unsharded: UnshardedMemory = UnshardedMemory()  # the bytes of unsharded buffers (Note [unsharded memory])
-
-
-CHUNK_ALIGN = 4096  # elements; NVMe chunk boundaries stay 4 KiB-aligned, and fused Adam's 64-element blocks
-
-
-def chunk_numels(shard_numel: int, sub_group_size: int) -> tuple[int, ...]:
-    """Split a shard into optimizer sub-groups of at most `sub_group_size` elements."""
-    size = max(CHUNK_ALIGN, sub_group_size // CHUNK_ALIGN * CHUNK_ALIGN)
-    full, rest = divmod(shard_numel, size)
-    return (size,) * full + ((rest,) if rest else ())
-
-
-def padded_numel(numel: int, world_size: int) -> int:
-    return -(-numel // world_size) * world_size if numel else 0
+    stage: Stage = stage_for(3)  # what each rank stores of each kind, and the collectives (memory/stages.py)
+    sub_group_size: int = 8_388_608  # [optimizer] sub_group_size: the chunks of every stored kind
 
 
 class Unit:
@@ -76,6 +66,13 @@ class Unit:
         self.trainable_numel = trainable_numel
         self.padded_numel = padded_numel(self.flat_numel, comm.world_size)
         self.shard_numel = self.padded_numel // comm.world_size
+        # What this rank stores of each kind (Note [stage layouts]). Note [padding rides with the trainable]:
+        # a unit without frozen weights counts its padding as trainable, so at stage 3 every kind stores the
+        # same whole partition (one layout: its parameters may alias the master) as before stages existed.
+        trainable = self.padded_numel if trainable_numel == self.flat_numel else trainable_numel
+        self.layout: UnitLayout = comm.stage.layout(self.flat_numel, trainable, comm.world_size, comm.rank,
+                                                    comm.sub_group_size)
+        self.stored_trainable = trainable  # the T of the layouts: gradients and optimizer state cover [0, T)
         self.state = UnitState.SHARDED
         itemsize = comm.compute_dtype.itemsize
         self._nbytes = self.padded_numel * itemsize
@@ -117,7 +114,7 @@ class Unit:
         return self.shard_numel * self.comm.compute_dtype.itemsize
 
     def shard_range(self) -> tuple[int, int]:
-        """[start, end) of this rank's shard in the unit's flat buffer."""
+        """[start, end) of this rank's partition in the unit's flat buffer (stage 3: the parameters it stores)."""
         start = self.comm.rank * self.shard_numel
         return start, start + self.shard_numel
 
@@ -215,14 +212,15 @@ class Unit:
         return [id(s) in self.slots_with_grad for s in self.slots if s.requires_grad]
 
     def active_ranges(self, flags: list[bool]) -> list[tuple[int, int, int]]:
-        """(start, length, adam_step) runs of this rank's shard to update this step.
+        """(start, length, adam_step) runs of this rank's update range (`layout.update`) to step this step.
 
         `flags` (from `grad_flags`, reduced over ranks) says which trainable parameters
         got a gradient on some rank. Like torch.optim, a parameter whose gradient is
         None is not stepped (no decay, no moment update) and its own step count, used
         for bias correction, does not advance. Runs merge neighbours of equal step count.
         """
-        shard_start, shard_end = self.shard_range()
+        update = self.layout.update  # ranges are relative to its start (stages 1-3: rank * s; stage 0: 0)
+        shard_start, shard_end = update.start, update.start + update.numel
         runs: list[tuple[int, int, int]] = []
         for slot, flag in zip((s for s in self.slots if s.requires_grad), flags):
             lo, hi = max(slot.offset, shard_start), min(slot.offset + slot.numel, shard_end)
@@ -244,15 +242,16 @@ class Unit:
     def reduce_grads(self) -> tuple[torch.Tensor, object]:
         """Issue: reduce-scatter (sum) the unit's flat fp32 gradient of this backward.
 
-        Returns (this rank's summed gradient shard, the collective's handle).
-        Parameters without a gradient contribute zeros.
+        Returns (this rank's summed gradients, as its `layout.grads` stores them: trainable elements only;
+        the collective's handle). Parameters without a gradient contribute zeros.
         """
         comm = self.comm
+        grads = self.layout.grads
         flat, self._grad_flat = self._grad_flat, None
         if flat is None:
             flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=comm.device)
         if comm.group is None:
-            return flat, collectives.DONE  # one rank: the flat gradient is the shard, no copy
+            return flat.narrow(0, grads.start, grads.numel), collectives.DONE  # one rank: no copy
         out = torch.empty(self.shard_numel, dtype=torch.float32, device=comm.device)
         comm.streams.wait_event(comm.streams.record(), comm.streams.comm)  # the flat gradient is written on compute
         with comm.streams.use(comm.streams.comm):
@@ -260,7 +259,7 @@ class Unit:
             work = collectives.reduce_scatter_sum(out, flat, comm.group)
         self.reduce_issued = issued
         comm.streams.hold(flat, comm.streams.comm)
-        return out, work
+        return out.narrow(0, grads.start - self.shard_range()[0], grads.numel), work
 
     def trainable_params(self) -> list[nn.Parameter]:
         return [s.param for s in self.slots if s.requires_grad]
@@ -335,7 +334,9 @@ def build_units(model: nn.Module, classes: list[str], comm: Comm) -> list[Unit]:
     return units
 
 
-def unit_sizes(units: list[Unit], sub_group_size: int) -> tuple[UnitSizes, ...]:
-    """What placement needs to know of each unit on this rank."""
-    return tuple(UnitSizes(name=u.name, shard_numel=u.shard_numel, unsharded_numel=u.padded_numel,
-                           chunk_numels=chunk_numels(u.shard_numel, sub_group_size)) for u in units)
+def unit_sizes(units: list[Unit], sub_group_size: int | None = None) -> tuple[UnitSizes, ...]:
+    """What placement needs to know of each unit on this rank: its layout (chunked by `Comm.sub_group_size`,
+    which `sub_group_size`, when given, must equal)."""
+    assert all(sub_group_size in (None, u.comm.sub_group_size) for u in units), (
+        sub_group_size, {u.comm.sub_group_size for u in units})
+    return tuple(UnitSizes(name=u.name, layout=u.layout, trainable_numel=u.stored_trainable) for u in units)
