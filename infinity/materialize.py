@@ -129,14 +129,18 @@ def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int
         for kind in Kind:
             manager.allocate(unit.index, kind)
         flat = materialize_flat(unit.name, unit.slots, unit.padded_numel, unit_seed(seed, unit.index), init_fn)
-        start, end = unit.shard_range()
-        master = flat[start:end].clone()
-        del flat
+        update, params = unit.layout.update, unit.layout.params  # what this rank stores (Note [stage layouts])
+        master = flat[update.start:update.start + update.numel].clone()
         pending = manager.store_master(unit.index, None, master, release=False)
+        for chunk in manager.params_not_updated(unit.index):  # frozen weights (no master), other partitions
+            start, numel = manager.chunk_span(unit.index, chunk, Kind.PARAMS)
+            values = flat[params.start + start:params.start + start + numel].to(unit.comm.compute_dtype)
+            pending.append(manager.store(unit.index, Kind.PARAMS, chunk, values, release=False))
+        del flat
         for p in pending:
             p.wait()  # the shard's values must be stored before its full copy goes away
         stored = manager.resident(unit.index, Kind.PARAMS)
-        if unit.comm.world_size == 1 and stored is not None and stored.device == unit.comm.device:
+        if unit.can_alias(stored):  # the whole unit on the compute device
             unit.alias(stored)
         else:
             unit.install_views()
