@@ -26,7 +26,7 @@ import torch
 
 from io_engine import IOConfig, IOEngine
 
-from .checkpoint import CheckpointError, SavedShards, load_buffers, read_manifest
+from .checkpoint import VALUE_KINDS, CheckpointError, SavedShards, load_buffers, read_manifest
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -80,7 +80,7 @@ def _tensors(path: str, manifest: dict, entries: list[_Entry]) -> Iterator[tuple
             numel = entry.num_bytes // entry.dtype.itemsize
             full = torch.empty(numel, dtype=torch.float32)
             offset = entry.slot["offset"]
-            shards.read_range(entry.unit, "master", saved_shard, offset, offset + numel, full)
+            shards.read_range(entry.unit, VALUE_KINDS, saved_shard, offset, offset + numel, full)
             yield entry, full.view(entry.shape).to(entry.dtype)
 
 

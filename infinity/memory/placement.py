@@ -28,7 +28,8 @@ from io_engine import format_size
 
 from ..dtypes import dtype_of
 from . import cost_model, traffic
-from .tier import Kind, Tier, params_alias_master
+from .stages import KindLayout, UnitLayout
+from .tier import Kind, Tier
 from .traffic import GROUPS, KINDS_OF_GROUP
 
 FASTEST_FIRST = (Tier.DEVICE, Tier.HOST, Tier.NVME)
@@ -38,14 +39,62 @@ class PlacementError(ValueError):
     """The requested placement cannot fit the budgets; the message says what would."""
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False)
 class UnitSizes:
-    """What placement needs to know about one unit (this rank's shard)."""
+    """What placement needs to know about one unit on this rank: what it stores of each kind (its
+    `UnitLayout`, Note [stage layouts] in stages.py) and how many of the unit's elements are trainable.
+
+    `UnitSizes(name=, layout=, trainable_numel=)`; or the shorthand `UnitSizes(name=, shard_numel=,
+    unsharded_numel=, chunk_numels=)`: every kind stores the same all-trainable shard (stage 3's layout
+    of a unit without frozen weights), as tests of the planner write it."""
 
     name: str
-    shard_numel: int  # elements of this rank's shard, padding included
-    unsharded_numel: int  # elements of the whole unit, padded to the world size
-    chunk_numels: tuple[int, ...]  # the shard split into optimizer sub-groups
+    layout: UnitLayout
+    trainable_numel: int  # elements of the unit's flat buffer [0, T) with gradients and optimizer state
+
+    def __init__(self, *, name: str, layout: UnitLayout | None = None, trainable_numel: int | None = None,
+                 shard_numel: int | None = None, unsharded_numel: int | None = None,
+                 chunk_numels: tuple[int, ...] | None = None):
+        if layout is None:
+            assert shard_numel is not None and unsharded_numel is not None, name
+            chunks = tuple(chunk_numels if chunk_numels is not None else (shard_numel,) if shard_numel else ())
+            same = KindLayout(0, shard_numel, chunks, 0, len(chunks))
+            layout = UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel)
+            trainable_numel = unsharded_numel
+        assert trainable_numel is not None, name
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "trainable_numel", trainable_numel)
+
+    def numel(self, kind: Kind) -> int:
+        """Elements this rank stores of `kind`."""
+        return self.layout.of(kind).numel
+
+    def chunks(self, kind: Kind) -> tuple[int, ...]:
+        return self.layout.of(kind).chunks
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements of the whole unit, padded to the world size."""
+        return self.layout.unsharded_numel
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements this rank stores of the parameters (stage 3: its partition; stages 0-2: the whole unit)."""
+        return self.layout.params.numel
+
+    @property
+    def written_params(self) -> int:
+        """Parameter elements an update rewrites on this rank: the trainable ones it stores (frozen ones never
+        change; at stages 1-2 the other ranks' updated partitions arrive by all-gather and are stored too)."""
+        p = self.layout.params
+        return max(0, min(p.start + p.numel, self.trainable_numel) - p.start)
+
+    @property
+    def params_match_update(self) -> bool:
+        """The parameters and the update range are the same elements in the same chunks: the condition
+        for storing the parameters as the master (Note [aliased parameters], tier.py)."""
+        return self.layout.params == self.layout.update
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +134,8 @@ class Plan:
 
     def aliases_master(self, unit: int) -> bool:
         """The unit's parameters are stored as its fp32 master (Note [aliased parameters], tier.py)."""
-        return params_alias_master(self.compute_dtype.itemsize, self.tier(unit, Kind.PARAMS),
-                                   self.tier(unit, Kind.MASTER))
+        tiers = {"params": self.tier(unit, Kind.PARAMS), "optimizer": self.tier(unit, Kind.MASTER)}
+        return traffic.aliased(self.units[unit], tiers, self.compute_dtype)
 
     def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
         """Bytes of state per tier and kind (Note [state bytes], traffic.py)."""
@@ -240,7 +289,7 @@ class _Search:
     and optimizer phases (nvme_read, nvme_write, h2d, d2h; opt adds Adam elements on the CPU
     and on the GPU), state[u, c] = bytes per tier, nvme[u, c] = which groups are on NVMe
     (their staging buffers exist only then). Moves change the combos of one or two units;
-    units of the same size, root-ness and combo are interchangeable, so one (or two) of each
+    units of the same layout, root-ness and combo are interchangeable, so one (or two) of each
     class are tried per round.
     """
 
@@ -255,12 +304,12 @@ class _Search:
         for u, sizes in enumerate(units):
             for c, combo in enumerate(COMBOS):
                 tiers = dict(zip(GROUPS, combo))
-                t = cost_model.unit_traffic(sizes.shard_numel, tiers, compute_bytes=compute_dtype.itemsize, cuda=cuda,
+                t = cost_model.unit_traffic(sizes, tiers, compute_bytes=compute_dtype.itemsize, cuda=cuda,
                                             accum=accum, is_root=u == 0)
                 self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
                 self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
                 for g, tier in tiers.items():
-                    stored = traffic.group_bytes(sizes.shard_numel, g, tiers, compute_dtype)
+                    stored = traffic.group_bytes(sizes, g, tiers, compute_dtype)
                     self.state[u, c, _TIER_INDEX[tier]] += stored
                     self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
         self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe
@@ -344,7 +393,7 @@ class _Search:
     def _classes(self, combos) -> list[list[int]]:
         members: dict[tuple, list[int]] = {}
         for u, sizes in enumerate(self.units):
-            members.setdefault((u == 0, sizes.shard_numel, int(combos[u])), []).append(u)
+            members.setdefault((u == 0, sizes.layout, sizes.written_params, int(combos[u])), []).append(u)
         return list(members.values())
 
     def descend(self, combos):
