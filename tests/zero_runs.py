@@ -48,9 +48,11 @@ def stage_run(case: Case, root: str, rank: int, world: int) -> dict:
         out = {"losses": losses, "norms": norms, "state": state, "mode": type(engine.updates).__name__,
                "units": [(u.padded_numel, u.flat_numel) for u in engine.units],
                "itemsize": engine.compute_dtype.itemsize, "first": first}
+        engine.clock.close()  # the last step ends here (as close() would end it)
+        steps = engine.profiler.summary()["steps"]
+        engine.profiler.clear()  # close() has no steps to write trace files of (the chart costs a second)
     finally:
         engine.close()
-    steps = engine.profiler.summary()["steps"]
     out["collective_bytes"] = [{k: s["links"].get(k, {"bytes": 0})["bytes"] for k in COLLECTIVES} for s in steps]
     return out
 
