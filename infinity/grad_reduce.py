@@ -43,7 +43,7 @@ class GradReducer:
         self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient partition
         self._writes: list = []
         self.before_unit = before_unit  # called with a unit before its gradient store is touched
-        self.on_final = on_final  # called with a unit and its partition's squared norm once its window's gradient is final
+        self.on_final = on_final  # called with a unit and its partition's squared norm once its gradient is final
 
     def issue(self, unit: Unit, final: bool) -> None:
         """Start reducing `unit`'s gradients (its `.grad`s are consumed and cleared)."""

@@ -148,17 +148,13 @@ class Unit:
 
     @property
     def shard_bytes(self) -> int:
-        return self.shard_numel * self.comm.compute_dtype.itemsize
+        """Bytes an unshard fetches: the parameters this rank stores (stage 3: its shard; else the whole unit)."""
+        return self.layout.params.numel * self.comm.compute_dtype.itemsize
 
     def shard_range(self) -> tuple[int, int]:
         """[start, end) of this rank's partition in the unit's flat buffer (stage 3: the parameters it stores)."""
         start = self.comm.rank * self.shard_numel
         return start, start + self.shard_numel
-
-    def trainable_in_shard(self) -> int:
-        """Elements at the head of this rank's shard that belong to trainable parameters."""
-        start, _ = self.shard_range()
-        return max(0, min(self.shard_numel, self.trainable_numel - start))
 
     # ----------------------------------------------------------------- unshard / reshard
     def _gathers(self) -> bool:
