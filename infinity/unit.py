@@ -157,8 +157,8 @@ class Unit:
         return start, start + self.shard_numel
 
     # ----------------------------------------------------------------- unshard / reshard
-    def _gathers(self) -> bool:
-        """The next unshard all-gathers: always at stage 3, once after an update at stages 1-2."""
+    def gathers(self) -> bool:
+        """The next unshard all-gathers: always at stage 3 (several ranks), once after an update at stages 1-2."""
         return self.comm.group is not None and (self.comm.stage.gathers_params or self.stale)
 
     def _own_slot(self) -> torch.Tensor:
@@ -192,7 +192,7 @@ class Unit:
         with prof.wait(link, f"fetch {self.name}"):
             shard = self._pending.wait()  # the gather (or, with one rank, compute) reads this unit's bytes
         self._pending = None
-        if not self._gathers():
+        if not self.gathers():
             self.state = UnitState.UNSHARDED  # one rank, or whole parameters that are current
             return
         own = shard if self.comm.stage.gathers_params else self._own_slot()

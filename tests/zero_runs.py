@@ -47,7 +47,8 @@ def stage_run(case: Case, root: str, rank: int, world: int) -> dict:
         state = engine.full_state_dict()
         out = {"losses": losses, "norms": norms, "state": state, "mode": type(engine.updates).__name__,
                "units": [(u.padded_numel, u.flat_numel) for u in engine.units],
-               "itemsize": engine.compute_dtype.itemsize, "first": first}
+               "itemsize": engine.compute_dtype.itemsize, "first": first,
+               "aliased": [u.aliased for u in engine.units]}
         engine.clock.close()  # the last step ends here (as close() would end it)
         steps = engine.profiler.summary()["steps"]
         engine.profiler.clear()  # close() has no steps to write trace files of (the chart costs a second)
