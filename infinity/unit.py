@@ -1,8 +1,9 @@
 """Unit: the parameters of one block, which move and communicate together.
 
-A unit's parameters are flattened into one buffer, padded to a multiple of the
-world size; each rank stores what its ZeRO stage says of it (Note [stage layouts]
-in memory/stages.py) on the tiers the plan chose. At stage 3, before the unit
+A unit's parameters are flattened into one buffer (trainable ones first), padded
+to a multiple of the world size and cut into one partition per rank; what a rank
+stores of each state kind is the unit's `layout` for the ZeRO stage (Note [stage
+layouts] in memory/stages.py), on the tiers the plan chose. At stage 3, before the unit
 runs (forward, and again in backward) its shard is fetched to the device and
 all-gathered into the unsharded buffer, whose storage the parameters view;
 afterwards that storage is resized to zero bytes. At stages 0-2 every rank

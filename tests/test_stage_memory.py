@@ -22,6 +22,7 @@ import infinity
 from ckpt_runs import load_then_run, make_engine, run_then_save, states_equal, train_steps, uninterrupted
 from dist_utils import run_distributed
 from infinity.memory.tier import OPTIMIZER_KINDS, Kind
+from infinity.memory.traffic import bytes_per_step
 from reference import Recipe, reference_run
 from test_stages import FORMULAS
 
@@ -128,6 +129,28 @@ def test_frozen_weights_cost_only_their_weights_and_train_like_pytorch(world, pl
     for name, p in model.named_parameters():
         if not p.requires_grad:
             assert torch.equal(state[name], p.detach()), name  # frozen: exactly the initial values
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_frozen_weights_move_only_their_parameter_bytes(dtype, tmp_path):
+    """Per step the disk moves what the byte model predicts (Note [traffic per step]) when most weights are
+    frozen: their parameters are read for compute and never written; gradients and optimizer state move
+    for trainable elements only."""
+    recipe = FrozenRecipe(steps=2, accum=2)
+    cfg = recipe.config(**NVME) | {"nvme": {"paths": [str(tmp_path)]}, "precision": {"compute_dtype": dtype},
+                                   "overlap": {"optimizer_with_backward": False}}
+    with infinity.initialize(recipe.build(), cfg) as engine:
+        for step, micro in enumerate(recipe.batches()):
+            before = dict(engine.manager.bytes_moved)
+            for x, y in micro:
+                engine.backward(engine(x, y))
+            engine.step()
+            engine.synchronize()
+            moved = {k: v - before[k] for k, v in engine.manager.bytes_moved.items()}
+            predicted = bytes_per_step(engine.plan, grad_accum_steps=recipe.accum, first_step=step == 0, cuda=False,
+                                       kept=engine.kept_params)
+            assert {k: moved[k] for k in ("nvme_read", "nvme_write")} == {
+                k: predicted[k] for k in ("nvme_read", "nvme_write")}, (step, moved, predicted)
 
 
 # ---------------------------------------------------------------- peft LoRA on a tiny Llama

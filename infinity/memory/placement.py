@@ -28,73 +28,14 @@ from io_engine import format_size
 
 from ..dtypes import dtype_of
 from . import cost_model, traffic
-from .stages import KindLayout, UnitLayout
 from .tier import Kind, Tier
-from .traffic import GROUPS, KINDS_OF_GROUP
+from .traffic import GROUPS, KINDS_OF_GROUP, UnitSizes  # noqa: F401 - UnitSizes: placement's input, from here
 
 FASTEST_FIRST = (Tier.DEVICE, Tier.HOST, Tier.NVME)
 
 
 class PlacementError(ValueError):
     """The requested placement cannot fit the budgets; the message says what would."""
-
-
-@dataclass(frozen=True, init=False)
-class UnitSizes:
-    """What placement needs to know about one unit on this rank: what it stores of each kind (its
-    `UnitLayout`, Note [stage layouts] in stages.py) and how many of the unit's elements are trainable.
-
-    `UnitSizes(name=, layout=, trainable_numel=)`; or the shorthand `UnitSizes(name=, shard_numel=,
-    unsharded_numel=, chunk_numels=)`: every kind stores the same all-trainable shard (stage 3's layout
-    of a unit without frozen weights), as tests of the planner write it."""
-
-    name: str
-    layout: UnitLayout
-    trainable_numel: int  # elements of the unit's flat buffer [0, T) with gradients and optimizer state
-
-    def __init__(self, *, name: str, layout: UnitLayout | None = None, trainable_numel: int | None = None,
-                 shard_numel: int | None = None, unsharded_numel: int | None = None,
-                 chunk_numels: tuple[int, ...] | None = None):
-        if layout is None:
-            assert shard_numel is not None and unsharded_numel is not None, name
-            chunks = tuple(chunk_numels if chunk_numels is not None else (shard_numel,) if shard_numel else ())
-            same = KindLayout(0, shard_numel, chunks, 0, len(chunks))
-            layout = UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel)
-            trainable_numel = unsharded_numel
-        assert trainable_numel is not None, name
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "layout", layout)
-        object.__setattr__(self, "trainable_numel", trainable_numel)
-
-    def numel(self, kind: Kind) -> int:
-        """Elements this rank stores of `kind`."""
-        return self.layout.of(kind).numel
-
-    def chunks(self, kind: Kind) -> tuple[int, ...]:
-        return self.layout.of(kind).chunks
-
-    @property
-    def unsharded_numel(self) -> int:
-        """Elements of the whole unit, padded to the world size."""
-        return self.layout.unsharded_numel
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements this rank stores of the parameters (stage 3: its partition; stages 0-2: the whole unit)."""
-        return self.layout.params.numel
-
-    @property
-    def written_params(self) -> int:
-        """Parameter elements an update rewrites on this rank: the trainable ones it stores (frozen ones never
-        change; at stages 1-2 the other ranks' updated partitions arrive by all-gather and are stored too)."""
-        p = self.layout.params
-        return max(0, min(p.start + p.numel, self.trainable_numel) - p.start)
-
-    @property
-    def params_match_update(self) -> bool:
-        """The parameters and the update range are the same elements in the same chunks: the condition
-        for storing the parameters as the master (Note [aliased parameters], tier.py)."""
-        return self.layout.params == self.layout.update
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -82,10 +82,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..config import ConfigError, format_size
+from .stages import KindLayout, UnitLayout
 from .tier import OPTIMIZER_KINDS, Kind, Tier, params_alias_master
 
 if TYPE_CHECKING:
-    from .placement import Budgets, Plan, UnitSizes
+    from .placement import Budgets, Plan
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")  # the keys of memory_report()["bytes_moved"]
 GROUPS = ("params", "grads", "optimizer")
@@ -98,15 +99,74 @@ STAGING_ALIGNMENT = 4096  # the host staging pool's (memory/buffers.py)
 _FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
 
 
+@dataclass(frozen=True, init=False)
+class UnitSizes:
+    """What placement needs to know about one unit on this rank: what it stores of each kind (its
+    `UnitLayout`, Note [stage layouts] in stages.py) and how many of the unit's elements are trainable.
+
+    `UnitSizes(name=, layout=, trainable_numel=)`; or the shorthand `UnitSizes(name=, shard_numel=,
+    unsharded_numel=, chunk_numels=)`: every kind stores the same all-trainable shard (stage 3's layout
+    of a unit without frozen weights), as tests of the planner write it."""
+
+    name: str
+    layout: UnitLayout
+    trainable_numel: int  # elements of the unit's flat buffer [0, T) with gradients and optimizer state
+
+    def __init__(self, *, name: str, layout: UnitLayout | None = None, trainable_numel: int | None = None,
+                 shard_numel: int | None = None, unsharded_numel: int | None = None,
+                 chunk_numels: tuple[int, ...] | None = None):
+        if layout is None:
+            assert shard_numel is not None and unsharded_numel is not None, name
+            chunks = tuple(chunk_numels if chunk_numels is not None else (shard_numel,) if shard_numel else ())
+            same = KindLayout(0, shard_numel, chunks, 0, len(chunks))
+            layout = UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel)
+            trainable_numel = unsharded_numel
+        assert trainable_numel is not None, name
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "trainable_numel", trainable_numel)
+
+    def numel(self, kind: Kind) -> int:
+        """Elements this rank stores of `kind`."""
+        return self.layout.of(kind).numel
+
+    def chunks(self, kind: Kind) -> tuple[int, ...]:
+        return self.layout.of(kind).chunks
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements of the whole unit, padded to the world size."""
+        return self.layout.unsharded_numel
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements this rank stores of the parameters (stage 3: its partition; stages 0-2: the whole unit)."""
+        return self.layout.params.numel
+
+    @property
+    def written_params(self) -> int:
+        """Parameter elements an update rewrites on this rank: the trainable ones it stores (frozen ones never
+        change; at stages 1-2 the other ranks' updated partitions arrive by all-gather and are stored too)."""
+        p = self.layout.params
+        return max(0, min(p.start + p.numel, self.trainable_numel) - p.start)
+
+    @property
+    def params_match_update(self) -> bool:
+        """The parameters and the update range are the same elements in the same chunks: the condition
+        for storing the parameters as the master (Note [aliased parameters], tier.py)."""
+        return self.layout.params == self.layout.update
+
+
+
 # ---------------------------------------------------------------- Note [state bytes]
 
 
-def aliased(sizes: "UnitSizes", tiers: dict[str, Tier], compute_dtype: torch.dtype) -> bool:
+def aliased(sizes: UnitSizes, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> bool:
     """Whether the unit's parameters are stored as its master on `tiers` (Note [aliased parameters])."""
     return params_alias_master(compute_dtype.itemsize, tiers["params"], tiers["optimizer"], sizes.params_match_update)
 
 
-def group_bytes(sizes: "UnitSizes", group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> int:
+def group_bytes(sizes: UnitSizes, group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> int:
     """Bytes one unit's `group` takes on its tier (Note [state bytes])."""
     if group == "params" and aliased(sizes, tiers, compute_dtype):
         return 0  # stored as the master (Note [aliased parameters])
@@ -127,7 +187,7 @@ def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
 # ---------------------------------------------------------------- Note [working memory]
 
 
-def update_staging_bytes(units: tuple["UnitSizes", ...], compute_dtype: torch.dtype,
+def update_staging_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype,
                          on_nvme: Callable[[int, Kind], bool], aliased: Callable[[int], bool], *,
                          reads_ahead: int = UPDATE_READS_AHEAD, writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT) -> int:
     """Host staging bytes the pool ends up holding for the update: a replay of two optimizer steps'
@@ -180,7 +240,7 @@ def update_staging_bytes(units: tuple["UnitSizes", ...], compute_dtype: torch.dt
     return sum(c * n for c, n in peak.items())
 
 
-def largest_nvme_chunk_bytes(units: tuple["UnitSizes", ...], optimizer_on_nvme: Callable[[int, Kind], bool]) -> int:
+def largest_nvme_chunk_bytes(units: tuple[UnitSizes, ...], optimizer_on_nvme: Callable[[int, Kind], bool]) -> int:
     """Bytes one optimizer sub-group's NVMe state takes (all its NVMe kinds)."""
     return max((max(sizes.chunks(Kind.MASTER), default=0) * 4 * sum(optimizer_on_nvme(u, k) for k in OPTIMIZER_KINDS)
                 for u, sizes in enumerate(units)), default=0)
@@ -194,7 +254,7 @@ def read_ahead_term(update_staging: int, read_ahead: int, one_kind_chunk: int) -
     return max(0, read_ahead + UPDATE_WRITES_IN_FLIGHT * one_kind_chunk - update_staging)
 
 
-def working_terms(units: tuple["UnitSizes", ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
+def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
                   units_ahead: int, *, cuda: bool = False, keep_written: bool = True,
                   read_ahead: int = 0) -> dict[Tier, dict[str, int]]:
     """Note [working memory], term by term, for every unit's groups on the tiers of `tiers_of`
@@ -222,7 +282,7 @@ def totals(terms: dict[Tier, dict[str, int]]) -> dict[Tier, int]:
     return {t: sum(v.values()) for t, v in terms.items()}
 
 
-def fresh_bytes(units: tuple["UnitSizes", ...], compute_itemsize: int, units_ahead: int, keep_written: bool,
+def fresh_bytes(units: tuple[UnitSizes, ...], compute_itemsize: int, units_ahead: int, keep_written: bool,
                 params_on_nvme: Callable[[int], bool]) -> int:
     """Bytes the fresh copies may hold: `units_ahead + 1` of the largest parameter shards on NVMe that an
     update writes (their trainable part; 0 with `[prefetch] keep_written = false`, or no parameters on NVMe)."""
@@ -325,14 +385,13 @@ class StepTraffic:
         return {k: self.fb[k] + self.opt[k] for k in LINKS}
 
 
-def unit_traffic(sizes: "UnitSizes | int", tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
+def unit_traffic(sizes: UnitSizes | int, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
                  is_root: bool, kept_numel: int | None = None, first_step: bool = False) -> StepTraffic:
     """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier; `sizes` an
     int n: every kind stores the same n trainable elements. `kept_numel`: parameter elements whose first
     fetch reads a kept copy (None: all written ones). `first_step`: no update before it (nothing kept) and
     the moments are still zeros (never read)."""
     if isinstance(sizes, int):
-        from .placement import UnitSizes
         sizes = UnitSizes(name="", shard_numel=sizes, unsharded_numel=sizes)
     t = StepTraffic()
     P, G = sizes.numel(Kind.PARAMS) * compute_bytes, sizes.numel(Kind.GRADS) * 4
