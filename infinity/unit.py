@@ -343,7 +343,8 @@ class Unit:
         """(offset, numel) within a reduction's `kept` of the gradient this rank counts in the global norm:
         its partition's trainable elements (stage 0 keeps them all, and each rank counts its partition)."""
         start, _ = self.shard_range()
-        return start - self.layout.update.start, max(0, min(self.shard_numel, self.stored_trainable - start))
+        numel = max(0, min(self.shard_numel, self.stored_trainable - start))
+        return (start - self.layout.update.start, numel) if numel else (0, 0)  # (a frozen partition: nothing)
 
     def trainable_params(self) -> list[nn.Parameter]:
         return [s.param for s in self.slots if s.requires_grad]

@@ -15,6 +15,7 @@ import torch
 from dist_utils import run_distributed
 from infinity.memory.stages import STAGES, stage_for
 from reference import Recipe, reference_run
+from test_stage_memory import FrozenRecipe
 from zero_runs import Case, cases_on_rank
 
 CLIP = Recipe(micro_batch=6, steps=3)  # 6 sequences split evenly over 1, 2 or 3 ranks; clipping clips
@@ -24,6 +25,8 @@ PLACEMENTS = [{"params": "device", "grads": "device", "optimizer": "host"},  # a
               {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}]
 MODES = {"InlineUpdate": (CLIP, False), "DeferredUpdate": (CLIP, True), "EagerUpdate": (NO_CLIP, True)}
 WORLDS = (1, 2, 3)
+FROZEN = FrozenRecipe(micro_batch=6, steps=3)  # most weights frozen: partitions of trainable and frozen elements
+NVME = PLACEMENTS[2]
 
 
 def cases(world: int, root: str) -> list[Case]:
@@ -44,6 +47,8 @@ def cases(world: int, root: str) -> list[Case]:
                 saver = next(s for s in ((stage + k) % 4 for k in (1, 2, 3)) if MODES[mode_of(s, 0)][0] is recipe)
                 load = os.path.join(root, f"ckpt-w{world - 1}-s{saver}")
             out.append((mode, Case(recipe, stage, placement, overlap, save=save, load=load)))
+    if world == 3:
+        out += [("DeferredUpdate", Case(FROZEN, stage, NVME, True)) for stage in (0, 1, 2)]
     return out
 
 
@@ -63,7 +68,11 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references():
-    return {recipe.grad_clip: reference_run(recipe) for recipe in (CLIP, NO_CLIP)}  # (a Recipe is no key)
+    return {key(recipe): reference_run(recipe) for recipe in (CLIP, NO_CLIP, FROZEN)}
+
+
+def key(recipe: Recipe) -> tuple:
+    return type(recipe).__name__, recipe.grad_clip  # (a Recipe is no dict key)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -75,7 +84,7 @@ def test_every_stage_matches_pytorch(runs, references, world):
         # (the device here is the CPU, whose memory the host tier is too)
         aliased = case.placement["params"] != "nvme" and (case.stage < 3 or world == 1)
         assert result["aliased"] == [aliased] * len(result["aliased"]), what
-        ref_losses, ref_norms, ref_state = references[case.recipe.grad_clip]
+        ref_losses, ref_norms, ref_state = references[key(case.recipe)]
         skip = result["first"]  # steps done before the checkpoint it resumed from
         assert (skip > 0) == (case.load is not None), what
         torch.testing.assert_close(torch.tensor(result["losses"]),
@@ -84,8 +93,8 @@ def test_every_stage_matches_pytorch(runs, references, world):
             torch.testing.assert_close(torch.tensor(result["norms"], dtype=torch.float32),
                                        torch.tensor(ref_norms[skip:]), msg=lambda m: f"{what} grad norms: {m}")
         assert list(result["state"]) == list(ref_state), what
-        for key in ref_state:
-            torch.testing.assert_close(result["state"][key], ref_state[key], msg=lambda m, k=key: f"{what} {k}: {m}")
+        for name in ref_state:
+            torch.testing.assert_close(result["state"][name], ref_state[name], msg=lambda m, k=name: f"{what} {k}: {m}")
 
 
 def test_checkpoints_resume_across_stages_and_world_sizes(runs):
@@ -97,13 +106,14 @@ def test_checkpoints_resume_across_stages_and_world_sizes(runs):
         assert all(f"-w{world - 1}-" in path and not path.endswith(f"-s{s}") for s, path in resumed.items()), resumed
 
 
-def expected_elements(stage: int, units: list[tuple[int, int]], world: int, accum: int) -> int:
-    """Per steady step: `comm_elements` of each unit's padded size, except that stage 3 gathers the root unit
-    once per micro-batch, not twice (it stays unsharded from its forward to the end of the backward)."""
+def expected_elements(stage: int, units: list[tuple[int, int, int]], world: int, accum: int) -> int:
+    """Per steady step: `comm_elements` of each unit's padded size, except that stage 0 all-reduces only the
+    trainable elements (all of the padded unit when nothing is frozen), and stage 3 gathers the root unit once
+    per micro-batch, not twice (it stays unsharded from its forward to the end of the backward)."""
     s = stage_for(stage)
     if world == 1:
         return 0
-    total = sum(s.comm_elements(padded, world, accum) for padded, _ in units)
+    total = sum(s.comm_elements(trainable if stage == 0 else padded, world, accum) for padded, _, trainable in units)
     return total - (accum * units[0][0] if s.gathers_params else 0)
 
 
@@ -116,11 +126,15 @@ def test_collective_bytes_per_step_match_the_stage(runs, world):
     for mode, case, result, per_rank in runs[world]:
         what = f"world {world} stage {case.stage} {case.placement['params']} {mode}"
         units, accum = result["units"], case.recipe.accum
-        psi = sum(flat for _, flat in units)
-        padding = sum(padded - flat for padded, flat in units)
+        if case.recipe is FROZEN:  # Ψ counts the trainable elements' gradients: checked against the units only
+            psi = padding = 0
+        else:
+            psi = sum(flat for _, flat, _ in units)
+            padding = sum(padded - flat for padded, flat, _ in units)
         expected = expected_elements(case.stage, units, world, accum)
-        assert abs(expected - stage_for(case.stage).comm_elements(psi, world, accum)) <= (
-            3 * accum * padding + 2 * accum * units[0][0]), what  # the formula of Ψ, up to padding and the root
+        if psi:
+            assert abs(expected - stage_for(case.stage).comm_elements(psi, world, accum)) <= (
+                3 * accum * padding + 2 * accum * units[0][0]), what  # the formula of Ψ, up to padding and the root
         for rank, steps in enumerate(per_rank):
             elements = [s["all_gather"] // result["itemsize"] + s["reduce_scatter"] // 4 + s["all_reduce"] // 4
                         for s in steps]
@@ -130,4 +144,4 @@ def test_collective_bytes_per_step_match_the_stage(runs, world):
             if not case.load and world > 1:
                 assert (steps[0]["all_gather"] == 0) == (case.stage in (0, 1, 2)), (what, steps[0])
                 if gathers_after_update:
-                    assert elements[0] == expected - sum(p for p, _ in units), (what, rank, elements)
+                    assert elements[0] == expected - sum(p for p, _, _ in units), (what, rank, elements)

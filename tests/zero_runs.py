@@ -24,7 +24,8 @@ class Case:
 
 
 def stage_run(case: Case, root: str, rank: int, world: int) -> dict:
-    """One run: losses, grad norms, the state dict (rank 0), the update mode, each unit's (padded, flat) numel,
+    """One run: losses, grad norms, the state dict (rank 0), the update mode, each unit's (padded, flat, trainable)
+    numel,
     and per step the bytes on each collective link (Note [collective bytes])."""
     cfg = case.recipe.config(**case.placement)
     cfg["zero"] = {"stage": case.stage}
@@ -46,7 +47,7 @@ def stage_run(case: Case, root: str, rank: int, world: int) -> dict:
                 engine.save_checkpoint(case.save, {"next_step": step + 1})
         state = engine.full_state_dict()
         out = {"losses": losses, "norms": norms, "state": state, "mode": type(engine.updates).__name__,
-               "units": [(u.padded_numel, u.flat_numel) for u in engine.units],
+               "units": [(u.padded_numel, u.flat_numel, u.stored_trainable) for u in engine.units],
                "itemsize": engine.compute_dtype.itemsize, "first": first,
                "aliased": [u.aliased for u in engine.units]}
         engine.clock.close()  # the last step ends here (as close() would end it)
