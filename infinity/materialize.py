@@ -122,6 +122,21 @@ def buffers_to(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = moved.setdefault(id(buf), buf.to(device))
 
 
+def store_values(unit: Unit, manager: TieredMemoryManager, flat: torch.Tensor) -> None:
+    """Store the unit's full fp32 values `flat` (padded) as this rank's state: the master of its update range
+    (and the parameters holding it, their cast), and the cast of every other parameter it stores (frozen
+    weights, which have no master; at stages 0-2 the other ranks' partitions). Waits until stored."""
+    update, params = unit.layout.update, unit.layout.params  # what this rank stores (Note [stage layouts])
+    master = flat[update.start:update.start + update.numel].clone()
+    pending = manager.store_master(unit.index, None, master, release=False)
+    for chunk in manager.params_not_updated(unit.index):
+        start, numel = manager.chunk_span(unit.index, chunk, Kind.PARAMS)
+        values = flat[params.start + start:params.start + start + numel].to(unit.comm.compute_dtype)
+        pending.append(manager.store(unit.index, Kind.PARAMS, chunk, values, release=False))
+    for p in pending:
+        p.wait()  # the values must be stored before the caller drops its full copy
+
+
 def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int,
                       init_fn: Callable[[nn.Module], None] | None) -> None:
     """Unit by unit: full fp32 values -> this rank's shard -> tiers; the full copy is dropped."""
@@ -129,16 +144,8 @@ def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int
         for kind in Kind:
             manager.allocate(unit.index, kind)
         flat = materialize_flat(unit.name, unit.slots, unit.padded_numel, unit_seed(seed, unit.index), init_fn)
-        update, params = unit.layout.update, unit.layout.params  # what this rank stores (Note [stage layouts])
-        master = flat[update.start:update.start + update.numel].clone()
-        pending = manager.store_master(unit.index, None, master, release=False)
-        for chunk in manager.params_not_updated(unit.index):  # frozen weights (no master), other partitions
-            start, numel = manager.chunk_span(unit.index, chunk, Kind.PARAMS)
-            values = flat[params.start + start:params.start + start + numel].to(unit.comm.compute_dtype)
-            pending.append(manager.store(unit.index, Kind.PARAMS, chunk, values, release=False))
+        store_values(unit, manager, flat)
         del flat
-        for p in pending:
-            p.wait()  # the shard's values must be stored before its full copy goes away
         stored = manager.resident(unit.index, Kind.PARAMS)
         if unit.can_alias(stored):  # the whole unit on the compute device
             unit.alias(stored)

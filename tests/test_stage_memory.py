@@ -272,6 +272,28 @@ def test_checkpoint_resumes_at_another_stage_and_world_size(saved, loaded, tmp_p
         torch.testing.assert_close(state[key], full_state[key], msg=lambda m, k=key: f"{k}: {m}")
 
 
+def _save_trained(rank, world, recipe, root, ckpt, stage):
+    with make_engine(recipe, HOST, root, {"zero": {"stage": stage}}, rank) as engine:
+        train_steps(engine, recipe, 0, 1, rank, world)
+        engine.save_checkpoint(ckpt)
+        return engine.full_state_dict()
+
+
+def test_export_from_a_checkpoint_includes_the_frozen_weights(tmp_path):
+    """Frozen weights are saved as params records (they have no master); an export streams them from there."""
+    from safetensors.torch import load_file
+
+    from infinity.export import export_checkpoint
+    recipe = FrozenRecipe(steps=1)
+    ckpt = str(tmp_path / "ckpt")
+    state = run(_save_trained, 2, recipe, str(tmp_path), ckpt, 3)[0]
+    exported = load_file(export_checkpoint(ckpt, str(tmp_path / "model.safetensors")))
+    frozen = [n for n, p in recipe.build().named_parameters() if not p.requires_grad]
+    assert frozen and all(exported[n].abs().sum() > 0 for n in frozen if n.endswith("weight"))  # (biases start 0)
+    for key, value in state.items():
+        torch.testing.assert_close(exported[key], value, msg=key)
+
+
 def test_checkpoint_of_format_1_still_loads(tmp_path):
     """Format 1 (before stages): record ranges in the saving rank's shard, no flat offsets. A stage-3
     checkpoint of a model without frozen weights is that format once the flat offsets are dropped."""
