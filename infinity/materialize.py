@@ -219,7 +219,7 @@ def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int
             values = materialize_shard(unit, unit_seed(seed, unit.index), init_fn, weights, inits)
             store_values(unit, manager, values)  # (before the unit's parameters go away)
             stored = manager.resident(unit.index, Kind.PARAMS)
-            if unit.comm.world_size == 1 and stored is not None and stored.device == unit.comm.device:
+            if unit.can_alias(stored):  # the whole unit on the compute device
                 unit.alias(stored)
             else:
                 unit.install_views()
