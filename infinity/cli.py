@@ -147,7 +147,7 @@ def _estimate(args) -> int:
     config = job.engine_config(os.path.join(job.run.dir, "<run>"))
     from .preflight import check_nvme_paths
     check_nvme_paths(list(config.nvme.paths), created_at_start=True)  # unusable swap paths: exit 2 (Note [nvme paths])
-    make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model))
+    make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model, job.lora))
     if job.run.batch_size % args.world_size:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "
                           f"{args.world_size}: set run.batch_size to a multiple of it")

@@ -180,10 +180,12 @@ class _Flags:
 
 
 def after_update(flags: list[bool], unit: Unit) -> Callable[[Unit], None]:
-    """What follows a unit's update: its parameters' Adam steps advance, its window's gradients are spent."""
+    """What follows a unit's update: its parameters' Adam steps advance, its window's gradients are spent, and
+    at stages 1-2 the other partitions are due (Note [post-update gather] in unit.py)."""
     def after(u: Unit) -> None:
         u.commit_steps(flags)
         u.slots_with_grad.clear()
+        u.updated()
     return after
 
 
