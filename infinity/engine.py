@@ -166,8 +166,7 @@ class Engine:
     def _pre_forward(self, unit: Unit) -> None:
         self.clock.compute_end(f"forward before {unit.name}")
         self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
-        if unit.index != 0:
-            self.prefetcher.before_forward(unit)
+        self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
         self.prefetcher.wait_for(unit)
         self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()

@@ -27,9 +27,12 @@ calls issue the copy back of offloaded checkpoint inputs (`fetch_inputs`, Note
 [activation offload]) one unit ahead. A recomputed forward never reaches
 `before_forward` (Note [unit checkpoints], Note [recomputed forward]), so the
 recorded order stays the forward's. `wait_for` counts each unshard it waits for as
-a hit (issued ahead) or on demand (issued by the wait itself), per unit but the
-root (fetched at each forward's start by design); the profile marks the on-demand
-ones (`ON_DEMAND`).
+a hit (issued ahead), after its update (predicted, but skipped by the prefetch
+because the overlapped optimizer was still updating it: with clipping the update
+runs in the next forward, Note [overlap]; the fetch waits for the update by design)
+or on demand (nothing predicted it, or the window was full), per unit but the root
+(fetched at each forward's start by design); the profile marks the on-demand ones
+(`ON_DEMAND`). The forward's first units are issued when the root starts it.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class Prefetcher:
         self.wasted = 0  # prefetches released unused
         self.hits = 0  # unshards waited for that a prefetch had issued
         self.on_demand = 0  # unshards the wait itself had to issue (Note [backward prefetch])
+        self.after_update = 0  # unshards issued by the wait because the unit's update ran at prefetch time
+        self._updating: set[int] = set()  # units skipped by a prefetch while their update ran
 
     def _in_flight_bytes(self) -> int:
         return sum(u.shard_bytes for u in self.units if u.state in (UnitState.UNSHARDING, UnitState.GATHERING))
@@ -103,7 +108,10 @@ class Prefetcher:
     def _issue(self, indices: list[int]) -> None:
         for i in indices:
             unit = self.units[i]
-            if unit.state is not UnitState.SHARDED or unit.flat_numel == 0 or not self.ready(i):
+            if unit.state is not UnitState.SHARDED or unit.flat_numel == 0:
+                continue
+            if not self.ready(i):
+                self._updating.add(i)  # predicted, but its update runs: fetched once it is done
                 continue
             if self._in_flight_bytes() + unit.shard_bytes > self.max_bytes:
                 break
@@ -111,6 +119,11 @@ class Prefetcher:
             self.issued += 1
 
     def before_forward(self, unit: Unit) -> None:
+        if unit.index == 0:  # the root starts the forward: the recorded order's first units come next
+            replaying = self.trace.state is TraceState.REPLAYING
+            self._issue(self.trace.recorded[:self.units_ahead] if replaying else [])
+            self._next = self.trace.recorded[0] if replaying and self.trace.recorded else None
+            return
         predicted = self.trace.on_forward(unit.index, self.units_ahead)
         self._issue(predicted)
         self._next = predicted[0] if predicted else None
@@ -140,12 +153,15 @@ class Prefetcher:
     def wait_for(self, unit: Unit) -> None:
         """Wait for `unit`'s parameters, counting whether a prefetch had issued them (Note [backward prefetch])."""
         if unit.index != 0 and unit.flat_numel and not unit.aliased:
-            if unit.state is UnitState.SHARDED:
+            if unit.state is not UnitState.SHARDED:
+                self.hits += 1
+            elif unit.index in self._updating:
+                self.after_update += 1
+            else:
                 self.on_demand += 1
                 now = time.perf_counter()
                 unit.comm.profiler.record(f"{ON_DEMAND} {unit.name}", Link.COMPUTE, now, now, unit=unit.name)
-            else:
-                self.hits += 1
+            self._updating.discard(unit.index)
         unit.wait_for_unshard(self.manager)
 
     def gather_ahead(self) -> None:
