@@ -327,11 +327,11 @@ class ActivationConfig(Section):
 
     SECTION: ClassVar[str] = "activation"
 
-    checkpoint: str = option("none", '"units": keep only each unit\'s inputs and recompute its forward in backward '
-                             "(one extra forward of compute, activations of one unit at a time); \"none\": keep "
-                             "every activation the forward saves.", "enum", choices=("none", "units"))
-    offload: str = option("none", '"host": the units\' saved inputs go to (pinned) host memory after their forward '
-                          "and are copied back one unit ahead of their backward; needs checkpoint = \"units\".",
+    checkpoint: str = option("none", '"units": keep only each unit\'s inputs and recompute its forward in '
+                             "backward (one extra forward of compute, activations of one unit at a time); "
+                             '"none": keep every activation the forward saves.', "enum", choices=("none", "units"))
+    offload: str = option("none", '"host": the units\' saved inputs go to (pinned) host memory after their '
+                          "forward and are copied back one unit ahead of their backward; needs checkpoint = \"units\".",
                           "enum", choices=("none", "host"))
 
     def _check(self) -> None:
@@ -347,7 +347,8 @@ class ActivationConfig(Section):
 SECTIONS: dict[str, type[Section]] = {
     cls.SECTION: cls
     for cls in (OptimizerConfig, PrecisionConfig, PlacementConfig, MemoryConfig, NvmeConfig, SwapIOConfig,
-                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig, ActivationConfig)
+                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig,
+                ActivationConfig)
 }
 
 

@@ -38,7 +38,6 @@ or on demand (nothing predicted it, or the window was full), per unit but the ro
 from __future__ import annotations
 
 import enum
-
 import time
 
 from .memory.manager import TieredMemoryManager
