@@ -353,8 +353,10 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
         lines.append(f"predicted step: {st.total * 1e3:.1f} ms = forward/backward {st.fb_seconds * 1e3:.1f} ms "
                      f"(bound by {st.bottlenecks()[0]}) + optimizer {st.opt_seconds * 1e3:.1f} ms "
                      f"(bound by {st.bottlenecks()[1]})")
-        lines.append(f"  compute {st.compute * 1e3:.1f} ms ({est.trace.flops / 1e9:.1f} GFLOP per micro-batch at half "
-                     f"the measured matmul rate)" if est.trace.flops else "  compute: not traced")
+        recompute = est.trace.unit_forward_flops if est.activation.checkpoint == "units" else 0.0
+        lines.append(f"  compute {st.compute * 1e3:.1f} ms ({est.trace.flops / 1e9:.1f} GFLOP per micro-batch"
+                     + (f" + {recompute / 1e9:.1f} recomputed (activation.checkpoint)" if recompute else "")
+                     + " at half the measured matmul rate)" if est.trace.flops else "  compute: not traced")
         lines.append("traffic per step and link (this rank):")
         for link in cost_model.LINKS:
             total = tr.fb[link] + tr.opt[link]
