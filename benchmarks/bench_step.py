@@ -170,7 +170,10 @@ def run_torch(args) -> dict:
 
 
 def infinity_config(args, placement: str, swap: str) -> dict:
-    """The engine config of system `infinity:<placement>` ("P/G/O" tiers, or "auto") with swap files in `swap`."""
+    """The engine config of system `infinity:<placement>` ("P/G/O" tiers, or "auto") with swap files in `swap`.
+    `<placement>@KEY=VALUE[@...]` adds engine keys to that system only (two systems side by side, e.g.
+    `infinity:host/host/host,infinity:host/host/host@activation.checkpoint=units`)."""
+    placement, *own_set = placement.split("@")
     config = {
         "optimizer": {"name": "adamw", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                       "grad_clip": args.clip},
@@ -188,7 +191,7 @@ def infinity_config(args, placement: str, swap: str) -> dict:
     if memory:
         config["memory"] = memory
     from infinity.options import parse_override
-    for item in args.set:  # e.g. io.checksum=full: one engine key for every infinity system
+    for item in [*args.set, *own_set]:  # e.g. io.checksum=full: one engine key for every infinity system
         section, key, value = parse_override(item)
         config.setdefault(section, {})[key] = value
     return config
@@ -261,7 +264,11 @@ def run_infinity(args, placement: str) -> dict:
         if summary:  # None without the profiler ([profile] enabled = false)
             out["overlap_efficiency"] = (summary.get("median") or {}).get("overlap_efficiency")
             out["profile"] = summary.get("median")
-        out["memory_report"] = {k: v for k, v in engine.memory_report().items() if k in ("state", "tier_totals")}
+            out["on_demand_per_step"] = [st["on_demand_fetches"] for st in summary["steps"]]
+        p = engine.prefetcher
+        out["prefetch"] = {"hits": p.hits, "after_update": p.after_update, "on_demand": p.on_demand}
+        out["memory_report"] = {k: v for k, v in engine.memory_report().items()
+                                if k in ("state", "tier_totals") or k.startswith("activation_")}
         out["plan"] = plan_summary(engine.plan)
     finally:
         engine.close()

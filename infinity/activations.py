@@ -35,8 +35,10 @@ autograd saves outside a checkpoint (the root unit's, every unit's without check
 inputs) is counted once per storage (a view counts its whole storage, as memory does), parameters left out.
 `activation_saved_bytes` is that sum for the last forward: what the device holds between forward and
 backward. Tensors saved inside a checkpoint are not seen (they are dropped at once); the recomputation of
-one unit adds that unit's saves for the duration of its backward (`infinity estimate` counts it). Offloaded
-inputs count in `activation_host_bytes` instead.
+one unit adds that unit's saves for the duration of its backward (`infinity estimate` counts it; without
+checkpoints `activation_unit_max_bytes` is the most one unit's own forward saved, which is what its
+recomputation holds; with them it is the largest unit's saved inputs). Offloaded inputs count in
+`activation_host_bytes`.
 """
 
 from __future__ import annotations
@@ -240,8 +242,9 @@ class Activations:
         self.inputs.fetch(indices)
 
     def report(self) -> dict:
+        blocks = [v for k, v in self.meter.per_unit.items() if k != 0]
         return {"activation_saved_bytes": self.meter.device_bytes, "activation_host_bytes": self.meter.host_bytes,
-                "activation_late_fetches": self.inputs.late}
+                "activation_unit_max_bytes": max(blocks, default=0), "activation_late_fetches": self.inputs.late}
 
 
 def activations_for(config, units: list[Unit], streams: Streams, device: torch.device) -> Activations:
