@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -139,7 +139,6 @@ class _Offloaded:
     copied: object  # event: the copy to the host is done
     device: torch.Tensor | None = None
     arrived: object = None  # event: the copy back is done
-    taken: bool = field(default=False)
 
 
 class HostInputs:
@@ -154,7 +153,9 @@ class HostInputs:
         self.late = 0  # copies back issued by unpack itself (nothing fetched them ahead)
 
     def saving(self, unit: Unit):
-        def pack(t: torch.Tensor) -> _Offloaded:
+        def pack(t: torch.Tensor) -> _Offloaded | torch.Tensor:
+            if t.device != self.device:
+                return t  # not on the compute device (e.g. a CPU tensor beside a GPU's): nothing to move
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
             streams = self.streams
             streams.wait_event(streams.record(), streams.d2h)  # the copy reads what compute just wrote
@@ -166,7 +167,9 @@ class HostInputs:
             self.meter.count(host, on_host=True)
             return rec
 
-        def unpack(rec: _Offloaded) -> torch.Tensor:
+        def unpack(rec: _Offloaded | torch.Tensor) -> torch.Tensor:
+            if isinstance(rec, torch.Tensor):
+                return rec
             if rec.device is None:
                 self.late += 1
                 self._issue(rec)

@@ -224,3 +224,18 @@ def test_estimate_predicts_the_saved_bytes_the_engine_measures():
     assert 0 < trace.unit_forward_flops < trace.flops / 3
     assert step_flops(trace.flops, trace.unit_forward_flops, "units") == trace.flops + trace.unit_forward_flops
     assert step_flops(trace.flops, trace.unit_forward_flops, "none") == trace.flops
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_gpu_checkpointed_units_train_like_the_cpu_reference(offload, tmp_path):
+    """The CUDA path: the offload's d2h / h2d streams and events, pinned host copies (skipped without a GPU)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    (ref_losses, _, ref_state), tier = reference_run(RECIPE), PLACED["nvme"]
+    losses, _, state, report = engine_run(RECIPE, tier, str(tmp_path), activation("units", offload))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-4)
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key], rtol=1e-3, atol=1e-4)
+    boundary = TINY.n_layer * RECIPE.micro_batch * TINY.seq_len * TINY.d_model * 4
+    assert report["activation_host_bytes"] == (boundary if offload == "host" else 0)
+    assert report["activation_late_fetches"] == 0
