@@ -1,7 +1,8 @@
-"""GPU step times beside their floors (issue 21, Deliver 2): a first version, cases a and b.
+"""GPU step times beside their floors (issue 21, Deliver 2): cases a, b, c and d.
 
     python benchmarks/bench_gpu.py --json benchmarks/results/gpu_<date>.json
     python benchmarks/bench_gpu.py --cases a --layers 12 --d-model 1024 --steps 6
+    python benchmarks/bench_gpu.py --cases b,c,d --dir /mnt/nvme/bench --ds-nvme --json OUT
     python benchmarks/bench_gpu.py --tiny --device cpu      # the smoke test (tests/test_bench_gpu.py)
 
 Case a, a model that fits in HBM: infinity with every state kind on the device
@@ -16,8 +17,21 @@ Adam kernel over the model's parameters), `pcie` (the step's gradient bytes down
 and parameter bytes up over pinned-memory copy bandwidth measured here). TFLOPS per
 GPU = 6 x parameters x tokens per step / step time.
 
-Cases c (optimizer state, then parameters, on the disk) and d (DeepSpeed ZeRO-3
-beside it) are not written yet: they are listed in the JSON as "not implemented".
+Case c, the ZeRO-Infinity shape (needs `--dir` on the disk under test): c1 puts the
+optimizer state on the disk (parameters on the GPU, gradients in pinned host RAM), c2
+the parameters too; floors as in b plus `disk`: the step's predicted NVMe bytes
+(infinity's byte model, `traffic.bytes_per_step` with the copies the update keeps)
+over the read and write rates measured on `--dir` (reads and writes share the disk,
+so their times add). `ratio` = step / max(floors).
+
+Case d, DeepSpeed ZeRO-3 with offload_optimizer cpu on the same model, batch and
+AdamW maths (gradient clipping off on both), in a child process (its process group
+stays out of this one): `ratio` = infinity's step at the same placement (case b's,
+run if b was not asked for) / DeepSpeed's (bar: <= 0.8). `--ds-nvme` adds d_nvme:
+DeepSpeed's optimizer on `--dir` (its async_io op needs libaio) against case c1.
+
+Case e, `--profile DIR`: cases b and c profiled (device-time compute and every link) as
+a Chrome trace, summary and timeline PNG under DIR/case_<name>/rank0.
 Step times are medians over `--steps` timed steps after `--warmup` steps; every
 step ends with a device synchronize (and infinity's `synchronize`), so queued work
 is paid by the step that queued it.
@@ -26,8 +40,11 @@ is paid by the step that queued it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -78,11 +95,20 @@ def torch_step_times(cfg: GPTConfig, batch, device, warmup, steps, optimizer: bo
     return timed(step, device, warmup, steps)
 
 
-def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement: dict) -> list[float]:
+def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement: dict, nvme_dir: str | None = None,
+                        nvme_bytes: dict | None = None, profile_dir: str | None = None) -> list[float]:
+    """Step times of infinity at `placement`; with `nvme_bytes` (a dict) it receives the predicted NVMe bytes
+    of a steady step; with `profile_dir` the run is profiled (Chrome trace, summary, timeline PNG there:
+    case e)."""
+    from infinity.memory.traffic import bytes_per_step
     torch.manual_seed(0)
-    engine = infinity.initialize(GPT(cfg), {
-        "optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": 0.0},
-        "placement": placement})
+    config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": 0.0},
+              "placement": placement}
+    if nvme_dir is not None:
+        config["nvme"] = {"paths": [nvme_dir]}
+    if profile_dir is not None:
+        config["profile"] = {"enabled": True, "trace_dir": profile_dir}
+    engine = infinity.initialize(GPT(cfg), config)
     x, y = batch  # CPU tensors: the engine moves them, as a data loader's would be
 
     def step():
@@ -90,7 +116,11 @@ def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement:
         engine.step()
         engine.synchronize()  # the overlapped update is paid by this step
     with engine:
-        return timed(step, device, warmup, steps)
+        times = timed(step, device, warmup, steps)
+        if nvme_bytes is not None:
+            nvme_bytes.update(bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
+                                             cuda=device.type == "cuda", kept=engine.kept_params))
+        return times
 
 
 def cpu_adam_floor(numel: int, repeats: int = 3) -> float:
@@ -135,8 +165,10 @@ def case_a(cfg, batch, device, args) -> dict:
 
 def case_b(cfg, batch, device, args) -> dict:
     numel = sum(p.numel() for p in GPT(cfg).parameters())
+    profile = os.path.join(args.profile, "case_b") if args.profile else None
     ours = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps,
-                                      {"params": "device", "grads": "host", "optimizer": "host"}))
+                                      {"params": "device", "grads": "host", "optimizer": "host"},
+                                      profile_dir=profile))
     floors = {
         "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
         "cpu_adam": cpu_adam_floor(numel),
@@ -144,6 +176,92 @@ def case_b(cfg, batch, device, args) -> dict:
     }
     return {"step_s": ours, "floors": floors, "ratio": ours / max(floors.values()), "bar": 1.15,
             "tflops": tflops(cfg, batch, ours), "params": numel}
+
+
+def disk_floor(nbytes: dict, directory: str, device: torch.device) -> float:
+    """Seconds for the step's NVMe reads and writes at the rates measured on `directory` (they share the disk)."""
+    from infinity.link_rates import link_rates
+    rates = link_rates(directory, device)
+    return nbytes.get("nvme_read", 0) / rates.nvme_read + nbytes.get("nvme_write", 0) / rates.nvme_write
+
+
+def case_c(cfg, batch, device, args) -> dict:
+    if not args.dir:
+        raise SystemExit("case c needs --dir DIR on the disk under test (the swap files go there)")
+    numel = sum(p.numel() for p in GPT(cfg).parameters())
+    base = {
+        "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
+        "cpu_adam": cpu_adam_floor(numel),
+        "pcie": pcie_floor(numel * 4, numel * 4, device),
+    }
+    out = {}
+    for name, placement in {"c1": {"params": "device", "grads": "host", "optimizer": "nvme"},
+                            "c2": {"params": "nvme", "grads": "host", "optimizer": "nvme"}}.items():
+        swap = tempfile.mkdtemp(prefix="bench-gpu-", dir=args.dir)
+        nbytes: dict = {}
+        profile = os.path.join(args.profile, f"case_{name}") if args.profile else None
+        ours = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps, placement, swap, nbytes,
+                                          profile_dir=profile))
+        floors = {**base, "disk": disk_floor(nbytes, args.dir, device)}
+        out[name] = {"placement": placement, "step_s": ours, "floors": floors, "nvme_bytes": nbytes,
+                     "ratio": ours / max(floors.values()), "bar": 1.15, "tflops": tflops(cfg, batch, ours),
+                     "params": numel}
+    return out
+
+
+def deepspeed_step_times(args, offload: str) -> list[float]:
+    """DeepSpeed ZeRO-3, optimizer offloaded to `offload` ("cpu" | "nvme"), in a child process."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--ds-worker", offload, "--device", args.device,
+           "--layers", str(args.layers), "--d-model", str(args.d_model), "--heads", str(args.heads),
+           "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
+           "--warmup", str(args.warmup), "--steps", str(args.steps)] + (["--dir", args.dir] if args.dir else [])
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29700 + os.getpid() % 200), "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    if args.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"DeepSpeed worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["times"]
+
+
+def ds_worker(args) -> None:
+    """The child: one DeepSpeed ZeRO-3 engine, its step times printed as JSON on the last line."""
+    import deepspeed
+    device = torch.device(args.device)
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
+                    d_model=args.d_model)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    offload = {"device": args.ds_worker, "pin_memory": device.type == "cuda"}
+    if args.ds_worker == "nvme":
+        offload.update(nvme_path=tempfile.mkdtemp(prefix="bench-gpu-ds-", dir=args.dir), buffer_count=4)
+    ds_config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
+                 "gradient_clipping": 0.0,  # as infinity's runs (PEERS.md: DeepSpeed clips at 1.0 unless set)
+                 "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                           "weight_decay": WD}},
+                 "zero_optimization": {"stage": 3, "offload_optimizer": offload},
+                 "steps_per_print": 10**9}
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    x, y = (t.to(engine.device) for t in synthetic_batch(cfg, args.batch, torch.Generator().manual_seed(0)))
+
+    def step():
+        engine.backward(engine(x, y))
+        engine.step()
+    print(json.dumps({"times": timed(step, device, args.warmup, args.steps)}), flush=True)
+
+
+def case_d(cfg, batch, device, args, done: dict) -> dict:
+    ours = done["b"]["step_s"] if "b" in done else case_b(cfg, batch, device, args)["step_s"]
+    theirs = median(deepspeed_step_times(args, "cpu"))
+    out = {"step_s": ours, "deepspeed_step_s": theirs, "floors": {"deepspeed_zero3_offload_cpu": theirs},
+           "ratio": ours / theirs, "bar": 0.8, "tflops": tflops(cfg, batch, ours)}
+    if args.ds_nvme:
+        c1 = done["c"]["c1"]["step_s"] if "c" in done else case_c(cfg, batch, device, args)["c1"]["step_s"]
+        theirs_nvme = median(deepspeed_step_times(args, "nvme"))
+        out["d_nvme"] = {"step_s": c1, "deepspeed_step_s": theirs_nvme, "ratio": c1 / theirs_nvme, "bar": 0.8}
+    return out
 
 
 def tflops(cfg: GPTConfig, batch, step_s: float) -> float:
@@ -154,7 +272,13 @@ def tflops(cfg: GPTConfig, batch, step_s: float) -> float:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="a,b", help="comma-separated: a, b")
+    ap.add_argument("--cases", default="a,b", help="comma-separated: a, b, c, d")
+    ap.add_argument("--dir", default=None, help="a directory on the disk under test (case c, d --ds-nvme)")
+    ap.add_argument("--ds-nvme", action="store_true", help="case d also with DeepSpeed's optimizer on --dir")
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds for DeepSpeed's child process")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="case e: profile cases b and c (Chrome trace, "
+                    "summary and timeline PNG under DIR/case_<name>/rank0)")
+    ap.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--d-model", type=int, default=2048)
@@ -171,6 +295,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> dict:
     args = parser().parse_args(argv)
+    if args.ds_worker:
+        return ds_worker(args)
     if args.tiny:
         args.layers, args.d_model, args.heads, args.seq, args.batch, args.vocab = 2, 32, 4, 16, 2, 64
         args.warmup, args.steps = 1, 1
@@ -180,12 +306,12 @@ def main(argv=None) -> dict:
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
                     d_model=args.d_model)
     batch = synthetic_batch(cfg, args.batch, torch.Generator().manual_seed(0))
-    cases = {"a": case_a, "b": case_b}
     out = {"machine": machine(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "seq_len": cfg.seq_len, "batch": args.batch},
-           "c": "not implemented", "d": "not implemented"}
+           "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "seq_len": cfg.seq_len, "batch": args.batch}}
+    done: dict = {}
+    cases = {"a": case_a, "b": case_b, "c": case_c, "d": lambda *a: case_d(*a, done)}
     for name in args.cases.split(","):
-        out[name] = cases[name](cfg, batch, device, args)
+        out[name] = done[name] = cases[name](cfg, batch, device, args)
         print(f"case {name}: {out[name]}", flush=True)
     write_json(args.json, out)
     return out

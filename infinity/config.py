@@ -295,6 +295,20 @@ class ProfileConfig(Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ZeroConfig(Section):
+    """Which state kinds are partitioned over the ranks (ZeRO stage), independent of their tiers."""
+
+    SECTION: ClassVar[str] = "zero"
+
+    stage: int = option(3, "0 = DDP (everything replicated, gradients all-reduced); 1 = optimizer state "
+                        "partitioned; 2 = optimizer state and gradients partitioned (with the optimizer on host: "
+                        "ZeRO-Offload); 3 = parameters partitioned too, all-gathered before each use (with NVMe: "
+                        "ZeRO-Infinity). Lower stages hold more bytes per rank and communicate less: "
+                        "`infinity estimate --stages` compares them (Note [stage layouts]).", "int",
+                        ge=0, le=3, example=2)
+
+
+@dataclass(frozen=True, kw_only=True)
 class UnitsConfig(Section):
     """How the model is split into units (the blocks that move and communicate together)."""
 
@@ -347,7 +361,7 @@ class ActivationConfig(Section):
 SECTIONS: dict[str, type[Section]] = {
     cls.SECTION: cls
     for cls in (OptimizerConfig, PrecisionConfig, PlacementConfig, MemoryConfig, NvmeConfig, SwapIOConfig,
-                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig,
+                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig, ZeroConfig,
                 ActivationConfig)
 }
 
@@ -387,6 +401,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     units: UnitsConfig = field(default_factory=UnitsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
     activation: ActivationConfig = field(default_factory=ActivationConfig)
 
     def __post_init__(self) -> None:

@@ -50,6 +50,7 @@ from .state_dict import full_state_dict
 from .streams import Streams, host_value
 from .unit import Comm, Unit, build_units, unit_sizes
 from .update_modes import NonFiniteGradError, update_mode
+from .weights import plan_weights
 
 __all__ = ["Engine", "NonFiniteGradError", "initialize"]
 
@@ -58,7 +59,7 @@ class Engine:
     """One rank's view of a sharded model. Create with `infinity.initialize`."""
 
     def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
-                 lr_schedule: Callable[[int], float] | None = None, group=None):
+                 lr_schedule: Callable[[int], float] | None = None, group=None, weights=None, strict: bool = True):
         self.module, self.config = model, config
         self.lr_schedule = lr_schedule
         self.env = resolve(group)
@@ -71,12 +72,13 @@ class Engine:
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler, unsharded=self.unsharded)
         self.units = build_units(model, list(config.units.classes), comm)
+        loaded = plan_weights(weights, model, self.units, strict) if weights is not None else None  # checked first
         self.plan = self._plan()
         self.io, self.swap = self._open_swap()
         self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
                                            pin_host=self.env.device.type == "cuda", profiler=self.profiler,
                                            fresh_budget=fresh_budget(self.plan, config.prefetch))
-        materialize_units(self.units, self.manager, config.train.seed, init_fn)
+        materialize_units(self.units, self.manager, config.train.seed, init_fn, loaded)
         buffers_to(model, self.env.device)  # the forward reads them there (they are not sharded)
         self.scaler = LossScaler.for_config(config.precision)
         self._pending_checkpoint = None  # a background save, committed at the next step() / wait_for_checkpoint()
@@ -324,18 +326,22 @@ class Engine:
             self.manager.drain()
             return load_checkpoint(self, path)
 
-    def export_state_dict(self, path: str, dtype: torch.dtype | None = None) -> str:
-        """Write the consolidated state dict (safetensors for `.safetensors`, else torch.save), streaming.
+    def export_state_dict(self, path: str, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
+                          merge_lora: bool = False) -> str:
+        """Write the consolidated state dict, streaming: one file for `.safetensors` (torch.save for another
+        suffix), a Hugging Face directory for a path with no suffix (sharded at `max_shard_size`; a PEFT
+        model's adapters alone, or merged into the base weights with `merge_lora`).
 
         Saves a checkpoint next to `path` first (all ranks call this), then rank 0 assembles
         the tensors one by one from it; the checkpoint stays, for resuming.
         """
         from .export import export_checkpoint
-        ckpt = f"{os.fspath(path)}.checkpoint"
+        ckpt = f"{os.fspath(path).rstrip(os.sep)}.checkpoint"
         self.save_checkpoint(ckpt)
         self.wait_for_checkpoint()
         if self.rank == 0:
-            export_checkpoint(ckpt, path, dtype=dtype)
+            export_checkpoint(ckpt, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora,
+                              model=self.module)
         if self.env.group is not None:
             import torch.distributed as dist
             dist.barrier(group=self.env.group)  # the file is complete when every rank returns
@@ -418,10 +424,13 @@ class Engine:
 
 def initialize(model: nn.Module, config: Config | dict | str | None = None, *,
                init_fn: Callable[[nn.Module], None] | None = None,
-               lr_schedule: Callable[[int], float] | None = None, group=None) -> Engine:
+               lr_schedule: Callable[[int], float] | None = None, group=None, weights=None,
+               strict: bool = True) -> Engine:
     """Shard `model`, plan its state over the tiers, and materialize it unit by unit.
 
-    `config` is a Config, a dict, a path to a TOML file, or None for defaults.
+    `config` is a Config, a dict, a path to a TOML file, or None for defaults. `weights`: a
+    `.safetensors` file, an HF directory or a torch state dict to load, unit by unit (weights.py;
+    `strict=False` warns about keys that do not fit instead of raising).
     """
     if config is None:
         config = Config()
@@ -429,4 +438,5 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, *,
         config = Config.from_dict(config)
     elif isinstance(config, (str, os.PathLike)):
         config = Config.from_file(config)
-    return Engine(model, config, init_fn=init_fn, lr_schedule=lr_schedule, group=group)
+    return Engine(model, config, init_fn=init_fn, lr_schedule=lr_schedule, group=group, weights=weights,
+                  strict=strict)

@@ -4,9 +4,12 @@ Under `meta_init()` every parameter is created on the meta device (no bytes),
 while buffers stay real (a causal mask or rotary table is small, and its
 values come from the model's own constructor). `initialize` then materializes
 one unit at a time: it creates the unit's parameters on the CPU, runs each
-owning module's `reset_parameters()` (or the user's `init_fn(module)`) under a
-generator seeded from `[train] seed` and the unit's index, flattens them, hands
-the flat buffer to the tiers, and drops it. The same seed gives the same
+owning module's `reset_parameters()` (or the user's `init_fn(module)`;
+transformers' `_init_weights` for modules without one; PEFT's own rule for
+LoRA adapters, Note [adapter init]) under a generator seeded from
+`[train] seed` and the unit's index, keeps this rank's shard of them, hands it
+to the tiers, and drops the rest. With `weights=` the parameters the file holds
+are read instead, only the shard's part (weights.py). The same seed gives the same
 initial weights whatever the world size or placement (`materialize_units`).
 """
 
@@ -14,17 +17,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn as nn
 
 from .memory.tier import Kind
-from .sharded_param import ParamSlot, gather_flat
+from .sharded_param import ParamSlot
 
 if TYPE_CHECKING:
     from .memory.manager import TieredMemoryManager
     from .unit import Unit
+    from .weights import WeightsPlan
 
 _patch_lock = threading.Lock()
 
@@ -61,23 +66,76 @@ def unit_seed(seed: int, unit_index: int) -> int:
     return (seed * 1_000_003 + unit_index * 7919 + 17) % (2**63 - 1)
 
 
-def materialize_flat(unit_name: str, slots: list[ParamSlot], padded_numel: int, seed: int,
-                     init_fn: Callable[[nn.Module], None] | None) -> torch.Tensor:
-    """The unit's parameters as one fp32 CPU flat buffer (padding zero).
+def materialize_shard(unit: Unit, seed: int, init_fn: Callable[[nn.Module], None] | None,
+                      weights: WeightsPlan | None = None, inits: ModuleInits | None = None) -> torch.Tensor:
+    """This rank's shard of the unit's parameters as fp32 (padding zero).
 
-    Parameters still on the meta device are created and initialized here; real
-    ones are read as they are. Either way the unit's full copy lives only for
-    the duration of this call.
+    Parameters the weights file holds are read from it, only the shard's part
+    (weights.py). The others still on the meta device are created and initialized here
+    (whole, as their init needs), real ones are read as they are; either way only their
+    part inside the shard is kept.
     """
-    flat = torch.zeros(padded_numel, dtype=torch.float32)
-    pending = [s for s in slots if is_meta(s)]
+    start, end = unit.shard_range()
+    master = torch.zeros(unit.shard_numel, dtype=torch.float32)
+    loaded = weights.read_shard(unit.slots, start, end, master) if weights is not None else set()
+    rest = [s for s in unit.slots if id(s) not in loaded]
+    pending = [s for s in rest if is_meta(s)]
     if pending:
-        _init_meta(unit_name, pending, seed, init_fn)
-    gather_flat(slots, flat)
-    return flat
+        _init_meta(unit.name, pending, seed, init_fn, inits or ModuleInits())
+    with torch.no_grad():
+        for slot in rest:
+            span = slot.overlap(start, end)
+            if span is not None:
+                module, attr = slot.owners[0]
+                value = module._parameters[attr].detach().reshape(-1)[span[0]:span[1]]
+                master.narrow(0, slot.offset + span[0] - start, span[1] - span[0]).copy_(value)
+    return master
 
 
-def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn) -> None:
+@dataclass
+class ModuleInits:
+    """The model's own initializers, beside `init_fn` and `reset_parameters()`."""
+
+    adapters: dict = field(default_factory=dict)  # peft_adapter_inits (Note [adapter init])
+    # transformers' `model._init_weights(module)`, for its modules with no reset_parameters (RMSNorm, Conv1D)
+    fallback: Callable[[nn.Module], None] | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModuleInits:
+        fallback = getattr(model, "_init_weights", None)
+        return cls(peft_adapter_inits(model), fallback if callable(fallback) else None)
+
+
+def peft_adapter_inits(model: nn.Module) -> dict[int, tuple[nn.Module, str, object]]:
+    """id(module holding an adapter tensor) -> (its PEFT LoRA layer, adapter name, init_lora_weights).
+
+    Note [adapter init]: PEFT creates its adapters on the device of the base weights, so
+    under meta_init they are meta too, and the modules holding them are plain nn.Linear
+    (lora_A / lora_B) whose reset_parameters would give B random values. Their init is the
+    LoRA layer's own `reset_lora_parameters` (A as nn.Linear's default, B = 0, so the
+    wrapped model starts as the base model), found here by duck typing (no peft import).
+    """
+    configs = getattr(model, "peft_config", None) or {}
+    found = {}
+    for layer in model.modules():
+        if not callable(getattr(layer, "reset_lora_parameters", None)):
+            continue
+        for dict_name in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            holder = getattr(layer, dict_name, None)
+            if not isinstance(holder, (nn.ModuleDict, nn.ParameterDict)):
+                continue
+            for adapter in holder.keys():
+                init = getattr(configs.get(adapter), "init_lora_weights", True)
+                if init not in (True, False, "gaussian"):
+                    raise ValueError(f"LoRA adapter {adapter!r} has init_lora_weights={init!r}, which reads the base "
+                                     f"weights: infinity creates the model under meta_init, so use True or "
+                                     f"'gaussian' (or initialize the adapters yourself through init_fn)")
+                owner = holder if isinstance(holder, nn.ParameterDict) else holder[adapter]
+                found[id(owner)] = (layer, adapter, init)
+    return found
+
+
+def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn, inits: ModuleInits) -> None:
     modules: list[nn.Module] = []
     for slot in slots:
         module, attr = slot.owners[0]
@@ -91,11 +149,19 @@ def _init_meta(unit_name: str, slots: list[ParamSlot], seed: int, init_fn) -> No
         torch.manual_seed(seed)
         # Reverse order: a parameter shared by several modules keeps the values its
         # first owner (in module order) gives it, as the last to run wins.
+        adapters_done = set()
         for module in reversed(modules):
-            if init_fn is not None:
+            if id(module) in inits.adapters:  # Note [adapter init]
+                layer, adapter, init = inits.adapters[id(module)]
+                if (id(layer), adapter) not in adapters_done:
+                    adapters_done.add((id(layer), adapter))
+                    layer.reset_lora_parameters(adapter, init)
+            elif init_fn is not None:
                 init_fn(module)
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+            elif inits.fallback is not None:
+                inits.fallback(module)
             else:
                 names = [n for s in slots for (m, _), n in zip(s.owners, s.names) if m is module]
                 raise TypeError(
@@ -123,21 +189,26 @@ def buffers_to(model: nn.Module, device: torch.device) -> None:
 
 
 def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int,
-                      init_fn: Callable[[nn.Module], None] | None) -> None:
-    """Unit by unit: full fp32 values -> this rank's shard -> tiers; the full copy is dropped."""
-    for unit in units:
-        for kind in Kind:
-            manager.allocate(unit.index, kind)
-        flat = materialize_flat(unit.name, unit.slots, unit.padded_numel, unit_seed(seed, unit.index), init_fn)
-        start, end = unit.shard_range()
-        master = flat[start:end].clone()
-        del flat
-        pending = manager.store_master(unit.index, None, master, release=False)
-        for p in pending:
-            p.wait()  # the shard's values must be stored before its full copy goes away
-        stored = manager.resident(unit.index, Kind.PARAMS)
-        if unit.comm.world_size == 1 and stored is not None and stored.device == unit.comm.device:
-            unit.alias(stored)
-        else:
-            unit.install_views()
+                      init_fn: Callable[[nn.Module], None] | None, weights: WeightsPlan | None = None) -> None:
+    """Unit by unit: this rank's shard (read from `weights`, or initialized) -> tiers; nothing of the
+    model is held beyond one unit. `weights` is closed at the end."""
+    inits = ModuleInits.of(units[0].modules[0]) if units else ModuleInits()
+    try:
+        if weights is not None:
+            weights.load_buffers()
+        for unit in units:
+            for kind in Kind:
+                manager.allocate(unit.index, kind)
+            master = materialize_shard(unit, unit_seed(seed, unit.index), init_fn, weights, inits)
+            pending = manager.store_master(unit.index, None, master, release=False)
+            for p in pending:
+                p.wait()  # the shard's values must be stored before the unit's parameters go away
+            stored = manager.resident(unit.index, Kind.PARAMS)
+            if unit.comm.world_size == 1 and stored is not None and stored.device == unit.comm.device:
+                unit.alias(stored)
+            else:
+                unit.install_views()
+    finally:
+        if weights is not None:
+            weights.close()
     manager.drain()

@@ -33,6 +33,11 @@ class ParamSlot:
     def name(self) -> str:
         return self.names[0]
 
+    def overlap(self, start: int, end: int) -> tuple[int, int] | None:
+        """The part [lo, hi) of this parameter's flattened elements inside [start, end) of the flat buffer."""
+        lo, hi = max(start - self.offset, 0), min(end - self.offset, self.numel)
+        return (lo, hi) if lo < hi else None
+
 
 def collect_slots(named: list[tuple[str, nn.Module, str, nn.Parameter]]) -> list[ParamSlot]:
     """Group (fqn, module, attr, param) entries by parameter identity, keeping first-seen order."""
@@ -69,9 +74,3 @@ def install(slots: list[ParamSlot], flat: torch.Tensor) -> None:
         for module, attr in slot.owners:
             module._parameters[attr] = slot.param
 
-
-def gather_flat(slots: list[ParamSlot], out: torch.Tensor) -> None:
-    """Copy the slots' current parameter values (as found on their first owner) into `out`."""
-    for slot in slots:
-        module, attr = slot.owners[0]
-        out.narrow(0, slot.offset, slot.numel).copy_(module._parameters[attr].detach().reshape(-1))

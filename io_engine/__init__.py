@@ -11,7 +11,7 @@ meaning of size strings (Note [size strings]); atomic_write, fsync_file and drop
 the file helpers. Never imports `infinity`.
 """
 
-from .aligned import AlignedBufferPool, aligned_empty, size_class
+from .aligned import AlignedBufferPool, aligned_empty, cuda_host_register, cuda_host_unregister, size_class
 from .backends import FailRule, MemoryBackend, OpInfo, ThreadBackend
 from .checksums import CHECKSUM_ALGORITHM
 from .engine import IOConfig, IOEngine, IOFuture, RequestState
@@ -24,5 +24,7 @@ from .swap_space import Extent, ExtentPart, SwapSpace
 __all__ = ["AlignedBufferPool", "CHECKSUM_ALGORITHM", "ChecksumError", "DirectionStats", "Extent",
            "ExtentPart", "FailRule", "IOConfig", "IOEngine", "IOEngineError", "IOFuture",
            "IOStats", "MemoryBackend", "OpInfo", "RequestState", "SwapSpace", "ThreadBackend",
-           "SizeError", "aligned_empty", "atomic_write", "drop_page_cache", "format_size", "fsync_file", "parse_size",
+           "SizeError", "aligned_empty",
+           "cuda_host_register", "cuda_host_unregister", "atomic_write", "drop_page_cache", "format_size",
+           "fsync_file", "parse_size",
            "size_class"]

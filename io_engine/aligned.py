@@ -19,6 +19,7 @@ import mmap
 import os
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -58,18 +59,31 @@ def mlock(address: int, num_bytes: int) -> bool:
     return False
 
 
+def cuda_host_register(tensor: torch.Tensor) -> None:
+    """Page-lock `tensor`'s bytes for DMA at their exact size (cudaHostRegister through torch.cuda.cudart)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+    assert int(err) == 0, f"cudaHostRegister of {nbytes} bytes failed: {err}"
+
+
+def cuda_host_unregister(tensor: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
 def _cuda_pinned(nbytes: int, alignment: int) -> torch.Tensor:
-    """Pinned uint8 tensor of nbytes at an aligned address (cudaHostAlloc is page aligned)."""
-    base = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    if base.data_ptr() % alignment == 0:
-        return base
-    base = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=True)
-    shift = (-base.data_ptr()) % alignment
-    return base[shift:shift + nbytes]
+    """Pinned uint8 tensor of exactly nbytes (page-rounded) at an aligned address: a fresh mapping registered
+    with CUDA, unregistered when its last view dies. Not `torch.empty(pin_memory=True)`: PyTorch's caching host
+    allocator rounds every pinned block up to a power of two and keeps it (a 5 MiB size class would pin 8 MiB;
+    Note [pinned arena] in infinity/memory/buffers.py)."""
+    raw, mapping = _mapping(nbytes, alignment)
+    cuda_host_register(raw)
+    ptr = raw.data_ptr()
+    weakref.finalize(mapping, lambda: torch.cuda.cudart().cudaHostUnregister(ptr))  # before the unmap
+    return raw
 
 
-def _mapped(nbytes: int, alignment: int, lock: bool) -> torch.Tensor:
-    """uint8 tensor of nbytes in a fresh anonymous mapping, aligned, optionally mlock'ed."""
+def _mapping(nbytes: int, alignment: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """uint8 tensor of nbytes in a fresh anonymous mapping, aligned; and the mapping (freed with the tensor)."""
     extra = alignment - _PAGE if alignment > _PAGE else 0
     length = -(-(nbytes + extra) // _PAGE) * _PAGE
     m = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -77,7 +91,12 @@ def _mapped(nbytes: int, alignment: int, lock: bool) -> torch.Tensor:
         m.madvise(mmap.MADV_HUGEPAGE)  # fewer pages for the kernel to pin per request
     base = torch.frombuffer(m, dtype=torch.uint8)  # holds a reference to m: freed with the tensor
     shift = (-base.data_ptr()) % alignment
-    raw = base[shift:shift + nbytes]
+    return base[shift:shift + nbytes], m
+
+
+def _mapped(nbytes: int, alignment: int, lock: bool) -> torch.Tensor:
+    """uint8 tensor of nbytes in a fresh anonymous mapping, aligned, optionally mlock'ed."""
+    raw, _ = _mapping(nbytes, alignment)
     if lock:
         mlock(raw.data_ptr(), nbytes)
     return raw

@@ -506,3 +506,38 @@ def test_a_prefetch_after_an_update_follows_it_on_the_device():
         streams = engine.updates.worker.streams = RecordingStreams()
         assert engine.updates.ready(1)
         assert streams.log == [("wait", "current")]
+
+
+def test_staging_buffers_are_pinned_at_their_size_class_not_a_power_of_two(monkeypatch):
+    """Defect 5 for io_engine's staging pool: a pinned buffer is a fresh mapping registered with CUDA at its
+    exact bytes (a 5 MiB size class pins 5 MiB, where the caching host allocator would pin 8 MiB) and
+    unregistered when its last view dies, before the mapping goes."""
+    import gc
+
+    from io_engine import AlignedBufferPool, size_class
+    calls = []
+
+    class CudaRuntime:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr, nbytes))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", CudaRuntime)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda *a, **k: pytest.fail("caching host allocator used"))
+    pool = AlignedBufferPool(alignment=4096, pin=None)
+    nbytes = 4 * 2**20 + 12345  # its class: 5 MiB
+    buf = pool.get(nbytes // 4, torch.float32)
+    assert size_class(nbytes, 4096) == 5 * 2**20
+    assert calls == [("register", calls[0][1], 5 * 2**20)]
+    assert calls[0][1] <= buf.data_ptr() < calls[0][1] + 5 * 2**20 and buf.data_ptr() % 4096 == 0
+    buf.fill_(1.0)  # the bytes are real memory
+    pool.put(buf)
+    del buf
+    pool.close()
+    gc.collect()
+    assert calls[1:] == [("unregister", calls[0][1])]

@@ -12,7 +12,7 @@ from collections.abc import Hashable
 
 import torch
 
-from io_engine import AlignedBufferPool, aligned_empty
+from io_engine import AlignedBufferPool, aligned_empty, cuda_host_register, cuda_host_unregister
 
 from ..streams import host_wait
 
@@ -185,16 +185,6 @@ ARENA_ALIGN = 4096
 def arena_bytes(numels_and_dtypes) -> int:
     """The arena bytes of shards of (numel, dtype): each rounded up to a page."""
     return sum(-(-n * dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN for n, dtype in numels_and_dtypes)
-
-
-def cuda_host_register(tensor: torch.Tensor) -> None:
-    """Page-lock `tensor`'s bytes for DMA, exactly (torch.cuda.cudart's cudaHostRegister)."""
-    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-    assert int(err) == 0, f"cudaHostRegister of {tensor.numel() * tensor.element_size()} bytes failed: {err}"
-
-
-def cuda_host_unregister(tensor: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
 
 
 class HostArena:
