@@ -4,9 +4,14 @@
     python benchmarks/bench_step.py --systems torch,infinity:nvme/host/nvme --steps 4
     python benchmarks/bench_step.py --dir /path/on/nvme --device-budget 2GiB --host-budget 2GiB \
         --systems infinity:auto,infinity:fitting --json auto.json     # auto vs the best static placement
+    python benchmarks/bench_step.py --world 2 --systems \
+        infinity:device/host/host@2,infinity:device/host/host@3,deepspeed:cpu_opt@2,fsdp2:cpu_both  # issue 23
 
-Every system runs in its own process (so its peak RSS is its own), world size 1,
-the same GPT, data, AdamW hyper-parameters, gradient clipping and thread count.
+Every system runs in its own process (so its peak RSS is its own), world size 1
+unless `--world N` (then N processes under torchrun, gloo on the CPU, `--threads`
+per rank: default 2 // N; each rank its own batches; rank 0's step times are reported,
+every rank's peak RSS), the same GPT, data, AdamW hyper-parameters, gradient clipping
+and thread count.
 Reported per system: median step time over the timed steps (after warm-up; a step
 runs from its start to the next one's, so infinity's overlapped update is paid by
 the step it overlaps, and infinity runs one untimed step more and then drains its
@@ -36,6 +41,15 @@ of none | cpu_opt | cpu_both | nvme_opt | nvme_both. DeepSpeed and FSDP2 are ski
 (with the reason) when not installed or failing; an infinity placement that does not
 fit fails with the planner's message.
 
+ZeRO stages: a system name ending in `@S` runs at stage S (`infinity:device/host/host@2`:
+`zero.stage = 2`; `deepspeed:cpu_opt@2`: DeepSpeed ZeRO-2 with the optimizer on the CPU,
+i.e. ZeRO-Offload; DeepSpeed offloads parameters only at stage 3); `--zero-stage S` is
+the stage of every infinity and DeepSpeed system without a suffix (default: infinity's
+`zero.stage` default, DeepSpeed stage 3). FSDP2 is always fully sharded (stage 3) and
+`torch` at `--world` > 1 is DDP. With stage suffixes in the run, `stage_ratios` compares
+each infinity `@2` system with its `@3` twin, with `deepspeed:cpu_opt@2` and with
+`fsdp2:cpu_both` (issue 23's bar: stage 2 faster than stage 3, <= 0.8 x ZeRO-2 offload).
+
 `--device-budget` / `--host-budget` set infinity's `memory.device_budget` /
 `memory.host_budget` (default "auto": the free memory detected). Without a GPU the
 device tier is RAM too, so both are needed to make everything-on-device not fit.
@@ -56,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -78,6 +93,17 @@ STATIC_PLACEMENTS = tuple(f"{p}/{g}/{o}" for p in TIERS for g in TIERS for o in 
 AUTO_BUDGETS = ("2GiB", "2GiB")  # --device-budget, --host-budget for the default model (docstring)
 
 
+def rank() -> int:
+    """This worker's rank under torchrun (0 alone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def with_stage(option: str, default: int | None) -> tuple[str, int | None]:
+    """`OPTION@S` -> (OPTION, S); without a suffix, (OPTION, `default`: --zero-stage)."""
+    option, at, stage = option.partition("@")
+    return option, int(stage) if at else default
+
+
 def model_config(args):
     from infinity.models.gpt import GPTConfig
     return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
@@ -89,11 +115,12 @@ def optimizer_args(args) -> dict:
 
 
 def batches(args, cfg, trailing: int = 0, timed: int | None = None):
-    """Warm-up + timed (default `--steps`) batches (+ `trailing` untimed ones), the same for every system."""
+    """Warm-up + timed (default `--steps`) batches (+ `trailing` untimed ones), the same for every system
+    (each rank of `--world` its own: seeded by the rank)."""
     import torch
 
     from infinity.models.gpt import synthetic_batch
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + rank())
     timed = args.steps if timed is None else timed
     return [synthetic_batch(cfg, args.batch, g) for _ in range(args.warmup + timed + trailing)]
 
@@ -165,15 +192,25 @@ def run_torch(args) -> dict:
     cfg = model_config(args)
     torch.manual_seed(0)
     model = GPT(cfg)
+    if args.world > 1:  # plain data parallelism: DDP over gloo
+        from infinity.environment import init_process_group
+        init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **optimizer_args(args))
-    return timed_loop(args, plain_step(args, model, opt), batches(args, cfg))
+    try:
+        return timed_loop(args, plain_step(args, model, opt), batches(args, cfg))
+    finally:
+        if args.world > 1:
+            torch.distributed.destroy_process_group()
 
 
 def infinity_config(args, placement: str, swap: str) -> dict:
-    """The engine config of system `infinity:<placement>` ("P/G/O" tiers, or "auto") with swap files in `swap`.
-    `<placement>@KEY=VALUE[@...]` adds engine keys to that system only (two systems side by side, e.g.
-    `infinity:host/host/host,infinity:host/host/host@activation.checkpoint=units`)."""
-    placement, *own_set = placement.split("@")
+    """The engine config of system `infinity:<placement>` ("P/G/O" tiers, or "auto", optionally "@S" for
+    ZeRO stage S) with swap files in `swap`. `@KEY=VALUE` suffixes add engine keys to that system only (two
+    systems side by side, e.g. `infinity:host/host/host,infinity:host/host/host@activation.checkpoint=units`)."""
+    placement, *suffixes = placement.split("@")
+    own_set = [x for x in suffixes if "=" in x]
+    placement, stage = with_stage("@".join([placement, *(x for x in suffixes if "=" not in x)]), args.zero_stage)
     config = {
         "optimizer": {"name": "adamw", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                       "grad_clip": args.clip},
@@ -194,6 +231,8 @@ def infinity_config(args, placement: str, swap: str) -> dict:
     for item in [*args.set, *own_set]:  # e.g. io.checksum=full: one engine key for every infinity system
         section, key, value = parse_override(item)
         config.setdefault(section, {})[key] = value
+    if stage is not None:  # the system's @S, else --zero-stage
+        config.setdefault("zero", {})["stage"] = stage
     return config
 
 
@@ -220,7 +259,7 @@ def infinity_engine(args, placement: str, swap: str, profile: bool = False):
     if profile and "profile" in infinity.Config.from_dict({}).to_dict():
         config["profile"] = {
             "enabled": True,
-            "trace_dir": os.path.join(args.dir, f"trace-{placement.replace('/', '-')}"),
+            "trace_dir": os.path.join(args.dir, f"trace-{placement.replace('/', '-').replace('@', '-z')}"),
         }
     torch.manual_seed(0)
     try:
@@ -296,8 +335,14 @@ def run_deepspeed(args, kind: str) -> dict:
     model = GPT(cfg)
     max_numel = max(p.numel() for p in model.parameters())
     swap = tempfile.mkdtemp(prefix="bench-ds-", dir=args.dir)
+    kind, stage = with_stage(kind, args.zero_stage)
+    stage = 3 if stage is None else stage
     opt_dev, param_dev = _offload(kind)
-    zero = {"stage": 3, "stage3_prefetch_bucket_size": 2e6, "stage3_param_persistence_threshold": 0}
+    if param_dev and stage != 3:
+        raise ValueError(f"deepspeed:{kind}@{stage}: DeepSpeed offloads parameters only at stage 3")
+    zero = {"stage": stage}
+    if stage == 3:
+        zero.update({"stage3_prefetch_bucket_size": 2e6, "stage3_param_persistence_threshold": 0})
     if opt_dev:
         zero["offload_optimizer"] = {"device": opt_dev, "nvme_path": swap, "pin_memory": False, "buffer_count": 4}
     if param_dev:
@@ -347,8 +392,10 @@ def run_fsdp2(args, kind: str) -> dict:
 
     from infinity.environment import init_process_group
     from infinity.models.gpt import GPT
-    if kind not in ("none", "cpu_both"):
-        raise ValueError("FSDP2 offloads parameters, gradients and optimizer state together: none | cpu_both")
+    kind, stage = with_stage(kind, 3)
+    if kind not in ("none", "cpu_both") or stage != 3:
+        raise ValueError("FSDP2 shards everything (stage 3) and offloads parameters, gradients and optimizer "
+                         "state together: none | cpu_both")
     init_process_group("gloo")  # FSDP2 here: one CPU process
     cfg = model_config(args)
     torch.manual_seed(0)
@@ -515,9 +562,9 @@ def fitting_placements(args) -> dict:
     with infinity.meta_init():
         model = GPT(model_config(args))
     base = infinity.Config.from_dict(infinity_config(args, "auto", args.dir))
-    sizes = unit_sizes_of(model, base, world_size=1)
+    sizes = unit_sizes_of(model, base, world_size=args.world)
     # each worker's swap directory is a fresh directory under --dir: the same filesystem, the same free space
-    budgets = resolve_budgets_for(base, local_world_size=1, cuda=torch.cuda.is_available(),
+    budgets = resolve_budgets_for(base, local_world_size=args.world, cuda=torch.cuda.is_available(),
                                   nvme_free=check_nvme_paths([args.dir]))
     fitting, not_fitting = [], {}
     for placement in STATIC_PLACEMENTS:
@@ -568,8 +615,8 @@ def drive(args) -> dict:
     runs = ["io"]
     for name in systems:
         runs.append(name)
-        if _on_nvme(name):
-            runs += ["io"] + ([_paired_name(name)] if args.paired_blocks else [])
+        if _on_nvme(name):  # the paired floor's steps run alone: one process
+            runs += ["io"] + ([_paired_name(name)] if args.paired_blocks and args.world == 1 else [])
     for name in runs:
         result = _run_worker(name, args)
         if name == "io":
@@ -592,7 +639,8 @@ def drive(args) -> dict:
     ratios = _peer_ratios(results)
     payload = {"benchmark": "step", "machine": machine(), "model": vars(model_config(args)),
                "params": model_config(args).num_params(), "batch": args.batch, "clip": args.clip,
-               "threads": args.threads, "device_budget": args.device_budget or "auto",
+               "threads": args.threads, "world": args.world, "zero_stage": args.zero_stage,
+               "stage_ratios": stage_ratios(results), "device_budget": args.device_budget or "auto",
                "host_budget": args.host_budget or "auto", "systems": systems, "results": results, "floors": floors,
                "peer_ratios": ratios}
     if fit is not None:
@@ -600,7 +648,31 @@ def drive(args) -> dict:
     write_json(args.json, payload)
     if fit is not None:
         _print_auto_vs_static(payload["auto_vs_static"])  # after the JSON, so it is what the terminal shows last
+    for label, r in payload["stage_ratios"].items():
+        print(f"{label:60s} {r['step_ratio']:.3f}" + (f"  (bar {r['bar']}: {'met' if r['met'] else 'NOT met'})"
+                                                      if "bar" in r else ""))
     return payload
+
+
+def stage_ratios(results: dict) -> dict:
+    """Issue 23's comparisons, for each infinity system at stage 2 (`@2`): its step over its `@3` twin's, over
+    DeepSpeed ZeRO-2 offload's (`deepspeed:cpu_opt@2`) and over FSDP2 CPU offload's; the bars: < 1 and <= 0.8."""
+    out = {}
+    for name, r in results.items():
+        if not (name.startswith("infinity:") and name.endswith("@2") and r.get("step_s")):
+            continue
+        twins = {f"{name} / {name[:-2]}@3": (name[:-2] + "@3", 1.0, False),
+                 f"{name} / deepspeed:cpu_opt@2": ("deepspeed:cpu_opt@2", 0.8, True),
+                 f"{name} / fsdp2:cpu_both": ("fsdp2:cpu_both", None, True)}
+        for label, (other, bar, inclusive) in twins.items():
+            theirs = results.get(other, {}).get("step_s")
+            if theirs:
+                ratio = r["step_s"] / theirs
+                out[label] = {"step_ratio": round(ratio, 3)}
+                if bar is not None:
+                    out[label].update(bar=("<= " if inclusive else "< ") + str(bar),
+                                      met=ratio <= bar if inclusive else ratio < bar)
+    return out
 
 
 def auto_vs_static(results: dict, fit: dict) -> dict:
@@ -645,21 +717,49 @@ def _gib(n: int) -> str:
 
 
 def _run_worker(name: str, args) -> dict:
-    """Run one system (or the I/O measurement) in its own process; its RESULT line, or an error."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name] + _forward(args)
+    """Run one system (or the I/O measurement) in its own process, or `--world` processes under torchrun
+    (each rank writes its result to a file of its own: long lines of several ranks would interleave on
+    one pipe); rank 0's result with every rank's peak RSS, or an error."""
+    distributed = args.world > 1 and name.partition(":")[0] not in ("io", "paired")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}"]
+    cmd = (launcher if distributed else [sys.executable]) + [os.path.abspath(__file__), "--worker", name]
+    cmd += _forward(args)
     t = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+    with tempfile.TemporaryDirectory(prefix="bench-ranks-") as ranks:
+        env = {**os.environ, RESULT_DIR: ranks} if distributed else None
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {args.timeout} s"}
+        if distributed:
+            per_rank = [_read_json(os.path.join(ranks, f"rank{r}.json")) for r in range(args.world)]
+            result = per_rank[0] if all(per_rank) and proc.returncode == 0 else None
+            if result is not None:
+                result["peak_rss_GiB_per_rank"] = [r.get("peak_rss_GiB") for r in per_rank]
+                result["step_s_per_rank"] = [r.get("step_s") for r in per_rank]
+        else:
+            line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT ")), None)
+            result = json.loads(line[len("RESULT "):]) if proc.returncode == 0 and line is not None else None
+    if result is None:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        # under torchrun the last lines are its failure summary: end at the worker's own exception instead
+        exception = re.compile(r"(\[rank\d+\]: )?[\w.]+(Error|Exception|Interrupt)\b")
+        raised = [i for i, ln in enumerate(lines) if exception.match(ln) and "ChildFailedError" not in ln]
+        tail = lines[max(0, raised[-1] - 5):raised[-1] + 1] if distributed and raised else lines[-6:]
         result = {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
-    else:
-        result = json.loads(line[len("RESULT "):])
     result["wall_s"] = round(time.perf_counter() - t, 1)
     return result
+
+
+RESULT_DIR = "BENCH_STEP_RESULT_DIR"  # set by the driver for a torchrun worker: where each rank writes its result
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _on_nvme(name: str) -> bool:
@@ -757,7 +857,7 @@ def _peer_ratios(results: dict) -> dict:
 def _forward(args) -> list[str]:
     out = []
     for key in ("layers", "d_model", "heads", "vocab", "seq", "batch", "steps", "warmup", "lr", "clip", "threads",
-                "units_ahead", "io_bytes", "io_sustained_bytes", "paired_blocks", "ds_param_buffers"):
+                "units_ahead", "io_bytes", "io_sustained_bytes", "paired_blocks", "ds_param_buffers", "world"):
         out += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     out += ["--dir", args.dir]
     for key in ("device_budget", "host_budget"):
@@ -767,6 +867,8 @@ def _forward(args) -> list[str]:
         out.append("--profile")
     if args.no_overlap:
         out.append("--no-overlap")
+    if args.zero_stage is not None:
+        out += ["--zero-stage", str(args.zero_stage)]
     for item in args.set:
         out += ["--set", item]
     return out
@@ -788,7 +890,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="threads per process (default 2; with --world N and no "
+                                                           "--threads, 2 // N, at least 1)")
+    ap.add_argument("--world", type=int, default=1, metavar="N",
+                    help="ranks per system: N torchrun processes, gloo on the CPU (default 1)")
+    ap.add_argument("--zero-stage", type=int, default=None, choices=(0, 1, 2, 3), metavar="S",
+                    help="ZeRO stage of the infinity systems (--set zero.stage=S) and DeepSpeed's (default 3) "
+                         "without an @S suffix")
     ap.add_argument("--units-ahead", type=int, default=2)
     ap.add_argument("--io-bytes", type=int, default=1 << 30, help="the burst I/O sample's size (the I/O floor's)")
     ap.add_argument("--io-sustained-bytes", type=int, default=4 << 30,
@@ -816,9 +924,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
+    if args.world > 1 and not any(a == "--threads" or a.startswith("--threads=") for a in argv):
+        args.threads = max(1, 2 // args.world)  # PEERS.md: the same threads per rank for every system
     if args.worker:
-        print("RESULT " + json.dumps(worker(args), default=str), flush=True)
+        result = json.dumps(worker(args), default=str)
+        if os.environ.get(RESULT_DIR):  # one of --world ranks (torchrun)
+            with open(os.path.join(os.environ[RESULT_DIR], f"rank{rank()}.json"), "w") as f:
+                f.write(result)
+        else:
+            print("RESULT " + result, flush=True)
         return None
     return drive(args)
 

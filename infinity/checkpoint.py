@@ -4,9 +4,9 @@ Layout of a checkpoint directory::
 
     manifest.json        format, world size, model layout, resolved config, counters, user state,
                          and the checksum of every rank's index (written last, by rank 0)
-    rank00000.bin        this rank's fp32 master, exp_avg, exp_avg_sq, one record per optimizer
-                         sub-group, each at a 4 KiB-aligned offset
-    rank00000.json       the records: unit, kind, chunk, element range in the shard, offset, crc32
+    rank00000.bin        this rank's part of the fp32 master, exp_avg, exp_avg_sq, and of frozen parameters
+                         (cast to fp32), one record per stored chunk, each at a 4 KiB-aligned offset
+    rank00000.json       the records: unit, kind, chunk, element range in the flat buffer, offset, crc32
     rank00000.rng.pt     this rank's RNG states (torch, CUDA, python, numpy), tensors and plain values only
     buffers.pt           the model's persistent buffers (rank 0; BatchNorm statistics, masks), restored on load
 
@@ -15,8 +15,12 @@ values; no pickled code runs) after its crc32 in the manifest was checked, so a 
 file fails with a CheckpointError that names it, not an unpickling traceback or someone else's code.
 
 Note [what is saved]: a checkpoint is taken at an accumulation boundary, where gradients
-are zero and the compute-dtype parameters are exactly the cast of the fp32 masters; so
-masters and Adam moments (plus counters and per-parameter step counts) are the whole state.
+are zero and the compute-dtype parameters of trainable elements are exactly the cast of the
+fp32 masters; so masters and Adam moments, the parameters of frozen elements (which have no
+master: Note [stage layouts]), counters and per-parameter step counts are the whole state.
+Each element is written once, by the rank whose partition holds it ([r*s, (r+1)*s) of the
+flat buffer): every rank stores its own partition of every kind at every stage, and kinds
+replicated at stages 0-2 are not written N times.
 
 Note [atomicity]: every rank writes into `<path>.tmp-<token>` (marked as partial); rank 0
 writes the manifest after all ranks have fsynced their files, fsyncs, and renames the
@@ -25,10 +29,12 @@ complete one. With `[checkpoint] background = true` the rank files are written b
 while training continues; the commit (barrier, manifest, rename) happens at the next
 `step()` or `close()`, before the optimizer touches the state being written.
 
-Note [resharding]: records carry their element range in the saving rank's shard, which maps
-to a range of the unit's flat buffer (the same at every world size, up to padding). Loading
-at another world size reads, for each local sub-group, the overlapping parts of the saved
-records, each verified against its checksum.
+Note [resharding]: records carry their element range in the unit's flat buffer (the same at
+every world size and stage, up to padding; format 1 carried it in the saving rank's shard of
+s elements: r*s + start). Loading at another world size or stage reads, for each chunk the
+rank stores, the overlapping parts of the saved records, each verified against its checksum:
+the optimizer kinds from their records, parameters outside the update range from the master
+records (trainable) overlaid with the params records (frozen).
 """
 
 from __future__ import annotations
@@ -65,8 +71,10 @@ from .checkpoint_files import (  # noqa: F401 - CheckpointError and apply_retent
 from .memory.tier import Kind
 from .streams import bind_thread
 
-FORMAT = "infinity-checkpoint/1"
+FORMAT = "infinity-checkpoint/2"
+READABLE = ("infinity-checkpoint/1", FORMAT)  # 1: stage 3 only, record ranges in the saving rank's shard
 SAVED_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+VALUE_KINDS = ("master", "params")  # the records that hold the model's values: trainable, then frozen ones
 ALIGN = 4096
 MANIFEST = "manifest.json"
 PARTIAL_MARKER = ".infinity-partial"
@@ -109,9 +117,10 @@ class _Record:
     unit: int
     kind: str
     chunk: int
-    start: int  # element offset in the saving rank's shard
+    start: int  # element offset in what the saving rank stores of the kind
     numel: int
     offset: int  # byte offset in the rank file
+    flat: int = 0  # element offset in the unit's flat buffer (Note [resharding])
     crc: int = 0
 
 
@@ -128,14 +137,21 @@ class ShardWriter:
         self._thread: threading.Thread | None = None
 
     def records(self) -> list[_Record]:
+        """Per stored chunk, the part in this rank's own partition (Note [what is saved]): of the optimizer
+        kinds, and of the parameters past the trainable elements (frozen weights and padding)."""
         m = self.engine.manager
         out, offset = [], 0
         for unit in self.engine.units:
-            for kind in SAVED_KINDS:
-                for chunk in range(m.num_chunks(unit.index)):
-                    start, numel = m.chunk_span(unit.index, chunk)
-                    out.append(_Record(unit.index, kind.value, chunk, start, numel, offset))
-                    offset += -(-numel * 4 // ALIGN) * ALIGN
+            own_lo, own_hi = unit.shard_range()
+            for kind in SAVED_KINDS + (Kind.PARAMS,):
+                stored = unit.layout.of(kind)
+                lo = max(own_lo, unit.stored_trainable) if kind is Kind.PARAMS else own_lo
+                for chunk in range(m.num_chunks(unit.index, kind)):
+                    start, numel = m.chunk_span(unit.index, chunk, kind)
+                    a, b = max(stored.start + start, lo), min(stored.start + start + numel, own_hi)
+                    if a < b:
+                        out.append(_Record(unit.index, kind.value, chunk, a - stored.start, b - a, offset, flat=a))
+                        offset += -(-(b - a) * 4 // ALIGN) * ALIGN
         return out
 
     def start(self, background: bool) -> None:
@@ -167,19 +183,22 @@ class ShardWriter:
             in_flight: list = []
             try:
                 for rec in records:
-                    buf = m.fetch(rec.unit, Kind(rec.kind), rec.chunk, torch.device("cpu")).wait()  # bytes to write
-                    rec.crc = crc32(buf)
-                    in_flight.append((io.submit_write(buf, path, rec.offset), buf))
+                    kind = Kind(rec.kind)
+                    buf = m.fetch(rec.unit, kind, rec.chunk, torch.device("cpu")).wait()  # bytes to write
+                    chunk_start = m.chunk_span(rec.unit, rec.chunk, kind)[0]
+                    data = buf.narrow(0, rec.start - chunk_start, rec.numel).to(torch.float32)  # (params: cast)
+                    rec.crc = crc32(data)
+                    in_flight.append((io.submit_write(data, path, rec.offset), buf, data))
                     while len(in_flight) > WRITES_IN_FLIGHT:
-                        done, used = in_flight.pop(0)
+                        done, used, _ = in_flight.pop(0)
                         done.wait()  # the buffer is reused once its write landed
                         m.release(used)
                 while in_flight:
-                    done, used = in_flight.pop(0)
+                    done, used, _ = in_flight.pop(0)
                     done.wait()  # every record must be on disk before the index names it
                     m.release(used)
             finally:
-                for fut, used in in_flight:  # after a failure: let the other writes finish before their buffers go
+                for fut, used, _ in in_flight:  # after a failure: let the other writes finish before their buffers go
                     try:
                         fut.wait()
                     except OSError:
@@ -320,6 +339,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         writer.start(background)
     manifest = {
         "format": FORMAT, "world_size": engine.world_size, "compute_dtype": engine.config.precision.compute_dtype,
+        "zero_stage": engine.config.zero.stage,
         "units": model_layout(engine.units), "config": engine.config.to_dict(),
         "optimizer_steps": engine.optimizer_steps, "micro_step": engine.micro_step,
         "param_steps": [u.param_steps for u in engine.units],
@@ -377,8 +397,8 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete infinity checkpoint") from None
     except ValueError as e:
         raise CheckpointError(f"{path}/{MANIFEST} is corrupted ({e}): use another checkpoint") from e
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path} has format {manifest.get('format')!r}, this version reads {FORMAT!r}")
+    if manifest.get("format") not in READABLE:
+        raise CheckpointError(f"{path} has format {manifest.get('format')!r}, this version reads {READABLE}")
     return manifest
 
 
@@ -419,11 +439,15 @@ class SavedShards:
                 self.by_key.setdefault((rec["unit"], rec["kind"]), []).append((r, rec))
         self._cached: tuple | None = None
 
-    def read_range(self, unit_index: int, kind: str, saved_shard: int, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Fill `out` with elements [lo, hi) of the unit's flat buffer (zeros where nothing was saved)."""
+    def read_range(self, unit_index: int, kind: "str | tuple[str, ...]", saved_shard: int, lo: int, hi: int,
+                   out: torch.Tensor) -> None:
+        """Fill `out` with elements [lo, hi) of the unit's flat buffer from the records of `kind` (several: in
+        order, later ones over earlier ones), zeros where nothing was saved. `saved_shard`: the saving run's
+        shard, for format 1's records."""
         out.zero_()
-        for r, rec in self.by_key.get((unit_index, kind), []):
-            rec_lo = r * saved_shard + rec["start"]
+        kinds = (kind,) if isinstance(kind, str) else kind
+        for r, rec in (item for k in kinds for item in self.by_key.get((unit_index, k), [])):
+            rec_lo = rec["flat"] if "flat" in rec else r * saved_shard + rec["start"]
             rec_hi = rec_lo + rec["numel"]
             a, b = max(lo, rec_lo), min(hi, rec_hi)
             if a >= b:
@@ -468,7 +492,7 @@ def load(engine, path: str) -> dict:
         for unit, layout in zip(engine.units, manifest["units"]):
             saved_padded = -(-layout["flat_numel"] // saved_world) * saved_world if layout["flat_numel"] else 0
             saved_shard = saved_padded // saved_world
-            base = engine.rank * unit.shard_numel
+            base = unit.layout.update.start  # Note [resharding]: what this rank stores, by its layout
             for kind in SAVED_KINDS:
                 for chunk in range(m.num_chunks(unit.index)):
                     start, numel = m.chunk_span(unit.index, chunk)
@@ -480,6 +504,13 @@ def load(engine, path: str) -> dict:
                         m.store(unit.index, kind, chunk, buf)]
                     for pending in stores:
                         pending.wait()
+            params_base = unit.layout.params.start
+            for chunk in m.params_not_updated(unit.index):  # frozen weights, the other ranks' partitions
+                start, numel = m.chunk_span(unit.index, chunk, Kind.PARAMS)
+                values = torch.empty(numel, dtype=torch.float32)
+                shards.read_range(unit.index, VALUE_KINDS, saved_shard, params_base + start,
+                                  params_base + start + numel, values)
+                m.store(unit.index, Kind.PARAMS, chunk, values.to(engine.compute_dtype), release=False).wait()
             m.mark_zero(unit.index, Kind.GRADS)
             unit.param_steps = dict(manifest["param_steps"][unit.index])
             unit.slots_with_grad.clear()

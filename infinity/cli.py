@@ -3,6 +3,8 @@
     infinity train [--config FILE] [--set key=value ...]
     infinity train --resume RUN_DIR_OR_CHECKPOINT [--set run.steps=N ...]   continue a run
     infinity estimate [--config FILE] [--model gpt|gpt2|llama|module:function] [--world-size N] [--explain]
+    infinity estimate --stages [--world N] [--nodes M] [--hardware dgx2|dgx-h100] [--no-trace]
+                                               every ZeRO stage: bytes per tier and link, step time
     infinity config --defaults                 every key with its default and meaning
     infinity config [--config FILE] [--set ...]  the resolved config of a job
     infinity bench-links [--dir DIR] [--remeasure]   the link rates the auto policy uses (cached)
@@ -52,9 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_args(p)
     p.add_argument("--model", help='override model.kind ("gpt", "gpt2", "llama"), or "package.module:function" '
                                    "returning an nn.Module (called under infinity.meta_init())")
-    p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks in the run (default 1)")
+    p.add_argument("--world-size", "--world", type=int, default=1, metavar="N", help="ranks in the run (default 1)")
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="M",
                    help="ranks per machine, sharing its RAM and disks (default: the world size)")
+    p.add_argument("--stages", action="store_true",
+                   help="every ZeRO stage x the configured placement: bytes per rank and tier, whether it fits, "
+                        "collectives, bytes per link and the predicted step (docs/scaling.md)")
+    p.add_argument("--nodes", type=int, default=None, metavar="M",
+                   help="the world size spread over M nodes (implies --stages): network bytes split into intra- "
+                        "and inter-node (Note [link model] in infinity/scaling.py)")
+    p.add_argument("--hardware", default=None, metavar="NAME",
+                   help="price --stages on a preset node instead of this machine (implies --stages): "
+                        "dgx2 | dgx-h100 (their budgets and link rates: docs/scaling.md)")
+    p.add_argument("--no-trace", action="store_true",
+                   help="with --stages: skip the meta forward/backward trace (count 6 FLOPs per parameter and token)")
     p.add_argument("--explain", action="store_true", help="the reason for every unit's tiers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--remeasure", action="store_true", help="measure the link rates again (else cached)")
@@ -134,10 +147,12 @@ def _estimate(args) -> int:
     config = job.engine_config(os.path.join(job.run.dir, "<run>"))
     from .preflight import check_nvme_paths
     check_nvme_paths(list(config.nvme.paths), created_at_start=True)  # unusable swap paths: exit 2 (Note [nvme paths])
-    make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model))
+    make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model, job.lora))
     if job.run.batch_size % args.world_size:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "
                           f"{args.world_size}: set run.batch_size to a multiple of it")
+    if args.stages or args.nodes or args.hardware:
+        return _estimate_stages(args, make, config, job)
     result = est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                           batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
                           remeasure=args.remeasure)
@@ -146,6 +161,31 @@ def _estimate(args) -> int:
     else:
         print(est.format_estimate(result, explain=args.explain))
     return 0 if result.ok else 1
+
+
+def _estimate_stages(args, make, config, job) -> int:
+    from . import scaling
+    from .config import ConfigError
+    nodes = args.nodes or 1
+    if args.nproc_per_node and args.nproc_per_node * nodes != args.world_size:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} x --nodes {nodes} != --world-size "
+                          f"{args.world_size}: give two of them")
+    if args.nproc_per_node and not args.nodes:
+        nodes = max(1, args.world_size // args.nproc_per_node)
+    hardware = None
+    if args.hardware:
+        if args.hardware not in scaling.HARDWARE:
+            raise ConfigError(f"--hardware {args.hardware}: not a preset; one of {', '.join(scaling.HARDWARE)}")
+        hardware = scaling.HARDWARE[args.hardware]
+    cluster = scaling.Cluster(args.world_size, nodes)
+    report = scaling.estimate_stages(make, config, cluster, hardware=hardware,
+                                     batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
+                                     trace=not args.no_trace)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1, default=str))
+    else:
+        print(scaling.format_stages(report))
+    return 0
 
 
 def _custom_model(spec: str):

@@ -38,6 +38,7 @@ from .memory.buffers import UnshardedMemory
 from .memory.fresh import fresh_budget
 from .memory.manager import TieredMemoryManager
 from .memory.placement import plan_for_config
+from .memory.stages import stage_for
 from .memory.tier import Tier
 from .memory.traffic import plan_report
 from .optim.cpu_adam import AdamHyper
@@ -70,7 +71,8 @@ class Engine:
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
-                    profiler=self.profiler, unsharded=self.unsharded)
+                    profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
+                    sub_group_size=config.optimizer.sub_group_size)
         self.units = build_units(model, list(config.units.classes), comm)
         loaded = plan_weights(weights, model, self.units, strict) if weights is not None else None  # checked first
         self.plan = self._plan()

@@ -128,10 +128,12 @@ class Estimate:
 
 def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
     """The units `initialize` would build for `model` at `world_size` (rank 0), as placement sees them."""
+    from .memory.stages import stage_for
     from .streams import Streams
     from .unit import Comm, build_units, unit_sizes
     comm = Comm(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
-                compute_dtype=dtype_of(config.precision.compute_dtype), streams=Streams.for_device(torch.device("cpu")))
+                compute_dtype=dtype_of(config.precision.compute_dtype), streams=Streams.for_device(torch.device("cpu")),
+                stage=stage_for(config.zero.stage), sub_group_size=config.optimizer.sub_group_size)
     units = build_units(model, list(config.units.classes), comm)
     return unit_sizes(units, config.optimizer.sub_group_size)
 

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from io_engine import IOConfig, IOEngine, atomic_write, parse_size
 
-from .checkpoint import CheckpointError, SavedShards, load_buffers, read_manifest
+from .checkpoint import VALUE_KINDS, CheckpointError, SavedShards, load_buffers, read_manifest
 from .weights import base_name, is_adapter
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -93,7 +93,7 @@ class _Reader:
         numel = entry.num_bytes // entry.dtype.itemsize
         full = torch.empty(numel, dtype=torch.float32)
         offset = entry.slot["offset"]
-        self.shards.read_range(entry.unit, "master", saved_shard, offset, offset + numel, full)
+        self.shards.read_range(entry.unit, VALUE_KINDS, saved_shard, offset, offset + numel, full)
         return full.view(entry.shape).to(entry.dtype)
 
     def close(self) -> None:

@@ -68,15 +68,16 @@ def unit_seed(seed: int, unit_index: int) -> int:
 
 def materialize_shard(unit: Unit, seed: int, init_fn: Callable[[nn.Module], None] | None,
                       weights: WeightsPlan | None = None, inits: ModuleInits | None = None) -> torch.Tensor:
-    """This rank's shard of the unit's parameters as fp32 (padding zero).
+    """The parameters this rank stores of the unit (`unit.layout.params`: its partition at stage 3, the whole
+    unit at stages 0-2; Note [stage layouts]) as fp32 (padding zero).
 
     Parameters the weights file holds are read from it, only the shard's part
     (weights.py). The others still on the meta device are created and initialized here
     (whole, as their init needs), real ones are read as they are; either way only their
     part inside the shard is kept.
     """
-    start, end = unit.shard_range()
-    master = torch.zeros(unit.shard_numel, dtype=torch.float32)
+    start, end = unit.layout.params.start, unit.layout.params.start + unit.layout.params.numel
+    master = torch.zeros(end - start, dtype=torch.float32)
     loaded = weights.read_shard(unit.slots, start, end, master) if weights is not None else set()
     rest = [s for s in unit.slots if id(s) not in loaded]
     pending = [s for s in rest if is_meta(s)]
@@ -188,6 +189,22 @@ def buffers_to(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = moved.setdefault(id(buf), buf.to(device))
 
 
+def store_values(unit: Unit, manager: TieredMemoryManager, values: torch.Tensor) -> None:
+    """Store fp32 `values` of the parameters this rank stores (`unit.layout.params`' range, which holds its
+    update range) as its state: the master of the update range (and the parameters holding it, their cast),
+    and the cast of every other parameter it stores (frozen weights, which have no master; at stages 0-2 the
+    other ranks' partitions). Waits until stored."""
+    update, params = unit.layout.update, unit.layout.params  # what this rank stores (Note [stage layouts])
+    master = values[update.start - params.start:update.start - params.start + update.numel].clone()
+    pending = manager.store_master(unit.index, None, master, release=False)
+    for chunk in manager.params_not_updated(unit.index):
+        start, numel = manager.chunk_span(unit.index, chunk, Kind.PARAMS)
+        cast = values[start:start + numel].to(unit.comm.compute_dtype)
+        pending.append(manager.store(unit.index, Kind.PARAMS, chunk, cast, release=False))
+    for p in pending:
+        p.wait()  # the values must be stored before the caller drops its full copy
+
+
 def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int,
                       init_fn: Callable[[nn.Module], None] | None, weights: WeightsPlan | None = None) -> None:
     """Unit by unit: this rank's shard (read from `weights`, or initialized) -> tiers; nothing of the
@@ -199,12 +216,10 @@ def materialize_units(units: list[Unit], manager: TieredMemoryManager, seed: int
         for unit in units:
             for kind in Kind:
                 manager.allocate(unit.index, kind)
-            master = materialize_shard(unit, unit_seed(seed, unit.index), init_fn, weights, inits)
-            pending = manager.store_master(unit.index, None, master, release=False)
-            for p in pending:
-                p.wait()  # the shard's values must be stored before the unit's parameters go away
+            values = materialize_shard(unit, unit_seed(seed, unit.index), init_fn, weights, inits)
+            store_values(unit, manager, values)  # (before the unit's parameters go away)
             stored = manager.resident(unit.index, Kind.PARAMS)
-            if unit.comm.world_size == 1 and stored is not None and stored.device == unit.comm.device:
+            if unit.can_alias(stored):  # the whole unit on the compute device
                 unit.alias(stored)
             else:
                 unit.install_views()

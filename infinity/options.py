@@ -194,15 +194,16 @@ class Section:
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
-    """'section.key=value' -> (section, key, value); value TOML-parsed, else a bare string."""
+    """'section.key=value' -> (section, key, value); value TOML-parsed, else a bare string. A nested section
+    ([model.lora]) is named by its dotted path: 'model.lora.r=8' -> ("model.lora", "r", 8)."""
     if not isinstance(item, str) or "=" not in item:
         raise ConfigError(f"override {item!r}: expected section.key=value, e.g. optimizer.lr=1e-3")
     path, text = (part.strip() for part in item.split("=", 1))
     parts = path.split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) < 2 or not all(parts):
         raise ConfigError(f"override {item!r}: the key must be section.key, e.g. optimizer.lr=1e-3")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # a bare word such as host or 12GiB
-    return parts[0], parts[1], value
+    return ".".join(parts[:-1]), parts[-1], value

@@ -165,10 +165,10 @@ class Prefetcher:
 
     def gather_ahead(self) -> None:
         """The unit starting now has its parameters: issue the all-gather of the one predicted next (its
-        fetch issued earlier) so that it runs while this one computes. One rank gathers nothing."""
+        fetch issued earlier) so that it runs while this one computes. One rank gathers nothing, nor do whole
+        parameters (stages 0-2) but once after an update: their fetch is not waited for here."""
         index, self._next = self._next, None
-        if index is not None and self.units[index].comm.group is not None \
-                and self.units[index].state is UnitState.UNSHARDING:
+        if index is not None and self.units[index].gathers() and self.units[index].state is UnitState.UNSHARDING:
             self.units[index].issue_gather(self.manager)
 
     def release_unused(self) -> None:

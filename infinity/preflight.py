@@ -44,7 +44,7 @@ from io_engine import format_size
 from .checkpoint import ALIGN, SAVED_KINDS
 from .config import Config
 from .memory.placement import Plan
-from .memory.tier import Tier
+from .memory.tier import Kind, Tier
 
 CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
 CHECKPOINT_METADATA = 256 << 10  # index, RNG states and manifest of one rank, at most
@@ -141,10 +141,13 @@ def prepare_nvme_paths(paths: list[str]) -> None:
 
 
 def checkpoint_bytes(plan: Plan) -> int:
-    """Bytes of one rank's files in one checkpoint (Note [checkpoint space]): every saved kind of every
-    sub-group padded to ALIGN, plus the index, RNG states and manifest."""
-    records = sum(-(-n * 4 // ALIGN) * ALIGN for unit in plan.units for n in unit.chunk_numels)
-    return records * len(SAVED_KINDS) + CHECKPOINT_METADATA
+    """Bytes of one rank's files in one checkpoint (Note [checkpoint space]), at most: every saved kind of every
+    sub-group of its update range, and its frozen parameters (fp32), padded to ALIGN, plus the index, RNG
+    states and manifest (a rank saves only its own partition of replicated kinds: less at stages 0-2)."""
+    align = lambda n: -(-n * 4 // ALIGN) * ALIGN  # noqa: E731
+    records = sum(align(n) for unit in plan.units for n in unit.chunks(Kind.MASTER))
+    frozen = sum(align(unit.numel(Kind.PARAMS) - unit.written_params) for unit in plan.units)
+    return records * len(SAVED_KINDS) + frozen + CHECKPOINT_METADATA
 
 
 def checkpoints_kept(config: Config) -> int:

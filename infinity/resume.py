@@ -46,7 +46,7 @@ class Resume:
 def train_position(job: Job, config: Config, step: int, elapsed_s: float, world: int) -> dict:
     """The user state saved with every checkpoint of the job (Note [resume])."""
     return {"train": {"step": step, "elapsed_s": elapsed_s, "world_size": world,
-                      "model": job.model.to_dict(), "batches": _batch_keys(job, config)}}
+                      "model": job.model_identity(), "batches": _batch_keys(job, config)}}
 
 
 def _batch_keys(job: Job, config: Config) -> dict:
@@ -137,7 +137,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
     job = _relocate(job, run_dir)
     config = job.engine_config(str(run_dir))
     saved_model, saved_batches = position.get("model", {}), position.get("batches", {})
-    for key, value in job.model.to_dict().items():
+    for key, value in job.model_identity().items():
         if key in saved_model and saved_model[key] != value:
             raise ConfigError(f"--resume {path}: model.{key} = {show(value)}, but the checkpoint was trained with "
                               f"model.{key} = {show(saved_model[key])}: resume with the run's model (drop the "

@@ -3,6 +3,7 @@
     infinity train                                   # the default: a small byte-level GPT on the shipped corpus
     infinity train --config run.toml --set run.steps=500 --set model.kind=llama
     infinity train --resume runs/<name> --set run.steps=1000   # continue a run from its latest checkpoint
+    infinity train --set model.pretrained=DIR --set model.lora.r=8  # fine-tune a Hugging Face model (LoRA)
     torchrun --nproc-per-node 2 -m infinity train    # or: torchrun --nproc-per-node 2 $(which infinity) train
 
 The job file, its sections and the models: infinity/job.py. The run directory, its lock and
@@ -19,6 +20,8 @@ Run directory (`run.dir`/`run.name`, default runs/<date>-<time>):
     profile/             the profiler's summary and chart (when the engine has a profiler)
     checkpoint/          the final checkpoint (when the engine can save one)
     checkpoints/step-N/  periodic checkpoints (run.checkpoint_every)
+    export/              with model.pretrained: the trained model as a Hugging Face directory (run.export;
+                         Note [fine-tuning job] in job.py)
     swap/                the NVMe swap files (mode 0700) while the run is alive (removed at the end)
     .lock                held by the job using the directory (Note [run directory lock])
 
@@ -53,14 +56,18 @@ from .checkpoint import count_as_written
 from .config import Config, ConfigError
 from .data import Batches
 from .job import (  # noqa: F401 - re-exported: infinity.train is where users and tests find the job
+    COMPANION_FILES,
     DECAY_DEFAULTS,
+    EXPORT,
     JOB_SECTIONS,
     TRAIN_DEFAULTS,
     Job,
+    LoraConfig,
     ModelBundle,
     ModelConfig,
     RunConfig,
     build_model,
+    job_batches,
     job_defaults_text,
     load_job,
     to_toml,
@@ -199,8 +206,7 @@ def _make_dirs(config: Config, run_dir: Path) -> None:
 def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) -> Result:
     import infinity
 
-    batches = Batches.from_config(job.data, seq_len=job.model.seq_len, global_batch=job.run.batch_size,
-                                  rank=rank, world=world)  # bad data settings fail before any work
+    batches = job_batches(job, rank, world)  # bad data settings fail before any work
     run = _open_run_dir(job, resume, rank, world)
     run_dir, engine, say = run.path, None, None
     start = resume.step if resume else 0
@@ -213,8 +219,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         if rank == 0 and resume is None:
             atomic_write(run_dir / "config.toml", to_toml(config, job))
         _measure_links(config, world)
-        bundle = build_model(job.model)
-        engine = infinity.initialize(bundle.model, config, init_fn=bundle.init_fn)
+        bundle = build_model(job.model, job.lora)
+        engine = infinity.initialize(bundle.model, config, init_fn=bundle.init_fn, weights=bundle.weights)
         if resume is not None:
             saved = engine.load_checkpoint(str(resume.checkpoint)).get("train", {})
             assert saved.get("step") == start, f"{resume.checkpoint} is at step {saved.get('step')}, not {start}"
@@ -239,7 +245,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
                   elapsed_before=resume.elapsed_s if resume else 0.0)
         result.losses = earlier + result.losses  # the whole run's (rank 0 reads the earlier ones from metrics.jsonl)
-        _finish(job, config, engine, run_dir, result, world, rank, say, resume)
+        _finish(job, config, engine, bundle, run_dir, result, world, rank, say, resume)
     except BaseException as e:
         if rank == 0 and result.status != "starting":
             summary = stopped_summary(run_dir, "aborted" if isinstance(e, KeyboardInterrupt) else "failed",
@@ -306,7 +312,7 @@ def _estimate(job: Job, config: Config, world: int, say: Progress):
     measured peak memory)."""
     from . import estimate as est
     try:
-        return est.estimate(lambda: build_model(job.model), config, world_size=world,
+        return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
                             batch_size=job.run.batch_size // world, seq_len=job.model.seq_len)
     except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run
         say.note(f"(no estimate: {type(e).__name__}: {e})")
@@ -413,12 +419,41 @@ def _save_final(job: Job, config: Config, engine, run_dir: Path, result: Result,
     return final
 
 
-def _finish(job: Job, config: Config, engine, run_dir: Path, result: Result, world: int, rank: int,
-            say: Progress, resume: Resume | None = None) -> None:
-    """Checkpoint, profile, memory report and summary (Note [clean stop]: also after an interrupt)."""
-    checkpoint = None
+def _export(job: Job, engine, bundle: ModelBundle, run_dir: Path, checkpoint: Path | None, world: int,
+            rank: int) -> Path:
+    """<run>/export: the trained model as a Hugging Face directory, from the final checkpoint when there is one
+    (else through a checkpoint of its own, removed after), with the pretrained directory's config and tokenizer
+    files (Note [fine-tuning job])."""
+    from .export import export_checkpoint
+    out = run_dir / EXPORT
+    merge = job.lora.merge
+    if checkpoint is not None:
+        if rank == 0:
+            export_checkpoint(str(checkpoint), str(out), merge_lora=merge, model=engine.module)
+        _barrier(world)
+    else:
+        engine.export_state_dict(str(out), merge_lora=merge)
+        if rank == 0:
+            shutil.rmtree(f"{out}.checkpoint", ignore_errors=True)
+    if rank == 0:
+        adapters_only = bool(job.lora.r) and not merge  # PEFT's layout: adapter_config.json names the base
+        if not adapters_only:
+            bundle.hf_config.save_pretrained(str(out))
+        for name in COMPANION_FILES:
+            if os.path.isfile(os.path.join(job.model.pretrained, name)):
+                shutil.copyfile(os.path.join(job.model.pretrained, name), out / name)
+    return out
+
+
+def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path, result: Result, world: int,
+            rank: int, say: Progress, resume: Resume | None = None) -> None:
+    """Checkpoint, export, profile, memory report and summary (Note [clean stop]: also after an interrupt; the
+    export only after a completed run)."""
+    checkpoint = exported = None
     if job.run.checkpoint and hasattr(engine, "save_checkpoint"):
         checkpoint = _save_final(job, config, engine, run_dir, result, world, rank)
+    if job.model.pretrained and job.run.export and result.status == "completed":
+        exported = _export(job, engine, bundle, run_dir, checkpoint, world, rank)
     report = engine.memory_report()
     peaks = _gather(peak_rss_bytes(), world)
     if rank != 0:
@@ -433,6 +468,7 @@ def _finish(job: Job, config: Config, engine, run_dir: Path, result: Result, wor
         "tokens_per_s": result.steps * job.run.batch_size * job.model.seq_len
         * engine.config.train.grad_accum_steps / result.seconds if result.seconds else None,
         "peak_rss_bytes": peaks[0], "checkpoint": str(checkpoint) if checkpoint else None,
+        "export": str(exported) if exported else None,
         "overlap_efficiency": overlap_efficiency(engine),
     }
     if resume is not None:
@@ -446,4 +482,4 @@ def _finish(job: Job, config: Config, engine, run_dir: Path, result: Result, wor
     say.close()
     say.note(f"{result.status} after {result.steps} steps in {result.seconds:.1f} s: loss {summary['first_loss']:.4f} "
              f"-> {summary['last_loss']:.4f}, validation {result.val_loss:.4f}; peak RSS "
-             f"{peaks[0] / 2**20:.0f} MiB; run directory {run_dir}")
+             f"{peaks[0] / 2**20:.0f} MiB; run directory {run_dir}" + (f"; exported to {exported}" if exported else ""))

@@ -113,8 +113,9 @@ class UpdateMode(abc.ABC):
         else those left after the puts in `put_order`."""
         m = self.manager
         order = [u for u in self.put_order() if m.tier(u.index, Kind.PARAMS) is Tier.NVME]
-        chunks = [(u.index, c) for u in order for c in range(m.num_chunks(u.index))]
-        nbytes = {(u, c): m.chunk_span(u, c)[1] * itemsize for u, c in chunks}
+        chunks = [(u.index, m.optimizer_chunk(u.index, Kind.PARAMS, c)) for u in order  # the chunks it writes
+                  for c in range(m.num_chunks(u.index))]
+        nbytes = {(u, c): m.chunk_span(u, c, Kind.PARAMS)[1] * itemsize for u, c in chunks}
         return kept_chunks(nbytes, chunks, m.fresh.budget, blocking=self.forward_takes_in_order)
 
     def forward_order(self) -> list[Unit]:
@@ -179,10 +180,12 @@ class _Flags:
 
 
 def after_update(flags: list[bool], unit: Unit) -> Callable[[Unit], None]:
-    """What follows a unit's update: its parameters' Adam steps advance, its window's gradients are spent."""
+    """What follows a unit's update: its parameters' Adam steps advance, its window's gradients are spent, and
+    at stages 1-2 the other partitions are due (Note [post-update gather] in unit.py)."""
     def after(u: Unit) -> None:
         u.commit_steps(flags)
         u.slots_with_grad.clear()
+        u.updated()
     return after
 
 

@@ -203,9 +203,9 @@ def _gather_order_on_rank(rank, world, recipe):
     collectives.all_gather_into = recording_gather
     reduce_grads = Unit.reduce_grads
 
-    def recording_reduce(unit):
+    def recording_reduce(unit, *args):
         events.append(("reduce", unit.index))  # the unit's backward is done: its gradients are reduced
-        return reduce_grads(unit)
+        return reduce_grads(unit, *args)
 
     Unit.reduce_grads = recording_reduce
     for i, block in enumerate(engine.module.blocks, start=1):

@@ -1,4 +1,7 @@
-"""bf16 and fp16 compute with fp32 masters: training follows the fp32 run; fp16 overflows are skipped."""
+"""fp16 compute with fp32 masters: training follows the fp32 run; overflows are skipped.
+
+bf16 is test_bf16_reference's: against a reference doing the same bf16 maths, tighter than one step (the fp32
+run's tolerance here was looser than a bf16 run's whole training, so it passed runs that did not train)."""
 
 from __future__ import annotations
 
@@ -20,18 +23,6 @@ def train(recipe, precision, steps=None):
             losses.append(float(loss.detach()))
             engine.step()
     return engine, losses
-
-
-def test_bf16_follows_fp32():
-    recipe = Recipe(steps=4)
-    ref_losses, _, ref_state = reference_run(recipe)
-    engine, losses = train(recipe, {"compute_dtype": "bf16"})
-    with engine:
-        state = engine.full_state_dict()
-        assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=0.05)
-    assert state["wte.weight"].dtype == torch.float32, "masters stay fp32"
-    torch.testing.assert_close(state["blocks.0.fc.weight"], ref_state["blocks.0.fc.weight"], rtol=0, atol=5e-3)
 
 
 def test_fp16_overflow_skips_step_and_halves_scale():

@@ -2,7 +2,12 @@
 
 The manager owns the storage of every (unit, kind) shard on the tier the plan
 gave it: a device tensor, a host tensor, or NVMe extents (one per optimizer
-sub-group, "chunk"). Callers move data with issue/wait pairs:
+sub-group, "chunk"). A shard is what the rank stores of that kind, by the unit's
+layout (Note [stage layouts] in stages.py): its numel and chunks differ by kind
+(frozen weights have parameters only; at stages 0-2 the parameters are the whole
+unit). Chunk numbers are the kind's own; the optimizer's chunk c is chunk
+`optimizer_chunk(unit, kind, c)` of the parameters and gradients. Callers move
+data with issue/wait pairs:
 
     pending = manager.fetch(unit, Kind.MASTER, chunk, device)   # issue
     master = pending.wait()                                    # a tensor on `device`
@@ -12,8 +17,9 @@ sub-group, "chunk"). Callers move data with issue/wait pairs:
 For resident tiers a fetch on the same device returns a view of the stored
 tensor (no copy) and storing that view back is free. Staging buffers handed out
 by fetch go back to the pool when stored or released. New master weights are
-stored with `store_master`, which also stores the parameters (their cast): one
-write when the parameters alias the master on NVMe (Note [aliased parameters]).
+stored with `store_master`, which also stores the parameters that hold the same
+elements (their cast): one write when the parameters alias the master on NVMe
+(Note [aliased parameters]).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from .tier import Kind, Residency, Tier, check_transition
 
 @dataclass
 class _Chunk:
-    start: int  # element offset within the shard
+    start: int  # element offset within the shard (what the rank stores of this kind)
     numel: int
     state: Residency = Residency.ZERO
     extent: Extent | None = None  # NVMe only
@@ -56,13 +62,16 @@ class _Shard:
     chunks: list[_Chunk] = field(default_factory=list)
     resident: torch.Tensor | None = None  # DEVICE / HOST storage of the whole shard
 
-    def span(self, chunk: int | None) -> tuple[int, int]:
-        if chunk is None:
-            return 0, self.numel
-        c = self.chunks[chunk]
-        return c.start, c.numel
+    def span(self, chunk: "int | range | None") -> tuple[int, int]:
+        """(start, numel) within the shard of one chunk, a run of chunks, or the whole shard (None)."""
+        ids = self.chunk_ids(chunk)
+        if chunk is None or not ids:
+            return (0, self.numel) if chunk is None else (0, 0)
+        return self.chunks[ids[0]].start, sum(self.chunks[i].numel for i in ids)
 
-    def chunk_ids(self, chunk: int | None) -> range:
+    def chunk_ids(self, chunk: "int | range | None") -> range:
+        if isinstance(chunk, range):
+            return chunk
         return range(len(self.chunks)) if chunk is None else range(chunk, chunk + 1)
 
 
@@ -101,23 +110,24 @@ class TieredMemoryManager:
         self.staging = StagingBuffers(device, pin=pin_host)
         self.fresh = FreshCopies(fresh_budget, self.staging.release)  # Note [fresh parameters]
         self._shards: dict[tuple[int, Kind], _Shard] = {}
-        host = [(u.shard_numel, k.dtype(plan.compute_dtype)) for i, u in enumerate(plan.units) for k in Kind
+        host = [(u.numel(k), k.dtype(plan.compute_dtype)) for i, u in enumerate(plan.units) for k in Kind
                 if plan.tier(i, k) is Tier.HOST]
         self.host_arena = HostArena(arena_bytes(host), pin=pin_host) if pin_host else None  # Note [pinned arena]
         self.bytes_moved: dict[str, int] = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
 
     # ----------------------------------------------------------------- allocation
     def allocate(self, unit: int, kind: Kind) -> None:
-        """Create the storage of one shard on its planned tier; its contents start as ZERO."""
-        sizes = self.plan.units[unit]
+        """Create the storage of one shard on its planned tier, as the unit's layout of `kind` says; its contents
+        start as ZERO."""
+        layout = self.plan.units[unit].layout.of(kind)
         tier = self.plan.tier(unit, kind)
         dtype = kind.dtype(self.plan.compute_dtype)
-        shard = _Shard(unit=unit, kind=kind, tier=tier, dtype=dtype, numel=sizes.shard_numel)
+        shard = _Shard(unit=unit, kind=kind, tier=tier, dtype=dtype, numel=layout.numel)
         start = 0
-        for n in sizes.chunk_numels:
+        for n in layout.chunks:
             shard.chunks.append(_Chunk(start=start, numel=n))
             start += n
-        assert start == sizes.shard_numel, (start, sizes.shard_numel)
+        assert start == layout.numel, (start, layout.numel)
         if tier is Tier.DEVICE:
             shard.resident = torch.empty(shard.numel, dtype=dtype, device=self.device)
         elif tier is Tier.HOST and self.host_arena is not None:
@@ -145,11 +155,28 @@ class TieredMemoryManager:
     def tier(self, unit: int, kind: Kind) -> Tier:
         return self._shards[(unit, kind)].tier
 
-    def num_chunks(self, unit: int) -> int:
-        return len(self.plan.units[unit].chunk_numels)
+    def num_chunks(self, unit: int, kind: Kind = Kind.MASTER) -> int:
+        """Chunks of the rank's shard of `kind` (default: the optimizer's, its update range)."""
+        return len(self.plan.units[unit].chunks(kind))
 
-    def chunk_span(self, unit: int, chunk: int | None) -> tuple[int, int]:
-        return self._shards[(unit, Kind.MASTER)].span(chunk)
+    def chunk_span(self, unit: int, chunk: int | None, kind: Kind = Kind.MASTER) -> tuple[int, int]:
+        """(start, numel) of a chunk of `kind` within what the rank stores of it."""
+        return self._shards[(unit, kind)].span(chunk)
+
+    def optimizer_chunk(self, unit: int, kind: Kind, chunk: int | None) -> "int | range":
+        """The chunk(s) of `kind` holding the same elements as the optimizer's chunk `chunk` (None: its
+        whole update range, a run of chunks of `kind`)."""
+        layout = self.plan.units[unit].layout
+        if chunk is None:
+            first = layout.of(kind).first_chunk
+            return range(first, first + layout.update.update_chunks)
+        return layout.optimizer_chunk(kind, chunk)
+
+    def params_not_updated(self, unit: int) -> list[int]:
+        """The parameter chunks outside the rank's update range: frozen weights, and at stages 0-2 the other
+        ranks' partitions (an update never writes them here; their values are stored with `store`)."""
+        updated = self.optimizer_chunk(unit, Kind.PARAMS, None)
+        return [c for c in range(self.num_chunks(unit, Kind.PARAMS)) if c not in updated]
 
     # ----------------------------------------------------------------- state
     def _set(self, shard: _Shard, c: _Chunk, new: Residency) -> None:
@@ -338,7 +365,8 @@ class TieredMemoryManager:
     # ----------------------------------------------------------------- store
     def store_master(self, unit: int, chunk: int | None, master: torch.Tensor, *, release: bool = True,
                      keep_params: bool = False) -> list[Pending]:
-        """Issue: new fp32 master weights of a shard / chunk, and the parameters, their cast.
+        """Issue: new fp32 master weights of an optimizer chunk (None: the whole update range), and the
+        parameters holding the same elements (`optimizer_chunk`), their cast.
 
         Parameters that alias the master (Note [aliased parameters]) take the master's
         write. Others are cast into a staging buffer (a temporary when `release` is False:
@@ -348,12 +376,15 @@ class TieredMemoryManager:
         """
         if self.plan.aliases_master(unit):
             return [self.store(unit, Kind.MASTER, chunk, master, release=release, keep=keep_params)]
+        if master.numel() == 0:
+            return []  # nothing trainable here (frozen weights)
+        into = self.optimizer_chunk(unit, Kind.PARAMS, chunk)
         if release:
-            params = self.target(unit, Kind.PARAMS, chunk, master.device)
+            params = self.target(unit, Kind.PARAMS, into, master.device)
             params.copy_(master)
         else:
             params = master.to(self.plan.compute_dtype)
-        return [self.store(unit, Kind.PARAMS, chunk, params, release=release, keep=keep_params),
+        return [self.store(unit, Kind.PARAMS, into, params, release=release, keep=keep_params),
                 self.store(unit, Kind.MASTER, chunk, master, release=release)]
 
     def store(self, unit: int, kind: Kind, chunk: int | None, tensor: torch.Tensor, release: bool = True,

@@ -28,24 +28,14 @@ from io_engine import format_size
 
 from ..dtypes import dtype_of
 from . import cost_model, traffic
-from .tier import Kind, Tier, params_alias_master
-from .traffic import GROUPS, KINDS_OF_GROUP
+from .tier import Kind, Tier
+from .traffic import GROUPS, KINDS_OF_GROUP, UnitSizes  # noqa: F401 - UnitSizes: placement's input, from here
 
 FASTEST_FIRST = (Tier.DEVICE, Tier.HOST, Tier.NVME)
 
 
 class PlacementError(ValueError):
     """The requested placement cannot fit the budgets; the message says what would."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class UnitSizes:
-    """What placement needs to know about one unit (this rank's shard)."""
-
-    name: str
-    shard_numel: int  # elements of this rank's shard, padding included
-    unsharded_numel: int  # elements of the whole unit, padded to the world size
-    chunk_numels: tuple[int, ...]  # the shard split into optimizer sub-groups
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,8 +75,8 @@ class Plan:
 
     def aliases_master(self, unit: int) -> bool:
         """The unit's parameters are stored as its fp32 master (Note [aliased parameters], tier.py)."""
-        return params_alias_master(self.compute_dtype.itemsize, self.tier(unit, Kind.PARAMS),
-                                   self.tier(unit, Kind.MASTER))
+        tiers = {"params": self.tier(unit, Kind.PARAMS), "optimizer": self.tier(unit, Kind.MASTER)}
+        return traffic.aliased(self.units[unit], tiers, self.compute_dtype)
 
     def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
         """Bytes of state per tier and kind (Note [state bytes], traffic.py)."""
@@ -240,7 +230,7 @@ class _Search:
     and optimizer phases (nvme_read, nvme_write, h2d, d2h; opt adds Adam elements on the CPU
     and on the GPU), state[u, c] = bytes per tier, nvme[u, c] = which groups are on NVMe
     (their staging buffers exist only then). Moves change the combos of one or two units;
-    units of the same size, root-ness and combo are interchangeable, so one (or two) of each
+    units of the same layout, root-ness and combo are interchangeable, so one (or two) of each
     class are tried per round.
     """
 
@@ -255,12 +245,12 @@ class _Search:
         for u, sizes in enumerate(units):
             for c, combo in enumerate(COMBOS):
                 tiers = dict(zip(GROUPS, combo))
-                t = cost_model.unit_traffic(sizes.shard_numel, tiers, compute_bytes=compute_dtype.itemsize, cuda=cuda,
+                t = cost_model.unit_traffic(sizes, tiers, compute_bytes=compute_dtype.itemsize, cuda=cuda,
                                             accum=accum, is_root=u == 0)
                 self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
                 self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
                 for g, tier in tiers.items():
-                    stored = traffic.group_bytes(sizes.shard_numel, g, tiers, compute_dtype)
+                    stored = traffic.group_bytes(sizes, g, tiers, compute_dtype)
                     self.state[u, c, _TIER_INDEX[tier]] += stored
                     self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
         self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe
@@ -344,7 +334,7 @@ class _Search:
     def _classes(self, combos) -> list[list[int]]:
         members: dict[tuple, list[int]] = {}
         for u, sizes in enumerate(self.units):
-            members.setdefault((u == 0, sizes.shard_numel, int(combos[u])), []).append(u)
+            members.setdefault((u == 0, sizes.layout, sizes.written_params, int(combos[u])), []).append(u)
         return list(members.values())
 
     def descend(self, combos):

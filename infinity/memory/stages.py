@@ -170,12 +170,17 @@ class Stage:
     def comm_elements(self, psi: int, world_size: int, grad_accum_steps: int = 1) -> int:
         """Elements one rank sends through collectives per optimizer step (all-reduce = 2, reduce-scatter
         and all-gather = 1 per element of the whole buffer); 0 at world size 1."""
+        return sum(self.comm_parts(psi, world_size, grad_accum_steps))
+
+    def comm_parts(self, psi: int, world_size: int, grad_accum_steps: int = 1) -> tuple[int, int]:
+        """`comm_elements` as (gradient elements reduced, parameter elements gathered): they travel at
+        different dtypes (fp32 gradients, compute-dtype parameters)."""
         if world_size == 1:
-            return 0
+            return 0, 0
         reductions = grad_accum_steps if self.reduce_every_micro_batch else 1
         gathers = 2 * grad_accum_steps if self.gathers_params else (1 if self.gathers_after_update else 0)
         reduce_cost = 1 if self.optimizer_partitioned or self.grads_partitioned else 2  # stage 0 all-reduces
-        return psi * (reductions * reduce_cost + gathers)
+        return psi * reductions * reduce_cost, psi * gathers
 
 
 class Stage0(Stage):

@@ -46,8 +46,9 @@ class Kind(enum.Enum):
 OPTIMIZER_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
 
-def params_alias_master(compute_itemsize: int, params: Tier, optimizer: Tier) -> bool:
-    """Whether a unit's parameters are stored as its fp32 master (Note [aliased parameters]).
+def params_alias_master(compute_itemsize: int, params: Tier, optimizer: Tier, same_layout: bool) -> bool:
+    """Whether a unit's parameters are stored as its fp32 master (Note [aliased parameters]); `same_layout`:
+    the rank stores the same elements in the same chunks of both (`UnitSizes.params_match_update`).
 
     Note [aliased parameters]: the parameters are the cast of the master weights to
     the compute dtype. With an fp32 compute dtype (the only 4-byte one) the cast is
@@ -58,9 +59,11 @@ def params_alias_master(compute_itemsize: int, params: Tier, optimizer: Tier) ->
     Per step that saves one parameter-sized write, its memcpy and its checksum, and
     the parameters take no NVMe space of their own. Only NVMe is aliased: that is
     where the duplicate costs disk bandwidth; on a resident tier it is one memcpy, and
-    the module's parameters may be views of the parameter storage itself.
+    the module's parameters may be views of the parameter storage itself. Only one layout is
+    aliased: where the rank stores parameters it does not update (frozen weights, which have no
+    master; the whole unit at stages 1-2, of which it updates a partition) they are their own.
     """
-    return compute_itemsize == 4 and params is Tier.NVME and optimizer is Tier.NVME
+    return compute_itemsize == 4 and params is Tier.NVME and optimizer is Tier.NVME and same_layout
 
 
 class Residency(enum.Enum):

@@ -5,10 +5,12 @@ to the budgets), the auto policy's cost model (`cost_model.predict_step_time` of
 `infinity estimate` (its peak terms), the engine's `memory_report()["plan"]` (`plan_report`),
 bench_step's I/O floors and the profile-equals-plan test (`bytes_per_step`). Three answers:
 
-Note [state bytes]: state bytes per tier and kind. A unit's shard of each kind takes
-`shard_numel * itemsize` on its tier (parameters in the compute dtype, the rest fp32), except
-parameters that alias the master (Note [aliased parameters] in tier.py): none of their own. The
-rule is applied once, in `group_bytes`; NVMe extents' alignment is not counted.
+Note [state bytes]: state bytes per tier and kind. What a rank stores of each kind of a unit
+(its `UnitLayout`, Note [stage layouts] in stages.py: the whole unit or a partition, and for
+gradients and optimizer state its trainable elements only) takes `numel * itemsize` on its tier
+(parameters in the compute dtype, the rest fp32): frozen weights cost only their parameter bytes.
+Parameters that alias the master (Note [aliased parameters] in tier.py) take none of their own.
+`group_bytes` applies it to one unit; NVMe extents' alignment is not counted.
 
 Note [working memory]: the buffers a step needs beyond the state, per tier, term by term
 (`working_terms`; the plan carries them and the planner fits their sum with the state):
@@ -50,19 +52,20 @@ named terms:
     init          while a unit is materialized: its full fp32 values, its shard and their casts
                   (replaces working + activations + allocator when larger)
 
-Note [traffic per step]: what one optimizer step with `accum` micro-batches moves, per unit shard
-(P, G, O = its params, gradient and optimizer-state bytes); `unit_traffic`, by phase:
+Note [traffic per step]: what one optimizer step with `accum` micro-batches moves, per unit
+(P, G, O = the bytes this rank stores of its params, gradients and optimizer state, each by its
+own layout; W = the trainable part of P, what an update rewrites); `unit_traffic`, by phase:
 
     params     fetched before forward and again before backward: 2 * accum fetches
                (the root unit stays gathered from forward to the end of backward: accum).
                nvme: read P each fetch (+ h2d P with a GPU); host: h2d P with a GPU.
-               After the optimizer step the new params are written: nvme: write P (none when they
+               After the optimizer step the new params are written: nvme: write W (none when they
                alias the master: its write is theirs); the first fetch after it reads the copy kept
                in memory, not the disk (Note [fresh parameters]: the engine's `kept_params` says
-               which chunks). With a GPU, new params cross once between where Adam ran and their tier.
+               which chunks). With a GPU, new params cross once between where Adam ran and their tier (W).
     grads      each micro-batch's reduced shard is stored (nvme: write G; with a GPU, d2h G unless on
                the device), micro-batches after the first fetch the sum so far (nvme: read G; h2d G);
-               the optimizer reads G (nvme), crossing to where it runs (with a GPU).
+               the optimizer reads its update range's part of G (nvme), crossing to where it runs (with a GPU).
     optimizer  nvme: read O and write O (the first step reads only the master: the moments are
                zeros, never read); the step runs on the GPU when the optimizer state is on the
                device tier of a GPU, else on the CPU.
@@ -81,10 +84,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..config import ConfigError, format_size
+from .stages import KindLayout, UnitLayout
 from .tier import OPTIMIZER_KINDS, Kind, Tier, params_alias_master
 
 if TYPE_CHECKING:
-    from .placement import Budgets, Plan, UnitSizes
+    from .placement import Budgets, Plan
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")  # the keys of memory_report()["bytes_moved"]
 GROUPS = ("params", "grads", "optimizer")
@@ -97,32 +101,95 @@ STAGING_ALIGNMENT = 4096  # the host staging pool's (memory/buffers.py)
 _FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
 
 
+@dataclass(frozen=True, init=False)
+class UnitSizes:
+    """What placement needs to know about one unit on this rank: what it stores of each kind (its
+    `UnitLayout`, Note [stage layouts] in stages.py) and how many of the unit's elements are trainable.
+
+    `UnitSizes(name=, layout=, trainable_numel=)`; or the shorthand `UnitSizes(name=, shard_numel=,
+    unsharded_numel=, chunk_numels=)`: every kind stores the same all-trainable shard (stage 3's layout
+    of a unit without frozen weights), as tests of the planner write it."""
+
+    name: str
+    layout: UnitLayout
+    trainable_numel: int  # elements of the unit's flat buffer [0, T) with gradients and optimizer state
+
+    def __init__(self, *, name: str, layout: UnitLayout | None = None, trainable_numel: int | None = None,
+                 shard_numel: int | None = None, unsharded_numel: int | None = None,
+                 chunk_numels: tuple[int, ...] | None = None):
+        if layout is None:
+            assert shard_numel is not None and unsharded_numel is not None, name
+            chunks = tuple(chunk_numels if chunk_numels is not None else (shard_numel,) if shard_numel else ())
+            same = KindLayout(0, shard_numel, chunks, 0, len(chunks))
+            layout = UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel)
+            trainable_numel = unsharded_numel
+        assert trainable_numel is not None, name
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "trainable_numel", trainable_numel)
+
+    def numel(self, kind: Kind) -> int:
+        """Elements this rank stores of `kind`."""
+        return self.layout.of(kind).numel
+
+    def chunks(self, kind: Kind) -> tuple[int, ...]:
+        return self.layout.of(kind).chunks
+
+    @property
+    def unsharded_numel(self) -> int:
+        """Elements of the whole unit, padded to the world size."""
+        return self.layout.unsharded_numel
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements this rank stores of the parameters (stage 3: its partition; stages 0-2: the whole unit)."""
+        return self.layout.params.numel
+
+    @property
+    def written_params(self) -> int:
+        """Parameter elements an update rewrites on this rank: the trainable ones it stores (frozen ones never
+        change; at stages 1-2 the other ranks' updated partitions arrive by all-gather and are stored too)."""
+        p = self.layout.params
+        return max(0, min(p.start + p.numel, self.trainable_numel) - p.start)
+
+    @property
+    def params_match_update(self) -> bool:
+        """The parameters and the update range are the same elements in the same chunks: the condition
+        for storing the parameters as the master (Note [aliased parameters], tier.py)."""
+        return self.layout.params == self.layout.update
+
+
+
 # ---------------------------------------------------------------- Note [state bytes]
 
 
-def group_bytes(shard_numel: int, group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> int:
-    """Bytes one unit's `group` takes on its tier: the one place the aliasing rule is applied."""
-    if group == "params" and params_alias_master(compute_dtype.itemsize, tiers["params"], tiers["optimizer"]):
+def aliased(sizes: UnitSizes, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> bool:
+    """Whether the unit's parameters are stored as its master on `tiers` (Note [aliased parameters])."""
+    return params_alias_master(compute_dtype.itemsize, tiers["params"], tiers["optimizer"], sizes.params_match_update)
+
+
+def group_bytes(sizes: UnitSizes, group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> int:
+    """Bytes one unit's `group` takes on its tier (Note [state bytes])."""
+    if group == "params" and aliased(sizes, tiers, compute_dtype):
         return 0  # stored as the master (Note [aliased parameters])
-    return sum(shard_numel * kind.dtype(compute_dtype).itemsize for kind in KINDS_OF_GROUP[group])
+    return sum(sizes.numel(kind) * kind.dtype(compute_dtype).itemsize for kind in KINDS_OF_GROUP[group])
 
 
 def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
     """Bytes of state per tier and kind (NVMe extents' alignment not included)."""
     out: dict[Tier, dict[Kind, int]] = {t: {k: 0 for k in Kind} for t in Tier}
     for unit, (sizes, unit_tiers) in enumerate(zip(plan.units, plan.tiers)):
-        tiers = {k.group: t for k, t in unit_tiers.items()}
         for kind, tier in unit_tiers.items():
-            if kind is Kind.PARAMS and group_bytes(1, "params", tiers, plan.compute_dtype) == 0:
+            if kind is Kind.PARAMS and plan.aliases_master(unit):
                 continue
-            out[tier][kind] += sizes.shard_numel * kind.dtype(plan.compute_dtype).itemsize
+            out[tier][kind] += sizes.numel(kind) * kind.dtype(plan.compute_dtype).itemsize
     return out
 
 
 # ---------------------------------------------------------------- Note [working memory]
 
 
-def update_staging_bytes(units: tuple["UnitSizes", ...], compute_dtype: torch.dtype,
+def update_staging_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype,
                          on_nvme: Callable[[int, Kind], bool], aliased: Callable[[int], bool], *,
                          reads_ahead: int = UPDATE_READS_AHEAD, writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT) -> int:
     """Host staging bytes the pool ends up holding for the update: a replay of two optimizer steps'
@@ -146,7 +213,7 @@ def update_staging_bytes(units: tuple["UnitSizes", ...], compute_dtype: torch.dt
         if c is not None:
             live[c] -= 1
 
-    tasks = [(u, n) for u, sizes in enumerate(units) for n in sizes.chunk_numels]
+    tasks = [(u, n) for u, sizes in enumerate(units) for n in sizes.chunks(Kind.MASTER)]  # the update's chunks
     left: dict[int, list] = {}  # task -> buffers of its stores still pending from the last step
     for _step in range(2):
         for task, pending in left.items():
@@ -175,9 +242,9 @@ def update_staging_bytes(units: tuple["UnitSizes", ...], compute_dtype: torch.dt
     return sum(c * n for c, n in peak.items())
 
 
-def largest_nvme_chunk_bytes(units: tuple["UnitSizes", ...], optimizer_on_nvme: Callable[[int, Kind], bool]) -> int:
+def largest_nvme_chunk_bytes(units: tuple[UnitSizes, ...], optimizer_on_nvme: Callable[[int, Kind], bool]) -> int:
     """Bytes one optimizer sub-group's NVMe state takes (all its NVMe kinds)."""
-    return max((max(sizes.chunk_numels, default=0) * 4 * sum(optimizer_on_nvme(u, k) for k in OPTIMIZER_KINDS)
+    return max((max(sizes.chunks(Kind.MASTER), default=0) * 4 * sum(optimizer_on_nvme(u, k) for k in OPTIMIZER_KINDS)
                 for u, sizes in enumerate(units)), default=0)
 
 
@@ -189,7 +256,7 @@ def read_ahead_term(update_staging: int, read_ahead: int, one_kind_chunk: int) -
     return max(0, read_ahead + UPDATE_WRITES_IN_FLIGHT * one_kind_chunk - update_staging)
 
 
-def working_terms(units: tuple["UnitSizes", ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
+def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
                   units_ahead: int, *, cuda: bool = False, keep_written: bool = True,
                   read_ahead: int = 0) -> dict[Tier, dict[str, int]]:
     """Note [working memory], term by term, for every unit's groups on the tiers of `tiers_of`
@@ -199,12 +266,11 @@ def working_terms(units: tuple["UnitSizes", ...], compute_dtype: torch.dtype, ti
     csize = compute_dtype.itemsize
     root, rest = units[0], sorted((u.unsharded_numel for u in units[1:]), reverse=True)
     largest = max(u.unsharded_numel for u in units)
-    largest_shard = max(u.shard_numel for u in units)
+    largest_shard = max(u.shard_numel for u in units)  # the parameters a rank stores (stage 3: its partition)
     device = {"unsharded": (root.unsharded_numel + sum(rest[: units_ahead + 1])) * csize,
               "flat_grad": largest * 4 + largest_shard * 4}
     on_nvme = lambda u, k: tiers_of[k.group] is Tier.NVME  # noqa: E731
-    alias = params_alias_master(csize, tiers_of["params"], tiers_of["optimizer"])
-    staging = update_staging_bytes(units, compute_dtype, on_nvme, lambda u: alias)
+    staging = update_staging_bytes(units, compute_dtype, on_nvme, lambda u: aliased(units[u], tiers_of, compute_dtype))
     params_nvme = tiers_of["params"] is Tier.NVME
     one_kind = largest_nvme_chunk_bytes(units, lambda u, k: k is Kind.MASTER and on_nvme(u, k))
     host = {"update_staging": staging,
@@ -218,13 +284,13 @@ def totals(terms: dict[Tier, dict[str, int]]) -> dict[Tier, int]:
     return {t: sum(v.values()) for t, v in terms.items()}
 
 
-def fresh_bytes(units: tuple["UnitSizes", ...], compute_itemsize: int, units_ahead: int, keep_written: bool,
+def fresh_bytes(units: tuple[UnitSizes, ...], compute_itemsize: int, units_ahead: int, keep_written: bool,
                 params_on_nvme: Callable[[int], bool]) -> int:
-    """Bytes the fresh copies may hold: `units_ahead + 1` of the largest parameter shards on NVMe (0 with
-    `[prefetch] keep_written = false`, or no parameters on NVMe)."""
+    """Bytes the fresh copies may hold: `units_ahead + 1` of the largest parameter shards on NVMe that an
+    update writes (their trainable part; 0 with `[prefetch] keep_written = false`, or no parameters on NVMe)."""
     if not keep_written:
         return 0
-    shards = [sizes.shard_numel for u, sizes in enumerate(units) if params_on_nvme(u)]
+    shards = [sizes.written_params for u, sizes in enumerate(units) if params_on_nvme(u)]
     return (units_ahead + 1) * max(shards, default=0) * compute_itemsize
 
 
@@ -330,43 +396,47 @@ def activation_offload_traffic(input_bytes: int, *, cuda: bool, accum: int) -> S
     return t
 
 
-def unit_traffic(shard_numel: int, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
+def unit_traffic(sizes: UnitSizes | int, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
                  is_root: bool, kept_numel: int | None = None, first_step: bool = False) -> StepTraffic:
-    """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier.
-    `kept_numel`: parameter elements whose first fetch reads a kept copy (None: all of them).
-    `first_step`: no update before it (nothing kept) and the moments are still zeros (never read)."""
+    """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier; `sizes` an
+    int n: every kind stores the same n trainable elements. `kept_numel`: parameter elements whose first
+    fetch reads a kept copy (None: all written ones). `first_step`: no update before it (nothing kept) and
+    the moments are still zeros (never read)."""
+    if isinstance(sizes, int):
+        sizes = UnitSizes(name="", shard_numel=sizes, unsharded_numel=sizes)
     t = StepTraffic()
-    P, G = shard_numel * compute_bytes, shard_numel * 4
+    P, G = sizes.numel(Kind.PARAMS) * compute_bytes, sizes.numel(Kind.GRADS) * 4
+    W, O = sizes.written_params * compute_bytes, sizes.numel(Kind.MASTER)
     fetches = accum * (1 if is_root else 2)
     params, grads, optim = tiers["params"], tiers["grads"], tiers["optimizer"]
     opt_on_gpu = cuda and optim is Tier.DEVICE
     # params: fetched for compute, written back after the step (as the master when aliased)
     if params is Tier.NVME:
-        kept = 0 if first_step else shard_numel if kept_numel is None else kept_numel
+        kept = 0 if first_step else sizes.written_params if kept_numel is None else kept_numel
         t.fb["nvme_read"] += fetches * P - kept * compute_bytes
-        t.opt["nvme_write"] += 0 if params_alias_master(compute_bytes, params, optim) else P
+        t.opt["nvme_write"] += 0 if params_alias_master(compute_bytes, params, optim, sizes.params_match_update) else W
     if cuda and params is not Tier.DEVICE:
         t.fb["h2d"] += fetches * P
     if cuda and (params is Tier.DEVICE) != opt_on_gpu:  # new params cross between where Adam ran and their tier
-        t.opt["h2d" if params is Tier.DEVICE else "d2h"] += P
+        t.opt["h2d" if params is Tier.DEVICE else "d2h"] += W
     # grads: stored every micro-batch, accumulated from the second on, read by the optimizer
     if grads is Tier.NVME:
         t.fb["nvme_write"] += accum * G
         t.fb["nvme_read"] += (accum - 1) * G
-        t.opt["nvme_read"] += G
+        t.opt["nvme_read"] += O * 4  # the gradients of the update range
     if cuda and grads is not Tier.DEVICE:
         t.fb["d2h"] += accum * G
         t.fb["h2d"] += (accum - 1) * G
     if cuda and (grads is Tier.DEVICE) != opt_on_gpu:
-        t.opt["d2h" if grads is Tier.DEVICE else "h2d"] += G
+        t.opt["d2h" if grads is Tier.DEVICE else "h2d"] += O * 4
     # optimizer state: streamed through RAM when on NVMe
     if optim is Tier.NVME:
-        t.opt["nvme_read"] += shard_numel * (4 if first_step else 12)
-        t.opt["nvme_write"] += shard_numel * 12
+        t.opt["nvme_read"] += O * (4 if first_step else 12)
+        t.opt["nvme_write"] += O * 12
     if opt_on_gpu:
-        t.adam_device += shard_numel
+        t.adam_device += O
     else:
-        t.adam_cpu += shard_numel
+        t.adam_cpu += O
     return t
 
 
@@ -380,8 +450,9 @@ def plan_traffic(plan: "Plan", *, cuda: bool, accum: int, kept: frozenset[tuple[
         if sizes.shard_numel == 0:
             continue
         tiers = {k.group: t for k, t in kinds.items()}
-        kept_numel = None if kept is None else sum(n for c, n in enumerate(sizes.chunk_numels) if (index, c) in kept)
-        total.add(unit_traffic(sizes.shard_numel, tiers, compute_bytes=compute_bytes, cuda=cuda, accum=accum,
+        kept_numel = None if kept is None else sum(n for c, n in enumerate(sizes.chunks(Kind.PARAMS))
+                                                   if (index, c) in kept)
+        total.add(unit_traffic(sizes, tiers, compute_bytes=compute_bytes, cuda=cuda, accum=accum,
                                is_root=index == 0, kept_numel=kept_numel, first_step=first_step))
     return total
 

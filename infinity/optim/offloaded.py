@@ -1,11 +1,11 @@
 """The optimizer step over every unit's shards, streamed through bounded buffers.
 
 Work is a list of (unit, chunk) tasks, a chunk being one optimizer sub-group of
-a unit's shard. For each task the fp32 master, both Adam moments and the
-gradient are fetched to where the optimizer runs (the device when the
-optimizer state lives there, else the CPU), updated in place, written back,
-and the new master weights are cast to the compute dtype and stored to the
-parameters' tier (or are the parameters: Note [aliased parameters] in
+the rank's update range of a unit (trainable elements only: Note [stage layouts]).
+For each task the fp32 master, both Adam moments and the gradient are fetched
+to where the optimizer runs (the device when the optimizer state lives there,
+else the CPU), updated in place, written back, and the new master weights
+are cast to the compute dtype and stored to the parameters' tier (or are the parameters: Note [aliased parameters] in
 memory/tier.py). With state on NVMe this is a pipeline: the reads of task j+1
 are issued before task j is stepped, and the writes of task j drain while later
 tasks run (read ahead, step, write behind). Resident tiers are updated
@@ -73,7 +73,9 @@ class OffloadedOptimizer:
     def _issue(self, task: _Task) -> dict:
         device = self.device_of(task.unit)
         held = self.state_read_ahead.take(task.unit.index, task.chunk) if self.state_read_ahead else {}
-        return {k: held[k] if k in held else self.manager.fetch(task.unit.index, k, task.chunk, device)
+        m, u = self.manager, task.unit.index
+        # the gradients' chunk holding the same elements as the optimizer's (Note [stage layouts])
+        return {k: held[k] if k in held else m.fetch(u, k, m.optimizer_chunk(u, k, task.chunk), device)
                 for k in FETCHED}
 
     def task_chunks(self, active: dict[int, list[tuple[int, int, int]]], units: list[Unit]) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ _COLORS = {
     Link.D2H: "#f2b880",
     Link.ALL_GATHER: "#8172b3",
     Link.REDUCE_SCATTER: "#b4a7e0",
+    Link.ALL_REDUCE: "#6a5aa0",
     Link.CPU_OPTIMIZER: "#937860",
 }
 _WAIT_COLOR = "#c44e52"

@@ -10,6 +10,13 @@ class Link(enum.Enum):
     """A resource that carries work; one lane per link in the trace and chart.
 
     The values are the display names and the keys of `summary()["links"]`.
+
+    Note [collective bytes]: a collective's span carries its communication volume in the ZeRO
+    papers' convention, per element of the whole buffer: 1 for an all-gather (its output) and a
+    reduce-scatter (its input), 2 for an all-reduce (a reduce-scatter then an all-gather), times
+    the element size; padding to the world size included (it is sent). So a step's bytes on the
+    three collective links, over the element sizes, are `Stage.comm_elements` of the padded units.
+    The scalar all-reductions (the gradient norm, the per-parameter gradient flags) are not counted.
     """
 
     COMPUTE = "compute"  # the training thread's work on the device (or CPU)
@@ -17,8 +24,9 @@ class Link(enum.Enum):
     NVME_WRITE = "nvme_write"  # pinned host staging -> swap file
     H2D = "h2d"  # host -> device copies
     D2H = "d2h"  # device -> host copies
-    ALL_GATHER = "all_gather"  # unshard parameters
-    REDUCE_SCATTER = "reduce_scatter"  # shard gradients
+    ALL_GATHER = "all_gather"  # unshard parameters (stage 3), or gather the updated partitions (stages 1-2)
+    REDUCE_SCATTER = "reduce_scatter"  # shard gradients (stages 1-3)
+    ALL_REDUCE = "all_reduce"  # sum whole gradients (stage 0)
     CPU_OPTIMIZER = "cpu_optimizer"  # optimizer sub-steps on the CPU
 
 
