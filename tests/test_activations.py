@@ -70,14 +70,16 @@ def test_checkpointed_units_train_like_plain_pytorch(tier, checkpoint_, offload,
     assert run[3]["activation_late_fetches"] == 0  # every offloaded input was fetched one unit ahead
 
 
-def _two_ranks(rank, world, swap_dir):
-    return engine_run(RECIPE, PLACED["nvme"], os.path.join(swap_dir, str(rank)), activation("units", "host"),
-                      rank=rank, world=world)
+def _two_ranks(rank, world, swap_dir, stage):
+    return engine_run(RECIPE, PLACED["nvme"], os.path.join(swap_dir, str(rank)),
+                      activation("units", "host") | {"zero": {"stage": stage}}, rank=rank, world=world)
 
 
-def test_checkpointed_units_at_world_size_2_train_like_plain_pytorch(tmp_path):
-    runs = run_distributed(_two_ranks, 2, str(tmp_path))
+@pytest.mark.parametrize("stage", [3, 1])
+def test_checkpointed_units_at_world_size_2_train_like_plain_pytorch(stage, tmp_path):
+    runs = run_distributed(_two_ranks, 2, str(tmp_path), stage)
     assert_same_run(runs[0], reference_run(RECIPE))
+    assert runs[0][3]["activation_late_fetches"] == 0
 
 
 def test_hf_llama_with_checkpointed_offloaded_units_trains_like_plain_pytorch(tmp_path):
