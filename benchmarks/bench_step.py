@@ -206,8 +206,11 @@ def run_torch(args) -> dict:
 
 def infinity_config(args, placement: str, swap: str) -> dict:
     """The engine config of system `infinity:<placement>` ("P/G/O" tiers, or "auto", optionally "@S" for
-    ZeRO stage S) with swap files in `swap`."""
-    placement, stage = with_stage(placement, args.zero_stage)
+    ZeRO stage S) with swap files in `swap`. `@KEY=VALUE` suffixes add engine keys to that system only (two
+    systems side by side, e.g. `infinity:host/host/host,infinity:host/host/host@activation.checkpoint=units`)."""
+    placement, *suffixes = placement.split("@")
+    own_set = [x for x in suffixes if "=" in x]
+    placement, stage = with_stage("@".join([placement, *(x for x in suffixes if "=" not in x)]), args.zero_stage)
     config = {
         "optimizer": {"name": "adamw", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                       "grad_clip": args.clip},
@@ -225,7 +228,7 @@ def infinity_config(args, placement: str, swap: str) -> dict:
     if memory:
         config["memory"] = memory
     from infinity.options import parse_override
-    for item in args.set:  # e.g. io.checksum=full: one engine key for every infinity system
+    for item in [*args.set, *own_set]:  # e.g. io.checksum=full: one engine key for every infinity system
         section, key, value = parse_override(item)
         config.setdefault(section, {})[key] = value
     if stage is not None:  # the system's @S, else --zero-stage
@@ -300,7 +303,11 @@ def run_infinity(args, placement: str) -> dict:
         if summary:  # None without the profiler ([profile] enabled = false)
             out["overlap_efficiency"] = (summary.get("median") or {}).get("overlap_efficiency")
             out["profile"] = summary.get("median")
-        out["memory_report"] = {k: v for k, v in engine.memory_report().items() if k in ("state", "tier_totals")}
+            out["on_demand_per_step"] = [st["on_demand_fetches"] for st in summary["steps"]]
+        p = engine.prefetcher
+        out["prefetch"] = {"hits": p.hits, "after_update": p.after_update, "on_demand": p.on_demand}
+        out["memory_report"] = {k: v for k, v in engine.memory_report().items()
+                                if k in ("state", "tier_totals") or k.startswith("activation_")}
         out["plan"] = plan_summary(engine.plan)
     finally:
         engine.close()

@@ -55,6 +55,7 @@ __all__ = [
     "TrainConfig",
     "ProfileConfig",
     "UnitsConfig",
+    "ActivationConfig",
     "parse_size",
     "format_size",
 ]
@@ -334,12 +335,34 @@ class CheckpointConfig(Section):
                       "besides any swap on the same disk (Note [checkpoint space]); \"\" = not checked.", "path")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ActivationConfig(Section):
+    """What the forward keeps for backward (Note [unit checkpoints] in activations.py)."""
+
+    SECTION: ClassVar[str] = "activation"
+
+    checkpoint: str = option("none", '"units": keep only each unit\'s inputs and recompute its forward in '
+                             "backward (one extra forward of compute, activations of one unit at a time); "
+                             '"none": keep every activation the forward saves.', "enum", choices=("none", "units"))
+    offload: str = option("none", '"host": the units\' saved inputs go to (pinned) host memory after their '
+                          "forward and are copied back one unit ahead of their backward; needs checkpoint = \"units\".",
+                          "enum", choices=("none", "host"))
+
+    def _check(self) -> None:
+        if self.offload != "none" and self.checkpoint == "none":
+            raise ConfigError(
+                f'activation.offload = {show(self.offload)} moves the units\' saved inputs, which exist only with '
+                f'activation.checkpoint = "units" (here "none"); set activation.checkpoint = "units", or remove '
+                f"activation.offload")
+
+
 # ---------------------------------------------------------------- top level
 
 SECTIONS: dict[str, type[Section]] = {
     cls.SECTION: cls
     for cls in (OptimizerConfig, PrecisionConfig, PlacementConfig, MemoryConfig, NvmeConfig, SwapIOConfig,
-                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig, ZeroConfig)
+                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig, ZeroConfig,
+                ActivationConfig)
 }
 
 
@@ -379,6 +402,7 @@ class Config:
     units: UnitsConfig = field(default_factory=UnitsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    activation: ActivationConfig = field(default_factory=ActivationConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():

@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from io_engine import IOEngine, SwapSpace
 
+from .activations import activations_for
 from .checkpoint import apply_retention, begin_save
 from .checkpoint import load as load_checkpoint
 from .collectives import all_reduce_sum, broadcast_object
@@ -91,8 +92,10 @@ class Engine:
         self.optimizer = self.updates.optimizer  # the mode's (its state read-ahead, if any, is on it)
         self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
+        self.activations = activations_for(config.activation, self.units, self.streams, self.env.device)
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
-                                     config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace)
+                                     config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace,
+                                     fetch_inputs=self.activations.fetch)
         self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
         self._stepped_at = 0  # micro_step of the last step() that ran, so a second call is a no-op
         self._handles, self._counters = [], []
@@ -103,6 +106,7 @@ class Engine:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
             self._counters.append(counter)
+        self._handles += self.activations.install()  # (after the unit hooks: Note [unit checkpoints])
         self.micro_step = 0  # backward passes since initialize
         self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
@@ -166,16 +170,15 @@ class Engine:
     def _pre_forward(self, unit: Unit) -> None:
         self.clock.compute_end(f"forward before {unit.name}")
         self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
-        if unit.index != 0:
-            self.prefetcher.before_forward(unit)
-        unit.wait_for_unshard(self.manager)
+        self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
+        self.prefetcher.wait_for(unit)
         self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
 
     def _pre_backward(self, unit: Unit) -> None:
         self.clock.compute_end(f"backward before {unit.name}")
         self.prefetcher.before_backward(unit)
-        unit.wait_for_unshard(self.manager)
+        self.prefetcher.wait_for(unit)
         self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
 
@@ -204,10 +207,12 @@ class Engine:
         self.clock.forward_begins()
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
-        output = self.module(*args, **kwargs)
+        with self.activations.forward():  # counts what autograd saves (Note [activation bytes])
+            output = self.module(*args, **kwargs)
         self.clock.compute_end("forward")
-        self.prefetcher.end_forward()
-        if tensors_needing_grad(output):
+        needs_grad = bool(tensors_needing_grad(output))
+        self.prefetcher.end_forward(backward_follows=needs_grad)
+        if needs_grad:
             self._backward_pending = True  # the root stays unsharded until backward has used it
         else:
             self.prefetcher.release_unused()
@@ -351,6 +356,7 @@ class Engine:
         report.update(plan_report(self.plan))  # the byte model's: what the planner fitted to the budgets
         report["unsharded_peak_bytes"] = max((u.peak_unsharded for u in self.units), default=0)
         report["unsharded_pool_bytes"] = self.unsharded.pooled_bytes
+        report.update(self.activations.report())  # the last forward's (Note [activation bytes])
         report["process_rss_bytes"] = psutil.Process(os.getpid()).memory_info().rss
         if self.env.device.type == "cuda":
             report["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.env.device)

@@ -28,7 +28,7 @@ import torch.nn as nn
 from io_engine import format_size
 
 from . import link_rates
-from .config import Config, ConfigError
+from .config import ActivationConfig, Config, ConfigError
 from .dtypes import dtype_of
 from .environment import resolve_budgets
 from .memory import cost_model
@@ -45,6 +45,29 @@ class Trace:
     largest_saved_bytes: int = 0
     flops: float = 0.0
     error: str | None = None
+    unit_saved: tuple[int, ...] = ()  # per unit but the root: the bytes its own forward saves
+    unit_inputs: tuple[int, ...] = ()  # per unit but the root: its positional tensor inputs (a checkpoint's)
+    unit_forward_flops: float = 0.0  # the units' forwards (what checkpoint = "units" computes again)
+
+
+def activation_terms(trace: Trace, activation) -> dict[str, int]:
+    """Note [activation estimate]: the bytes one micro-batch keeps for backward, by `[activation]`:
+
+        none          device = everything the forward saves
+        units         device = root + inputs           recompute = the largest unit's saves
+        units + host  device = root + 2 * largest input (the one recomputing, the next copied back)
+                      host = inputs                    recompute = the largest unit's saves
+
+    root: what the root unit's code saves (the traced total less every unit's); inputs: the units'
+    saved inputs, summed. The recompute holds one unit's saves during its backward."""
+    if activation.checkpoint == "none":
+        return {"saved": trace.activation_bytes, "recompute": 0, "host": 0}
+    root = trace.activation_bytes - sum(trace.unit_saved)
+    recompute = max(trace.unit_saved, default=0)
+    if activation.offload == "host":
+        return {"saved": root + 2 * max(trace.unit_inputs, default=0), "recompute": recompute,
+                "host": sum(trace.unit_inputs)}
+    return {"saved": root + sum(trace.unit_inputs), "recompute": recompute, "host": 0}
 
 
 @dataclass
@@ -66,6 +89,7 @@ class Estimate:
     peak: dict[str, int] = field(default_factory=dict)  # "ram" (and "device" with a GPU): bytes per rank
     peak_terms: dict[str, int] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
+    activation: ActivationConfig = field(default_factory=ActivationConfig)
 
     @property
     def ok(self) -> bool:
@@ -91,6 +115,7 @@ class Estimate:
             if self.plan else [],
             "rates": self.rates.to_json(),
             "activations_bytes": self.trace.activation_bytes, "flops_per_step": self.trace.flops,
+            "activations": activation_terms(self.trace, self.activation),
             "traffic_per_step": self.traffic.total() if self.traffic else None,
             "step_time": None if st is None else {"total_s": st.total, "forward_backward": st.fb, "optimizer": st.opt},
             "peak": self.peak, "peak_terms": self.peak_terms,
@@ -113,28 +138,53 @@ def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
     return unit_sizes(units, config.optimizer.sub_group_size)
 
 
-def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int) -> Trace:
-    """Forward + backward of one micro-batch on meta tensors: saved activations and FLOPs (no memory used)."""
+def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
+               unit_modules: list[nn.Module] = ()) -> Trace:
+    """Forward + backward of one micro-batch on meta tensors: saved activations and FLOPs (no memory used),
+    and per unit (`unit_modules`, the root's excluded) what it saves, its inputs and its forward's FLOPs."""
     from torch.utils.flop_counter import FlopCounterMode
     model = model.to("meta")
     params = {id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
+    owner: dict[int, int] = {}  # saved tensor -> the unit running when it was first saved (0: the root)
+    current, inputs, unit_flops = [0], [0] * len(unit_modules), [0.0]
 
     def pack(t: torch.Tensor):
         base = t._base if t._base is not None else t
         if id(t) not in params and id(base) not in params:
             saved[id(base)] = base.numel() * base.element_size()
+            owner.setdefault(id(base), current[0])
         return t
     x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     try:
         with FlopCounterMode(display=False) as flops:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = loss_fn(model, x, x)
+            handles = []
+            for i, module in enumerate(unit_modules, start=1):
+                def pre(_m, args, i=i):
+                    current[0] = i
+                    unit_flops[0] -= flops.get_total_flops()
+                    inputs[i - 1] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+                def post(_m, _a, _o):
+                    current[0] = 0
+                    unit_flops[0] += flops.get_total_flops()
+                handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = loss_fn(model, x, x)
+            finally:
+                for h in handles:
+                    h.remove()
             loss.backward()
     except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors still gets the rest
         return Trace(error=f"{type(e).__name__}: {e}")
+    per_unit = [0] * len(unit_modules)
+    for key, nbytes in saved.items():
+        if owner[key]:
+            per_unit[owner[key] - 1] += nbytes
     return Trace(activation_bytes=sum(saved.values()), largest_saved_bytes=max(saved.values(), default=0),
-                 flops=float(flops.get_total_flops()))
+                 flops=float(flops.get_total_flops()), unit_saved=tuple(per_unit), unit_inputs=tuple(inputs),
+                 unit_forward_flops=float(unit_flops[0]))
 
 
 def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int) -> Budgets:
@@ -194,8 +244,11 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         else:
             rates = link_rates.cached_link_rates(cuda)
     traced = make_model()  # a second copy: tracing moves its buffers to the meta device
-    trace = trace_step(traced.model, traced.loss, batch_size, seq_len)
-    compute = cost_model.compute_seconds(trace.flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
+    from .unit import find_unit_modules
+    trace = trace_step(traced.model, traced.loss, batch_size, seq_len,
+                       [m for _, m in find_unit_modules(traced.model, list(config.units.classes))])
+    flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
+    compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
     budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free)
     plan, plan_error = None, None
     try:
@@ -207,11 +260,14 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     if unusable and (plan is None or plan.uses(Tier.NVME)):  # the swap paths' own failure, not "no space"
         plan, plan_error = None, "; ".join(f"{c.detail} ({c.fix})" for c in unusable)
     est = Estimate(world_size=world_size, local_world_size=local, cuda=cuda, num_params=num_params, units=len(sizes),
-                   budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace)
+                   budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace,
+                   activation=config.activation)
     if plan is not None:
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
+        est.traffic.add(cost_model.activation_offload_traffic(activation_terms(trace, config.activation)["host"],
+                                                               cuda=cuda, accum=config.train.grad_accum_steps))
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
-        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss())
+        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), activation=config.activation)
         est.peak = peak_from_terms(est.peak_terms, cuda)
     est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
                            ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
@@ -224,8 +280,11 @@ def staging_pool_bytes(plan: Plan) -> int:
     return plan.working_terms.get(Tier.HOST, {}).get("update_staging", 0)
 
 
-def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int) -> dict[str, int]:
-    """Note [peak memory], term by term (bytes, one rank); every working term is the plan's."""
+def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, activation=None) -> dict[str, int]:
+    """Note [peak memory], term by term (bytes, one rank); every working term is the plan's; the activations
+    as `[activation]` keeps them (Note [activation estimate])."""
+    acts = activation_terms(trace, activation or ActivationConfig())
+    device_acts = acts["saved"] + acts["recompute"] + trace.largest_saved_bytes
     state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
     largest = max((u.unsharded_numel for u in plan.units), default=0)
     largest_shard = max((u.shard_numel for u in plan.units), default=0)
@@ -239,12 +298,13 @@ def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int) -> dict[st
         "working_host": plan.working.get(Tier.HOST, 0),
         "read_ahead": plan.read_ahead,  # its working term is part of working_host (Note [state read-ahead])
         "fresh_params": host_terms.get("fresh_params", 0),  # part of working_host (Note [fresh parameters])
-        "activations": trace.activation_bytes + trace.largest_saved_bytes,
+        "activations": device_acts,
+        "activations_host": acts["host"],  # checkpoint inputs offloaded to host memory
         # materializing one unit: full fp32 values, the fp32 shard, its compute-dtype cast
         "init": largest * 4 + largest_shard * (4 + csize),
         # glibc keeps the heap pages of freed transient tensors (activations, unsharded units): measured
         # ~1.5x their live bytes on Linux over a few steps, so half of them again
-        "allocator": (plan.working.get(Tier.DEVICE, 0) + trace.activation_bytes + trace.largest_saved_bytes) // 2
+        "allocator": (plan.working.get(Tier.DEVICE, 0) + device_acts) // 2
         if not cuda else 0,
     }
 
@@ -253,10 +313,11 @@ def peak_from_terms(terms: dict[str, int], cuda: bool) -> dict[str, int]:
     """Sum the terms into the peak of each memory (Note [peak memory])."""
     train_device = terms["working_device"] + terms["activations"]
     if cuda:
-        return {"ram": terms["runtime"] + terms["state_host"] + max(terms["working_host"], terms["init"]),
+        return {"ram": terms["runtime"] + terms["state_host"] + max(terms["working_host"] + terms["activations_host"],
+                                                                    terms["init"]),
                 "device": terms["state_device"] + train_device}
     return {"ram": terms["runtime"] + terms["state_device"] + terms["state_host"]
-            + max(train_device + terms["working_host"] + terms["allocator"], terms["init"])}
+            + max(train_device + terms["activations_host"] + terms["working_host"] + terms["allocator"], terms["init"])}
 
 
 # ---------------------------------------------------------------- text
@@ -294,8 +355,10 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
         lines.append(f"predicted step: {st.total * 1e3:.1f} ms = forward/backward {st.fb_seconds * 1e3:.1f} ms "
                      f"(bound by {st.bottlenecks()[0]}) + optimizer {st.opt_seconds * 1e3:.1f} ms "
                      f"(bound by {st.bottlenecks()[1]})")
-        lines.append(f"  compute {st.compute * 1e3:.1f} ms ({est.trace.flops / 1e9:.1f} GFLOP per micro-batch at half "
-                     f"the measured matmul rate)" if est.trace.flops else "  compute: not traced")
+        recompute = est.trace.unit_forward_flops if est.activation.checkpoint == "units" else 0.0
+        lines.append(f"  compute {st.compute * 1e3:.1f} ms ({est.trace.flops / 1e9:.1f} GFLOP per micro-batch"
+                     + (f" + {recompute / 1e9:.1f} recomputed (activation.checkpoint)" if recompute else "")
+                     + " at half the measured matmul rate)" if est.trace.flops else "  compute: not traced")
         lines.append("traffic per step and link (this rank):")
         for link in cost_model.LINKS:
             total = tr.fb[link] + tr.opt[link]

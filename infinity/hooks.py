@@ -88,7 +88,9 @@ def install_unit_hooks(
     # never replays, so prefetch stops), and resharding after it would free the parameters that the unit's
     # backward is about to read. So inside a backward the pre-hook is the unit's pre-backward (unshard, and
     # prefetch along the backward order) and the post-hook does nothing: the unit is resharded once its
-    # gradients are ready, or at the end of the backward, as without recomputation.
+    # gradients are ready, or at the end of the backward, as without recomputation. This is for a model that
+    # checkpoints its own blocks (Hugging Face's gradient checkpointing); the engine's `[activation] checkpoint`
+    # runs inside these hooks, so its recomputation fires none of them (Note [unit checkpoints]).
     handles = []
     for module in unit.modules if with_module_hooks else ():
         def pre(_module, _args, u=unit):

@@ -18,13 +18,30 @@ all-gathers are issued, each after the previous unit's and before the next one's
 early or not; in backward every unit still to come is ready (the forward waited
 for its update), so the decisions depend only on the recorded order and the
 shard sizes, which all ranks share.
+
+Note [backward prefetch]: the backward's first units are issued when the forward
+ends (the last unit of the forward was resharded after it; without this its
+backward, and its recomputation with activation checkpointing, would fetch it on
+demand every step), and each unit's pre-backward issues the next ones. The same
+calls issue the copy back of offloaded checkpoint inputs (`fetch_inputs`, Note
+[activation offload]) one unit ahead. A recomputed forward never reaches
+`before_forward` (Note [unit checkpoints], Note [recomputed forward]), so the
+recorded order stays the forward's. `wait_for` counts each unshard it waits for as
+a hit (issued ahead), after its update (predicted, but skipped by the prefetch
+because the overlapped optimizer was still updating it: with clipping the update
+runs in the next forward, Note [overlap]; the fetch waits for the update by design)
+or on demand (nothing predicted it, or the window was full), per unit but the root
+(fetched at each forward's start by design); the profile marks the on-demand ones
+(`ON_DEMAND`). The forward's first units are issued when the root starts it.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 
 from .memory.manager import TieredMemoryManager
+from .profile.records import ON_DEMAND, Link
 from .unit import Unit, UnitState
 
 
@@ -69,15 +86,20 @@ class Prefetcher:
     """Issues unshards ahead of use within the window; releases what was not used."""
 
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, units_ahead: int, max_bytes_in_flight: int,
-                 ready=None, trace: OrderTrace | None = None):
+                 ready=None, trace: OrderTrace | None = None, fetch_inputs=None):
         self.units, self.manager = units, manager
         self.ready = ready or (lambda index: True)  # False while a unit's parameters are being updated
         self.units_ahead, self.max_bytes = units_ahead, max_bytes_in_flight
         self.trace = trace or OrderTrace()  # (shared with the update mode, which updates in forward order)
         self._backward_order: list[int] = []
         self._next: int | None = None  # the unit predicted to run after the one starting now
+        self.fetch_inputs = fetch_inputs or (lambda indices: None)  # offloaded activations (Note [backward prefetch])
         self.issued = 0  # prefetches issued (for tests and the profile)
         self.wasted = 0  # prefetches released unused
+        self.hits = 0  # unshards waited for that a prefetch had issued
+        self.on_demand = 0  # unshards the wait itself had to issue (Note [backward prefetch])
+        self.after_update = 0  # unshards issued by the wait because the unit's update ran at prefetch time
+        self._updating: set[int] = set()  # units skipped by a prefetch while their update ran
 
     def _in_flight_bytes(self) -> int:
         return sum(u.shard_bytes for u in self.units if u.state in (UnitState.UNSHARDING, UnitState.GATHERING))
@@ -85,7 +107,10 @@ class Prefetcher:
     def _issue(self, indices: list[int]) -> None:
         for i in indices:
             unit = self.units[i]
-            if unit.state is not UnitState.SHARDED or unit.flat_numel == 0 or not self.ready(i):
+            if unit.state is not UnitState.SHARDED or unit.flat_numel == 0:
+                continue
+            if not self.ready(i):
+                self._updating.add(i)  # predicted, but its update runs: fetched once it is done
                 continue
             if self._in_flight_bytes() + unit.shard_bytes > self.max_bytes:
                 break
@@ -93,11 +118,16 @@ class Prefetcher:
             self.issued += 1
 
     def before_forward(self, unit: Unit) -> None:
+        if unit.index == 0:  # the root starts the forward: the recorded order's first units come next
+            replaying = self.trace.state is TraceState.REPLAYING
+            self._issue(self.trace.recorded[:self.units_ahead] if replaying else [])
+            self._next = self.trace.recorded[0] if replaying and self.trace.recorded else None
+            return
         predicted = self.trace.on_forward(unit.index, self.units_ahead)
         self._issue(predicted)
         self._next = predicted[0] if predicted else None
 
-    def end_forward(self) -> None:
+    def end_forward(self, backward_follows: bool = True) -> None:
         order = self.trace.end_forward()
         backward, seen = [], set()
         for i in reversed(order):  # a unit that ran twice is needed first by its last call's backward
@@ -105,14 +135,33 @@ class Prefetcher:
                 seen.add(i)
                 backward.append(i)
         self._backward_order = backward
+        if backward_follows:
+            self.fetch_inputs(backward[:1])  # (Note [backward prefetch])
+            self._issue(backward[:self.units_ahead])
 
     def before_backward(self, unit: Unit) -> None:
         order = self._backward_order
-        if self.units_ahead and unit.index in order:
+        if unit.index in order:
             pos = order.index(unit.index)
-            predicted = order[pos + 1: pos + 1 + self.units_ahead]
-            self._issue(predicted)
-            self._next = predicted[0] if predicted else None
+            self.fetch_inputs(order[pos: pos + 2])  # its own, if not yet, and the next unit's
+            if self.units_ahead:
+                predicted = order[pos + 1: pos + 1 + self.units_ahead]
+                self._issue(predicted)
+                self._next = predicted[0] if predicted else None
+
+    def wait_for(self, unit: Unit) -> None:
+        """Wait for `unit`'s parameters, counting whether a prefetch had issued them (Note [backward prefetch])."""
+        if unit.index != 0 and unit.flat_numel and not unit.aliased:
+            if unit.state is not UnitState.SHARDED:
+                self.hits += 1
+            elif unit.index in self._updating:
+                self.after_update += 1
+            else:
+                self.on_demand += 1
+                now = time.perf_counter()
+                unit.comm.profiler.record(f"{ON_DEMAND} {unit.name}", Link.COMPUTE, now, now, unit=unit.name)
+            self._updating.discard(unit.index)
+        unit.wait_for_unshard(self.manager)
 
     def gather_ahead(self) -> None:
         """The unit starting now has its parameters: issue the all-gather of the one predicted next (its

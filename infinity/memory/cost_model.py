@@ -28,7 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .traffic import LINKS, StepTraffic, plan_traffic, unit_traffic  # noqa: F401 - the byte model's, used here
+from .traffic import LINKS, StepTraffic, activation_offload_traffic, plan_traffic, unit_traffic  # noqa: F401 - the byte model's, used here
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +110,12 @@ def predict_step_time(traffic: StepTraffic, rates: LinkRates, compute_seconds: f
     adam = traffic.adam_cpu / rates.cpu_adam + traffic.adam_device / rates.device_adam
     return StepTime(compute=compute_seconds, fb={"compute": compute_seconds, **links(traffic.fb)},
                     opt={"adam": adam, **links(traffic.opt)})
+
+
+def step_flops(traced_flops: float, unit_forward_flops: float, checkpoint: str) -> float:
+    """Note [recompute]: one micro-batch's forward + backward FLOPs; with `[activation] checkpoint = "units"`
+    every unit's forward runs again in backward (the root's is not checkpointed): about a third more."""
+    return traced_flops + (unit_forward_flops if checkpoint == "units" else 0.0)
 
 
 def compute_seconds(flops: float, rates: LinkRates, efficiency: float = 0.5) -> float:

@@ -44,7 +44,9 @@ named terms:
                   (Note [working memory] above): unsharded units, the flat gradient,
                   the update's staging, the state read-ahead, fresh parameters
     activations   tensors saved for backward in one micro-batch (traced), plus the largest of them
-                  again for the transient of its gradient
+                  again for the transient of its gradient; with `[activation] checkpoint = "units"` the
+                  units' inputs, the root's saves and one unit's recompute instead, and with offload =
+                  "host" the inputs as `activations_host` in host memory (Note [activation estimate])
     allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
                   the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
     init          while a unit is materialized: its full fp32 values, its shard and their casts
@@ -383,6 +385,15 @@ class StepTraffic:
 
     def total(self) -> dict[str, int]:
         return {k: self.fb[k] + self.opt[k] for k in LINKS}
+
+
+def activation_offload_traffic(input_bytes: int, *, cuda: bool, accum: int) -> StepTraffic:
+    """`[activation] offload = "host"`: each micro-batch's checkpoint inputs go to the host after the unit's
+    forward and come back before its backward (Note [activation offload]); no link without a GPU."""
+    t = StepTraffic()
+    if cuda:
+        t.fb["d2h"] = t.fb["h2d"] = input_bytes * accum
+    return t
 
 
 def unit_traffic(sizes: UnitSizes | int, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,

@@ -59,4 +59,6 @@ class StepMark:
     end: float
 
 
-__all__ = ["Link", "Span", "SpanKind", "StepMark"]
+ON_DEMAND = "on-demand fetch"  # name prefix of the mark of an unshard nothing prefetched (prefetch.py)
+
+__all__ = ["Link", "ON_DEMAND", "Span", "SpanKind", "StepMark"]

@@ -11,6 +11,8 @@ The contract (every time in seconds, every byte count in bytes, GB = 1e9 B):
 - `compute_s`: length of the union of the COMPUTE spans.
 - `exposed_s`: length of the union of all WAIT spans (compute blocked on any link).
 - `overlap_efficiency` = compute_s / step_s (None for a zero-length step).
+- `on_demand_fetches`: the unshards in the window that no prefetch had issued
+  (spans named `ON_DEMAND ...`, Note [backward prefetch] in prefetch.py).
 - Per link other than COMPUTE, under `links[link.value]`:
   - `bytes`: sum of the spans' `num_bytes` (rounded to an integer after clipping);
   - `busy_s`: length of the union of the link's WORK spans: concurrent
@@ -31,7 +33,7 @@ from __future__ import annotations
 import statistics
 from typing import Iterable
 
-from .records import Link, Span, SpanKind, StepMark
+from .records import ON_DEMAND, Link, Span, SpanKind, StepMark
 
 GB = 1e9
 
@@ -101,6 +103,7 @@ def summarize_window(spans: list[Span], step: int | None, begin: float, end: flo
         "compute_s": compute_s,
         "exposed_s": union_length(_clipped(waits, begin, end)),
         "overlap_efficiency": _ratio(compute_s, step_s),
+        "on_demand_fetches": sum(1 for s in spans if s.name.startswith(ON_DEMAND) and begin <= s.start <= end),
         "links": {
             link.value: _link_summary(
                 [s for s in work if s.link is link], [s for s in waits if s.link is link], begin, end,
@@ -119,7 +122,7 @@ def _median(values: list) -> float | None:
 def _median_of_steps(steps: list[dict]) -> dict | None:
     if not steps:
         return None
-    scalar_fields = ("step_s", "compute_s", "exposed_s", "overlap_efficiency")
+    scalar_fields = ("step_s", "compute_s", "exposed_s", "overlap_efficiency", "on_demand_fetches")
     median = {field: _median([s[field] for s in steps]) for field in scalar_fields}
     median["links"] = {
         name: {field: _median([s["links"][name][field] for s in steps]) for field in fields}
@@ -164,7 +167,8 @@ def format_summary(summary: dict) -> str:
     lines = [
         f"profile rank {summary['rank']}: {summary['num_steps']} step(s), median step {_ms(median['step_s'])} ms, "
         f"compute {_ms(median['compute_s'])} ms, exposed {_ms(median['exposed_s'])} ms, "
-        f"overlap efficiency {_percent(median['overlap_efficiency'])}",
+        f"overlap efficiency {_percent(median['overlap_efficiency'])}, "
+        f"on-demand fetches {max(s['on_demand_fetches'] for s in summary['steps'])} (most in a step)",
         f"{'step':>6} {'step_ms':>10} {'compute_ms':>11} {'exposed_ms':>11} {'overlap':>8}",
     ]
     for s in summary["steps"]:
