@@ -6,7 +6,7 @@
 
 Saves a Llama-shaped model once as sharded fp32 safetensors in --dir (random weights, written tensor
 by tensor: the model is never whole in memory), then runs each case in its own process, with that
-process's peak RSS (ru_maxrss):
+process's peak RSS (VmHWM, via benchmarks/common.peak_rss_bytes):
 
   a. `infinity.initialize(model, config, weights=DIR)` of the meta-built model, params, grads and
      optimizer on NVMe: load time, peak RSS, the first logits on a fixed prompt; beside

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
 import statistics
 import time
 
@@ -28,8 +27,10 @@ def machine() -> dict:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process so far: infinity's one measure (Note [peak RSS of a spawned
+    process] in infinity/progress.py: not ru_maxrss, which a spawned child inherits from its parent)."""
+    from infinity.progress import peak_rss_bytes as peak
+    return peak()
 
 
 class DiskCounters:
