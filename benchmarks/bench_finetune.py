@@ -164,7 +164,9 @@ def case_lora(model_dir: str, swap: str, export_dir: str, seq: int, steps: int) 
             engine.synchronize()
             step_s.append(round(time.perf_counter() - t, 2))
             losses.append(round(loss.item(), 4))
-        state = engine.memory_report()["state"]
+        report = engine.memory_report()
+        train_rss = peak_rss_bytes()
+        state = report["state"]
         optimizer_bytes = sum(state[tier][kind] for tier in state for kind in ("master", "exp_avg", "exp_avg_sq"))
         t = time.perf_counter()
         engine.export_state_dict(export_dir, merge_lora=True)
@@ -172,7 +174,9 @@ def case_lora(model_dir: str, swap: str, export_dir: str, seq: int, steps: int) 
     return {"trainable_params": trainable, "optimizer_bytes": optimizer_bytes,
             "twelve_x_trainable_bytes": 12 * trainable, "optimizer_over_12x_trainable": round(
                 optimizer_bytes / (12 * trainable), 2), "step_s": step_s, "losses": losses,
-            "export_merged_s": round(export_s, 2), "peak_rss_GiB": round(peak_rss_bytes() / 2**30, 3)}
+            "export_merged_s": round(export_s, 2), "peak_rss_after_training_GiB": round(train_rss / 2**30, 3),
+            "peak_rss_GiB": round(peak_rss_bytes() / 2**30, 3),
+            "memory_report": {k: v for k, v in report.items() if isinstance(v, int)}}
 
 
 CASES = {"infinity_load": case_infinity_load, "transformers": case_transformers, "lora": case_lora}

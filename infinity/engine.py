@@ -101,7 +101,7 @@ class Engine:
         self._handles, self._counters = [], []
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
                                   pre_backward=self._pre_backward, grads_ready=self._grads_ready,
-                                  in_backward=lambda: self._in_backward)
+                                  in_backward=lambda: self._in_backward, backward_done=self._backward_done)
         for unit in self.units:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
@@ -195,6 +195,10 @@ class Engine:
         self.reducer.issue(unit, final=self._final_micro_batch())
         if unit.index != 0 and unit.trainable_numel == unit.flat_numel:
             unit.reshard()  # every parameter has its gradient, so no backward op needs them any more
+
+    def _backward_done(self, unit: Unit) -> None:
+        if unit.index != 0:
+            unit.reshard()  # its inputs' gradients are computed: no backward op reads its parameters now
 
     def _final_micro_batch(self) -> bool:
         return (self.micro_step + 1) % self.config.train.grad_accum_steps == 0
