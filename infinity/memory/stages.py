@@ -121,7 +121,6 @@ def _whole(parts: list[tuple[int, int]], rank: int, sub_group: int) -> KindLayou
 class Stage:
     """The geometry and the collectives of one ZeRO stage (subclasses set the class attributes)."""
 
-    number: int
     gathers_params: bool  # parameters are partitioned and all-gathered before each use
     gathers_after_update: bool  # parameters are whole; each rank's updated partition is all-gathered
     grads_partitioned: bool  # only the rank's partition of the gradient is kept
@@ -133,26 +132,21 @@ class Stage:
                sub_group_size: int) -> UnitLayout:
         """What rank `rank` stores of a unit of `flat_numel` elements, the first `trainable_numel` trainable."""
         padded = padded_numel(flat_numel, world_size)
-        s = padded // world_size
         T = trainable_numel
-        parts = [(max(0, min(s, T - p * s)), s - max(0, min(s, T - p * s))) for p in range(world_size)]
+        if not self.optimizer_partitioned:  # stage 0: one partition, every kind whole, the update chunks lead
+            whole = _whole([(T, 0)], 0, sub_group_size)
+            return UnitLayout(params=_whole([(T, padded - T)], 0, sub_group_size), grads=whole, update=whole,
+                              unsharded_numel=padded)
+        s = padded // world_size
+        parts = [(t, s - t) for t in (max(0, min(s, T - p * s)) for p in range(world_size))]
         own_t, own_f = parts[rank]
         own = chunk_numels(own_t, sub_group_size)
-        shard_update = KindLayout(rank * s, own_t, own, 0, len(own))
-        whole_params = _whole(parts, rank, sub_group_size)
-        whole_trainable = _whole([(t, 0) for t, _ in parts], rank, sub_group_size)
+        update = KindLayout(rank * s, own_t, own, 0, len(own))
         if self.gathers_params:
             params = KindLayout(rank * s, s, own + chunk_numels(own_f, sub_group_size), 0, len(own))
         else:
-            params = whole_params
-        grads = shard_update if self.grads_partitioned else whole_trainable
-        if self.optimizer_partitioned:
-            update = shard_update
-        else:
-            whole = _whole([(T, 0)], 0, sub_group_size)
-            update = whole
-            params = _whole([(T, padded - T)], 0, sub_group_size)  # one partition: the update chunks lead
-            grads = whole
+            params = _whole(parts, rank, sub_group_size)
+        grads = update if self.grads_partitioned else _whole([(t, 0) for t, _ in parts], rank, sub_group_size)
         return UnitLayout(params=params, grads=grads, update=update, unsharded_numel=padded)
 
     # ----------------------------------------------------------------- formulas
@@ -186,7 +180,7 @@ class Stage:
 class Stage0(Stage):
     """Plain data parallelism (DDP): everything replicated, gradients all-reduced once per step."""
 
-    number, name = 0, "DDP"
+    name = "DDP"
     gathers_params = gathers_after_update = grads_partitioned = optimizer_partitioned = False
     reduce_every_micro_batch = False
 
@@ -194,7 +188,7 @@ class Stage0(Stage):
 class Stage1(Stage):
     """Optimizer state partitioned; gradients accumulated whole, reduce-scattered once per step."""
 
-    number, name = 1, "ZeRO-1"
+    name = "ZeRO-1"
     gathers_params = grads_partitioned = reduce_every_micro_batch = False
     gathers_after_update = optimizer_partitioned = True
 
@@ -202,7 +196,7 @@ class Stage1(Stage):
 class Stage2(Stage):
     """Optimizer state and gradients partitioned; parameters whole, updated partitions all-gathered."""
 
-    number, name = 2, "ZeRO-2"
+    name = "ZeRO-2"
     gathers_params = False
     gathers_after_update = grads_partitioned = reduce_every_micro_batch = optimizer_partitioned = True
 
@@ -210,7 +204,7 @@ class Stage2(Stage):
 class Stage3(Stage):
     """Everything partitioned; parameters all-gathered before each use (forward and backward)."""
 
-    number, name = 3, "ZeRO-3"
+    name = "ZeRO-3"
     gathers_after_update = False
     gathers_params = grads_partitioned = reduce_every_micro_batch = optimizer_partitioned = True
 
