@@ -36,10 +36,14 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
 
 
+def one(n: int) -> UnitSizes:
+    """One unit storing n trainable elements of every kind."""
+    return UnitSizes.uniform("u", n)
+
+
 def units_of(sizes: list[int], chunk: int = 100_000) -> tuple[UnitSizes, ...]:
     names = ["<root>"] + [f"blocks.{i}" for i in range(len(sizes) - 1)]
-    return tuple(UnitSizes(name=n, shard_numel=s, unsharded_numel=s,
-                           chunk_numels=(chunk,) * (s // chunk) + ((s % chunk,) if s % chunk else ()))
+    return tuple(UnitSizes.uniform(n, s, s, chunk_numels=(chunk,) * (s // chunk) + ((s % chunk,) if s % chunk else ()))
                  for n, s in zip(names, sizes))
 
 
@@ -59,27 +63,27 @@ def predicted(plan, rates, cuda, accum=1, compute=0.0) -> float:
 @pytest.mark.parametrize("accum", [1, 3])
 def test_traffic_of_everything_on_nvme_without_gpu(accum):
     n, P, G, O = 1000, 2000, 4000, 12000  # elements; bytes of bf16 params, fp32 grads, fp32 optimizer state
-    t = unit_traffic(n, {"params": N, "grads": N, "optimizer": N}, compute_bytes=2, cuda=False, accum=accum,
+    t = unit_traffic(one(n), {"params": N, "grads": N, "optimizer": N}, compute_bytes=2, cuda=False, accum=accum,
                      is_root=False)
     fetches = 2 * accum  # before forward and before backward, each micro-batch
     # the first fetch after the update reads the copy it kept in memory (Note [fresh parameters])
     assert t.fb == {"nvme_read": (fetches - 1) * P + (accum - 1) * G, "nvme_write": accum * G, "h2d": 0, "d2h": 0}
     assert t.opt == {"nvme_read": G + O, "nvme_write": O + P, "h2d": 0, "d2h": 0}
     assert (t.adam_cpu, t.adam_device) == (n, 0)
-    none_kept = unit_traffic(n, {"params": N, "grads": N, "optimizer": N}, compute_bytes=2, cuda=False, accum=accum,
-                             is_root=False, kept_numel=0)
+    none_kept = unit_traffic(one(n), {"params": N, "grads": N, "optimizer": N}, compute_bytes=2, cuda=False,
+                             accum=accum, is_root=False, kept_numel=0)
     assert none_kept.fb["nvme_read"] == fetches * P + (accum - 1) * G
 
 
 def test_root_unit_is_fetched_once_per_micro_batch():
-    t = unit_traffic(1000, {"params": N, "grads": H, "optimizer": H}, compute_bytes=4, cuda=False, accum=2,
+    t = unit_traffic(one(1000), {"params": N, "grads": H, "optimizer": H}, compute_bytes=4, cuda=False, accum=2,
                      is_root=True)
     assert t.fb["nvme_read"] == (2 * 1 - 1) * 4000  # the first of them reads the kept copy
 
 
 def test_traffic_with_a_gpu_and_everything_on_host():
     n, P, G = 1000, 2000, 4000
-    t = unit_traffic(n, {"params": H, "grads": H, "optimizer": H}, compute_bytes=2, cuda=True, accum=1,
+    t = unit_traffic(one(n), {"params": H, "grads": H, "optimizer": H}, compute_bytes=2, cuda=True, accum=1,
                      is_root=False)
     assert t.fb == {"nvme_read": 0, "nvme_write": 0, "h2d": 2 * P, "d2h": G}  # params in, grads out
     assert t.opt == {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}  # Adam runs on the CPU, in place
@@ -88,7 +92,7 @@ def test_traffic_with_a_gpu_and_everything_on_host():
 
 def test_optimizer_on_gpu_pulls_host_grads_and_pushes_params_back():
     n, P, G = 1000, 2000, 4000
-    t = unit_traffic(n, {"params": H, "grads": H, "optimizer": D}, compute_bytes=2, cuda=True, accum=1,
+    t = unit_traffic(one(n), {"params": H, "grads": H, "optimizer": D}, compute_bytes=2, cuda=True, accum=1,
                      is_root=False)
     assert t.opt == {"nvme_read": 0, "nvme_write": 0, "h2d": G, "d2h": P}
     assert t.adam_device == n and t.adam_cpu == 0

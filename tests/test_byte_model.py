@@ -95,7 +95,7 @@ def test_staging_is_derived_from_the_optimizer_and_the_pool(tmp_path):
     assert defaults["read_ahead"].default == traffic.UPDATE_READS_AHEAD
     assert defaults["max_writes_in_flight"].default == traffic.UPDATE_WRITES_IN_FLIGHT
     from infinity.memory.placement import UnitSizes, plan_placement
-    units = tuple(UnitSizes(name=f"u{i}", shard_numel=2 * 3000, unsharded_numel=2 * 3000, chunk_numels=(3000, 3000))
+    units = tuple(UnitSizes.uniform(f"u{i}", 2 * 3000, 2 * 3000, chunk_numels=(3000, 3000))
                   for i in range(3))
     budgets = Budgets(device=1 << 30, host=64 << 20, nvme=1 << 40, shared_ram=True, ram=8 << 30)
     plan = plan_placement(units, torch.float32, policy="static", static=NVME, budgets=budgets, units_ahead=1)

@@ -177,7 +177,7 @@ def test_cuda_traffic_is_every_crossing_the_manager_counts(accum):
     for combo in itertools.product(("device", "host", "nvme"), repeat=3):
         tiers = dict(zip(("params", "grads", "optimizer"), combo))
         unit_tiers = {k: Tier(tiers[k.group]) for k in Kind}
-        units = tuple(UnitSizes(name=f"u{i}", shard_numel=n, unsharded_numel=n, chunk_numels=(n,)) for i in range(2))
+        units = tuple(UnitSizes.uniform(f"u{i}", n, n, chunk_numels=(n,)) for i in range(2))
         plan = Plan(tiers=(unit_tiers, unit_tiers), units=units, compute_dtype=torch.bfloat16)
         expected = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
         for is_root in (True, False):
@@ -203,7 +203,7 @@ def test_the_manager_counts_copies_into_resident_tiers():
     from infinity.streams import Streams
     assert _crossing(GPU, CPU) == "d2h" and _crossing(CPU, GPU) == "h2d"
     assert _crossing(CPU, CPU) is None and _crossing(GPU, torch.device("cuda", 0)) is None
-    units = (UnitSizes(name="u0", shard_numel=8, unsharded_numel=8, chunk_numels=(8,)),)
+    units = (UnitSizes.uniform("u0", 8, 8, chunk_numels=(8,)),)
     tiers = {k: Tier.HOST for k in Kind} | {Kind.PARAMS: Tier.DEVICE}
     plan = Plan(tiers=(tiers,), units=units, compute_dtype=torch.bfloat16)
     manager = TieredMemoryManager(plan, torch.device("meta"), Streams.for_device(CPU), None, pin_host=False)

@@ -101,32 +101,24 @@ STAGING_ALIGNMENT = 4096  # the host staging pool's (memory/buffers.py)
 _FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
 
 
-@dataclass(frozen=True, init=False)
+@dataclass(frozen=True, kw_only=True)
 class UnitSizes:
     """What placement needs to know about one unit on this rank: what it stores of each kind (its
-    `UnitLayout`, Note [stage layouts] in stages.py) and how many of the unit's elements are trainable.
-
-    `UnitSizes(name=, layout=, trainable_numel=)`; or the shorthand `UnitSizes(name=, shard_numel=,
-    unsharded_numel=, chunk_numels=)`: every kind stores the same all-trainable shard (stage 3's layout
-    of a unit without frozen weights), as tests of the planner write it."""
+    `UnitLayout`, Note [stage layouts] in stages.py) and how many of the unit's elements are trainable."""
 
     name: str
     layout: UnitLayout
     trainable_numel: int  # elements of the unit's flat buffer [0, T) with gradients and optimizer state
 
-    def __init__(self, *, name: str, layout: UnitLayout | None = None, trainable_numel: int | None = None,
-                 shard_numel: int | None = None, unsharded_numel: int | None = None,
-                 chunk_numels: tuple[int, ...] | None = None):
-        if layout is None:
-            assert shard_numel is not None and unsharded_numel is not None, name
-            chunks = tuple(chunk_numels if chunk_numels is not None else (shard_numel,) if shard_numel else ())
-            same = KindLayout(0, shard_numel, chunks, 0, len(chunks))
-            layout = UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel)
-            trainable_numel = unsharded_numel
-        assert trainable_numel is not None, name
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "layout", layout)
-        object.__setattr__(self, "trainable_numel", trainable_numel)
+    @classmethod
+    def uniform(cls, name: str, shard_numel: int, unsharded_numel: int | None = None,
+                chunk_numels: tuple[int, ...] | None = None) -> "UnitSizes":
+        """Every kind stores the same all-trainable shard (stage 3's layout of a unit without frozen weights)."""
+        unsharded_numel = shard_numel if unsharded_numel is None else unsharded_numel
+        chunks = tuple(chunk_numels if chunk_numels is not None else (shard_numel,) if shard_numel else ())
+        same = KindLayout(0, shard_numel, chunks, 0, len(chunks))
+        return cls(name=name, layout=UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel),
+                   trainable_numel=unsharded_numel)
 
     def numel(self, kind: Kind) -> int:
         """Elements this rank stores of `kind`."""
@@ -396,14 +388,11 @@ def activation_offload_traffic(input_bytes: int, *, cuda: bool, accum: int) -> S
     return t
 
 
-def unit_traffic(sizes: UnitSizes | int, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
+def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
                  is_root: bool, kept_numel: int | None = None, first_step: bool = False) -> StepTraffic:
-    """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier; `sizes` an
-    int n: every kind stores the same n trainable elements. `kept_numel`: parameter elements whose first
-    fetch reads a kept copy (None: all written ones). `first_step`: no update before it (nothing kept) and
-    the moments are still zeros (never read)."""
-    if isinstance(sizes, int):
-        sizes = UnitSizes(name="", shard_numel=sizes, unsharded_numel=sizes)
+    """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier.
+    `kept_numel`: parameter elements whose first fetch reads a kept copy (None: all written ones).
+    `first_step`: no update before it (nothing kept) and the moments are still zeros (never read)."""
     t = StepTraffic()
     P, G = sizes.numel(Kind.PARAMS) * compute_bytes, sizes.numel(Kind.GRADS) * 4
     W, O = sizes.written_params * compute_bytes, sizes.numel(Kind.MASTER)
