@@ -334,10 +334,9 @@ def test_device_to_host_store_waits_for_the_producing_stream(tmp_path, monkeypat
         assert streams.log == [("host waits", "d2h")] and len(syncs) == 1
 
 
-def test_host_tier_is_one_arena_pinned_at_its_exact_size(monkeypatch):
-    """Defect 5 (Note [pinned arena]): with pinning, the host tier is one allocation registered once with
-    CUDA at the plan's bytes (each shard rounded up to a page), every shard inside it; nothing goes
-    through the caching host allocator, which rounds pinned blocks up to powers of two."""
+@pytest.fixture
+def cudart_calls(monkeypatch) -> list:
+    """CUDA's runtime faked: the cudaHostRegister / cudaHostUnregister calls made, in order."""
     calls = []
 
     class CudaRuntime:
@@ -350,6 +349,14 @@ def test_host_tier_is_one_arena_pinned_at_its_exact_size(monkeypatch):
             return 0
 
     monkeypatch.setattr(torch.cuda, "cudart", CudaRuntime)
+    return calls
+
+
+def test_host_tier_is_one_arena_pinned_at_its_exact_size(cudart_calls):
+    """Defect 5 (Note [pinned arena]): with pinning, the host tier is one allocation registered once with
+    CUDA at the plan's bytes (each shard rounded up to a page), every shard inside it; nothing goes
+    through the caching host allocator, which rounds pinned blocks up to powers of two."""
+    calls = cudart_calls
     recipe = Recipe()
     engine = infinity.initialize(recipe.build(), recipe.config(params="host", grads="host", optimizer="host"))
     with engine:
@@ -508,25 +515,14 @@ def test_a_prefetch_after_an_update_follows_it_on_the_device():
         assert streams.log == [("wait", "current")]
 
 
-def test_staging_buffers_are_pinned_at_their_size_class_not_a_power_of_two(monkeypatch):
+def test_staging_buffers_are_pinned_at_their_size_class_not_a_power_of_two(cudart_calls, monkeypatch):
     """Defect 5 for io_engine's staging pool: a pinned buffer is a fresh mapping registered with CUDA at its
     exact bytes (a 5 MiB size class pins 5 MiB, where the caching host allocator would pin 8 MiB) and
     unregistered when its last view dies, before the mapping goes."""
     import gc
 
     from io_engine import AlignedBufferPool, size_class
-    calls = []
-
-    class CudaRuntime:
-        def cudaHostRegister(self, ptr, nbytes, flags):
-            calls.append(("register", ptr, nbytes))
-            return 0
-
-        def cudaHostUnregister(self, ptr):
-            calls.append(("unregister", ptr))
-            return 0
-
-    monkeypatch.setattr(torch.cuda, "cudart", CudaRuntime)
+    calls = cudart_calls
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda *a, **k: pytest.fail("caching host allocator used"))
     pool = AlignedBufferPool(alignment=4096, pin=None)
