@@ -67,3 +67,31 @@ def reference_run(recipe: Recipe, model=None):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def plain_adamw(model, batches, loss_of, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                weight_decay: float = 0.0):
+    """Plain PyTorch on a copy of `model`: torch.optim.AdamW over its trainable parameters, one step per batch
+    (`loss_of(forward, batch)`). Returns the losses and the final state dict."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=betas, eps=eps,
+                            weight_decay=weight_decay)
+    losses = []
+    for batch in batches:
+        loss = loss_of(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def engine_losses(engine, batches, loss_of) -> list[float]:
+    """The same loop through an infinity engine: one step per batch."""
+    losses = []
+    for batch in batches:
+        loss = loss_of(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -4,7 +4,6 @@ offload], Note [activation bytes], Note [backward prefetch])."""
 
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -17,7 +16,7 @@ from dist_utils import run_distributed
 from engine_runs import engine_run, train_steps
 from infinity.config import ConfigError
 from infinity.models.gpt import GPT
-from reference import TINY, Recipe, reference_run
+from reference import TINY, Recipe, engine_losses, plain_adamw, reference_run
 
 RECIPE = Recipe(steps=4, accum=1)
 PLACED = {"host": {"params": "host", "grads": "host", "optimizer": "host"},
@@ -95,29 +94,16 @@ def test_hf_llama_with_checkpointed_offloaded_units_trains_like_plain_pytorch(tm
     def loss_of(forward, b):
         return F.cross_entropy(forward(input_ids=b[:, :-1]).logits.float().reshape(-1, 96), b[:, 1:].reshape(-1))
 
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    ref_losses = []
-    for b in data:
-        loss = loss_of(ref, b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_losses.append(loss.item())
+    ref_losses, ref_state = plain_adamw(model, data, loss_of, lr=3e-3, weight_decay=0.1)
     optimizer = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 0.0}
     cfg = {"optimizer": optimizer, "placement": PLACED["nvme"], "nvme": {"paths": [str(tmp_path)]},
            **activation("units", "host")}
-    losses = []
     with infinity.initialize(model, cfg) as engine:
-        for b in data:
-            loss = loss_of(engine, b)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = engine_losses(engine, data, loss_of)
         state = engine.full_state_dict()
         report = engine.memory_report()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
-    for key, value in ref.state_dict().items():
+    for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, msg=key)
     hidden = 4 * 16 * 32 * 4  # batch x seq x hidden_size x fp32: each decoder layer's saved input
     assert report["activation_host_bytes"] == 2 * hidden

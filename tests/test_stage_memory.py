@@ -8,7 +8,6 @@ PyTorch AdamW does, and checkpoints that load across stages and world sizes with
 
 from __future__ import annotations
 
-import copy
 import glob
 import json
 import os
@@ -23,7 +22,7 @@ from ckpt_runs import load_then_run, make_engine, run_then_save, states_equal, t
 from dist_utils import run_distributed
 from infinity.memory.tier import OPTIMIZER_KINDS, Kind
 from infinity.memory.traffic import bytes_per_step
-from reference import Recipe, reference_run
+from reference import Recipe, engine_losses, plain_adamw, reference_run
 from test_stages import FORMULAS
 
 HOST = {"params": "host", "grads": "host", "optimizer": "host"}
@@ -184,31 +183,17 @@ def test_peft_lora_keeps_adam_state_for_the_adapters_only(tmp_path):
     psi = sum(p.numel() for p in model.parameters())
     g = torch.Generator().manual_seed(7)
     data = [torch.randint(0, VOCAB, (4, SEQ + 1), generator=g) for _ in range(3)]
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=3e-3, betas=(0.9, 0.95),
-                            weight_decay=0.1)
-    ref_losses = []
-    for batch in data:
-        loss = lm_loss(ref, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_losses.append(loss.item())
+    ref_losses, ref_state = plain_adamw(model, data, lm_loss, lr=3e-3, weight_decay=0.1)
     cfg = {"optimizer": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.1, "grad_clip": 0.0},
            "placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"}, "nvme": {"paths": [str(tmp_path)]}}
     frozen_before = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" not in k}
     with infinity.initialize(model, cfg) as engine:
         got = per_kind(engine.memory_report()["state"])
-        losses = []
-        for batch in data:
-            loss = lm_loss(engine, batch)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = engine_losses(engine, data, lm_loss)
         state = engine.full_state_dict()
     assert got == {"params": 4 * psi, "grads": 4 * trainable, "optimizer": 12 * trainable}, (got, psi, trainable)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
-    for key, value in ref.state_dict().items():
+    for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, msg=key)
     for key, value in frozen_before.items():
         assert torch.equal(state[key], value), key
