@@ -45,7 +45,7 @@ def save(args, ckpt: str) -> dict:
 def export(ckpt: str, out: str) -> dict:
     from common import peak_rss_bytes
 
-    from infinity.export import export_checkpoint
+    from infinity.state.export import export_checkpoint
     t = time.perf_counter()
     export_checkpoint(ckpt, out)
     return {"seconds": round(time.perf_counter() - t, 1), "peak_rss_GiB": round(peak_rss_bytes() / 2**30, 3),

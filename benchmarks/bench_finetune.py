@@ -55,7 +55,7 @@ def save_model(args, out: str) -> dict:
     import transformers
 
     import infinity
-    from infinity.export import write_safetensors_file
+    from infinity.state.export import write_safetensors_file
     from io_engine import parse_size
     cfg = llama_config(args)
     with infinity.meta_init():

@@ -4,7 +4,7 @@ Every I/O block completion runs Python (the engine's bookkeeping), so it needs t
 A training thread that runs Python between short torch ops holds it for up to the
 interpreter's switch interval (5 ms by default) at a time, while the disk moves a 1 MiB
 block in ~0.3 ms. This measures that cost and why the engine sets
-`[io] switch_interval_us` (Note [switch interval] in infinity/engine.py):
+`[io] switch_interval_us` (Note [switch interval] in infinity/runtime/engine.py):
 
     python benchmarks/bench_gil.py --dir /tmp/benchdisk --json gil.json
 

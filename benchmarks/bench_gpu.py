@@ -3,7 +3,7 @@
     python benchmarks/bench_gpu.py --json benchmarks/results/gpu_<date>.json
     python benchmarks/bench_gpu.py --cases a --layers 12 --d-model 1024 --steps 6
     python benchmarks/bench_gpu.py --cases b,c,d --dir /mnt/nvme/bench --ds-nvme --json OUT
-    python benchmarks/bench_gpu.py --tiny --device cpu      # the smoke test (tests/test_bench_gpu.py)
+    python benchmarks/bench_gpu.py --tiny --device cpu      # the smoke test (tests/benchmarks/test_bench_gpu.py)
 
 Case a, a model that fits in HBM: infinity with every state kind on the device
 against plain PyTorch with torch.optim.AdamW(fused=True), same GPT, batch and
@@ -180,7 +180,7 @@ def case_b(cfg, batch, device, args) -> dict:
 
 def disk_floor(nbytes: dict, directory: str, device: torch.device) -> float:
     """Seconds for the step's NVMe reads and writes at the rates measured on `directory` (they share the disk)."""
-    from infinity.link_rates import link_rates
+    from infinity.machine.link_rates import link_rates
     rates = link_rates(directory, device)
     return nbytes.get("nvme_read", 0) / rates.nvme_read + nbytes.get("nvme_write", 0) / rates.nvme_write
 

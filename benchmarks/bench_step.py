@@ -193,7 +193,7 @@ def run_torch(args) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     if args.world > 1:  # plain data parallelism: DDP over gloo
-        from infinity.environment import init_process_group
+        from infinity.machine.environment import init_process_group
         init_process_group("gloo")
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **optimizer_args(args))
@@ -227,7 +227,7 @@ def infinity_config(args, placement: str, swap: str) -> dict:
               if value}
     if memory:
         config["memory"] = memory
-    from infinity.options import parse_override
+    from infinity.config.options import parse_override
     for item in [*args.set, *own_set]:  # e.g. io.checksum=full: one engine key for every infinity system
         section, key, value = parse_override(item)
         config.setdefault(section, {})[key] = value
@@ -280,7 +280,7 @@ def engine_step(engine):
 
 
 def steady_bytes_per_step(engine) -> dict:
-    """The bytes a steady step moves, as the plan predicts them (tests/test_profile_traffic checks it
+    """The bytes a steady step moves, as the plan predicts them (tests/profile/test_profile_traffic checks it
     byte for byte); counters between step starts would split an update that overlaps the next step."""
     from infinity.memory.traffic import bytes_per_step
     return bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
@@ -390,7 +390,7 @@ def run_fsdp2(args, kind: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from infinity.environment import init_process_group
+    from infinity.machine.environment import init_process_group
     from infinity.models.gpt import GPT
     kind, stage = with_stage(kind, 3)
     if kind not in ("none", "cpu_both") or stage != 3:
@@ -545,7 +545,7 @@ def fitting_placements(args) -> dict:
     """Which static uniform placements fit the budgets, decided as `initialize` decides it.
 
     The model is built on the meta device and split into units as `initialize` splits it
-    (`infinity.estimate.unit_sizes_of`); the budgets are resolved as the engine resolves them
+    (`infinity.job.estimate.unit_sizes_of`); the budgets are resolved as the engine resolves them
     (`memory.*_budget`, the free memory detected now, the free space of the swap directory's
     filesystem); each of the 27 placements is planned by `plan_for_config`. Returns
     {"fitting": [P/G/O, ...], "not_fitting": {P/G/O: the planner's message}, "budgets": {...}}.
@@ -555,10 +555,10 @@ def fitting_placements(args) -> dict:
     import torch
 
     import infinity
-    from infinity.estimate import resolve_budgets_for, unit_sizes_of
+    from infinity.job.estimate import resolve_budgets_for, unit_sizes_of
+    from infinity.machine.preflight import check_nvme_paths
     from infinity.memory.placement import PlacementError, plan_for_config
     from infinity.models.gpt import GPT
-    from infinity.preflight import check_nvme_paths
     with infinity.meta_init():
         model = GPT(model_config(args))
     base = infinity.Config.from_dict(infinity_config(args, "auto", args.dir))
@@ -603,7 +603,7 @@ def drive(args) -> dict:
               f"{', '.join(fit['fitting']) or 'none'}", flush=True)
     systems = expand_systems(requested, fit)
     if args.profile:  # the profile's per-link peaks are the link rates cached for this disk (measured once)
-        from infinity.link_rates import link_rates
+        from infinity.machine.link_rates import link_rates
         rates = link_rates(args.dir)
         print(f"link rates ({rates.source}): nvme read {rates.nvme_read / 1e9:.2f} GB/s, write "
               f"{rates.nvme_write / 1e9:.2f} GB/s, cpu adam {rates.cpu_adam / 1e9:.2f} Gelem/s", flush=True)

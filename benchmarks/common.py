@@ -28,8 +28,8 @@ def machine() -> dict:
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far: infinity's one measure (Note [peak RSS of a spawned
-    process] in infinity/progress.py: not ru_maxrss, which a spawned child inherits from its parent)."""
-    from infinity.progress import peak_rss_bytes as peak
+    process] in infinity/job/progress.py: not ru_maxrss, which a spawned child inherits from its parent)."""
+    from infinity.job.progress import peak_rss_bytes as peak
     return peak()
 
 

@@ -10,7 +10,7 @@
    - the job is SIGKILLed `--kills` times at seeded steps and started again, each time resuming
      from its newest complete checkpoint.
    A save that fails for space is reported by the engine (CheckpointError at the next backward or
-   step, which did nothing and is called again: tests/test_checkpoint_safety.py); the run goes on
+   step, which did nothing and is called again: tests/state/test_checkpoint_safety.py); the run goes on
    and the earlier checkpoints stay.
 3. The final parameters must equal the reference bit for bit. RSS and open fds are sampled every
    step in every process: the report gives, per process, the first sample after warm-up and the last.
@@ -71,13 +71,13 @@ def _worker(root: str, out: str, progress: str, steps: int) -> None:
     import torch
 
     import infinity
-    import infinity.checkpoint as ckpt
+    import infinity.state.checkpoint as ckpt
     from infinity.models.gpt import GPT, GPTConfig, gpt_init, synthetic_batch
 
     cfg = GPTConfig(vocab_size=512, seq_len=64, n_layer=4, n_head=4, d_model=128)
     from pathlib import Path
 
-    from infinity.run_dir import RunDir
+    from infinity.job.run_dir import RunDir
     swap, ckpts = os.path.join(root, "swap"), os.path.join(root, "ckpt")
     os.makedirs(swap, exist_ok=True)
     run = RunDir.existing(Path(root))  # as `infinity train --resume`: locked, a killed job's swap files removed

@@ -31,7 +31,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import infinity
-from infinity.data import VOCAB_SIZE, Batches, DataConfig
+from infinity.job.data import VOCAB_SIZE, Batches, DataConfig
 
 
 def make_pretrained(path: str, seq_len: int) -> None:

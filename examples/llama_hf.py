@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import infinity
-from infinity.data import VOCAB_SIZE, Batches, DataConfig
+from infinity.job.data import VOCAB_SIZE, Batches, DataConfig
 
 
 def main() -> None:

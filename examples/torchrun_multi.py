@@ -27,7 +27,7 @@ import tempfile
 import torch.distributed as dist
 
 import infinity
-from infinity.data import VOCAB_SIZE, Batches, DataConfig
+from infinity.job.data import VOCAB_SIZE, Batches, DataConfig
 from infinity.models import GPT, GPTConfig, gpt_init
 
 

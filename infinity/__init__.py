@@ -4,12 +4,12 @@
     loss = engine(x, y); engine.backward(loss); engine.step()
 """
 
-from .config import Config, ConfigError
-from .engine import Engine, NonFiniteGradError, initialize
-from .materialize import meta_init
-from .memory.placement import PlacementError
-from .memory.tier import Kind, Tier
-from .preflight import PreflightError
+from infinity.config.sections import Config, ConfigError
+from infinity.machine.preflight import PreflightError
+from infinity.memory.placement import PlacementError
+from infinity.memory.tier import Kind, Tier
+from infinity.runtime.engine import Engine, NonFiniteGradError, initialize
+from infinity.runtime.materialize import meta_init
 
 __all__ = ["Config", "ConfigError", "Engine", "Kind", "NonFiniteGradError", "PlacementError", "PreflightError",
            "Tier", "initialize", "meta_init"]

@@ -9,7 +9,7 @@ write: the previous contents read back, and the optimizer changes every element 
 step) or cut short, which any piece catches; a flip outside the sample is left to the
 drive's own ECC. "full" remains for those who want every byte covered. Blocks no larger
 than twice the sample are checksummed whole either way. Checkpoints are always checked
-whole (infinity/checkpoint.py).
+whole (infinity/state/checkpoint.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ units KB, MB, GB, TB, PB powers of 1000; B is bytes; unit case is not
 significant ("1mib" is 1MiB). A bare prefix ("4k", "12 G") is refused: half the
 tools that write it mean 1024 and half mean 1000, so the message asks for "4KiB"
 or "4KB". Fractions are exact ("1.5GiB" is 1610612736) and must come to a whole
-number of bytes. `infinity.config` (every size key) and io_engine (IOConfig, the
+number of bytes. `infinity.config.sections` (every size key) and io_engine (IOConfig, the
 benchmarks' flags) parse with `parse_size`, so a size means the same everywhere.
 """
 

@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "helpers"))  # the shared helpers: reference, dist_utils, ...
 
 
 def pytest_collection_modifyitems(config, items):

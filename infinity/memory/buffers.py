@@ -12,9 +12,8 @@ from collections.abc import Hashable
 
 import torch
 
+from infinity.device.streams import host_wait
 from io_engine import AlignedBufferPool, aligned_empty, cuda_host_register, cuda_host_unregister
-
-from ..streams import host_wait
 
 
 class StagingBuffers:

@@ -1,6 +1,6 @@
 """Cost model of a training step: the predicted step time of a plan's traffic, and the link rates.
 
-Link rates (measured and cached by `infinity.link_rates`; this module only
+Link rates (measured and cached by `infinity.machine.link_rates`; this module only
 computes with the rates it is given):
 
     nvme_read, nvme_write   io_engine throughput on the swap directory's disk (bytes/s)
@@ -28,7 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from .traffic import LINKS, StepTraffic, activation_offload_traffic, plan_traffic, unit_traffic  # noqa: F401 - the byte model's, used here
+from infinity.memory.traffic import LINKS, StepTraffic, activation_offload_traffic, plan_traffic, unit_traffic  # noqa: F401 - the byte model's, used here
 
 
 @dataclass(frozen=True, kw_only=True)

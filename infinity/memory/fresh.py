@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .tier import Kind, Tier
-from .traffic import fresh_bytes
+from infinity.memory.tier import Kind, Tier
+from infinity.memory.traffic import fresh_bytes
 
 
 @dataclass

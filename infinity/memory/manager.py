@@ -31,14 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinity.device.streams import Streams, bind_thread, host_wait
+from infinity.memory.buffers import HostArena, StagingBuffers, arena_bytes
+from infinity.memory.fresh import FreshCopies
+from infinity.memory.placement import Plan
+from infinity.memory.tier import Kind, Residency, Tier, check_transition
+from infinity.profile import Link, NullProfiler
 from io_engine import Extent, SwapSpace
-
-from ..profile import Link, NullProfiler
-from ..streams import Streams, bind_thread, host_wait
-from .buffers import HostArena, StagingBuffers, arena_bytes
-from .fresh import FreshCopies
-from .placement import Plan
-from .tier import Kind, Residency, Tier, check_transition
 
 
 @dataclass

@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infinity.device.dtypes import dtype_of
+from infinity.memory import cost_model, traffic
+from infinity.memory.tier import Kind, Tier
+from infinity.memory.traffic import GROUPS, KINDS_OF_GROUP, UnitSizes  # noqa: F401 - UnitSizes: placement's input, from here
 from io_engine import format_size
-
-from ..dtypes import dtype_of
-from . import cost_model, traffic
-from .tier import Kind, Tier
-from .traffic import GROUPS, KINDS_OF_GROUP, UnitSizes  # noqa: F401 - UnitSizes: placement's input, from here
 
 FASTEST_FIRST = (Tier.DEVICE, Tier.HOST, Tier.NVME)
 
@@ -130,7 +129,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     policy "static": every unit's params / grads / optimizer state on the tiers of
     `static` (the `[placement]` keys). "auto": Note [auto placement], with the link
     `rates` (default: `cost_model.default_rates`; the planner never measures nor reads a cache: the
-    caller passes what `infinity.link_rates` measured or cached),
+    caller passes what `infinity.machine.link_rates` measured or cached),
     `grad_accum_steps` micro-batches per step and `compute_seconds` of forward and
     backward per step (0 when unknown: transfers are then minimized outright).
     Every working buffer of Note [working memory] is fitted with the state: `keep_written` (the fresh

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tier import Kind
+from infinity.memory.tier import Kind
 
 CHUNK_ALIGN = 4096  # elements; NVMe chunk boundaries stay 4 KiB-aligned, and fused Adam's 64-element blocks
 STAGES = (0, 1, 2, 3)

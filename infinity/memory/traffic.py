@@ -34,7 +34,7 @@ The read-ahead's budget is part of the plan: "auto" takes half of the host memor
 plan leaves free under the budgets, so a host budget bounds it (`resolve_read_ahead`).
 Activations are not known when planning; `infinity estimate` traces them (Note [peak memory]).
 
-Note [peak memory] (`infinity.estimate.peak_terms`): the predicted peak of one rank's process memory (RSS without
+Note [peak memory] (`infinity.job.estimate.peak_terms`): the predicted peak of one rank's process memory (RSS without
 a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
 named terms:
 
@@ -72,7 +72,7 @@ own layout; W = the trainable part of P, what an update rewrites); `unit_traffic
 
 On a machine without a GPU, device and host are the same memory: no copy is a link. The manager
 counts every byte it moves the same way (`TieredMemoryManager.bytes_moved`, d2h / h2d into resident
-tiers included); tests/test_profile_traffic.py checks the two agree.
+tiers included); tests/profile/test_profile_traffic.py checks the two agree.
 """
 
 from __future__ import annotations
@@ -83,12 +83,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..config import ConfigError, format_size
-from .stages import KindLayout, UnitLayout
-from .tier import OPTIMIZER_KINDS, Kind, Tier, params_alias_master
+from infinity.config.sections import ConfigError, format_size
+from infinity.memory.stages import KindLayout, UnitLayout
+from infinity.memory.tier import OPTIMIZER_KINDS, Kind, Tier, params_alias_master
 
 if TYPE_CHECKING:
-    from .placement import Budgets, Plan
+    from infinity.memory.placement import Budgets, Plan
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")  # the keys of memory_report()["bytes_moved"]
 GROUPS = ("params", "grads", "optimizer")

@@ -1,5 +1,5 @@
 """Built-in models (for the default training job, tests and benchmarks)."""
 
-from .gpt import GPT, GPTConfig, gpt_init
+from infinity.models.gpt import GPT, GPTConfig, gpt_init
 
 __all__ = ["GPT", "GPTConfig", "gpt_init"]

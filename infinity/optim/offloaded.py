@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory.manager import TieredMemoryManager
-from ..memory.tier import Kind, Tier
-from ..memory.traffic import UPDATE_READS_AHEAD, UPDATE_WRITES_IN_FLIGHT  # the byte model stages these
-from ..profile import Link, NullProfiler
-from ..unit import Unit
-from .cpu_adam import AdamHyper, adam_step
-from .read_ahead import StateReadAhead
+from infinity.memory.manager import TieredMemoryManager
+from infinity.memory.tier import Kind, Tier
+from infinity.memory.traffic import UPDATE_READS_AHEAD, UPDATE_WRITES_IN_FLIGHT  # the byte model stages these
+from infinity.optim.cpu_adam import AdamHyper, adam_step
+from infinity.optim.read_ahead import StateReadAhead
+from infinity.profile import Link, NullProfiler
+from infinity.units.unit import Unit
 
 _NOTHING = contextlib.nullcontext()
 FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..memory.manager import Pending, TieredMemoryManager
-from ..memory.tier import OPTIMIZER_KINDS, Kind, Tier
+from infinity.memory.manager import Pending, TieredMemoryManager
+from infinity.memory.tier import OPTIMIZER_KINDS, Kind, Tier
 
 _CPU = torch.device("cpu")
 

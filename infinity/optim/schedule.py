@@ -6,7 +6,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from infinity.config import OptimizerConfig
+    from infinity.config.sections import OptimizerConfig
 
 __all__ = ["lr_at"]
 

@@ -24,11 +24,11 @@ from typing import Callable
 
 import torch
 
-from ..streams import Streams, bind_thread
-from ..unit import Unit
-from .cpu_adam import AdamHyper
-from .offloaded import OffloadedOptimizer
-from .read_ahead import Issue, StateReadAhead
+from infinity.device.streams import Streams, bind_thread
+from infinity.optim.cpu_adam import AdamHyper
+from infinity.optim.offloaded import OffloadedOptimizer
+from infinity.optim.read_ahead import Issue, StateReadAhead
+from infinity.units.unit import Unit
 
 _POLL_S = 0.002  # while the read-ahead waits for a chunk to land: 2 ms of latency on ~50 ms reads
 

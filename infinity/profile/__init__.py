@@ -19,9 +19,9 @@ Layout:
     chart.py    timeline PNG (needs matplotlib; skipped without it)
 """
 
-from .records import Link, Span, SpanKind, StepMark
-from .spans import NullProfiler, Profiler
-from .summary import format_summary, summarize, union_length
+from infinity.profile.records import Link, Span, SpanKind, StepMark
+from infinity.profile.spans import NullProfiler, Profiler
+from infinity.profile.summary import format_summary, summarize, union_length
 
 __all__ = [
     "Link",

@@ -9,7 +9,7 @@ so no global state and no display); without it nothing is drawn.
 
 from __future__ import annotations
 
-from .records import Link, Span, SpanKind, StepMark
+from infinity.profile.records import Link, Span, SpanKind, StepMark
 
 _COLORS = {
     Link.COMPUTE: "#4c72b0",

@@ -14,7 +14,7 @@ link gets extra rows ("nvme_read (2)", ...), filled greedily.
 
 from __future__ import annotations
 
-from .records import Link, Span, SpanKind, StepMark
+from infinity.profile.records import Link, Span, SpanKind, StepMark
 
 _US = 1e6
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from .spans import Link
+from infinity.profile.spans import Link
 
 
 class TrainingClock:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from .records import Span, SpanKind
+from infinity.profile.records import Span, SpanKind
 
 
 class DeviceSpans:

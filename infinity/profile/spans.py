@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from . import device as device_timing
-from .records import Link, Span, SpanKind, StepMark
+from infinity.profile import device as device_timing
+from infinity.profile.records import Link, Span, SpanKind, StepMark
 
 
 class _SpanTimer:
@@ -202,7 +202,7 @@ class Profiler:
 
     def summary(self) -> dict:
         """Per-step and median overlap summary; see `summary.summarize`."""
-        from .summary import summarize
+        from infinity.profile.summary import summarize
 
         return summarize(self.spans(), self.steps(), self.peaks_GBps, rank=self.rank)
 
@@ -217,10 +217,9 @@ class Profiler:
         import json
         import os
 
+        from infinity.profile import chart, chrome
+        from infinity.profile.summary import format_summary, summarize
         from io_engine import atomic_write
-
-        from . import chart, chrome
-        from .summary import format_summary, summarize
 
         spans, steps = self.spans(), self.steps()
         summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import statistics
 from typing import Iterable
 
-from .records import ON_DEMAND, Link, Span, SpanKind, StepMark
+from infinity.profile.records import ON_DEMAND, Link, Span, SpanKind, StepMark
 
 GB = 1e9
 

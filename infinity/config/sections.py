@@ -1,0 +1,509 @@
+"""Run configuration: frozen keyword-only dataclasses, TOML / dict loading, validation.
+
+One small dataclass per TOML section; the top-level `Config` holds one of each.
+Every field carries its meaning in ``field(metadata={"help": ...})`` so that
+``infinity config --defaults`` and the README reference are generated from the
+code, never written by hand.
+
+    config = Config.from_file("run.toml")
+    config = Config.from_dict({"optimizer": {"lr": 1e-3}}, overrides=["placement.params=host"])
+    config = Config().with_overrides(["optimizer.betas=[0.9, 0.99]"])
+
+Note [no silent keys]: an unknown section or key, a value of the wrong type, an
+out-of-range value, or a key whose value cannot matter under the rest of the
+config (e.g. a loss scale with bf16) raises `ConfigError` naming the dotted key,
+the value given and what to change. Values are normalized on construction:
+sizes become int bytes, ints given for float keys become floats, lists become
+tuples, so a `Config` compares and hashes by value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Iterable
+
+from infinity.config.options import (
+    ConfigError,
+    Section,
+    did_you_mean,
+    format_size,
+    option,
+    parse_override,
+    parse_size,
+    render_default,
+    show,
+    type_name,
+)
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "PlacementConfig",
+    "MemoryConfig",
+    "NvmeConfig",
+    "SwapIOConfig",
+    "CheckpointConfig",
+    "SECTIONS",
+    "PrefetchConfig",
+    "OverlapConfig",
+    "TrainConfig",
+    "ProfileConfig",
+    "UnitsConfig",
+    "ActivationConfig",
+    "parse_size",
+    "format_size",
+]
+
+
+# ---------------------------------------------------------------- sections
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig(Section):
+    """Adam / AdamW hyperparameters and the learning-rate schedule."""
+
+    SECTION: ClassVar[str] = "optimizer"
+
+    name: str = option("adamw", '"adamw": decoupled weight decay (torch.optim.AdamW); '
+                        '"adam": weight decay added to the gradient as L2 (torch.optim.Adam).',
+                        "enum", choices=("adam", "adamw"))
+    lr: float = option(3e-4, "Peak learning rate (after warmup).", "float", gt=0.0, example=3e-4)
+    betas: tuple[float, float] = option((0.9, 0.95), "Adam (beta1, beta2): decay rates of the gradient's "
+                                         "first and second moment estimates, each in [0, 1).",
+                                         "floats", length=2, ge=0.0, lt=1.0, example=[0.9, 0.95])
+    eps: float = option(1e-8, "Added to the denominator sqrt(v_hat) for numerical stability.", "float",
+                         gt=0.0, example=1e-8)
+    weight_decay: float = option(0.0, "Weight decay coefficient (decoupled for adamw, L2 for adam).",
+                                  "float", ge=0.0, example=0.1)
+    grad_clip: float = option(0.0, "Maximum global gradient L2 norm; gradients are scaled down to it "
+                               "when larger. 0 = no clipping.", "float", ge=0.0, example=1.0)
+    schedule: str = option("constant", "Learning-rate schedule after warmup: constant at lr, or cosine / "
+                            "linear decay to lr * min_lr_ratio at total_steps.",
+                            "enum", choices=("constant", "cosine", "linear"))
+    warmup_steps: int = option(0, "Optimizer steps of linear warmup from lr / warmup_steps up to lr.",
+                                "int", ge=0)
+    total_steps: int = option(0, "Step at which cosine / linear decay reaches lr * min_lr_ratio "
+                               "(must exceed warmup_steps; unused by constant).", "int", ge=0)
+    min_lr_ratio: float = option(0.0, "Final learning rate of cosine / linear decay, as a fraction of lr.",
+                                  "float", ge=0.0, le=1.0, example=0.1)
+    sub_group_size: int = option(8_388_608, "Elements per optimizer sub-group: the unit streamed through "
+                                  "buffers (read, step, write) when optimizer state is on NVMe.", "int", gt=0)
+
+    def _check(self) -> None:
+        decaying = self.schedule in ("cosine", "linear")
+        if decaying and self.total_steps <= self.warmup_steps:
+            raise ConfigError(
+                f"optimizer.total_steps = {self.total_steps}: with schedule = {show(self.schedule)} it must be > "
+                f"optimizer.warmup_steps = {self.warmup_steps}; set total_steps to the length of the run"
+            )
+        if not decaying:
+            for name in ("total_steps", "min_lr_ratio"):
+                if not self._is_default(name):
+                    raise ConfigError(
+                        f"optimizer.{name} = {show(getattr(self, name))}: has no effect with "
+                        f'schedule = "constant"; '
+                        f'remove it or set optimizer.schedule = "cosine" or "linear"'
+                    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig(Section):
+    """Compute precision; master weights and gradient reduction are always fp32."""
+
+    SECTION: ClassVar[str] = "precision"
+
+    compute_dtype: str = option("fp32", "dtype of parameters and activations during forward / backward.",
+                                 "enum", choices=("fp32", "bf16", "fp16"))
+    initial_loss_scale: float = option(65536.0, "Starting loss scale of fp16 dynamic loss scaling "
+                                        "(fp16 only).", "float", gt=0.0, example=65536.0)
+    loss_scale_growth_interval: int = option(1000, "Steps without overflow after which the fp16 loss scale "
+                                              "doubles (fp16 only).", "int", gt=0)
+
+    def _check(self) -> None:
+        if self.compute_dtype == "fp16":
+            return
+        for name in ("initial_loss_scale", "loss_scale_growth_interval"):
+            if not self._is_default(name):
+                raise ConfigError(
+                    f"precision.{name} = {show(getattr(self, name))}: loss scaling is only used with "
+                    f'compute_dtype = "fp16" (here {show(self.compute_dtype)}); remove it or set '
+                    f'precision.compute_dtype = "fp16"'
+                )
+
+
+_TIERS = ("device", "host", "nvme")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlacementConfig(Section):
+    """Which tier holds each state kind's shards."""
+
+    SECTION: ClassVar[str] = "placement"
+
+    policy: str = option("static", '"static": use params / grads / optimizer below; "auto": plan tiers from '
+                          "the memory budgets (the three keys below must then stay at their defaults).",
+                          "enum", choices=("static", "auto"))
+    params: str = option("device", "Tier of the compute-dtype parameter shards.", "enum", choices=_TIERS)
+    grads: str = option("device", "Tier of the fp32 gradient shards.", "enum", choices=_TIERS)
+    optimizer: str = option("device", "Tier of the fp32 master weights, exp_avg and exp_avg_sq.",
+                             "enum", choices=_TIERS)
+
+    def _check(self) -> None:
+        if self.policy != "auto":
+            return
+        for name in ("params", "grads", "optimizer"):
+            if not self._is_default(name):
+                raise ConfigError(
+                    f"placement.{name} = {show(getattr(self, name))}: is ignored with policy = \"auto\", which "
+                    f'plans tiers from the budgets; remove it or set placement.policy = "static"'
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryConfig(Section):
+    """Memory budgets per tier, per rank."""
+
+    SECTION: ClassVar[str] = "memory"
+
+    device_budget: int | str = option("auto", 'Device memory for training state: a size ("70GiB") or "auto" '
+                                       "(free device memory detected at initialize).", "size_or_auto", gt=0,
+                                       example="70GiB")
+    host_budget: int | str = option("auto", 'Host RAM for training state: a size ("100GiB") or "auto" '
+                                     "(available RAM detected at initialize).", "size_or_auto", gt=0,
+                                     example="100GiB")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NvmeConfig(Section):
+    """NVMe swap space."""
+
+    SECTION: ClassVar[str] = "nvme"
+
+    paths: tuple[str, ...] = option((), "Directories for swap files; several paths stripe across disks. "
+                                     "Required when any state is placed on nvme.", "strs", unique=True,
+                                     example=["/mnt/nvme0"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwapIOConfig(Section):
+    """Asynchronous file I/O of the NVMe tier."""
+
+    SECTION: ClassVar[str] = "io"
+
+    block_size: int = option(2**20, "Bytes per I/O request (a power of two, >= 4KiB).", "size",
+                              ge=4096, example="1MiB")
+    queue_depth: int = option(16, "Block requests in flight at once (over all I/O threads).", "int", ge=1)
+    threads: int = option(
+        8,
+        'I/O worker threads: with backend "threads" they carry every block (8 at queue depth 16 '
+        'measured best: benchmarks/history/io-engine-vs-fio.md); with "aio" only unaligned heads and tails.',
+        "int",
+        ge=1,
+    )
+    backend: str = option("auto", "How blocks reach the disk: \"aio\" = Linux kernel AIO, the whole queue depth on the "
+                           "device at once, one thread reaping completions (faster beside compute: Note [kernel aio]); "
+                           "\"threads\" = preadv/pwritev from the worker threads; \"auto\" = aio where the kernel "
+                           "offers it, else threads.", "enum", choices=("auto", "aio", "threads"))
+    direct: bool = option(True, "Open swap files with O_DIRECT (bypass the page cache).", "bool")
+    checksum: str = option(
+        "sampled", "Checksum swap blocks when written, verify them when read: \"full\" = CRC-32C of every byte; "
+        "\"sampled\" = of 64 KiB spread over each 1 MiB block (catches misplaced, stale and lost blocks at "
+        "1/7 of the CPU: Note [sampled checksum]); \"off\".", "enum", choices=("full", "sampled", "off"))
+    switch_interval_us: float = option(
+        100.0, "Python's thread switch interval while an engine is open (sys.setswitchinterval), in "
+        "microseconds; 0 leaves it alone. I/O completions need the GIL, and at Python's default 5000 a "
+        "Python-heavy forward starves them (Note [switch interval]; measured: "
+        "benchmarks/history/from-notes.md).",
+        "float", ge=0)
+
+    def engine_config(self, **overrides: Any):
+        """io_engine's IOConfig for this section; ``overrides`` replace fields (checksum="off")."""
+        from io_engine.io_config import IOConfig  # torch-free: the config stays below every torch module
+
+        fields = dict(block_size=self.block_size, queue_depth=self.queue_depth, threads=self.threads,
+                      direct=self.direct, checksum=self.checksum, backend=self.backend)
+        return IOConfig(**{**fields, **overrides})
+
+    def _check(self) -> None:
+        if self.block_size & (self.block_size - 1):
+            lower = 1 << (self.block_size.bit_length() - 1)
+            raise ConfigError(f"io.block_size = {self.block_size}: must be a power of two, e.g. "
+                              f"{show(format_size(lower))} or {show(format_size(lower * 2))}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefetchConfig(Section):
+    """How far ahead parameters are fetched."""
+
+    SECTION: ClassVar[str] = "prefetch"
+
+    units_ahead: int = option(2, "Units fetched ahead of the one computing (0 = fetch on demand).", "int", ge=0)
+    max_bytes_in_flight: int = option(4 * 2**30, "Cap on bytes of prefetched, not yet used units.", "size",
+                                       gt=0, example="4GiB")
+    keep_written: bool = option(True, "Parameters on NVMe that the update writes stay in host memory (up to "
+                                 "units_ahead + 1 units) until the next forward fetches them, instead of being "
+                                 "read back from disk (Note [fresh parameters]).", "bool")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OverlapConfig(Section):
+    """What runs concurrently."""
+
+    SECTION: ClassVar[str] = "overlap"
+
+    optimizer_with_backward: bool = option(True, "Run the optimizer on a worker thread, overlapped with compute: "
+                                            "without clipping or fp16, each unit is updated as soon as its "
+                                            "gradients are final, while backward continues; with them, after "
+                                            "the global norm, in the next forward's order (each unit's forward "
+                                            "waits only for its own update). Exactly the non-overlapped result "
+                                            "either way.", "bool")
+    optimizer_read_ahead: int | str = option(
+        "auto", "Bytes of NVMe optimizer state the worker may read ahead of the next update, while forward and "
+        "backward run (Note [state read-ahead]): a size, 0 for none, or \"auto\": all of this rank's NVMe "
+        "optimizer state if it fits in half the host memory the plan leaves free, else that half. Held in "
+        "page-locked staging buffers; needs optimizer_with_backward.", "size_or_auto", ge=0, example="8GiB")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(Section):
+    """Training loop behaviour."""
+
+    SECTION: ClassVar[str] = "train"
+
+    grad_accum_steps: int = option(1, "Micro-batches (backward calls) per optimizer step.", "int", ge=1)
+    seed: int = option(0, "Random seed.", "int", ge=0)
+    on_nonfinite: str = option("error", "When gradients contain NaN / Inf (outside fp16 loss scaling): "
+                                '"error" stops with the step and unit, "skip" skips the step.',
+                                "enum", choices=("error", "skip"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig(Section):
+    """Tracing."""
+
+    SECTION: ClassVar[str] = "profile"
+
+    enabled: bool = option(False, "Record spans (fetch, copy, collective, optimizer sub-step, unit compute); "
+                            "at close() write the Chrome trace, overlap summary and timeline chart under "
+                            "trace_dir/rank<N>.", "bool")
+    trace_dir: str = option("runs/trace", "Directory for the Chrome trace and overlap summary.", "str")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig(Section):
+    """Which state kinds are partitioned over the ranks (ZeRO stage), independent of their tiers."""
+
+    SECTION: ClassVar[str] = "zero"
+
+    stage: int = option(3, "0 = DDP (everything replicated, gradients all-reduced); 1 = optimizer state "
+                        "partitioned; 2 = optimizer state and gradients partitioned (with the optimizer on host: "
+                        "ZeRO-Offload); 3 = parameters partitioned too, all-gathered before each use (with NVMe: "
+                        "ZeRO-Infinity). Lower stages hold more bytes per rank and communicate less: "
+                        "`infinity estimate --stages` compares them (Note [stage layouts]).", "int",
+                        ge=0, le=3, example=2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitsConfig(Section):
+    """How the model is split into units (the blocks that move and communicate together)."""
+
+    SECTION: ClassVar[str] = "units"
+
+    classes: tuple[str, ...] = option((), 'Class names of modules that form units, e.g. ["Block"]; empty = '
+                                       "the children of each nn.ModuleList.", "strs", unique=True,
+                                       example=["Block"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig(Section):
+    """Checkpoint saving."""
+
+    SECTION: ClassVar[str] = "checkpoint"
+
+    keep_last: int = option(0, "Keep only the newest N checkpoints this run saved (older ones it wrote are "
+                             "removed once a newer one is complete); 0 keeps all.", "int", ge=0)
+    background: bool = option(False, "Write checkpoint files in a background thread while the next forward "
+                               "and backward run; the checkpoint becomes visible (atomic rename) at the next "
+                               "step() or close().", "bool")
+    dir: str = option("", "Directory the checkpoints are saved under (`infinity train` sets it to the run directory). "
+                      "Preflight checks that its disk holds keep_last + 1 checkpoints of every rank on the node, "
+                      "besides any swap on the same disk (Note [checkpoint space]); \"\" = not checked.", "path")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationConfig(Section):
+    """What the forward keeps for backward (Note [unit checkpoints] in activations.py)."""
+
+    SECTION: ClassVar[str] = "activation"
+
+    checkpoint: str = option("none", '"units": keep only each unit\'s inputs and recompute its forward in '
+                             "backward (one extra forward of compute, activations of one unit at a time); "
+                             '"none": keep every activation the forward saves.', "enum", choices=("none", "units"))
+    offload: str = option("none", '"host": the units\' saved inputs go to (pinned) host memory after their '
+                          "forward and are copied back one unit ahead of their backward; needs checkpoint = \"units\".",
+                          "enum", choices=("none", "host"))
+
+    def _check(self) -> None:
+        if self.offload != "none" and self.checkpoint == "none":
+            raise ConfigError(
+                f'activation.offload = {show(self.offload)} moves the units\' saved inputs, which exist only with '
+                f'activation.checkpoint = "units" (here "none"); set activation.checkpoint = "units", or remove '
+                f"activation.offload")
+
+
+# ---------------------------------------------------------------- top level
+
+SECTIONS: dict[str, type[Section]] = {
+    cls.SECTION: cls
+    for cls in (OptimizerConfig, PrecisionConfig, PlacementConfig, MemoryConfig, NvmeConfig, SwapIOConfig,
+                PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig, ZeroConfig,
+                ActivationConfig)
+}
+
+
+def unknown_key(name: str, section: str | None) -> ConfigError:
+    """Error for an unknown section (section=None) or key, with the closest valid name."""
+    if section is None:
+        where, valid = f"[{name}]", list(SECTIONS)
+        owners = [s for s, cls in SECTIONS.items() if name in _keys(cls)]
+        hint = f' (did you mean "{owners[0]}.{name}"?)' if owners else did_you_mean(name, valid)
+        return ConfigError(f"unknown section {where}{hint}; valid sections: {', '.join(valid)}")
+    valid = _keys(SECTIONS[section])
+    hint = did_you_mean(name, valid)
+    if not hint:
+        owners = [s for s, cls in SECTIONS.items() if name in _keys(cls)]
+        hint = f' (did you mean "{owners[0]}.{name}"?)' if owners else ""
+    return ConfigError(f"unknown key {section}.{name}{hint}; valid keys of [{section}]: {', '.join(valid)}")
+
+
+def _keys(cls: type[Section]) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole run configuration: one validated dataclass per TOML section."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    nvme: NvmeConfig = field(default_factory=NvmeConfig)
+    io: SwapIOConfig = field(default_factory=SwapIOConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    units: UnitsConfig = field(default_factory=UnitsConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    activation: ActivationConfig = field(default_factory=ActivationConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"Config({name}=...): expected {cls.__name__}, got "
+                                  f"{type(getattr(self, name)).__name__}; use Config.from_dict for plain dicts")
+        if not self.overlap.optimizer_with_backward and self.overlap.optimizer_read_ahead not in ("auto", 0):
+            raise ConfigError(
+                f"overlap.optimizer_read_ahead = {show(format_size(self.overlap.optimizer_read_ahead))} needs "
+                f"overlap.optimizer_with_backward = true (the worker thread reads ahead); enable it, or set "
+                f'optimizer_read_ahead = 0 / "auto"')
+        if self.placement.policy == "static" and not self.nvme.paths:
+            on_nvme = [k for k in ("params", "grads", "optimizer") if getattr(self.placement, k) == "nvme"]
+            if on_nvme:
+                raise ConfigError(
+                    f'placement.{on_nvme[0]} = "nvme" needs swap directories: nvme.paths is empty; '
+                    f'set nvme.paths = ["/path/to/fast/disk"]'
+                )
+
+    # -- loading
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], overrides: Iterable[str] = ()) -> Config:
+        """Build from a nested dict (as TOML parses), then apply "section.key=value" overrides."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"config: expected a table of sections, got {type(data).__name__}")
+        merged: dict[str, dict[str, Any]] = {}
+        for section, table in data.items():
+            if section not in SECTIONS:
+                raise unknown_key(section, None)
+            if not isinstance(table, dict):
+                raise ConfigError(f"[{section}] = {show(table)}: a section must be a table, e.g. "
+                                  f"[{section}] on its own line followed by key = value lines")
+            for key in table:
+                if key not in _keys(SECTIONS[section]):
+                    raise unknown_key(key, section)
+            merged[section] = dict(table)
+        if isinstance(overrides, str):
+            overrides = [overrides]
+        for item in overrides:
+            section, key, value = parse_override(item)
+            if section not in SECTIONS:
+                raise unknown_key(section, None)
+            if key not in _keys(SECTIONS[section]):
+                raise unknown_key(key, section)
+            merged.setdefault(section, {})[key] = value
+        return cls(**{section: SECTIONS[section](**table) for section, table in merged.items()})
+
+    @classmethod
+    def from_file(cls, path: str | Path, overrides: Iterable[str] = ()) -> Config:
+        """Load a TOML file (see `defaults_text` for every key)."""
+        path = Path(path)
+        try:
+            with path.open("rb") as f:
+                data = tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        try:
+            return cls.from_dict(data, overrides)
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def with_overrides(self, overrides: Iterable[str]) -> Config:
+        """A copy with "section.key=value" overrides applied (values TOML-parsed)."""
+        return Config.from_dict(self.to_dict(), overrides)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Nested plain dict (sizes as int bytes); ``Config.from_dict(c.to_dict()) == c``."""
+        return {name: getattr(self, name).to_dict() for name in SECTIONS}
+
+    # -- reference
+
+    @staticmethod
+    def reference() -> list[tuple[str, str, Any, str]]:
+        """Every key as (dotted key, type name, default as written in TOML, meaning)."""
+        return [
+            (f"{section}.{f.name}", type_name(f.metadata), render_default(f.default, f.metadata),
+             f.metadata["help"])
+            for section, cls in SECTIONS.items()
+            for f in dataclasses.fields(cls)
+        ]
+
+    @staticmethod
+    def reference_markdown() -> str:
+        """The README's config reference: one table row per key."""
+        rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, kind_name, default, help_text in Config.reference():
+            shown, kind = (text.replace("|", "\\|") for text in (show(default), kind_name))
+            rows.append(f"| `{key}` | {kind} | `{shown}` | {help_text} |")
+        return "\n".join(rows)
+
+    @staticmethod
+    def defaults_text() -> str:
+        """A TOML document of every key at its default, each preceded by a comment of its meaning."""
+        lines = ["# infinity configuration: every key at its default value.", ""]
+        for section, cls in SECTIONS.items():
+            lines.append(f"# {cls.__doc__}")
+            lines.append(f"[{section}]")
+            for f in dataclasses.fields(cls):
+                help_text = f"{f.metadata['help']} ({type_name(f.metadata)})"
+                lines.extend(textwrap.wrap(help_text, width=88, initial_indent="# ", subsequent_indent="# "))
+                lines.append(f"{f.name} = {show(render_default(f.default, f.metadata))}")
+            lines.append("")
+        return "\n".join(lines)

@@ -1,0 +1,243 @@
+"""The `infinity` command: train, estimate, config, bench-links, bench-io.
+
+    infinity train [--config FILE] [--set key=value ...]
+    infinity train --resume RUN_DIR_OR_CHECKPOINT [--set run.steps=N ...]   continue a run
+    infinity estimate [--config FILE] [--model gpt|gpt2|llama|module:function] [--world-size N] [--explain]
+    infinity estimate --stages [--world N] [--nodes M] [--hardware dgx2|dgx-h100] [--no-trace]
+                                               every ZeRO stage: bytes per tier and link, step time
+    infinity config --defaults                 every key with its default and meaning
+    infinity config [--config FILE] [--set ...]  the resolved config of a job
+    infinity bench-links [--dir DIR] [--remeasure]   the link rates the auto policy uses (cached)
+    infinity bench-io ...                      python -m io_engine.bench ...
+
+Several processes: `torchrun --nproc-per-node N -m infinity train ...`.
+Errors a user can fix (config, placement, preflight) print one message naming
+the key and the fix, and exit with status 2; Ctrl-C during training exits 130
+after the clean stop (see `infinity.job.train`, Note [clean stop]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="job file (TOML): engine sections plus [run], [model], [data]")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override one key, e.g. --set run.steps=500 --set placement.optimizer=host (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="infinity", description="Out-of-core ZeRO-3 training over GPU, RAM and NVMe.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="command")
+
+    p = sub.add_parser("train", help="train a model (default: a small GPT on the shipped corpus)",
+                       description="Train the job: with no arguments, a small byte-level GPT on "
+                                   "infinity/corpus/kjv.txt.gz "
+                                   "with parameters and optimizer state on NVMe under runs/<time>/swap.")
+    _add_job_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="continue a run from its latest checkpoint (or the checkpoint given): its config.toml "
+                        "(unless --config) with --set applied, the same batches, LR schedule and metrics.jsonl")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+    p = sub.add_parser("estimate", help="bytes per tier, plan, step time and preflight checks, without running",
+                       description="Predict a run of the job file: bytes per tier and kind, the placement plan "
+                                   "with its reasons, the step time and traffic per link, and preflight checks.")
+    _add_job_args(p)
+    p.add_argument("--model", help='override model.kind ("gpt", "gpt2", "llama"), or "package.module:function" '
+                                   "returning an nn.Module (called under infinity.meta_init())")
+    p.add_argument("--world-size", "--world", type=int, default=1, metavar="N", help="ranks in the run (default 1)")
+    p.add_argument("--nproc-per-node", type=int, default=None, metavar="M",
+                   help="ranks per machine, sharing its RAM and disks (default: the world size)")
+    p.add_argument("--stages", action="store_true",
+                   help="every ZeRO stage x the configured placement: bytes per rank and tier, whether it fits, "
+                        "collectives, bytes per link and the predicted step (docs/scaling.md)")
+    p.add_argument("--nodes", type=int, default=None, metavar="M",
+                   help="the world size spread over M nodes (implies --stages): network bytes split into intra- "
+                        "and inter-node (Note [link model] in infinity/job/scaling.py)")
+    p.add_argument("--hardware", default=None, metavar="NAME",
+                   help="price --stages on a preset node instead of this machine (implies --stages): "
+                        "dgx2 | dgx-h100 (their budgets and link rates: docs/scaling.md)")
+    p.add_argument("--no-trace", action="store_true",
+                   help="with --stages: skip the meta forward/backward trace (count 6 FLOPs per parameter and token)")
+    p.add_argument("--explain", action="store_true", help="the reason for every unit's tiers")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--remeasure", action="store_true", help="measure the link rates again (else cached)")
+
+    p = sub.add_parser("config", help="print every key with its default, or a job's resolved config")
+    _add_job_args(p)
+    p.add_argument("--defaults", action="store_true", help="every key at its default, with its meaning")
+
+    p = sub.add_parser("bench-links", help="measure (or show the cached) link rates used by the auto policy")
+    p.add_argument("--dir", default=None, help="directory on the swap disk (default: the temp directory)")
+    p.add_argument("--remeasure", action="store_true", help="measure again even when cached")
+    p.add_argument("--json", action="store_true")
+
+    sub.add_parser("bench-io", help="disk throughput of io_engine (python -m io_engine.bench)", add_help=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench-io"]:
+        from io_engine import bench
+        sys.argv = ["infinity bench-io", *argv[1:]]
+        return bench.main() or 0
+    args = build_parser().parse_args(argv)
+    from infinity.config.sections import ConfigError
+    from infinity.machine.preflight import PreflightError
+    from infinity.memory.placement import PlacementError
+    from infinity.state.checkpoint import CheckpointError
+    try:
+        return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links}[
+            args.command](args)
+    except (ConfigError, PlacementError, PreflightError, CheckpointError) as e:
+        print(f"infinity {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"infinity {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _train(args) -> int:
+    from infinity.job.resume import load_resume
+    from infinity.job.train import load_job, train
+    resume = None
+    if args.resume:
+        job, resume = load_resume(args.resume, args.config, args.overrides)
+    else:
+        job = load_job(args.config, args.overrides)
+    result = train(job, verbose=not args.quiet, resume=resume)
+    return EXIT_INTERRUPTED if result.status == "interrupted" else 0
+
+
+def _config(args) -> int:
+    from infinity.config.sections import Config
+    from infinity.job.train import job_defaults_text, load_job, to_toml
+    if args.defaults:
+        print(Config.defaults_text())
+        print(job_defaults_text())
+        return 0
+    job = load_job(args.config, args.overrides)
+    print(to_toml(job.engine_config(os.path.join(job.run.dir, "<run>")), job))
+    return 0
+
+
+def _estimate(args) -> int:
+    from infinity.config.sections import ConfigError
+    from infinity.job import estimate as est
+    from infinity.job.train import build_model, load_job
+    overrides = list(args.overrides)
+    custom = None
+    if args.model and ":" in args.model:
+        custom = args.model
+    elif args.model:
+        overrides.append(f'model.kind="{args.model}"')
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    job = load_job(args.config, overrides)
+    config = job.engine_config(os.path.join(job.run.dir, "<run>"))
+    from infinity.machine.preflight import check_nvme_paths
+    check_nvme_paths(list(config.nvme.paths), created_at_start=True)  # unusable swap paths: exit 2 (Note [nvme paths])
+    make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model, job.lora))
+    if job.run.batch_size % args.world_size:
+        raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "
+                          f"{args.world_size}: set run.batch_size to a multiple of it")
+    if args.stages or args.nodes or args.hardware:
+        return _estimate_stages(args, make, config, job)
+    result = est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
+                          batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
+                          remeasure=args.remeasure)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1, default=str))
+    else:
+        print(est.format_estimate(result, explain=args.explain))
+    return 0 if result.ok else 1
+
+
+def _estimate_stages(args, make, config, job) -> int:
+    from infinity.config.sections import ConfigError
+    from infinity.job import scaling
+    nodes = args.nodes or 1
+    if args.nproc_per_node and args.nproc_per_node * nodes != args.world_size:
+        raise ConfigError(f"--nproc-per-node {args.nproc_per_node} x --nodes {nodes} != --world-size "
+                          f"{args.world_size}: give two of them")
+    if args.nproc_per_node and not args.nodes:
+        nodes = max(1, args.world_size // args.nproc_per_node)
+    hardware = None
+    if args.hardware:
+        if args.hardware not in scaling.HARDWARE:
+            raise ConfigError(f"--hardware {args.hardware}: not a preset; one of {', '.join(scaling.HARDWARE)}")
+        hardware = scaling.HARDWARE[args.hardware]
+    cluster = scaling.Cluster(args.world_size, nodes)
+    report = scaling.estimate_stages(make, config, cluster, hardware=hardware,
+                                     batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
+                                     trace=not args.no_trace)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1, default=str))
+    else:
+        print(scaling.format_stages(report))
+    return 0
+
+
+def _custom_model(spec: str):
+    """`package.module:function` -> a ModelBundle of the nn.Module it returns, built on the meta device."""
+    import torch.nn as nn
+
+    from infinity.config.sections import ConfigError
+    from infinity.job.train import ModelBundle
+    from infinity.runtime.materialize import meta_init
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"--model {spec}: cannot load it ({e}); give package.module:function, importable from "
+                          f"the current directory or sys.path") from None
+    with meta_init():
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"--model {spec}: returned {type(model).__name__}, expected an nn.Module")
+    return ModelBundle(model, None, _generic_loss, spec)
+
+
+def _generic_loss(forward, x, y):
+    """Cross-entropy of whatever the model returns for token ids: a loss, logits, or an output with .logits."""
+    import torch
+    import torch.nn.functional as F
+    out = forward(x)
+    logits = getattr(out, "logits", out)
+    if isinstance(logits, torch.Tensor) and logits.dim() == 3:
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+    out = forward(x, y)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def _bench_links(args) -> int:
+    from infinity.machine.link_rates import cache_path, link_rates
+    rates = link_rates(args.dir, remeasure=args.remeasure)
+    if args.json:
+        print(json.dumps(rates.to_json(), indent=1))
+        return 0
+    gb = 1e9
+    print(f"link rates ({rates.source}; cache {cache_path()}):")
+    print(f"  nvme read   {rates.nvme_read / gb:8.2f} GB/s")
+    print(f"  nvme write  {rates.nvme_write / gb:8.2f} GB/s")
+    for name in ("h2d", "d2h"):
+        value = getattr(rates, name)
+        print(f"  {name:11} " + ("    none (no GPU)" if value == float("inf") else f"{value / gb:8.2f} GB/s"))
+    print(f"  cpu adam    {rates.cpu_adam / 1e9:8.2f} G elements/s")
+    print(f"  device adam {rates.device_adam / 1e9:8.2f} G elements/s")
+    print(f"  matmul      {rates.matmul_flops / 1e12:8.3f} TFLOP/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Training data for `infinity train`: a text corpus as bytes, cut into batches deterministically.
+
+The tokenizer is the identity on bytes (vocabulary 256), so no tokenizer file or
+download is needed and any text trains. The shipped corpus is the King James
+Bible (public domain; `data/README.md`). The last `data.val_fraction` of the
+bytes is held out for the validation loss.
+
+Note [same batches at every world size]: the batch of optimizer step s,
+micro-batch m is drawn from a generator seeded by (data.seed, s, m) over the
+whole *global* batch; rank r of N takes rows [r * B/N, (r+1) * B/N). So one
+process, `--nproc-per-node 2` and two single-process nodes all see the same
+samples per step, and a run is reproducible from its config alone.
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from infinity.config.options import ConfigError, Section, option
+
+VOCAB_SIZE = 256  # byte-level
+SHIPPED = "kjv"
+SHIPPED_PATH = Path(__file__).resolve().parents[1] / "corpus" / "kjv.txt.gz"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig(Section):
+    """Text corpus and batching of `infinity train` (byte-level tokens, vocabulary 256)."""
+
+    SECTION: ClassVar[str] = "data"
+
+    path: str = option(SHIPPED, 'Text file to train on (plain or .gz), or "kjv" for the corpus shipped in '
+                        "infinity/corpus/kjv.txt.gz (King James Bible, public domain).", "str")
+    val_fraction: float = option(0.05, "Fraction of the corpus (its tail) held out for the validation loss.",
+                                  "float", gt=0.0, lt=0.5, example=0.05)
+    seed: int = option(1234, "Seed of the batch sampler (independent of train.seed, which seeds the weights).",
+                        "int", ge=0)
+
+
+def corpus_path(path: str) -> Path:
+    """The file behind `data.path` ("kjv" = the shipped corpus)."""
+    return SHIPPED_PATH if path == SHIPPED else Path(path)
+
+
+def load_tokens(path: str) -> torch.Tensor:
+    """The corpus as a uint8 tensor of byte tokens."""
+    file = corpus_path(path)
+    if file.is_dir():
+        raise ConfigError(f"data.path = {path!r} is a directory: point it at a UTF-8 text file inside it (plain "
+                          f'or .gz), or use "kjv" for the shipped corpus')
+    if not file.is_file():
+        if path == SHIPPED:
+            raise ConfigError(f'data.path = "kjv": the shipped corpus {file} is missing (it is part of the '
+                              f"repository; install from a checkout: pip install -e .), or set data.path to a "
+                              f"text file")
+        raise ConfigError(f"data.path = {path!r}: no such file; point it at a UTF-8 text file (plain or .gz), "
+                          f'or use "kjv" for the shipped corpus')
+    try:
+        raw = file.read_bytes()
+        if file.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise ConfigError(f"data.path = {path!r}: the file ends in .gz but is not a valid gzip file ({e}); "
+                          f"compress it with gzip, or rename it without .gz if it is plain text") from None
+    except OSError as e:
+        raise ConfigError(f"data.path = {path!r}: cannot read it ({e.strerror}); check the file's "
+                          f"permissions") from None
+    if not raw:
+        raise ConfigError(f"data.path = {path!r} is empty: point it at a text file with the training text, or "
+                          f'use "kjv" for the shipped corpus')
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def split(tokens: torch.Tensor, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, validation) token ranges; both must hold at least one window of seq_len + 1."""
+    n_val = int(len(tokens) * val_fraction)
+    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+    for name, part in (("training", train), ("validation", val)):
+        if len(part) < seq_len + 2:
+            raise ConfigError(f"the corpus's {name} part has {len(part)} bytes, fewer than one sequence of "
+                              f"model.seq_len + 1 = {seq_len + 1}: use a longer text, a smaller model.seq_len, "
+                              f"or change data.val_fraction")
+    return train, val
+
+
+def rank_rows(global_batch: int, rank: int, world: int) -> slice:
+    """The rows of a global batch that `rank` trains on (Note [same batches at every world size])."""
+    if global_batch % world:
+        raise ConfigError(f"run.batch_size = {global_batch} is not divisible by the world size {world}: "
+                          f"set run.batch_size to a multiple of {world}")
+    per = global_batch // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+def windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-byte targets (int64, [len(starts), seq_len]) of the windows at `starts`."""
+    index = starts[:, None] + torch.arange(seq_len + 1)
+    rows = tokens[index].long()
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class Batches:
+    """Deterministic training and validation batches for one rank."""
+
+    def __init__(self, train: torch.Tensor, val: torch.Tensor, *, seq_len: int, global_batch: int, seed: int,
+                 rank: int = 0, world: int = 1):
+        self.train, self.val, self.seq_len, self.seed = train, val, seq_len, seed
+        self.global_batch = global_batch
+        self.rows = rank_rows(global_batch, rank, world)
+
+    @classmethod
+    def from_config(cls, data: DataConfig, *, seq_len: int, global_batch: int, rank: int = 0,
+                    world: int = 1) -> "Batches":
+        train, val = split(load_tokens(data.path), data.val_fraction, seq_len)
+        return cls(train, val, seq_len=seq_len, global_batch=global_batch, seed=data.seed, rank=rank, world=world)
+
+    def _starts(self, tokens: torch.Tensor, seed: int, count: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, len(tokens) - self.seq_len - 1, (count,), generator=g)
+
+    def global_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole global batch of (optimizer step, micro-batch): every rank's rows."""
+        seed = (self.seed * 1_000_003 + step) * 1009 + micro
+        return windows(self.train, self._starts(self.train, seed, self.global_batch), self.seq_len)
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the global batch of (optimizer step, micro-batch)."""
+        x, y = self.global_batch_at(step, micro)
+        return x[self.rows], y[self.rows]
+
+    def val_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`count` fixed validation batches (the same every call), this rank's rows."""
+        out = []
+        for i in range(count):
+            starts = self._starts(self.val, self.seed + 7 + i, self.global_batch)[self.rows]
+            out.append(windows(self.val, starts, self.seq_len))
+        return out
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Tokens of one global micro-batch."""
+        return self.global_batch * self.seq_len

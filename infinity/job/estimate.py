@@ -1,0 +1,380 @@
+"""`infinity estimate`: bytes per tier and kind, the plan and its reasons, step time, preflight.
+
+Everything is computed without allocating the model: it is built on the meta
+device, split into units exactly as `initialize` splits it (rank 0 of
+`world_size`; every rank's shard has the same size), planned with the same
+`plan_placement`, and one forward + backward is traced on meta tensors to count
+the activations saved for backward and the FLOPs.
+
+The predicted peak is Note [peak memory] (memory/traffic.py, with the byte model it sums).
+
+Preflight checks (infinity/machine/preflight.py, shared with `initialize`): the plan fits the
+budgets, free RAM for every rank on this node, free disk on each NVMe path and for
+the checkpoints, and the locked-memory limit for the pinned / mlock'ed staging buffers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from infinity.config.sections import ActivationConfig, Config, ConfigError
+from infinity.device.dtypes import dtype_of
+from infinity.machine import link_rates
+from infinity.machine.environment import resolve_budgets
+from infinity.machine.preflight import Check, check_disks, preflight
+from infinity.memory import cost_model
+from infinity.memory.placement import Budgets, PlacementError, Plan, plan_for_config
+from infinity.memory.tier import Kind, Tier
+from io_engine import format_size
+
+
+@dataclass
+class Trace:
+    """One traced forward + backward on meta tensors."""
+
+    activation_bytes: int = 0  # saved for backward, parameters excluded
+    largest_saved_bytes: int = 0
+    flops: float = 0.0
+    error: str | None = None
+    unit_saved: tuple[int, ...] = ()  # per unit but the root: the bytes its own forward saves
+    unit_inputs: tuple[int, ...] = ()  # per unit but the root: its positional tensor inputs (a checkpoint's)
+    unit_forward_flops: float = 0.0  # the units' forwards (what checkpoint = "units" computes again)
+
+
+def activation_terms(trace: Trace, activation) -> dict[str, int]:
+    """Note [activation estimate]: the bytes one micro-batch keeps for backward, by `[activation]`:
+
+        none          device = everything the forward saves
+        units         device = root + inputs           recompute = the largest unit's saves
+        units + host  device = root + 2 * largest input (the one recomputing, the next copied back)
+                      host = inputs                    recompute = the largest unit's saves
+
+    root: what the root unit's code saves (the traced total less every unit's); inputs: the units'
+    saved inputs, summed. The recompute holds one unit's saves during its backward."""
+    if activation.checkpoint == "none":
+        return {"saved": trace.activation_bytes, "recompute": 0, "host": 0}
+    root = trace.activation_bytes - sum(trace.unit_saved)
+    recompute = max(trace.unit_saved, default=0)
+    if activation.offload == "host":
+        return {"saved": root + 2 * max(trace.unit_inputs, default=0), "recompute": recompute,
+                "host": sum(trace.unit_inputs)}
+    return {"saved": root + sum(trace.unit_inputs), "recompute": recompute, "host": 0}
+
+
+@dataclass
+class Estimate:
+    """Everything `infinity estimate` prints, for one rank of `world_size`."""
+
+    world_size: int
+    local_world_size: int
+    cuda: bool
+    num_params: int
+    units: int
+    budgets: Budgets
+    plan: Plan | None
+    plan_error: str | None
+    rates: cost_model.LinkRates
+    trace: Trace
+    traffic: cost_model.StepTraffic | None = None
+    step_time: cost_model.StepTime | None = None
+    peak: dict[str, int] = field(default_factory=dict)  # "ram" (and "device" with a GPU): bytes per rank
+    peak_terms: dict[str, int] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+    activation: ActivationConfig = field(default_factory=ActivationConfig)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok or c.level != "error" for c in self.checks)
+
+    def state(self) -> dict[str, dict[str, int]]:
+        """Bytes per tier and kind on one rank, as memory_report()["state"]."""
+        if self.plan is None:
+            return {}
+        return {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in self.plan.state_bytes().items()}
+
+    def to_json(self) -> dict:
+        st = self.step_time
+        return {
+            "world_size": self.world_size, "local_world_size": self.local_world_size, "cuda": self.cuda,
+            "num_params": self.num_params, "units": self.units, "budgets": dataclasses.asdict(self.budgets),
+            "state": self.state(),
+            "working": {t.value: v for t, v in self.plan.working.items()} if self.plan else {},
+            "working_terms": {t.value: dict(v) for t, v in self.plan.working_terms.items()} if self.plan else {},
+            "plan_error": self.plan_error,
+            "reasons": list(self.plan.reasons) if self.plan else [],
+            "unit_reasons": [{"unit": u.name, **r} for u, r in zip(self.plan.units, self.plan.unit_reasons)]
+            if self.plan else [],
+            "rates": self.rates.to_json(),
+            "activations_bytes": self.trace.activation_bytes, "flops_per_step": self.trace.flops,
+            "activations": activation_terms(self.trace, self.activation),
+            "traffic_per_step": self.traffic.total() if self.traffic else None,
+            "step_time": None if st is None else {"total_s": st.total, "forward_backward": st.fb, "optimizer": st.opt},
+            "peak": self.peak, "peak_terms": self.peak_terms,
+            "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok,
+        }
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
+    """The units `initialize` would build for `model` at `world_size` (rank 0), as placement sees them."""
+    from infinity.device.streams import Streams
+    from infinity.memory.stages import stage_for
+    from infinity.units.unit import Comm, build_units, unit_sizes
+    comm = Comm(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
+                compute_dtype=dtype_of(config.precision.compute_dtype), streams=Streams.for_device(torch.device("cpu")),
+                stage=stage_for(config.zero.stage), sub_group_size=config.optimizer.sub_group_size)
+    units = build_units(model, list(config.units.classes), comm)
+    return unit_sizes(units, config.optimizer.sub_group_size)
+
+
+def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
+               unit_modules: list[nn.Module] = ()) -> Trace:
+    """Forward + backward of one micro-batch on meta tensors: saved activations and FLOPs (no memory used),
+    and per unit (`unit_modules`, the root's excluded) what it saves, its inputs and its forward's FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = model.to("meta")
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+    owner: dict[int, int] = {}  # saved tensor -> the unit running when it was first saved (0: the root)
+    current, inputs, unit_flops = [0], [0] * len(unit_modules), [0.0]
+
+    def pack(t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if id(t) not in params and id(base) not in params:
+            saved[id(base)] = base.numel() * base.element_size()
+            owner.setdefault(id(base), current[0])
+        return t
+    x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    try:
+        with FlopCounterMode(display=False) as flops:
+            handles = []
+            for i, module in enumerate(unit_modules, start=1):
+                def pre(_m, args, i=i):
+                    current[0] = i
+                    unit_flops[0] -= flops.get_total_flops()
+                    inputs[i - 1] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+                def post(_m, _a, _o):
+                    current[0] = 0
+                    unit_flops[0] += flops.get_total_flops()
+                handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = loss_fn(model, x, x)
+            finally:
+                for h in handles:
+                    h.remove()
+            loss.backward()
+    except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors still gets the rest
+        return Trace(error=f"{type(e).__name__}: {e}")
+    per_unit = [0] * len(unit_modules)
+    for key, nbytes in saved.items():
+        if owner[key]:
+            per_unit[owner[key] - 1] += nbytes
+    return Trace(activation_bytes=sum(saved.values()), largest_saved_bytes=max(saved.values(), default=0),
+                 flops=float(flops.get_total_flops()), unit_saved=tuple(per_unit), unit_inputs=tuple(inputs),
+                 unit_forward_flops=float(unit_flops[0]))
+
+
+def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int) -> Budgets:
+    """Budgets exactly as `initialize` resolves them on this machine ("auto" = this rank's share of the free
+    memory detected now)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return resolve_budgets(config.memory, device, local_world_size, nvme_free)
+
+
+_RUNTIME_PROBE = """
+import psutil, torch, infinity
+from infinity.models.gpt import GPT, GPTConfig
+with infinity.meta_init():  # meta tensors load torch's meta kernels (tens of MiB), as every real run does
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16))
+with infinity.initialize(model, {}) as engine:
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        engine.backward(engine(x, x))
+        engine.step()
+    print(psutil.Process().memory_info().rss)
+"""
+
+
+def runtime_rss(remeasure: bool = False) -> int:
+    """Note [peak memory] runtime: RSS of a fresh process after torch, infinity and their kernels are loaded
+    (it builds a tiny model on the meta device and trains it for two steps); measured once per machine and
+    torch version, then cached."""
+    def measure() -> int:
+        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, check=True,
+                             timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+        return int(out.stdout.strip().splitlines()[-1])
+    return int(link_rates.cached_measurement("runtime_rss", measure, remeasure=remeasure))
+
+
+def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
+             batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
+             cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None) -> Estimate:
+    """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
+    `infinity.job.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
+
+    `batch_size` is sequences per micro-batch on one rank. Link rates for the predicted step time: given,
+    else measured on the first NVMe path (once per machine; `remeasure` to measure again), else the cached /
+    default ones. The plan itself is made exactly as `initialize` makes it (`plan_for_config`).
+    """
+    local = local_world_size or world_size
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    bundle = make_model()
+    sizes = unit_sizes_of(bundle.model, config, world_size)
+    num_params = sum(p.numel() for p in {id(p): p for p in bundle.model.parameters()}.values())
+    paths = list(config.nvme.paths)
+    path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    unusable = [c for c in path_checks if not c.ok]
+    if rates is None:
+        existing = next((p for p in paths if os.path.isdir(p)), None)
+        if existing is not None or remeasure:
+            rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
+        else:
+            rates = link_rates.cached_link_rates(cuda)
+    traced = make_model()  # a second copy: tracing moves its buffers to the meta device
+    from infinity.units.unit import find_unit_modules
+    trace = trace_step(traced.model, traced.loss, batch_size, seq_len,
+                       [m for _, m in find_unit_modules(traced.model, list(config.units.classes))])
+    flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
+    compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
+    budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free)
+    plan, plan_error = None, None
+    try:
+        # as initialize plans: no compute time, this machine's cached rates
+        plan_rates = link_rates.cached_link_rates(cuda)
+        plan = plan_for_config(sizes, config, budgets, rates=plan_rates)
+    except (PlacementError, ConfigError) as e:
+        plan, plan_error = None, str(e)
+    if unusable and (plan is None or plan.uses(Tier.NVME)):  # the swap paths' own failure, not "no space"
+        plan, plan_error = None, "; ".join(f"{c.detail} ({c.fix})" for c in unusable)
+    est = Estimate(world_size=world_size, local_world_size=local, cuda=cuda, num_params=num_params, units=len(sizes),
+                   budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace,
+                   activation=config.activation)
+    if plan is not None:
+        est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
+        est.traffic.add(cost_model.activation_offload_traffic(activation_terms(trace, config.activation)["host"],
+                                                               cuda=cuda, accum=config.train.grad_accum_steps))
+        est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
+        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), activation=config.activation)
+        est.peak = peak_from_terms(est.peak_terms, cuda)
+    est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
+                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
+    return est
+
+
+def staging_pool_bytes(plan: Plan) -> int:
+    """Host staging bytes the update's pool ends up holding: the plan's `update_staging` term
+    (Note [working memory] in memory/traffic.py, a replay of OffloadedOptimizer's buffer requests)."""
+    return plan.working_terms.get(Tier.HOST, {}).get("update_staging", 0)
+
+
+def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, activation=None) -> dict[str, int]:
+    """Note [peak memory], term by term (bytes, one rank); every working term is the plan's; the activations
+    as `[activation]` keeps them (Note [activation estimate])."""
+    acts = activation_terms(trace, activation or ActivationConfig())
+    device_acts = acts["saved"] + acts["recompute"] + trace.largest_saved_bytes
+    state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
+    largest = max((u.unsharded_numel for u in plan.units), default=0)
+    largest_shard = max((u.shard_numel for u in plan.units), default=0)
+    csize = plan.compute_dtype.itemsize
+    host_terms = plan.working_terms.get(Tier.HOST, {})
+    return {
+        "runtime": runtime,
+        "state_device": state[Tier.DEVICE],
+        "state_host": state[Tier.HOST],
+        "working_device": plan.working.get(Tier.DEVICE, 0),
+        "working_host": plan.working.get(Tier.HOST, 0),
+        "read_ahead": plan.read_ahead,  # its working term is part of working_host (Note [state read-ahead])
+        "fresh_params": host_terms.get("fresh_params", 0),  # part of working_host (Note [fresh parameters])
+        "activations": device_acts,
+        "activations_host": acts["host"],  # checkpoint inputs offloaded to host memory
+        # materializing one unit: full fp32 values, the fp32 shard, its compute-dtype cast
+        "init": largest * 4 + largest_shard * (4 + csize),
+        # glibc keeps the heap pages of freed transient tensors (activations, unsharded units): measured
+        # ~1.5x their live bytes on Linux over a few steps, so half of them again
+        "allocator": (plan.working.get(Tier.DEVICE, 0) + device_acts) // 2
+        if not cuda else 0,
+    }
+
+
+def peak_from_terms(terms: dict[str, int], cuda: bool) -> dict[str, int]:
+    """Sum the terms into the peak of each memory (Note [peak memory])."""
+    train_device = terms["working_device"] + terms["activations"]
+    if cuda:
+        return {"ram": terms["runtime"] + terms["state_host"] + max(terms["working_host"] + terms["activations_host"],
+                                                                    terms["init"]),
+                "device": terms["state_device"] + train_device}
+    return {"ram": terms["runtime"] + terms["state_device"] + terms["state_host"]
+            + max(train_device + terms["activations_host"] + terms["working_host"] + terms["allocator"], terms["init"])}
+
+
+# ---------------------------------------------------------------- text
+
+
+def _fmt(n: float) -> str:
+    return format_size(n, exact=False)
+
+
+def format_estimate(est: Estimate, *, explain: bool = False) -> str:
+    """The human-readable report of `infinity estimate`."""
+    lines = [f"model: {est.num_params / 1e6:.2f}M parameters in {est.units} units; world size {est.world_size} "
+             f"({est.local_world_size} per node), {'GPU' if est.cuda else 'CPU only'}",
+             f"budgets per rank: device {_fmt(est.budgets.device)}, host {_fmt(est.budgets.host)}, "
+             f"nvme {_fmt(est.budgets.nvme)}" + (" (device and host share the RAM)" if est.budgets.shared_ram else ""),
+             ""]
+    if est.plan is not None:
+        kinds = [k.value for k in Kind]
+        lines.append("bytes per rank, per tier and state kind:")
+        lines.append("  " + f"{'tier':8}" + "".join(f"{k:>12}" for k in kinds + ["working", "total"]))
+        state = est.state()
+        for tier in Tier:
+            row = [state[tier.value][k] for k in kinds]
+            work = est.plan.working.get(tier, 0)
+            lines.append("  " + f"{tier.value:8}" + "".join(f"{_fmt(v):>12}" for v in row + [work, sum(row) + work]))
+        lines.append("")
+        lines.append(f"plan ({'policy ' + ('auto' if est.plan.unit_reasons else 'static')}):")
+        lines += [f"  {r}" for r in est.plan.reasons]
+        if explain and est.plan.unit_reasons:
+            for unit, reasons in zip(est.plan.units, est.plan.unit_reasons):
+                lines.append(f"  {unit.name} ({unit.shard_numel:,} elements per rank):")
+                lines += [f"    {reasons[g]}" for g in ("params", "grads", "optimizer")]
+        lines.append("")
+        st, tr = est.step_time, est.traffic
+        lines.append(f"predicted step: {st.total * 1e3:.1f} ms = forward/backward {st.fb_seconds * 1e3:.1f} ms "
+                     f"(bound by {st.bottlenecks()[0]}) + optimizer {st.opt_seconds * 1e3:.1f} ms "
+                     f"(bound by {st.bottlenecks()[1]})")
+        recompute = est.trace.unit_forward_flops if est.activation.checkpoint == "units" else 0.0
+        lines.append(f"  compute {st.compute * 1e3:.1f} ms ({est.trace.flops / 1e9:.1f} GFLOP per micro-batch"
+                     + (f" + {recompute / 1e9:.1f} recomputed (activation.checkpoint)" if recompute else "")
+                     + " at half the measured matmul rate)" if est.trace.flops else "  compute: not traced")
+        lines.append("traffic per step and link (this rank):")
+        for link in cost_model.LINKS:
+            total = tr.fb[link] + tr.opt[link]
+            if total:
+                rate = getattr(est.rates, link)
+                lines.append(f"  {link:10} {_fmt(total):>10}  ({_fmt(tr.fb[link])} forward/backward, "
+                             f"{_fmt(tr.opt[link])} optimizer) at {_fmt(rate)}/s")
+        if not any(tr.fb[k] + tr.opt[k] for k in cost_model.LINKS):
+            lines.append("  none: every state kind stays where it is used")
+        lines.append(f"  Adam: {tr.adam_cpu:,} elements on the CPU, {tr.adam_device:,} on the GPU")
+        lines.append(f"link rates: {est.rates.source}")
+        lines.append("")
+        lines.append("predicted peak memory per rank: " + ", ".join(f"{k} {_fmt(v)}" for k, v in est.peak.items())
+                     + "  (" + ", ".join(f"{k} {_fmt(v)}" for k, v in est.peak_terms.items()) + ")")
+        if est.trace.error:
+            lines.append(f"  activations not traced ({est.trace.error})")
+        lines.append("")
+    lines.append("preflight:")
+    lines += [f"  {c.line()}" for c in est.checks]
+    return "\n".join(lines)

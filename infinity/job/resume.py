@@ -1,0 +1,213 @@
+"""Resuming `infinity train` runs: the training position saved with every checkpoint, finding the
+checkpoint to continue from, and loading the run's job for `--resume`.
+
+Note [resume]: every checkpoint the job saves carries its training position in the
+manifest's user state (`{"train": ...}`, written atomically with the checkpoint): the
+steps done, the elapsed time, and what the batches depend on (data path, seed and split,
+batch size, sequence length, accumulation) and the model. The batches are a pure function
+of (data.seed, step, micro-batch) (Note [same batches at every world size] in data.py), so
+the step *is* the data position; the LR schedule position is the engine's update counter,
+restored by `load_checkpoint`. `--resume` takes the run's config.toml (or --config) plus
+--set, refuses changes to the model or the batches (they would make the continuation differ
+from the uninterrupted run), drops the metrics of steps after the checkpoint (a run killed
+between checkpoints re-trains them), and continues in the same run directory. The final
+checkpoint replaces the old `checkpoint/` by renames; `latest_checkpoint` picks the complete
+checkpoint with the most steps, so a crash between those renames loses nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from infinity.config.options import ConfigError, parse_override, show
+from infinity.config.sections import Config
+from infinity.job.spec import Job, load_job
+from io_engine import atomic_write
+
+FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)
+PERIODIC_CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step-<N>: every run.checkpoint_every steps
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where `infinity train --resume` continues (Note [resume])."""
+
+    run_dir: Path
+    checkpoint: Path
+    step: int  # training steps done: the next batch is the one of this step index
+    elapsed_s: float  # training time of the run so far
+
+
+def train_position(job: Job, config: Config, step: int, elapsed_s: float, world: int) -> dict:
+    """The user state saved with every checkpoint of the job (Note [resume])."""
+    return {"train": {"step": step, "elapsed_s": elapsed_s, "world_size": world,
+                      "model": job.model_identity(), "batches": _batch_keys(job, config)}}
+
+
+def _batch_keys(job: Job, config: Config) -> dict:
+    """The keys the sequence of training batches depends on (Note [same batches at every world size])."""
+    return {"data.path": job.data.path, "data.seed": job.data.seed, "data.val_fraction": job.data.val_fraction,
+            "run.batch_size": job.run.batch_size, "model.seq_len": job.model.seq_len,
+            "train.grad_accum_steps": config.train.grad_accum_steps}
+
+
+def _checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Every checkpoint directory the job may have written in `run_dir`, complete or not."""
+    out = [p for p in run_dir.iterdir() if p.is_dir() and (p.name == FINAL_CHECKPOINT
+                                                           or p.name.startswith(FINAL_CHECKPOINT + "."))]
+    periodic = run_dir / PERIODIC_CHECKPOINTS
+    if periodic.is_dir():
+        out += [p for p in periodic.iterdir() if p.is_dir()]
+    return sorted(out)
+
+
+def _position_of(path: Path) -> dict | None:
+    """The training position saved in the checkpoint at `path`; None when it is incomplete or not the job's."""
+    from infinity.state.checkpoint import CheckpointError, read_manifest
+    try:
+        manifest = read_manifest(str(path))
+    except (CheckpointError, OSError):
+        return None
+    position = (manifest.get("user_state") or {}).get("train")
+    return position if isinstance(position, dict) and isinstance(position.get("step"), int) else None
+
+
+def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(steps done, path) of the complete checkpoints `infinity train` saved in `run_dir`, oldest first."""
+    found = [(pos["step"], path) for path in _checkpoint_dirs(run_dir) if (pos := _position_of(path)) is not None]
+    return sorted(found, key=lambda sp: (sp[0], sp[1].name == FINAL_CHECKPOINT))
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The complete checkpoint with the most steps in `run_dir`, or a ConfigError saying why there is none."""
+    found = run_checkpoints(run_dir)
+    if found:
+        return found[-1][1]
+    others = [p.name if p.parent == run_dir else f"{p.parent.name}/{p.name}" for p in _checkpoint_dirs(run_dir)]
+    why = (f"only {', '.join(others)}, which {'is' if len(others) == 1 else 'are'} incomplete (a save the run did not "
+           f"finish) or not saved by infinity train" if others else
+           "the run saved none: it had run.checkpoint = false, or stopped before its first checkpoint "
+           "(run.checkpoint_every = N saves one every N steps)")
+    raise ConfigError(f"--resume {run_dir}: no checkpoint found in {run_dir}: {why}. Start the run again with "
+                      f"infinity train --config {run_dir / 'config.toml'} --set run.name=<new name>")
+
+
+def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None = None,
+                overrides: list[str] = ()) -> tuple[Job, Resume]:
+    """The job and position of `infinity train --resume PATH` (a run directory, or one of its checkpoints).
+
+    The job is the run's config.toml (or `config_path`) with `overrides`; keys that would change the model or
+    the batches from the checkpoint on are refused, as is a checkpoint older than another one of the run.
+    """
+    given = Path(path).absolute()
+    if not given.is_dir():
+        raise ConfigError(f"--resume {path}: no such directory; give a run directory (runs/<name>, the one holding "
+                          f"config.toml) or one of its checkpoints (runs/<name>/checkpoint)")
+    if (given / "config.toml").is_file():
+        run_dir = given
+        checkpoint = latest_checkpoint(run_dir)
+    else:
+        run_dir = next((d for d in (given.parent, given.parent.parent) if (d / "config.toml").is_file()), None)
+        if run_dir is None:
+            raise ConfigError(f"--resume {path}: neither a run directory (no config.toml in it) nor a checkpoint "
+                              f"inside one; give the directory infinity train created (runs/<name>)")
+        from infinity.state.checkpoint import read_manifest
+        read_manifest(str(given))  # a CheckpointError that says what is wrong with it
+        checkpoint = given
+    position = _position_of(checkpoint)
+    if position is None:
+        raise ConfigError(f"--resume {path}: the checkpoint {checkpoint} has no training position (it was not saved "
+                          f"by infinity train); load it with engine.load_checkpoint in your own loop")
+    newer = [p for step, p in run_checkpoints(run_dir) if step > position["step"]]
+    if newer:
+        raise ConfigError(f"--resume {path}: {len(newer)} checkpoint(s) of this run are newer than {checkpoint} "
+                          f"(step {position['step']}), e.g. {newer[-1]}: resuming from it would overwrite them. "
+                          f"Resume from the latest (--resume {run_dir}), or move the newer ones away first")
+    for item in overrides:
+        section, key, _ = parse_override(item)
+        if section == "run" and key in ("dir", "name"):
+            raise ConfigError(f"--set {item}: a resumed run continues in its own directory {run_dir}; drop it (to "
+                              f"branch into a new run, copy the run directory and resume the copy)")
+    job = load_job(config_path if config_path is not None else run_dir / "config.toml", overrides)
+    job = _relocate(job, run_dir)
+    config = job.engine_config(str(run_dir))
+    saved_model, saved_batches = position.get("model", {}), position.get("batches", {})
+    for key, value in job.model_identity().items():
+        if key in saved_model and saved_model[key] != value:
+            raise ConfigError(f"--resume {path}: model.{key} = {show(value)}, but the checkpoint was trained with "
+                              f"model.{key} = {show(saved_model[key])}: resume with the run's model (drop the "
+                              f"--set or --config that changes it)")
+    for key, value in _batch_keys(job, config).items():
+        if key in saved_batches and saved_batches[key] != value:
+            raise ConfigError(f"--resume {path}: {key} = {show(value)}, but the run trained with {key} = "
+                              f"{show(saved_batches[key])}, so the batches after the checkpoint would differ from "
+                              f"the run's: resume with the run's value (drop the --set or --config that changes it)")
+    if job.run.steps <= position["step"]:
+        raise ConfigError(f"--resume {path}: the checkpoint is at step {position['step']} and run.steps = "
+                          f"{job.run.steps}: nothing to train; --set run.steps=N with N > {position['step']} to "
+                          f"train further")
+    return job, Resume(run_dir=run_dir, checkpoint=checkpoint, step=position["step"],
+                       elapsed_s=float(position.get("elapsed_s", 0.0)))
+
+
+def _relocate(job: Job, run_dir: Path) -> Job:
+    """Drop the swap, profile and checkpoint paths config.toml resolved for the run directory (they may be relative to
+    another working directory): the engine config then derives them from `run_dir` again."""
+    written_for = os.path.join(job.run.dir, run_dir.name)  # the run directory's path when config.toml was written
+    keys = {section: dict(table) for section, table in job.engine_keys.items()}
+    if list(keys.get("nvme", {}).get("paths", ())) == [os.path.join(written_for, "swap")]:
+        del keys["nvme"]["paths"]
+    if keys.get("profile", {}).get("trace_dir") == os.path.join(written_for, "profile"):
+        del keys["profile"]["trace_dir"]
+    if keys.get("checkpoint", {}).get("dir") == written_for:
+        del keys["checkpoint"]["dir"]
+    return dataclasses.replace(job, engine_keys=keys)
+
+
+def _metrics_records(path: Path) -> list[tuple[str, dict | None]]:
+    """(line, record) of metrics.jsonl; record None for a line a killed run left half-written."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            out.append((line, json.loads(line)))
+        except ValueError:
+            out.append((line, None))
+    return out
+
+
+def trim_metrics(path: Path, last_step: int) -> int:
+    """Keep the records of steps <= last_step (the checkpoint's); returns how many lines were dropped."""
+    lines = _metrics_records(path)
+    kept = [line for line, record in lines if record is not None and record.get("step", 0) <= last_step]
+    if len(kept) != len(lines):
+        atomic_write(path, "".join(line + "\n" for line in kept))
+    return len(lines) - len(kept)
+
+
+def earlier_losses(path: Path) -> list[float]:
+    return [record["loss"] for _, record in _metrics_records(path) if record is not None]
+
+
+
+def stopped_summary(run_dir: Path, status: str, steps: int, error: BaseException) -> dict:
+    """summary.json of a run that stopped before its end: the error, and the checkpoint to continue from
+    (none is named when the run has none: then its training is lost, and it says so)."""
+    found = run_checkpoints(run_dir)
+    message = str(error).strip() or type(error).__name__
+    if found:
+        step, path = found[-1]
+        what = (f"the latest complete checkpoint is {path} (step {step}); "
+                f"{'fix the cause above, then ' if status == 'failed' else ''}continue with: "
+                f"infinity train --resume {run_dir}")
+    else:
+        what = (f"this run has no complete checkpoint, so the {steps} step(s) it trained are lost; "
+                f"{'fix the cause above, then ' if status == 'failed' else ''}start again with: infinity train "
+                f"--config {run_dir / 'config.toml'} --set run.name=<new name> (run.checkpoint_every = N saves "
+                f"a checkpoint every N steps)")
+    return {"status": status, "steps": steps, "error": message if status == "failed" else "stopped by a second "
+            "Ctrl-C (or signal) before the clean stop finished", "checkpoint": str(found[-1][1]) if found else None,
+            "what_to_do": what}

@@ -1,0 +1,467 @@
+"""The job of `infinity train`: its own config sections (`[run]`, `[model]`, `[model.lora]`, `[data]`),
+the job file with its overrides, the resolved config as TOML, and the models it builds.
+
+A job file is an engine config (every section of `infinity config --defaults`)
+plus four sections of its own, `[run]`, `[model]`, `[model.lora]` and `[data]`;
+keys a file leaves out take the job's defaults (`TRAIN_DEFAULTS`: parameters and
+optimizer state on NVMe under the run directory, AdamW with cosine decay), then
+the engine's. `--set section.key=value` overrides either kind of key
+(`--set model.lora.r=8` for the nested section).
+
+Note [fine-tuning job]: `model.pretrained = DIR` fine-tunes a Hugging Face model: its
+kind and shape come from DIR's config.json (AutoConfig), the model is built on the meta
+device (AutoModelForCausalLM.from_config) and its weights are streamed from DIR into the
+tiers (`initialize(weights=DIR)`), so the job never holds the model in RAM. The shape keys
+of [model] must then stay unset (they would be silently ignored otherwise). `[model.lora]
+r > 0` wraps the model with PEFT's LoRA (get_peft_model) before it is sharded: the base
+weights are frozen and only the adapters get gradients and Adam state. The data is the job's
+corpus (`data.path`) in the model's own vocabulary: tokenized by the tokenizer saved in DIR
+(AutoTokenizer, `model.tokenizer = "auto"`) when DIR has one, since a pretrained model knows
+its own ids only; else (or with `model.tokenizer = "bytes"`) each byte is the token id it is
+(0..255), which needs a vocabulary of at least 256 ids (a smaller one is refused). The
+corpus is tokenized once per run start, in chunks of lines (a fast tokenizer takes seconds
+for the shipped 4 MB). At the end the model is exported into <run>/export as a Hugging Face directory
+(merged LoRA weights by default, `model.lora.merge = false` for the adapters alone) with
+DIR's config and tokenizer files, loadable with `from_pretrained`. The pretrained path and
+the LoRA keys are part of the model a checkpoint was trained with: `--resume` refuses to
+change them (resume.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from infinity.config.options import (
+    ConfigError,
+    Section,
+    did_you_mean,
+    option,
+    parse_override,
+    render_default,
+    show,
+    type_name,
+)
+from infinity.config.sections import SECTIONS, Config
+from infinity.job.data import VOCAB_SIZE, DataConfig
+
+# ---------------------------------------------------------------- job config
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(Section):
+    """The training run of `infinity train`: length, batch, run directory, reporting."""
+
+    SECTION: ClassVar[str] = "run"
+
+    steps: int = option(300, "Optimizer steps to train.", "int", ge=1)
+    batch_size: int = option(16, "Sequences per micro-batch over all ranks (each rank takes batch_size / "
+                              "world size).", "int", ge=1)
+    dir: str = option("runs", "Directory that holds run directories.", "str")
+    name: str = option("auto", 'Name of this run\'s directory under run.dir; "auto" = the start time '
+                        "(YYYYmmdd-HHMMSS).", "str")
+    eval_every: int = option(100, "Steps between validation losses (0 = only at the end).", "int", ge=0)
+    eval_batches: int = option(4, "Batches per validation loss.", "int", ge=1)
+    log_every: int = option(10, "Steps between progress lines when the output is not a terminal.", "int", ge=1)
+    checkpoint: bool = option(True, "Save a final checkpoint into the run directory (when the engine "
+                               "supports checkpoints).", "bool")
+    checkpoint_every: int = option(0, "Steps between checkpoints saved into checkpoints/step-<N> of the run "
+                                    "directory, for `infinity train --resume` after a crash (0 = only the final "
+                                    "one; [checkpoint] keep_last limits how many stay).", "int", ge=0)
+    export: bool = option(True, "With model.pretrained: at the end, write the trained model into <run>/export as a "
+                           "Hugging Face directory (config.json, safetensors shards, the tokenizer files of "
+                           "model.pretrained) for from_pretrained.", "bool")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig(Section):
+    """The model `infinity train` builds (on the meta device; nothing is downloaded)."""
+
+    SECTION: ClassVar[str] = "model"
+    SHAPE: ClassVar[tuple[str, ...]] = ("kind", "n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size")
+
+    pretrained: str = option("", "A Hugging Face model directory (config.json and safetensors weights, as "
+                              "save_pretrained writes it) to fine-tune; its config gives the model's kind and shape "
+                              "(leave the shape keys below unset), its weights are streamed into the tiers. \"\" = "
+                              "train the model below from random weights.", "path")
+
+    kind: str = option("gpt", '"gpt": infinity.models.GPT; "gpt2" / "llama": the Hugging Face transformers '
+                        "model built from a config (pip install transformers).", "enum",
+                        choices=("gpt", "gpt2", "llama"))
+    n_layer: int = option(4, "Transformer blocks (one unit each).", "int", ge=1)
+    d_model: int = option(128, "Hidden size.", "int", ge=8)
+    n_head: int = option(4, "Attention heads (must divide d_model).", "int", ge=1)
+    n_kv_head: int = option(0, "Key/value heads of llama (grouped-query attention); 0 = n_head.", "int", ge=0)
+    ffn_dim: int = option(0, "MLP hidden size; 0 = 4 * d_model (gpt, gpt2) or the llama default.", "int", ge=0)
+    tokenizer: str = option("auto", 'With model.pretrained: "auto" tokenizes data.path with the tokenizer saved in '
+                             'that directory when it has one (else bytes); "bytes": each byte is its own token id '
+                             "(0..255; the vocabulary must have at least 256 ids). Without model.pretrained the data "
+                             "is always bytes.", "enum", choices=("auto", "bytes"))
+    seq_len: int = option(128, "Tokens (bytes, or the pretrained tokenizer's tokens) per training sequence.", "int",
+                          ge=2)
+    vocab_size: int = option(VOCAB_SIZE, "Vocabulary size; the data is bytes, so at least 256.", "int",
+                              ge=VOCAB_SIZE)
+
+    def _check(self) -> None:
+        if self.pretrained:
+            given = [k for k in self.SHAPE if not self._is_default(k)]
+            if given:
+                raise ConfigError(f"model.{given[0]} = {show(getattr(self, given[0]))}: with model.pretrained the "
+                                  f"model's kind and shape come from {self.pretrained}/config.json; remove "
+                                  f"{', '.join('model.' + k for k in given)}")
+            return
+        if self.d_model % self.n_head:
+            raise ConfigError(f"model.n_head = {self.n_head}: must divide model.d_model = {self.d_model}; "
+                              f"e.g. n_head = {math.gcd(self.d_model, 8) or 1}")
+        kv = self.n_kv_head or self.n_head
+        if self.kind == "llama" and self.n_head % kv:
+            raise ConfigError(f"model.n_kv_head = {self.n_kv_head}: must divide model.n_head = {self.n_head}")
+        if self.kind != "llama" and self.n_kv_head:
+            raise ConfigError(f"model.n_kv_head = {self.n_kv_head}: only llama has grouped-query attention; "
+                              f'remove it or set model.kind = "llama"')
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig(Section):
+    """LoRA adapters on the pretrained model (PEFT's LoraConfig; pip install peft); r = 0: no LoRA."""
+
+    SECTION: ClassVar[str] = "model.lora"
+
+    r: int = option(0, "Rank of the LoRA adapters; 0 = no LoRA (every weight of the model trains). Needs "
+                     "model.pretrained.", "int", ge=0)
+    alpha: float = option(16.0, "LoRA scaling numerator (the adapters' output is scaled by alpha / r).", "float",
+                          gt=0.0)
+    dropout: float = option(0.0, "Dropout on the adapters' input.", "float", ge=0.0, lt=1.0)
+    targets: tuple = option((), 'Names of the modules to adapt (PEFT target_modules, e.g. ["q_proj", "v_proj"]); '
+                             "[] = PEFT's default for the model's kind.", "strs", unique=True)
+    merge: bool = option(True, "Export the adapters merged into the base weights (a plain model); false: the "
+                          "adapters alone, as PEFT's save_pretrained writes them.", "bool")
+
+    def _check(self) -> None:
+        if not self.r:
+            given = [k for k in ("alpha", "dropout", "targets", "merge") if not self._is_default(k)]
+            if given:
+                raise ConfigError(f"model.lora.{given[0]} = {show(getattr(self, given[0]))} but "
+                                  f"model.lora.r = 0 (no LoRA): set model.lora.r (e.g. 8) or remove it")
+
+
+JOB_SECTIONS: dict[str, type[Section]] = {"run": RunConfig, "model": ModelConfig, "model.lora": LoraConfig,
+                                          "data": DataConfig}
+
+
+def _field(section: str) -> str:
+    """The Job attribute of a job section ("model.lora" -> "lora")."""
+    return section.rsplit(".", 1)[-1]
+
+
+# The engine config of `infinity train` where it differs from Config(): state on NVMe, AdamW + cosine.
+TRAIN_DEFAULTS = {
+    "optimizer": {"lr": 2e-3, "weight_decay": 0.1, "grad_clip": 1.0},
+    "placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"},
+    "profile": {"enabled": True},  # the overlap efficiency on the progress line, profile/ in the run directory
+}
+DECAY_DEFAULTS = {"schedule": "cosine", "min_lr_ratio": 0.1}  # applied when the user sets no schedule
+EXPORT = "export"  # <run>/export: the fine-tuned model as a Hugging Face directory (Note [fine-tuning job])
+# Files of the pretrained directory copied beside the export, so that from_pretrained finds them there too.
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated job: its own sections, and the user's engine keys (resolved by `engine_config`)."""
+
+    run: RunConfig
+    model: ModelConfig
+    lora: LoraConfig  # [model.lora]
+    data: DataConfig
+    engine_keys: dict  # section -> {key: value}, as the user gave them
+
+    def model_identity(self) -> dict:
+        """What a checkpoint's weights were trained as: [model] and [model.lora] (resume refuses a change;
+        model.lora.merge only shapes the export)."""
+        return {**self.model.to_dict(), **{f"lora.{k}": v for k, v in self.lora.to_dict().items() if k != "merge"}}
+
+    def engine_config(self, run_dir: str) -> Config:
+        """The engine Config: user keys over TRAIN_DEFAULTS over Config(). Unless set, swap files go to
+        <run_dir>/swap, the profile (spans, overlap summary, chart) to <run_dir>/profile, and the checkpoints
+        (for preflight's space check: checkpoint.dir) to <run_dir>."""
+        user = self.engine_keys
+        merged = {s: dict(v) for s, v in TRAIN_DEFAULTS.items()}
+        if user.get("placement", {}).get("policy") == "auto":
+            merged.pop("placement")  # auto plans every tier itself
+        for section, table in user.items():
+            merged.setdefault(section, {}).update(table)
+        opt = merged["optimizer"]
+        if "schedule" not in user.get("optimizer", {}):
+            opt.update(DECAY_DEFAULTS)
+            opt.setdefault("warmup_steps", min(20, self.run.steps // 10))
+        if opt.get("schedule", "constant") != "constant":
+            opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))
+        merged.setdefault("nvme", {}).setdefault("paths", [os.path.join(run_dir, "swap")])
+        merged["profile"].setdefault("trace_dir", os.path.join(run_dir, "profile"))
+        if self.run.checkpoint:  # preflight counts keep_last + 1 checkpoints on the run directory's disk
+            merged.setdefault("checkpoint", {}).setdefault("dir", run_dir)
+        return Config.from_dict(merged)
+
+
+def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Job:
+    """Read a job file (or none: the defaults) and apply `section.key=value` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); give the path of a TOML file") from None
+    tables: dict[str, dict] = {}
+    for section, table in data.items():
+        _check_section(section)
+        if not isinstance(table, dict):
+            raise ConfigError(f"[{section}] = {show(table)}: a section must be a table, e.g. [{section}] on its "
+                              f"own line followed by key = value lines")
+        tables[section] = dict(table)
+    if isinstance(tables.get("model", {}).get("lora"), dict):
+        tables["model.lora"] = tables["model"].pop("lora")  # [model.lora] is a table inside [model] in TOML
+    for item in overrides:
+        section, key, value = parse_override(item)
+        _check_section(section)
+        tables.setdefault(section, {})[key] = value
+    job_parts = {}
+    for name, cls in JOB_SECTIONS.items():
+        table = tables.pop(name, {})
+        for key in table:
+            if key not in {f.name for f in dataclasses.fields(cls)}:
+                valid = [f.name for f in dataclasses.fields(cls)]
+                raise ConfigError(f"unknown key {name}.{key}{did_you_mean(key, valid)}; valid keys of [{name}]: "
+                                  f"{', '.join(valid)}")
+        job_parts[_field(name)] = cls(**table)
+    if job_parts["model"].pretrained:  # config.toml (train again, --resume) then names it from anywhere
+        job_parts["model"] = dataclasses.replace(job_parts["model"],
+                                                 pretrained=os.path.abspath(job_parts["model"].pretrained))
+    job = Job(engine_keys=tables, **job_parts)
+    if job.lora.r and not job.model.pretrained:
+        raise ConfigError(f"model.lora.r = {job.lora.r} needs model.pretrained = <a Hugging Face model directory>: "
+                          f"LoRA adapts a pretrained model's weights (from random weights, train them all: "
+                          f"remove model.lora.r)")
+    job.engine_config(os.path.join(job.run.dir, "<run>"))  # validate now, before any directory exists
+    return job
+
+
+def _check_section(section: str) -> None:
+    valid = list(SECTIONS) + list(JOB_SECTIONS)
+    if section not in valid:
+        raise ConfigError(f"unknown section [{section}]{did_you_mean(section, valid)}; valid sections: "
+                          f"{', '.join(valid)}")
+
+
+def job_defaults_text() -> str:
+    """The job's own sections at their defaults, commented (appended to `infinity config --defaults`)."""
+    import textwrap
+
+    lines = ["# infinity train: the job's own sections (engine keys above; the job's defaults for them:",
+             f"# {json.dumps(TRAIN_DEFAULTS)}, plus {json.dumps(DECAY_DEFAULTS)} with warmup min(20, steps/10)",
+             "# and nvme.paths = [<run directory>/swap], profile.trace_dir = <run directory>/profile).", ""]
+    for section, cls in JOB_SECTIONS.items():
+        lines += [f"# {cls.__doc__}", f"[{section}]"]
+        for f in dataclasses.fields(cls):
+            lines += textwrap.wrap(f"{f.metadata['help']} ({type_name(f.metadata)})", width=88,
+                                   initial_indent="# ", subsequent_indent="# ")
+            lines.append(f"{f.name} = {show(render_default(f.default, f.metadata))}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def to_toml(config: Config, job: Job) -> str:
+    """The resolved config as TOML (engine sections, then the job's)."""
+    lines = ["# Resolved by infinity train; train again with: infinity train --config <this file>", ""]
+    tables = {**config.to_dict(), **{name: getattr(job, _field(name)).to_dict() for name in JOB_SECTIONS}}
+    for section, table in tables.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {show(value)}" for key, value in table.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- models
+
+
+@dataclass
+class ModelBundle:
+    """A model on the meta device, how to initialize it, and how to get its loss from a batch."""
+
+    model: nn.Module
+    init_fn: Callable[[nn.Module], None] | None
+    loss: Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]  # loss(forward, x, y)
+    description: str
+    weights: str | None = None  # initialize(weights=...): the pretrained directory
+    hf_config: Any = None  # the transformers config, saved beside an export (pretrained models)
+
+
+def _lm_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Loss of a Hugging Face causal LM: cross-entropy of its logits against the next bytes."""
+    logits = forward(input_ids=x).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True) -> ModelBundle:
+    """The model of `cfg` (and `lora`), created under infinity.meta_init() (no parameter memory) unless
+    `meta=False`."""
+    import contextlib
+
+    from infinity.runtime.materialize import meta_init
+    scope = meta_init() if meta else contextlib.nullcontext()
+    if cfg.pretrained:
+        return _pretrained(cfg, lora or LoraConfig(), scope)
+    if cfg.kind == "gpt":
+        from infinity.models.gpt import GPT, GPTConfig, gpt_init
+        gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                         d_model=cfg.d_model)
+        if cfg.ffn_dim not in (0, 4 * cfg.d_model):
+            raise ConfigError(f"model.ffn_dim = {cfg.ffn_dim}: the built-in gpt uses 4 * d_model = "
+                              f"{4 * cfg.d_model}; remove it or use model.kind = \"gpt2\" / \"llama\"")
+        with scope:
+            model = GPT(gcfg)
+        return ModelBundle(model, gpt_init, lambda fwd, x, y: fwd(x, y), f"gpt {_count(model)}")
+    transformers = _transformers(f'model.kind = "{cfg.kind}"', 'or use model.kind = "gpt"')
+    if cfg.kind == "gpt2":
+        hf_cfg = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,
+                                         n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.ffn_dim or None,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                                         eos_token_id=None)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        ffn = cfg.ffn_dim or 64 * -(-(8 * cfg.d_model // 3) // 64)  # llama's 8/3 d, rounded up to 64
+        hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn,
+                                          num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                                          num_key_value_heads=cfg.n_kv_head or cfg.n_head,
+                                          max_position_embeddings=cfg.seq_len, bos_token_id=None, eos_token_id=None,
+                                          pad_token_id=None)
+        cls = transformers.LlamaForCausalLM
+    with scope:
+        model = cls(hf_cfg)
+    return ModelBundle(model, model._init_weights, _lm_loss, f"{cfg.kind} (transformers) {_count(model)}")
+
+
+def _count(model: nn.Module) -> str:
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return f"{n / 1e6:.2f}M parameters"
+
+
+def _transformers(what: str, alternative: str):
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"{what} needs Hugging Face transformers: pip install transformers ({alternative})") from None
+    return transformers
+
+
+def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
+    """The Hugging Face model of model.pretrained on the meta device, LoRA-wrapped with [model.lora] r > 0, its
+    weights to be read from the directory (Note [fine-tuning job])."""
+    where = f"model.pretrained = {cfg.pretrained!r}"
+    transformers = _transformers(where, "or leave model.pretrained unset")
+    if not os.path.isfile(os.path.join(cfg.pretrained, "config.json")):
+        raise ConfigError(f"{where}: no config.json in it; give a directory written by save_pretrained (config.json "
+                          f"and model.safetensors, or its index and shards)")
+    try:
+        hf_cfg = transformers.AutoConfig.from_pretrained(cfg.pretrained, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{where}: transformers cannot read its config.json ({e}); fix the file or upgrade "
+                          f"transformers") from None
+    vocab = getattr(hf_cfg, "vocab_size", None)
+    if tokenizer_dir(cfg) is None and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
+        raise ConfigError(f"{where}: its vocabulary has {vocab} token ids, fewer than the {VOCAB_SIZE} byte values "
+                          f"the job's data uses as token ids; fine-tune a model with at least {VOCAB_SIZE} ids, or "
+                          f"save the model's tokenizer in it (tokenizer.save_pretrained) so the job tokenizes with it")
+    positions = getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None)
+    if isinstance(positions, int) and cfg.seq_len > positions:
+        raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
+                          f"set model.seq_len <= {positions}")
+    try:
+        with scope:
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    except ValueError as e:
+        raise ConfigError(f"{where}: not a causal language model transformers can build ({e})") from None
+    total = _count(model)
+    data = "its tokenizer" if tokenizer_dir(cfg) else "bytes as token ids"
+    description = f"{hf_cfg.model_type} from {cfg.pretrained}, data: {data} ({total}"
+    if lora.r:
+        model = _with_lora(model, lora)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        description += f"; LoRA r={lora.r}: {trainable / 1e6:.3f}M trainable"
+    return ModelBundle(model, None, _lm_loss, description + ")", weights=cfg.pretrained, hf_config=hf_cfg)
+
+
+def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(f"model.lora.r = {lora.r} needs PEFT: pip install peft (or remove model.lora.r)") from None
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=list(lora.targets) or None, task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:  # e.g. a target that names no module, or no default for this kind of model
+        raise ConfigError(f"model.lora.targets = {show(list(lora.targets))}: PEFT cannot apply it ({e}); name the "
+                          f"model's linear layers, e.g. targets = [\"q_proj\", \"v_proj\"]") from None
+
+
+# ---------------------------------------------------------------- data
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one: DIR holds a tokenizer
+
+
+def tokenizer_dir(cfg: ModelConfig) -> str | None:
+    """The directory whose tokenizer tokenizes the job's data, or None for bytes (Note [fine-tuning job])."""
+    if not cfg.pretrained or cfg.tokenizer == "bytes":
+        return None
+    has = any(os.path.isfile(os.path.join(cfg.pretrained, name)) for name in TOKENIZER_FILES)
+    return cfg.pretrained if has else None
+
+
+def corpus_tokens(job: Job) -> torch.Tensor:
+    """The job's corpus as token ids: bytes (uint8), or int32 ids of the pretrained model's tokenizer."""
+    from infinity.job.data import load_tokens
+    raw = load_tokens(job.data.path)
+    where = tokenizer_dir(job.model)
+    if where is None:
+        return raw
+    transformers = _transformers(f"model.pretrained = {where!r}", 'or --set model.tokenizer=bytes')
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.pretrained = {where!r}: its tokenizer does not load ({e}); fix its files, or "
+                          f"--set model.tokenizer=bytes to train on bytes as token ids") from None
+    lines = bytes(raw.numpy()).decode("utf-8", errors="replace").splitlines(keepends=True)
+    ids: list[int] = []
+    for i in range(0, len(lines), 4096):  # batches of lines: a fast tokenizer encodes them in parallel
+        chunk = tokenizer(lines[i:i + 4096], add_special_tokens=False, verbose=False)["input_ids"]
+        for row in chunk:
+            ids.extend(row)
+    tokens = torch.tensor(ids, dtype=torch.int32)
+    vocab = transformers.AutoConfig.from_pretrained(where, local_files_only=True).vocab_size
+    if len(tokens) and int(tokens.max()) >= vocab:
+        raise ConfigError(f"model.pretrained = {where!r}: its tokenizer gives token id {int(tokens.max())}, beyond "
+                          f"the model's vocabulary of {vocab}: save the model's own tokenizer there, or --set "
+                          f"model.tokenizer=bytes")
+    return tokens
+
+
+def job_batches(job: Job, rank: int = 0, world: int = 1):
+    """The job's training and validation batches for one rank (data.py's sampler over `corpus_tokens`)."""
+    from infinity.job.data import Batches, split
+    train, val = split(corpus_tokens(job), job.data.val_fraction, job.model.seq_len)
+    return Batches(train, val, seq_len=job.model.seq_len, global_batch=job.run.batch_size, seed=job.data.seed,
+                   rank=rank, world=world)

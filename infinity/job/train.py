@@ -1,0 +1,484 @@
+"""The training job behind `infinity train`: run directory, loop, report.
+
+    infinity train                                   # the default: a small byte-level GPT on the shipped corpus
+    infinity train --config run.toml --set run.steps=500 --set model.kind=llama
+    infinity train --resume runs/<name> --set run.steps=1000   # continue a run from its latest checkpoint
+    infinity train --set model.pretrained=DIR --set model.lora.r=8  # fine-tune a Hugging Face model (LoRA)
+    torchrun --nproc-per-node 2 -m infinity train    # or: torchrun --nproc-per-node 2 $(which infinity) train
+
+The job file, its sections and the models: infinity/job/spec.py. The run directory, its lock and
+what a failed start leaves: infinity/job/run_dir.py. The progress line: infinity/job/progress.py.
+
+Run directory (`run.dir`/`run.name`, default runs/<date>-<time>):
+
+    config.toml          the resolved config (train again with --config runs/<name>/config.toml)
+    estimate.json        what `infinity estimate` predicted for this run
+    metrics.jsonl        one JSON object per optimizer step (and per validation)
+    memory_report.json   engine.memory_report() of rank 0 at the end, peak RSS of every rank
+    summary.json         status (completed / interrupted / aborted / failed), first / last loss, validation
+                         loss, throughput; when the run did not finish: the error and what to do
+    profile/             the profiler's summary and chart (when the engine has a profiler)
+    checkpoint/          the final checkpoint (when the engine can save one)
+    checkpoints/step-N/  periodic checkpoints (run.checkpoint_every)
+    export/              with model.pretrained: the trained model as a Hugging Face directory (run.export;
+                         Note [fine-tuning job] in job.py)
+    swap/                the NVMe swap files (mode 0700) while the run is alive (removed at the end)
+    .lock                held by the job using the directory (Note [run directory lock])
+
+Note [clean stop]: Ctrl-C (SIGINT, or the SIGTERM torchrun sends its workers)
+only raises a flag; every rank learns of it at the end of the step through the
+per-step all-reduce of the loss, so all ranks stop after the same step, then
+write the report and checkpoint as on completion. A second Ctrl-C stops at once;
+summary.json then says "aborted" and names the checkpoint to resume from. A run
+that fails after it started (a save that found no space, a diverged loss) writes
+summary.json too: status "failed", the error, and the checkpoint to resume from.
+
+Note [resume] (checkpoints carry the training position; `--resume`): infinity/job/resume.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infinity.config.sections import Config, ConfigError
+from infinity.job.data import Batches
+from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
+from infinity.job.resume import (
+    FINAL_CHECKPOINT,
+    PERIODIC_CHECKPOINTS,
+    Resume,
+    earlier_losses,
+    run_checkpoints,
+    stopped_summary,
+    train_position,
+    trim_metrics,
+)
+from infinity.job.run_dir import RunDir, write_json
+from infinity.job.spec import (  # noqa: F401 - re-exported: infinity.job.train is where users and tests find the job
+    COMPANION_FILES,
+    DECAY_DEFAULTS,
+    EXPORT,
+    JOB_SECTIONS,
+    TRAIN_DEFAULTS,
+    Job,
+    LoraConfig,
+    ModelBundle,
+    ModelConfig,
+    RunConfig,
+    build_model,
+    job_batches,
+    job_defaults_text,
+    load_job,
+    to_toml,
+)
+from infinity.optim.schedule import lr_at
+from infinity.state.checkpoint import count_as_written
+from io_engine import atomic_write
+
+# ---------------------------------------------------------------- processes
+
+
+def setup_distributed() -> tuple[int, int, bool]:
+    """(rank, world size, whether this call created the process group); joins torchrun's group."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, False
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size(), True
+
+
+def _agree(value, world: int):
+    """Rank 0's value of a picklable object on every rank."""
+    if world == 1:
+        return value
+    import torch.distributed as dist
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value, world: int) -> list:
+    if world == 1:
+        return [value]
+    import torch.distributed as dist
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+class StopFlag:
+    """Note [clean stop]: SIGINT / SIGTERM set a flag; a second signal interrupts at once."""
+
+    def __init__(self):
+        self.raised = False
+        self._previous = {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: signals stay as they are
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.raised:
+            raise KeyboardInterrupt
+        self.raised = True
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (again to stop now)", file=sys.stderr,
+              flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclass
+class Result:
+    """What `train` returns (every rank)."""
+
+    run_dir: Path
+    status: str  # "starting" | "running" | "completed" | "interrupted"
+    steps: int
+    losses: list[float]
+    val_loss: float | None
+    seconds: float
+
+
+def train(job: Job, *, verbose: bool = True, resume: Resume | None = None) -> Result:
+    """Run the job: every rank calls this (under torchrun, or alone). With `resume` (from `load_resume`),
+    continue that run from its checkpoint (Note [resume])."""
+    rank, world, owns_group = setup_distributed()
+    try:
+        return _run(job, rank, world, verbose, resume)
+    finally:
+        if owns_group:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+
+def _open_run_dir(job: Job, resume: Resume | None, rank: int, world: int) -> RunDir:
+    """The run directory, created (a new run) and locked by rank 0 (Note [run directory lock])."""
+    run, error = None, None
+    if rank == 0:
+        try:
+            run = RunDir.existing(resume.run_dir) if resume else RunDir.new(job.run.dir, job.run.name)
+        except (ConfigError, OSError) as e:
+            error = str(e) if isinstance(e, ConfigError) else (
+                f"cannot create the run directory under run.dir = {job.run.dir!r} ({e}): choose another run.dir")
+    path, error = _agree((str(run.path) if run else None, error), world)
+    if error:
+        raise ConfigError(error)
+    return run or RunDir(Path(path), created=False, fd=None)
+
+
+def _make_dirs(config: Config, run_dir: Path) -> None:
+    from infinity.machine.preflight import prepare_nvme_paths
+    prepare_nvme_paths(list(config.nvme.paths))  # a path that is a file: exit 2 naming it (Note [nvme paths])
+    if (run_dir / "swap").is_dir() and str(run_dir / "swap") in config.nvme.paths:
+        os.chmod(run_dir / "swap", 0o700)  # the swap files hold the model's state: private to the job's user
+
+
+def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) -> Result:
+    import infinity
+
+    batches = job_batches(job, rank, world)  # bad data settings fail before any work
+    run = _open_run_dir(job, resume, rank, world)
+    run_dir, engine, say = run.path, None, None
+    start = resume.step if resume else 0
+    result = Result(run_dir=run_dir, status="starting", steps=start, losses=[], val_loss=None, seconds=0.0)
+    try:
+        config = job.engine_config(str(run_dir))
+        _make_dirs(config, run_dir)
+        say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0, first_step=start)
+        earlier: list[float] = []
+        if rank == 0 and resume is None:
+            atomic_write(run_dir / "config.toml", to_toml(config, job))
+        _measure_links(config, world)
+        bundle = build_model(job.model, job.lora)
+        engine = infinity.initialize(bundle.model, config, init_fn=bundle.init_fn, weights=bundle.weights)
+        if resume is not None:
+            saved = engine.load_checkpoint(str(resume.checkpoint)).get("train", {})
+            assert saved.get("step") == start, f"{resume.checkpoint} is at step {saved.get('step')}, not {start}"
+            count_as_written(engine, [str(p) for step, p in run_checkpoints(run_dir) if step <= start],
+                             engine.optimizer_steps)  # the run's periodic and final ones: keep_last goes on
+            if rank == 0:  # only now: a resume that fails to start leaves the run's files as they were
+                atomic_write(run_dir / "config.toml", to_toml(config, job))
+                dropped = trim_metrics(run_dir / "metrics.jsonl", start)  # steps after the checkpoint: trained again
+                if dropped:
+                    say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")
+                earlier = earlier_losses(run_dir / "metrics.jsonl")
+            say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")
+            o = config.optimizer
+            if o.schedule != "constant" and job.run.steps > o.total_steps:
+                say.note(f"note: the learning rate reaches its final value at optimizer.total_steps = {o.total_steps} "
+                         f"and stays there until run.steps = {job.run.steps}; --set optimizer.total_steps="
+                         f"{job.run.steps} to stretch the schedule instead")
+        say.note(f"{bundle.description}, {len(engine.units)} units, world size {world}, device {engine.device}, "
+                 f"placement {_placement_text(engine)}; run directory {run_dir}")
+        result.status = "running"  # from here on the run directory is the user's (Note [failed start])
+        with StopFlag() as stop, (run_dir / "metrics.jsonl").open("a") if rank == 0 else _Null() as metrics:
+            _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
+                  elapsed_before=resume.elapsed_s if resume else 0.0)
+        result.losses = earlier + result.losses  # the whole run's (rank 0 reads the earlier ones from metrics.jsonl)
+        _finish(job, config, engine, bundle, run_dir, result, world, rank, say, resume)
+    except BaseException as e:
+        if rank == 0 and result.status != "starting":
+            summary = stopped_summary(run_dir, "aborted" if isinstance(e, KeyboardInterrupt) else "failed",
+                                      result.steps, e)
+            try:
+                write_json(run_dir / "summary.json", summary)
+                where = run_dir / "summary.json"
+            except OSError as write_error:  # e.g. the disk is full: the message below is all there is
+                where = f"summary.json not written: {write_error.strerror}"
+            print(f"infinity train: {summary['status']} after {result.steps} steps: {summary['what_to_do']} "
+                  f"({where})", file=sys.stderr, flush=True)
+        raise
+    finally:
+        try:
+            if engine is not None:
+                engine.close()  # waits for in-flight I/O and removes this rank's swap files
+        finally:
+            if say is not None:
+                say.close()
+            if result.status == "starting":
+                run.discard()  # Note [failed start]
+            else:
+                run.release()
+                swap_dir = run_dir / "swap"
+                if swap_dir.is_dir() and not any(swap_dir.iterdir()):
+                    shutil.rmtree(swap_dir, ignore_errors=True)
+    return result
+
+
+class _Null:
+    """A metrics sink for ranks other than 0."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
+def _placement_text(engine) -> str:
+    cfg = engine.config.placement
+    if cfg.policy == "static":
+        return f"params={cfg.params} grads={cfg.grads} optimizer={cfg.optimizer}"
+    return "auto (" + "; ".join(engine.plan.reasons[:3]) + ")"
+
+
+def _measure_links(config: Config, world: int) -> None:
+    """The auto policy plans with this machine's link rates: measure them once (local rank 0), then cached."""
+    from infinity.machine.link_rates import link_rates
+    if config.placement.policy == "auto" and config.nvme.paths:
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            link_rates(config.nvme.paths[0], io_config=config.io)
+        _barrier(world)
+
+
+def _estimate(job: Job, config: Config, world: int, say: Progress):
+    """What `infinity estimate` predicts for this run (run after training, so it does not add to the
+    measured peak memory)."""
+    from infinity.job import estimate as est
+    try:
+        return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
+                            batch_size=job.run.batch_size // world, seq_len=job.model.seq_len)
+    except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run
+        say.note(f"(no estimate: {type(e).__name__}: {e})")
+        return None
+
+
+def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batches, stop: StopFlag, metrics,
+          say: Progress, result: Result, *, elapsed_before: float = 0.0) -> None:
+    """Steps result.steps + 1 .. run.steps (> 0 when resuming: the batches and LR continue from there);
+    `result` follows the steps done, so a run stopped by an error still reports where it was."""
+    start, run_dir = result.steps, result.run_dir
+    accum = config.train.grad_accum_steps
+    device = engine.device
+    tokens_per_step = batches.tokens_per_batch * accum
+    began = time.perf_counter() - elapsed_before
+    recent: list[float] = []
+    overlap = None
+    every = job.run.checkpoint_every
+    for step in range(start + 1, job.run.steps + 1):
+        t0 = time.perf_counter()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for micro in range(accum):
+            x, y = (t.to(device, non_blocking=True) for t in batches.batch(step - 1, micro))
+            loss = bundle.loss(engine, x, y)
+            engine.backward(loss)
+            total += loss.detach().double()
+        engine.step()
+        mean_loss, stopping = _reduce_step(total / accum, stop.raised, device, engine.world_size)
+        seconds = time.perf_counter() - t0
+        recent = (recent + [seconds])[-10:]
+        if step % job.run.log_every == 0 or step <= 2 or step == job.run.steps:
+            overlap = overlap_efficiency(engine)  # summarizing the spans costs time: not every step
+        record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
+                  "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
+                  "tokens_per_s": tokens_per_step / seconds, "tokens": step * tokens_per_step,
+                  "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap}
+        if not math.isfinite(mean_loss):
+            raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
+                                     f"optimizer.warmup_steps")
+        last = step == job.run.steps or stopping
+        if job.run.eval_every and step % job.run.eval_every == 0 or last:
+            result.val_loss = _validate(engine, bundle, batches, job.run.eval_batches, device)
+            record["val_loss"] = result.val_loss
+            say.note(f"step {step}: validation loss {result.val_loss:.4f}")
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        result.steps, result.seconds = step, time.perf_counter() - began
+        result.losses.append(mean_loss)
+        say.update(step, mean_loss, tokens_per_step * len(recent) / sum(recent), overlap)
+        if stopping:
+            result.status = "interrupted"
+            return
+        if every and step % every == 0 and not last and job.run.checkpoint:  # the last step gets the final one
+            engine.save_checkpoint(str(run_dir / PERIODIC_CHECKPOINTS / f"step-{step:08d}"),
+                                   user_state=train_position(job, config, step, time.perf_counter() - began,
+                                                             engine.world_size))
+    result.status = "completed"
+
+
+def _reduce_step(loss: torch.Tensor, stop: bool, device: torch.device, world: int) -> tuple[float, bool]:
+    """Mean loss over ranks, and whether any rank was asked to stop (Note [clean stop])."""
+    if world == 1:
+        return float(loss), stop
+    import torch.distributed as dist
+    packed = torch.stack([loss.double(), torch.tensor(float(stop), dtype=torch.float64, device=device)])
+    dist.all_reduce(packed)  # every rank sees the same stop decision, so all stop after the same step
+    return float(packed[0]) / world, bool(packed[1] > 0)
+
+
+@torch.no_grad()
+def _validate(engine, bundle: ModelBundle, batches: Batches, count: int, device: torch.device) -> float:
+    engine.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for x, y in batches.val_batches(count):
+        total += bundle.loss(engine, x.to(device), y.to(device)).double()
+    engine.train()
+    value, _ = _reduce_step(total / count, False, device, engine.world_size)
+    return value
+
+
+def _save_final(job: Job, config: Config, engine, run_dir: Path, result: Result, world: int, rank: int) -> Path:
+    """The final checkpoint into <run>/checkpoint. A resumed run already has one: the new one is saved beside
+    it and replaces it by renames; until the old one is removed both are complete, and `latest_checkpoint`
+    takes the one with more steps (Note [resume])."""
+    final = run_dir / FINAL_CHECKPOINT
+    position = train_position(job, config, result.steps, result.seconds, world)
+    replace = _agree(final.exists(), world)
+    target = run_dir / f"{FINAL_CHECKPOINT}.new-{result.steps:08d}" if replace else final
+    if rank == 0 and target.exists():
+        shutil.rmtree(target)  # left by a save that crashed while replacing; `final` is newer or as new
+    _barrier(world)
+    engine.save_checkpoint(str(target), user_state=position)
+    engine.wait_for_checkpoint()  # committed (visible, complete) before it replaces the old one
+    if replace and rank == 0:
+        old = run_dir / f"{FINAL_CHECKPOINT}.old-{result.steps:08d}"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():  # keep_last may have removed it (Note [a resumed run keeps its checkpoints in bounds])
+            os.rename(final, old)
+        os.rename(target, final)
+        for stale in run_dir.iterdir():  # this one and any a crashed replacement left
+            if stale.is_dir() and stale.name.startswith((f"{FINAL_CHECKPOINT}.old-", f"{FINAL_CHECKPOINT}.new-")):
+                shutil.rmtree(stale, ignore_errors=True)
+    _barrier(world)
+    return final
+
+
+def _export(job: Job, engine, bundle: ModelBundle, run_dir: Path, checkpoint: Path | None, world: int,
+            rank: int) -> Path:
+    """<run>/export: the trained model as a Hugging Face directory, from the final checkpoint when there is one
+    (else through a checkpoint of its own, removed after), with the pretrained directory's config and tokenizer
+    files (Note [fine-tuning job])."""
+    from infinity.state.export import export_checkpoint
+    out = run_dir / EXPORT
+    merge = job.lora.merge
+    if checkpoint is not None:
+        if rank == 0:
+            export_checkpoint(str(checkpoint), str(out), merge_lora=merge, model=engine.module)
+        _barrier(world)
+    else:
+        engine.export_state_dict(str(out), merge_lora=merge)
+        if rank == 0:
+            shutil.rmtree(f"{out}.checkpoint", ignore_errors=True)
+    if rank == 0:
+        adapters_only = bool(job.lora.r) and not merge  # PEFT's layout: adapter_config.json names the base
+        if not adapters_only:
+            bundle.hf_config.save_pretrained(str(out))
+        for name in COMPANION_FILES:
+            if os.path.isfile(os.path.join(job.model.pretrained, name)):
+                shutil.copyfile(os.path.join(job.model.pretrained, name), out / name)
+    return out
+
+
+def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path, result: Result, world: int,
+            rank: int, say: Progress, resume: Resume | None = None) -> None:
+    """Checkpoint, export, profile, memory report and summary (Note [clean stop]: also after an interrupt; the
+    export only after a completed run)."""
+    checkpoint = exported = None
+    if job.run.checkpoint and hasattr(engine, "save_checkpoint"):
+        checkpoint = _save_final(job, config, engine, run_dir, result, world, rank)
+    if job.model.pretrained and job.run.export and result.status == "completed":
+        exported = _export(job, engine, bundle, run_dir, checkpoint, world, rank)
+    report = engine.memory_report()
+    peaks = _gather(peak_rss_bytes(), world)
+    if rank != 0:
+        return
+    report["peak_rss_bytes_per_rank"] = peaks
+    write_json(run_dir / "memory_report.json", report)
+    summary = {
+        "status": result.status, "steps": result.steps, "world_size": world,
+        "first_loss": result.losses[0] if result.losses else None,
+        "last_loss": result.losses[-1] if result.losses else None, "val_loss": result.val_loss,
+        "seconds": result.seconds,
+        "tokens_per_s": result.steps * job.run.batch_size * job.model.seq_len
+        * engine.config.train.grad_accum_steps / result.seconds if result.seconds else None,
+        "peak_rss_bytes": peaks[0], "checkpoint": str(checkpoint) if checkpoint else None,
+        "export": str(exported) if exported else None,
+        "overlap_efficiency": overlap_efficiency(engine),
+    }
+    if resume is not None:
+        summary["resumed"] = {"from": str(resume.checkpoint), "at_step": resume.step}
+    estimate = _estimate(job, config, world, say)
+    if estimate is not None:
+        write_json(run_dir / "estimate.json", estimate.to_json())
+        summary["predicted"] = {"peak_rss_bytes": estimate.peak.get("ram"),
+                                "step_seconds": estimate.step_time.total if estimate.step_time else None}
+    write_json(run_dir / "summary.json", summary)
+    say.close()
+    say.note(f"{result.status} after {result.steps} steps in {result.seconds:.1f} s: loss {summary['first_loss']:.4f} "
+             f"-> {summary['last_loss']:.4f}, validation {result.val_loss:.4f}; peak RSS "
+             f"{peaks[0] / 2**20:.0f} MiB; run directory {run_dir}" + (f"; exported to {exported}" if exported else ""))

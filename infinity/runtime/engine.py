@@ -1,0 +1,447 @@
+"""Engine: the training loop's surface (forward, backward, step) over sharded, tiered state.
+
+`initialize` builds an Engine: it resolves the process group and device,
+splits the model into units, plans where every state kind lives, checks the
+budgets, and materializes the model one unit at a time into its tiers. The
+engine then drives the units through hooks (unshard before use, reshard after,
+reduce-scatter gradients as soon as they are final) and hands each accumulation
+window's update to its update mode, one type per way of overlapping it (Note
+[overlap] in update_modes.py): the engine never asks which one runs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import sys
+from typing import Callable
+
+import psutil
+import torch
+import torch.nn as nn
+
+from infinity.config.sections import Config
+from infinity.device.collectives import all_reduce_sum, broadcast_object
+from infinity.device.dtypes import DTYPES
+from infinity.device.streams import Streams, host_value
+from infinity.machine.environment import resolve, resolve_budgets
+from infinity.memory.buffers import UnshardedMemory
+from infinity.memory.fresh import fresh_budget
+from infinity.memory.manager import TieredMemoryManager
+from infinity.memory.placement import plan_for_config
+from infinity.memory.stages import stage_for
+from infinity.memory.tier import Tier
+from infinity.memory.traffic import plan_report
+from infinity.optim.cpu_adam import AdamHyper
+from infinity.optim.read_ahead import resolve_read_ahead
+from infinity.optim.schedule import lr_at
+from infinity.profile import NullProfiler, Profiler
+from infinity.profile.clock import TrainingClock
+from infinity.runtime.activations import activations_for
+from infinity.runtime.grad_reduce import GradReducer
+from infinity.runtime.hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
+from infinity.runtime.loss_scale import LossScaler
+from infinity.runtime.materialize import buffers_to, materialize_units
+from infinity.runtime.prefetch import OrderTrace, Prefetcher
+from infinity.runtime.update_modes import NonFiniteGradError, update_mode
+from infinity.state.checkpoint import apply_retention, begin_save
+from infinity.state.checkpoint import load as load_checkpoint
+from infinity.state.state_dict import full_state_dict
+from infinity.state.weights import plan_weights
+from infinity.units.unit import Comm, Unit, build_units, unit_sizes
+from io_engine import IOEngine, SwapSpace
+
+__all__ = ["Engine", "NonFiniteGradError", "initialize"]
+
+
+class Engine:
+    """One rank's view of a sharded model. Create with `infinity.initialize`."""
+
+    def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
+                 lr_schedule: Callable[[int], float] | None = None, group=None, weights=None, strict: bool = True):
+        self.module, self.config = model, config
+        self.lr_schedule = lr_schedule
+        self.env = resolve(group)
+        self.compute_dtype = DTYPES[config.precision.compute_dtype]
+        self.streams = Streams.for_device(self.env.device)
+        self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=self._link_peaks()) if config.profile.enabled
+                         else NullProfiler(rank=self.env.rank))
+        self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
+        comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
+                    device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
+                    profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
+                    sub_group_size=config.optimizer.sub_group_size)
+        self.units = build_units(model, list(config.units.classes), comm)
+        loaded = plan_weights(weights, model, self.units, strict) if weights is not None else None  # checked first
+        self.plan = self._plan()
+        self.io, self.swap = self._open_swap()
+        self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
+                                           pin_host=self.env.device.type == "cuda", profiler=self.profiler,
+                                           fresh_budget=fresh_budget(self.plan, config.prefetch))
+        materialize_units(self.units, self.manager, config.train.seed, init_fn, loaded)
+        buffers_to(model, self.env.device)  # the forward reads them there (they are not sharded)
+        self.scaler = LossScaler.for_config(config.precision)
+        self._pending_checkpoint = None  # a background save, committed at the next step() / wait_for_checkpoint()
+        trace = OrderTrace()  # the forward order: the prefetcher replays it, the update mode updates in it
+        self.updates = update_mode(config, units=self.units, manager=self.manager, device=self.env.device,
+                                   group=self.env.group, scaler=self.scaler, hyper=self._hyper, trace=trace,
+                                   read_ahead_bytes=self.read_ahead_bytes, profiler=self.profiler,
+                                   reading_swap=lambda: self._pending_checkpoint is not None)
+        self.optimizer = self.updates.optimizer  # the mode's (its state read-ahead, if any, is on it)
+        self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
+                                   before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
+        self.activations = activations_for(config.activation, self.units, self.streams, self.env.device)
+        self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
+                                     config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace,
+                                     fetch_inputs=self.activations.fetch)
+        self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
+        self._stepped_at = 0  # micro_step of the last step() that ran, so a second call is a no-op
+        self._handles, self._counters = [], []
+        callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
+                                  pre_backward=self._pre_backward, grads_ready=self._grads_ready,
+                                  in_backward=lambda: self._in_backward, backward_done=self._backward_done)
+        for unit in self.units:
+            handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
+            self._handles += handles
+            self._counters.append(counter)
+        self._handles += self.activations.install()  # (after the unit hooks: Note [unit checkpoints])
+        self.micro_step = 0  # backward passes since initialize
+        self.optimizer_steps = 0  # updates applied (skipped steps not counted)
+        self.last_grad_norm: float | None = None
+        self._backward_pending = False
+        self._in_backward = False  # inside engine.backward: forward hooks firing now are recomputation
+        self._closed = False
+        self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
+        self._saved_checkpoints: list[str] = []
+        # Note [switch interval]: every I/O block completion, the prefetcher and the optimizer worker run
+        # Python, so they need the GIL, and the training thread holds it between torch ops. At Python's
+        # default switch interval (5 ms) a waiting thread can wait 5 ms per 1 MiB block that the disk
+        # moves in 0.3 ms: writes under a Python-heavy forward measured 0.5 GB/s, 1.9 GB/s at 0.5 ms
+        # (benchmarks/RESULTS.md). Inside a real step 0.5 ms was still too long: the queue stayed full
+        # (16 blocks "in flight") while the disk ran at half speed, the blocks' threads waiting for the
+        # GIL to finish and resubmit; at 0.1 ms the out-of-core step went from 5.0-8.4 s to 4.5-4.7 s
+        # (0.05 and 0.02 ms: no better). `[io] switch_interval_us` sets it while the engine is open
+        # (last in __init__, so a failed initialize leaves it alone).
+        self._saved_switch_interval = sys.getswitchinterval()
+        if config.io.switch_interval_us > 0:
+            sys.setswitchinterval(config.io.switch_interval_us * 1e-6)
+
+    # ----------------------------------------------------------------- construction
+    def _link_peaks(self) -> dict[str, float]:
+        """The profile's per-link peaks: the link rates measured on this machine and swap disk (cached by
+        `infinity bench-links --dir DIR` or the auto policy); none measured = no achieved-vs-peak."""
+        from infinity.machine.link_rates import cached_rates_for
+        from infinity.memory import cost_model
+        paths = self.config.nvme.paths
+        if paths and not os.path.isdir(paths[0]):
+            return {}  # the plan's preflight names the missing directory
+        return cost_model.profile_peaks(cached_rates_for(paths[0] if paths else None, self.env.device))
+
+    def _plan(self):
+        """The placement, planned exactly as `infinity estimate` plans it, then the same preflight checks."""
+        from infinity.machine.link_rates import rates_for_plan
+        from infinity.machine.preflight import check_nvme_paths, preflight, require
+        cfg = self.config
+        sizes = unit_sizes(self.units, cfg.optimizer.sub_group_size)
+        nvme_free = check_nvme_paths(list(cfg.nvme.paths)) if cfg.nvme.paths else 0
+        budgets = resolve_budgets(cfg.memory, self.env.device, self.env.local_world_size, nvme_free)
+        auto = cfg.placement.policy == "auto"  # the swap disk's rates measured once per machine, then cached
+        rates = rates_for_plan(cfg, self.env.device, measure=True) if auto else None
+        plan = plan_for_config(sizes, cfg, budgets, rates=rates)
+        self.read_ahead_bytes = resolve_read_ahead(cfg, plan, budgets)
+        require(preflight(plan, None, cfg, local_world_size=self.env.local_world_size,
+                          cuda=self.env.device.type == "cuda"))
+        return plan
+
+    def _open_swap(self):
+        if not self.plan.uses(Tier.NVME):
+            return None, None
+        io_cfg = self.config.io
+        io = IOEngine(io_cfg.engine_config())
+        swap = SwapSpace(dirs=list(self.config.nvme.paths), io=io, rank=self.env.rank, name="infinity",
+                         checksum=io_cfg.checksum)
+        nvme_bytes = sum(self.plan.state_bytes()[Tier.NVME].values())
+        swap.reserve(nvme_bytes + len(self.units) * 5 * 4096 * 2)  # plus each extent's alignment
+        return io, swap
+
+    # ----------------------------------------------------------------- hooks
+    def _pre_forward(self, unit: Unit) -> None:
+        self.clock.compute_end(f"forward before {unit.name}")
+        self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
+        self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
+        self.prefetcher.wait_for(unit)
+        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
+        self.clock.compute_begin()
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self.clock.compute_end(f"backward before {unit.name}")
+        self.prefetcher.before_backward(unit)
+        self.prefetcher.wait_for(unit)
+        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
+        self.clock.compute_begin()
+
+    def _hyper(self) -> AdamHyper:
+        o = self.config.optimizer
+        lr = self.lr_schedule(self.optimizer_steps) if self.lr_schedule else lr_at(self.optimizer_steps, o)
+        return AdamHyper(lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
+                         decoupled=o.name == "adamw")
+
+    def _post_forward(self, unit: Unit) -> None:
+        unit.reshard()
+
+    def _grads_ready(self, unit: Unit) -> None:
+        self.reducer.issue(unit, final=self._final_micro_batch())
+        if unit.index != 0 and unit.trainable_numel == unit.flat_numel:
+            unit.reshard()  # every parameter has its gradient, so no backward op needs them any more
+
+    def _backward_done(self, unit: Unit) -> None:
+        if unit.index != 0:
+            unit.reshard()  # its inputs' gradients are computed: no backward op reads its parameters now
+
+    def _final_micro_batch(self) -> bool:
+        return (self.micro_step + 1) % self.config.train.grad_accum_steps == 0
+
+    # ----------------------------------------------------------------- training surface
+    def __call__(self, *args, **kwargs):
+        """Forward on the engine's device (tensor arguments are moved there): returns what the model returns."""
+        self._check_open()
+        args, kwargs = to_device((args, kwargs), self.env.device)
+        self.clock.forward_begins()
+        root = self.units[0]
+        self._pre_forward(root)  # (waits for the root's update first, with overlap)
+        with self.activations.forward():  # counts what autograd saves (Note [activation bytes])
+            output = self.module(*args, **kwargs)
+        self.clock.compute_end("forward")
+        needs_grad = bool(tensors_needing_grad(output))
+        self.prefetcher.end_forward(backward_follows=needs_grad)
+        if needs_grad:
+            self._backward_pending = True  # the root stays unsharded until backward has used it
+        else:
+            self.prefetcher.release_unused()
+            root.reshard()
+        return output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale)."""
+        self._check_open()
+        if not self._backward_pending:
+            raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
+                               "outside torch.no_grad() (and with the model's parameters trainable)")
+        if self.updates.updates_during_backward and self._final_micro_batch():
+            self.wait_for_checkpoint()  # updates start during this backward (Note [overlap])
+        scale = self.scaler.scale / self.config.train.grad_accum_steps
+        self.clock.compute_begin()
+        self._in_backward = True
+        try:
+            (loss * scale).backward()
+        finally:
+            self._in_backward = False
+        self.clock.compute_end("backward")
+        final = self._final_micro_batch()
+        for unit, counter in zip(self.units, self._counters):
+            if not counter.fired and unit.trainable_numel > 0:
+                self.reducer.issue(unit, final=final)  # parameters that got no gradient contribute zeros
+            counter.reset()
+        self.reducer.drain()
+        self.prefetcher.release_unused()
+        for unit in self.units:
+            unit.reshard()
+        self._backward_pending = False
+        self.micro_step += 1
+
+    def step(self) -> bool:
+        """Apply the optimizer at an accumulation boundary; returns whether parameters changed.
+
+        With `[overlap] optimizer_with_backward` the update runs on a worker thread (Note
+        [overlap]) and this returns once it is issued; the next forward waits per unit.
+        """
+        self._check_open()
+        at = self.micro_step
+        if at == 0 or at % self.config.train.grad_accum_steps != 0 or self._stepped_at == at:
+            return False
+        self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
+        self._stepped_at = self.micro_step
+        self.reducer.flush_writes()
+        sumsq = self.reducer.take_sumsq(self.env.device)
+        all_reduce_sum(sumsq, self.env.group)
+        norm = math.sqrt(host_value(sumsq, "grad norm")) / self.scaler.scale  # clipping and skipping need it
+        self.last_grad_norm = norm
+        if not self.updates.step(norm, self.optimizer_steps):
+            return False
+        self.optimizer_steps += 1
+        self.clock.stepped(self.optimizer_steps - 1)
+        return True
+
+    @property
+    def kept_params(self) -> frozenset[tuple[int, int]]:
+        """The (unit, chunk)s of parameters whose first fetch after an update reads the copy the update kept
+        in memory (Note [fresh parameters]): for `traffic.bytes_per_step`."""
+        return self.updates.kept_params(self.compute_dtype.itemsize)
+
+    def _close_profile(self) -> None:
+        self.clock.close()
+        if self.profiler.enabled and self.profiler.steps():
+            self.profile_files = self.profiler.write(os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"),
+                                                     print_table=False)  # the caller prints format_summary if it wants
+
+    def synchronize(self) -> None:
+        """Wait for all work in flight (optimizer updates, a background checkpoint); raise its errors."""
+        self._check_open()
+        with self.updates.settled():
+            self.wait_for_checkpoint()
+
+    # ----------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str, user_state: dict | None = None) -> None:
+        """Save every rank's shards to the directory `path` (all ranks call it, right after a step).
+
+        `user_state` (JSON-serializable, e.g. the data position) comes back from
+        `load_checkpoint`. With `[checkpoint] background = true` the files are written
+        while training goes on and the checkpoint appears at the next `step()` / `close()`.
+        """
+        self._check_open()
+        with self.updates.settled():
+            self.wait_for_checkpoint()
+            self.reducer.flush_writes()
+            self.manager.drain()  # the optimizer's write-behind must land before the state is copied
+            self._pending_checkpoint = begin_save(self, path, user_state, self.config.checkpoint.background)
+        if not self.config.checkpoint.background:
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Finish a save in progress and make it visible; returns its path (None if none was pending)."""
+        pending, self._pending_checkpoint = self._pending_checkpoint, None
+        if pending is None:
+            return None
+        try:
+            path = pending.commit()
+        finally:
+            self.updates.resume()  # the save no longer reads the swap (settled())
+        if self.rank == 0:
+            self._saved_checkpoints.append(path)
+            self._saved_checkpoints = apply_retention(self._saved_checkpoints, self.config.checkpoint.keep_last,
+                                                      self.run_id)
+        return path
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore the state saved at `path` (at this or another world size); returns its user state."""
+        self._check_open()
+        with self.updates.settled():
+            self.wait_for_checkpoint()
+            self.manager.drain()
+            return load_checkpoint(self, path)
+
+    def export_state_dict(self, path: str, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
+                          merge_lora: bool = False) -> str:
+        """Write the consolidated state dict, streaming: one file for `.safetensors` (torch.save for another
+        suffix), a Hugging Face directory for a path with no suffix (sharded at `max_shard_size`; a PEFT
+        model's adapters alone, or merged into the base weights with `merge_lora`).
+
+        Saves a checkpoint next to `path` first (all ranks call this), then rank 0 assembles
+        the tensors one by one from it; the checkpoint stays, for resuming.
+        """
+        from infinity.state.export import export_checkpoint
+        ckpt = f"{os.fspath(path).rstrip(os.sep)}.checkpoint"
+        self.save_checkpoint(ckpt)
+        self.wait_for_checkpoint()
+        if self.rank == 0:
+            export_checkpoint(ckpt, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora,
+                              model=self.module)
+        if self.env.group is not None:
+            import torch.distributed as dist
+            dist.barrier(group=self.env.group)  # the file is complete when every rank returns
+        return os.fspath(path)
+
+    # ----------------------------------------------------------------- reporting and state
+    def memory_report(self) -> dict:
+        """Bytes per tier and per state kind on this rank, and the buffers and peaks around them."""
+        report = self.manager.memory_report()
+        report.update(plan_report(self.plan))  # the byte model's: what the planner fitted to the budgets
+        report["unsharded_peak_bytes"] = max((u.peak_unsharded for u in self.units), default=0)
+        report["unsharded_pool_bytes"] = self.unsharded.pooled_bytes
+        report.update(self.activations.report())  # the last forward's (Note [activation bytes])
+        report["process_rss_bytes"] = psutil.Process(os.getpid()).memory_info().rss
+        if self.env.device.type == "cuda":
+            report["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.env.device)
+        return report
+
+    def full_state_dict(self) -> dict:
+        """fp32 master weights gathered on rank 0 (empty dict elsewhere), keys as model.state_dict()."""
+        self._check_open()
+        with self.updates.settled():
+            self.wait_for_checkpoint()  # a background save may be reading the same master extents
+            return full_state_dict(self.module, self.units, self.manager, self.env.rank)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine is closed; create a new one with infinity.initialize")
+
+    def close(self) -> None:
+        """Finish a pending checkpoint, wait for in-flight I/O, remove hooks and this run's swap files."""
+        if self._closed:
+            return
+        try:
+            self.updates.finish()  # an update error nobody has seen yet is raised here
+            self.wait_for_checkpoint()
+            self._close_profile()
+        finally:
+            self._closed = True
+            try:
+                self.updates.close()  # (a read-ahead error nobody consumed is raised here)
+            finally:
+                for h in self._handles:
+                    h.remove()
+                self.manager.close()
+                if self.swap is not None:
+                    self.swap.close()
+                if self.io is not None:
+                    self.io.close()
+                sys.setswitchinterval(self._saved_switch_interval)
+                if self.env.owns_group:
+                    import torch.distributed as dist
+                    dist.destroy_process_group()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def initialize(model: nn.Module, config: Config | dict | str | None = None, *,
+               init_fn: Callable[[nn.Module], None] | None = None,
+               lr_schedule: Callable[[int], float] | None = None, group=None, weights=None,
+               strict: bool = True) -> Engine:
+    """Shard `model`, plan its state over the tiers, and materialize it unit by unit.
+
+    `config` is a Config, a dict, a path to a TOML file, or None for defaults. `weights`: a
+    `.safetensors` file, an HF directory or a torch state dict to load, unit by unit (weights.py;
+    `strict=False` warns about keys that do not fit instead of raising).
+    """
+    if config is None:
+        config = Config()
+    elif isinstance(config, dict):
+        config = Config.from_dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        config = Config.from_file(config)
+    return Engine(model, config, init_fn=init_fn, lr_schedule=lr_schedule, group=group, weights=weights,
+                  strict=strict)

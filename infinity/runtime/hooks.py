@@ -1,0 +1,131 @@
+"""Module and autograd hooks: when a unit is unsharded, resharded and its gradients reduced.
+
+Per unit module:
+  forward pre-hook   -> unshard the unit and wait (compute needs its parameters);
+                        a hook on the inputs' gradients reshards it once its
+                        backward is over (Note [unit backward done])
+  forward hook       -> reshard; if the outputs need gradients, register a
+                        pre-backward hook on them (unshard again before the
+                        unit's backward runs)
+During backward the same module hooks fire again when activation checkpointing
+recomputes a unit's forward (Note [recomputed forward]).
+Per trainable parameter:
+  post-accumulate-grad hook -> when every trainable parameter of the unit has
+                        its gradient for this backward, reduce-scatter them.
+The hooks only call back into the engine; the callbacks own all state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map
+
+from infinity.units.unit import Unit
+
+
+@dataclass
+class UnitCallbacks:
+    pre_forward: Callable[[Unit], None]
+    post_forward: Callable[[Unit], None]
+    pre_backward: Callable[[Unit], None]
+    grads_ready: Callable[[Unit], None]
+    in_backward: Callable[[], bool] = lambda: False  # a backward is running (Note [recomputed forward])
+    backward_done: Callable[[Unit], None] = lambda unit: None  # the gradients of the unit's inputs are computed
+
+
+def tensors_needing_grad(output) -> list[torch.Tensor]:
+    flat, _ = tree_flatten(output)
+    return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def to_device(tree, device: torch.device):
+    """`tree` (tensors in nested lists, tuples, dicts) with every tensor on `device`; the rest as is.
+
+    Inputs from pinned memory are copied asynchronously on the current (compute) stream, which
+    is the stream that reads them next.
+    """
+    def move(x):
+        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
+    return tree_map(move, tree)
+
+
+class GradCounter:
+    """Counts, per backward, the unit's trainable parameters whose gradient has accumulated."""
+
+    def __init__(self, unit: Unit, grads_ready: Callable[[Unit], None]):
+        self.unit, self.grads_ready = unit, grads_ready
+        self.slot_of = {id(s.param): s for s in unit.slots if s.requires_grad}
+        self.expected = len(self.slot_of)
+        self.seen: set[int] = set()
+        self.fired = False  # grads_ready was called in this backward
+
+    def on_grad(self, param: nn.Parameter) -> None:
+        self.unit.absorb_grad(self.slot_of[id(param)])
+        self.seen.add(id(param))
+        if len(self.seen) == self.expected and not self.fired:
+            self.fired = True
+            self.grads_ready(self.unit)
+
+    def reset(self) -> None:
+        """At the end of a backward: parameters that got no gradient start from zero next time."""
+        self.seen.clear()
+        self.fired = False
+
+
+def install_unit_hooks(
+    unit: Unit, callbacks: UnitCallbacks, with_module_hooks: bool = True
+) -> tuple[list, GradCounter]:
+    """Register the hooks of one unit; returns the handles and its gradient counter.
+
+    The root unit gets only gradient hooks: the engine unshards it around the whole
+    forward and backward instead.
+    """
+    # Note [recomputed forward]: activation checkpointing (torch.utils.checkpoint, reentrant or not) runs a
+    # unit's forward again inside backward, just before that unit's backward needs its activations. That is
+    # not a forward of the step: recording it would append the reverse order to the forward order (which then
+    # never replays, so prefetch stops), and resharding after it would free the parameters that the unit's
+    # backward is about to read. So inside a backward the pre-hook is the unit's pre-backward (unshard, and
+    # prefetch along the backward order) and the post-hook does nothing: the unit is resharded once its
+    # gradients are ready, or at the end of the backward, as without recomputation. This is for a model that
+    # checkpoints its own blocks (Hugging Face's gradient checkpointing); the engine's `[activation] checkpoint`
+    # runs inside these hooks, so its recomputation fires none of them (Note [unit checkpoints]).
+    # Note [unit backward done]: a unit whose parameters are not all trainable (LoRA, frozen layers) gets no
+    # "all gradients taken" signal that its backward is over, since frozen weights have no gradient: it used
+    # to stay unsharded until the whole backward ended, so fine-tuning with parameters on NVMe held every
+    # block's parameters at once (a 1.54B LoRA run peaked at 7.4 GiB). Once autograd has computed the
+    # gradients of the unit's inputs, every node of the unit's backward that reads its weights on the way to
+    # them has run: the unit reshards then. (A unit used twice in one forward is unsharded again by the
+    # pre-backward hook of its earlier call.) Inputs that need no gradient leave it to the end of backward.
+    handles = []
+    for module in unit.modules if with_module_hooks else ():
+        def pre(_module, args, u=unit):
+            if callbacks.in_backward():
+                callbacks.pre_backward(u)
+                return None
+            callbacks.pre_forward(u)
+            inputs = tensors_needing_grad(args)
+            if inputs:  # Note [unit backward done]
+                register_multi_grad_hook(inputs, lambda _grads, uu=u: callbacks.backward_done(uu), mode="all")
+            return None
+
+        handles.append(module.register_forward_pre_hook(pre))
+
+        def post(_module, _args, output, u=unit):
+            if callbacks.in_backward():
+                return None  # a recomputed forward: its backward follows at once (Note [recomputed forward])
+            callbacks.post_forward(u)
+            needing = tensors_needing_grad(output)
+            if needing:
+                register_multi_grad_hook(needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any")
+            return None
+
+        handles.append(module.register_forward_hook(post))
+    counter = GradCounter(unit, callbacks.grads_ready)
+    for p in unit.trainable_params():
+        handles.append(p.register_post_accumulate_grad_hook(counter.on_grad))
+    return handles, counter

@@ -1,0 +1,370 @@
+"""Update modes: when an accumulation window's optimizer update runs, relative to the training thread.
+
+Note [overlap]: with no global dependency (no clipping, no fp16 loss scaling, non-finite
+gradients are errors) a unit's update needs only its own gradients, so it runs on the
+worker as soon as they are final, during backward (`EagerUpdate`). Otherwise `step()`
+computes the global norm first and hands the units to the worker in the order the next
+forward uses them; that forward waits per unit (`DeferredUpdate`). Without
+`[overlap] optimizer_with_backward` the update runs on the training thread inside
+`step()` (`InlineUpdate`). All three are exactly the same update, bit for bit.
+
+One type per mode, chosen once by `update_mode(config, ...)`; the engine calls the
+interface and never asks which mode runs:
+
+  ready(i)               may unit i's parameters be fetched now (not being updated)?
+  before_forward(unit)   the forward is about to use `unit`: wait for its update
+  before_grads(unit)     `unit`'s gradient shard is about to be written (GradReducer)
+  grads_final(unit, s)   `unit`'s gradient for the window is complete, its squared norm `s`
+  step(norm, index)      the window is complete (global `norm`): update, skip or raise
+  settled()              a context inside which no update or state read is in flight
+  resume()               a background save stopped reading the swap: read ahead again
+  put_order() / forward_takes_in_order: the kept-copies prediction (`kept_params`)
+  finish() / close()     the engine closes: wait for what is in flight, stop the worker
+
+Each owns what its mode needs: the optimizer, the worker and the state read-ahead
+(Note [state read-ahead]), the fresh-copies calls (Note [fresh parameters]) and the
+policy for non-finite gradients.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+from typing import Callable
+
+import torch
+
+from infinity.config.sections import Config
+from infinity.device.collectives import all_reduce_max
+from infinity.device.streams import host_value, to_host
+from infinity.memory.fresh import kept_chunks
+from infinity.memory.manager import TieredMemoryManager
+from infinity.memory.tier import Kind, Tier
+from infinity.optim.cpu_adam import AdamHyper
+from infinity.optim.offloaded import OffloadedOptimizer
+from infinity.optim.read_ahead import StateReadAhead
+from infinity.optim.worker import OptimizerWorker
+from infinity.profile import Link
+from infinity.runtime.loss_scale import LossScaler
+from infinity.runtime.prefetch import OrderTrace
+from infinity.units.unit import Unit
+
+NO_SPAN = contextlib.nullcontext()
+
+
+class NonFiniteGradError(FloatingPointError):
+    """Gradients were NaN or Inf and `[train] on_nonfinite = "error"`."""
+
+
+class UpdateMode(abc.ABC):
+    """How one accumulation window's update runs (module docstring: the interface)."""
+
+    forward_takes_in_order = False  # the next forward takes the kept copies as the update puts them
+    updates_during_backward = False  # the final backward starts updates: a background save must be committed first
+
+    def __init__(self, *, units: list[Unit], manager: TieredMemoryManager, optimizer: OffloadedOptimizer,
+                 scaler: LossScaler, hyper: Callable[[], AdamHyper], trace: OrderTrace, group, device: torch.device,
+                 grad_clip: float, on_nonfinite: str, profiler):
+        self.units, self.manager, self.optimizer, self.scaler = units, manager, optimizer, scaler
+        self.hyper = hyper  # the hyperparameters of the update issued now (its learning rate)
+        self.trace, self.group, self.device, self.profiler = trace, group, device, profiler
+        self.grad_clip, self.on_nonfinite = grad_clip, on_nonfinite
+
+    # ----------------------------------------------------------------- the interface (no-ops here)
+    def ready(self, index: int) -> bool:
+        return True
+
+    def before_forward(self, unit: Unit) -> None:
+        pass
+
+    def before_grads(self, unit: Unit) -> None:
+        pass
+
+    def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
+        pass
+
+    @abc.abstractmethod
+    def step(self, norm: float, index: int) -> bool:
+        """The window's update (optimizer step `index`, global gradient norm `norm`): True if it was
+        applied or issued, False if skipped; raises NonFiniteGradError when the policy says so."""
+
+    @contextlib.contextmanager
+    def settled(self):
+        yield
+
+    def resume(self) -> None:
+        pass
+
+    @abc.abstractmethod
+    def put_order(self) -> list[Unit]:
+        """The order in which the update puts the units' new parameters (Note [fresh parameters])."""
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    # ----------------------------------------------------------------- shared by the modes
+    def kept_params(self, itemsize: int) -> frozenset[tuple[int, int]]:
+        """The (unit, chunk)s whose first parameter fetch after an update reads the copy the update kept
+        (Note [fresh parameters]): every chunk that fits when the forward takes in the update's order,
+        else those left after the puts in `put_order`."""
+        m = self.manager
+        order = [u for u in self.put_order() if m.tier(u.index, Kind.PARAMS) is Tier.NVME]
+        chunks = [(u.index, m.optimizer_chunk(u.index, Kind.PARAMS, c)) for u in order  # the chunks it writes
+                  for c in range(m.num_chunks(u.index))]
+        nbytes = {(u, c): m.chunk_span(u, c, Kind.PARAMS)[1] * itemsize for u, c in chunks}
+        return kept_chunks(nbytes, chunks, m.fresh.budget, blocking=self.forward_takes_in_order)
+
+    def forward_order(self) -> list[Unit]:
+        """The units in the order the next forward uses them (the recorded one; the root first)."""
+        order = [0] + [i for i in self.trace.recorded if i != 0]
+        seen = set(order)
+        return [self.units[i] for i in order + [u.index for u in self.units if u.index not in seen]]
+
+    def reduce_flags(self, per_unit: list[list[bool]]) -> list[list[bool]]:
+        """Per unit and trainable parameter: did it get a gradient on any rank this window?"""
+        return self.issue_flags(per_unit).wait()
+
+    def issue_flags(self, per_unit: list[list[bool]]) -> "_Flags":
+        """Issue `reduce_flags` (the collective starts now, on this thread: every rank issues it in the
+        same place); its `wait()` may run on another thread."""
+        return _Flags(per_unit, self.group, self.device)
+
+    def _global_update(self, norm: float, index: int):
+        """A window whose update depends on the global norm: (hyper, grad_scale, flags, active), or None
+        when it is skipped (non-finite gradients: discarded, then the loss scale backs off or it raises)."""
+        if not math.isfinite(norm):
+            for unit in self.units:
+                self.manager.mark_zero(unit.index, Kind.GRADS)  # the window's gradients are discarded
+                unit.slots_with_grad.clear()
+            if self.scaler.dynamic:
+                self.scaler.update(found_inf=True)
+                return None
+            if self.on_nonfinite == "error":
+                raise NonFiniteGradError(
+                    f"gradient norm is {norm} at optimizer step {index}: the loss or a gradient overflowed. "
+                    f"Lower optimizer.lr, check the data, or set train.on_nonfinite = \"skip\" to skip such steps")
+            return None
+        self.scaler.update(found_inf=False)
+        clip_coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
+        grad_scale = self.scaler.scale / clip_coef
+        flags = self.reduce_flags([u.grad_flags() for u in self.units])
+        active = {u.index: u.active_ranges(f) for u, f in zip(self.units, flags)}
+        return self.hyper(), None if grad_scale == 1.0 else grad_scale, flags, active
+
+
+class _Flags:
+    """An issued max-reduction of per-parameter gradient flags over the ranks."""
+
+    def __init__(self, per_unit: list[list[bool]], group, device: torch.device):
+        self.lengths = [len(f) for f in per_unit]
+        self.flags = torch.tensor([f for unit_flags in per_unit for f in unit_flags], dtype=torch.int32)
+        self.work = None
+        if group is not None and self.flags.numel():
+            self.flags = self.flags.to(device)  # NCCL reduces device tensors; gloo CPU ones
+            self.work = all_reduce_max(self.flags, group, async_op=True)
+
+    def wait(self) -> list[list[bool]]:
+        flags = self.flags
+        if self.work is not None:
+            self.work.wait()  # (NCCL: this thread's stream waits for it; gloo: the host does)
+            flags = to_host(flags, "gradient flags")
+        out, pos = [], 0
+        for n in self.lengths:
+            out.append([bool(f) for f in flags[pos: pos + n].tolist()])
+            pos += n
+        return out
+
+
+def after_update(flags: list[bool], unit: Unit) -> Callable[[Unit], None]:
+    """What follows a unit's update: its parameters' Adam steps advance, its window's gradients are spent, and
+    at stages 1-2 the other partitions are due (Note [post-update gather] in unit.py)."""
+    def after(u: Unit) -> None:
+        u.commit_steps(flags)
+        u.slots_with_grad.clear()
+        u.updated()
+    return after
+
+
+class InlineUpdate(UpdateMode):
+    """The update runs on the training thread inside `step()`, unit by unit in unit order."""
+
+    def step(self, norm: float, index: int) -> bool:
+        update = self._global_update(norm, index)
+        if update is None:
+            return False
+        hyper, grad_scale, flags, active = update
+        self.optimizer.step(hyper=hyper, grad_scale=grad_scale, active=active,
+                            on_unit_done=lambda u: after_update(flags[u.index], u)(u))
+        return True
+
+    def put_order(self) -> list[Unit]:
+        return self.units
+
+
+class _OnWorker(UpdateMode):
+    """An update run by the optimizer worker while the training thread computes."""
+
+    def __init__(self, *, worker: OptimizerWorker, reading_swap: Callable[[], bool], **shared):
+        super().__init__(**shared)
+        self.worker = worker
+        self.reading_swap = reading_swap  # a background save still reads the swap: the read-ahead stays paused
+        self._settled = 0  # depth of settled(): the read-ahead stays paused inside
+
+    def ready(self, index: int) -> bool:
+        if self.worker.pending(index):
+            return False
+        self.worker.wait_unit(index)  # (done: this only makes the fetch follow the update on the device)
+        return True
+
+    def before_forward(self, unit: Unit) -> None:
+        pending = self.worker.pending(unit.index)
+        with self.profiler.wait(Link.CPU_OPTIMIZER, f"update {unit.name}") if pending else NO_SPAN:
+            self._wait_unit(unit)  # its parameters may still be updating (and a failed update raises)
+
+    def before_grads(self, unit: Unit) -> None:
+        """Its previous update must have finished (units the forward used were waited for there; this
+        catches the ones it skipped)."""
+        if self.worker.pending(unit.index):
+            with self.profiler.wait(Link.CPU_OPTIMIZER, f"update {unit.name}"):
+                self._wait_unit(unit)
+
+    def _wait_unit(self, unit: Unit) -> None:
+        if self.worker.pending(unit.index):
+            self.manager.fresh.relieve(unit.index)  # Note [fresh parameters]: the worker must not wait for us
+        self.worker.wait_unit(unit.index)
+
+    def wait_all(self) -> None:
+        self.manager.fresh.unblock()  # Note [fresh parameters]: the worker must not wait for a forward
+        self.worker.wait_all()
+
+    @contextlib.contextmanager
+    def settled(self):
+        """Inside: every submitted update is done and no optimizer state read is in flight (Note [state
+        read-ahead]), so the state may be read or replaced; the read-ahead resumes on exit, unless a
+        background save is still reading the swap (two reads of one extent may not overlap): then it
+        resumes when the save is committed (`resume`)."""
+        self.wait_all()  # the state must be the stepped one before it is read or replaced
+        self.worker.quiesce()
+        self._settled += 1
+        try:
+            yield
+        finally:
+            self._settled -= 1
+            self.resume()
+
+    def resume(self) -> None:
+        if self._settled == 0 and not self.reading_swap():
+            self.worker.resume()
+
+    def finish(self) -> None:
+        if not (self.worker.failed and self.worker.error_reported):
+            self.wait_all()  # an update error nobody has seen yet is raised here
+
+    def close(self) -> None:
+        self.manager.fresh.unblock()  # a worker left after a failed update must not wait for a forward
+        self.worker.close()  # (a read-ahead error nobody consumed is raised here)
+
+
+class EagerUpdate(_OnWorker):
+    """Each unit is submitted to the worker as soon as its gradient is final, during the last backward."""
+
+    updates_during_backward = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._nonfinite: tuple[str, float] | None = None  # the first unit whose gradient was not finite
+        self._predicted: dict[int, list[tuple[int, int, int]]] = {}  # this window's ranges by local flags (read-ahead)
+
+    def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
+        """Submit `unit`'s update now; the worker reads its norm and flags (Note [host syncs]): the training
+        thread does not wait for the device here, once per unit."""
+        local = unit.grad_flags()
+        reduced = self.issue_flags([local])
+        self._predicted[unit.index] = unit.active_ranges(local)  # (the state read-ahead's guess: local flags)
+        flags: list[bool] = []
+
+        def active() -> dict[int, list[tuple[int, int, int]]] | None:  # on the worker
+            value = host_value(sumsq, "unit grad norm")  # a non-finite unit must not be stepped
+            if not math.isfinite(value):
+                self._nonfinite = self._nonfinite or (unit.name, value)
+                return None
+            flags.extend(reduced.wait()[0])
+            return {unit.index: unit.active_ranges(flags)}
+
+        self.worker.submit([unit], hyper=self.hyper(), grad_scale=None, active=active,
+                           after_unit=lambda u: after_update(flags, u)(u))
+
+    def step(self, norm: float, index: int) -> bool:
+        if self._nonfinite is not None or not math.isfinite(norm):
+            self.wait_all()  # (the worker finds which unit was not finite)
+            bad, self._nonfinite = self._nonfinite, None
+            raise NonFiniteGradError(
+                f"gradient norm is {norm} at optimizer step {index} (unit {bad[0] if bad else '?'}): the loss or a "
+                f"gradient overflowed. With overlap.optimizer_with_backward and no clipping, units whose gradients "
+                f"were finite were already updated: resume from the last checkpoint. Lower optimizer.lr or check "
+                f"the data")
+        # the next window's updates come as backward finalizes units: about the reverse of the forward order
+        predicted, self._predicted = self._predicted, {}
+        self.worker.read_ahead_next(self.optimizer.task_chunks(predicted, self.put_order()))
+        return True
+
+    def put_order(self) -> list[Unit]:
+        return self.forward_order()[::-1]  # as backward finalizes them
+
+
+class DeferredUpdate(_OnWorker):
+    """`step()` computes the global norm, then submits every unit in the next forward's order; that forward
+    waits per unit."""
+
+    forward_takes_in_order = True
+
+    def step(self, norm: float, index: int) -> bool:
+        update = self._global_update(norm, index)
+        if update is None:
+            return False
+        hyper, grad_scale, flags, active = update
+        order = self.put_order()
+        self.manager.fresh.begin_update([u.index for u in order], blocking=True)  # the forward takes in order
+        for unit in order:
+            self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale, active={unit.index: active[unit.index]},
+                               after_unit=after_update(flags[unit.index], unit))
+        self.worker.read_ahead_next(self.optimizer.task_chunks(active, order))  # the next update's, same order
+        return True
+
+    def put_order(self) -> list[Unit]:
+        return self.forward_order()
+
+
+def mode_class(config: Config) -> type[UpdateMode]:
+    """The one place that decides the update mode from the configuration (Note [overlap])."""
+    if not config.overlap.optimizer_with_backward:
+        return InlineUpdate
+    global_dependency = (config.optimizer.grad_clip > 0 or config.precision.compute_dtype == "fp16"
+                         or config.train.on_nonfinite != "error")
+    return DeferredUpdate if global_dependency else EagerUpdate
+
+
+def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManager, device: torch.device, group,
+                scaler: LossScaler, hyper: Callable[[], AdamHyper], trace: OrderTrace, read_ahead_bytes: int,
+                reading_swap: Callable[[], bool], profiler) -> UpdateMode:
+    """Build the configured mode with its optimizer (and, on the worker, its worker and state read-ahead)."""
+    cls = mode_class(config)
+    shared = {"units": units, "manager": manager, "scaler": scaler, "hyper": hyper, "trace": trace, "group": group,
+              "device": device, "grad_clip": config.optimizer.grad_clip, "on_nonfinite": config.train.on_nonfinite,
+              "profiler": profiler}
+    if cls is InlineUpdate:
+        assert read_ahead_bytes == 0, f"a state read-ahead of {read_ahead_bytes} bytes needs the worker"
+        optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=True)
+        return InlineUpdate(optimizer=optimizer, **shared)
+    # Note [state read-ahead] (optim/read_ahead.py): the worker reads the next update's NVMe state meanwhile
+    read_ahead = StateReadAhead(manager, read_ahead_bytes) if read_ahead_bytes > 0 else None
+    if read_ahead is not None:
+        read_ahead.reserve_buffers()  # its staging, allocated now rather than during the first steps
+    optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
+                                   state_read_ahead=read_ahead)
+    worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams)
+    return cls(optimizer=optimizer, worker=worker, reading_swap=reading_swap, **shared)

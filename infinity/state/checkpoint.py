@@ -1,0 +1,530 @@
+"""Sharded checkpoints: written straight from the tiers, visible only when complete, verified on load.
+
+Layout of a checkpoint directory::
+
+    manifest.json        format, world size, model layout, resolved config, counters, user state,
+                         and the checksum of every rank's index (written last, by rank 0)
+    rank00000.bin        this rank's part of the fp32 master, exp_avg, exp_avg_sq, and of frozen parameters
+                         (cast to fp32), one record per stored chunk, each at a 4 KiB-aligned offset
+    rank00000.json       the records: unit, kind, chunk, element range in the flat buffer, offset, crc32
+    rank00000.rng.pt     this rank's RNG states (torch, CUDA, python, numpy), tensors and plain values only
+    buffers.pt           the model's persistent buffers (rank 0; BatchNorm statistics, masks), restored on load
+
+Note [safe loading]: every file is loaded with `torch.load(..., weights_only=True)` (tensors and plain
+values; no pickled code runs) after its crc32 in the manifest was checked, so a tampered or garbage
+file fails with a CheckpointError that names it, not an unpickling traceback or someone else's code.
+
+Note [what is saved]: a checkpoint is taken at an accumulation boundary, where gradients
+are zero and the compute-dtype parameters of trainable elements are exactly the cast of the
+fp32 masters; so masters and Adam moments, the parameters of frozen elements (which have no
+master: Note [stage layouts]), counters and per-parameter step counts are the whole state.
+Each element is written once, by the rank whose partition holds it ([r*s, (r+1)*s) of the
+flat buffer): every rank stores its own partition of every kind at every stage, and kinds
+replicated at stages 0-2 are not written N times.
+
+Note [atomicity]: every rank writes into `<path>.tmp-<token>` (marked as partial); rank 0
+writes the manifest after all ranks have fsynced their files, fsyncs, and renames the
+directory to `<path>`. A crash at any point leaves either no checkpoint at `<path>` or a
+complete one. With `[checkpoint] background = true` the rank files are written by a thread
+while training continues; the commit (barrier, manifest, rename) happens at the next
+`step()` or `close()`, before the optimizer touches the state being written.
+
+Note [resharding]: records carry their element range in the unit's flat buffer (the same at
+every world size and stage, up to padding; format 1 carried it in the saving rank's shard of
+s elements: r*s + start). Loading at another world size or stage reads, for each chunk the
+rank stores, the overlapping parts of the saved records, each verified against its checksum:
+the optimizer kinds from their records, parameters outside the update range from the master
+records (trainable) overlaid with the params records (frozen).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import threading
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from infinity.device.streams import bind_thread
+from infinity.memory.tier import Kind
+from infinity.state.checkpoint_files import (  # noqa: F401 - CheckpointError and apply_retention are used through this module
+    CheckpointError,
+    apply_retention,
+    continue_run,
+    count_as_written,
+    file_crc,
+    fsync_path,
+    load_buffers,
+    load_verified,
+    persistent_buffers,
+    restore_buffers,
+    rng_state,
+    save_buffers,
+    set_rng_state,
+)
+from io_engine import IOEngine
+
+FORMAT = "infinity-checkpoint/2"
+READABLE = ("infinity-checkpoint/1", FORMAT)  # 1: stage 3 only, record ranges in the saving rank's shard
+SAVED_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
+VALUE_KINDS = ("master", "params")  # the records that hold the model's values: trainable, then frozen ones
+ALIGN = 4096
+MANIFEST = "manifest.json"
+PARTIAL_MARKER = ".infinity-partial"
+BUFFERS = "buffers.pt"  # the model's persistent buffers (small; rank 0), so exports load with strict=True
+WRITES_IN_FLIGHT = 4
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.bin"
+
+
+def rank_index(rank: int) -> str:
+    return f"rank{rank:05d}.json"
+
+
+def rank_rng(rank: int) -> str:
+    return f"rank{rank:05d}.rng.pt"
+
+
+def crc32(t: torch.Tensor) -> int:
+    """Checksum of a contiguous CPU tensor's bytes (zlib releases the GIL on large buffers)."""
+    return zlib.crc32(memoryview(t.contiguous().view(torch.uint8).numpy()))
+
+
+def model_layout(units) -> list[dict]:
+    """The structure a checkpoint must match: units, their parameters, shapes and flat offsets."""
+    return [{"name": u.name, "flat_numel": u.flat_numel, "trainable_numel": u.trainable_numel,
+             "slots": [{"names": list(s.names), "shape": list(s.shape), "offset": s.offset,
+                        "requires_grad": s.requires_grad} for s in u.slots]} for u in units]
+
+
+def _barrier(group) -> None:
+    if group is not None:
+        dist.barrier(group=group)
+
+
+# --------------------------------------------------------------------------------------- saving
+@dataclass
+class _Record:
+    unit: int
+    kind: str
+    chunk: int
+    start: int  # element offset in what the saving rank stores of the kind
+    numel: int
+    offset: int  # byte offset in the rank file
+    flat: int = 0  # element offset in the unit's flat buffer (Note [resharding])
+    crc: int = 0
+
+
+class ShardWriter:
+    """Writes one rank's shards, index and RNG states into the partial directory.
+
+    Runs inline or in a background thread; it issues no collectives (those stay on the
+    training thread). Errors are kept and re-raised by `PendingCheckpoint.commit`.
+    """
+
+    def __init__(self, engine, tmp_dir: str):
+        self.engine, self.tmp_dir = engine, tmp_dir
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def records(self) -> list[_Record]:
+        """Per stored chunk, the part in this rank's own partition (Note [what is saved]): of the optimizer
+        kinds, and of the parameters past the trainable elements (frozen weights and padding)."""
+        m = self.engine.manager
+        out, offset = [], 0
+        for unit in self.engine.units:
+            own_lo, own_hi = unit.shard_range()
+            for kind in SAVED_KINDS + (Kind.PARAMS,):
+                stored = unit.layout.of(kind)
+                lo = max(own_lo, unit.stored_trainable) if kind is Kind.PARAMS else own_lo
+                for chunk in range(m.num_chunks(unit.index, kind)):
+                    start, numel = m.chunk_span(unit.index, chunk, kind)
+                    a, b = max(stored.start + start, lo), min(stored.start + start + numel, own_hi)
+                    if a < b:
+                        out.append(_Record(unit.index, kind.value, chunk, a - stored.start, b - a, offset, flat=a))
+                        offset += -(-(b - a) * 4 // ALIGN) * ALIGN
+        return out
+
+    def start(self, background: bool) -> None:
+        if background:
+            self._thread = threading.Thread(target=self._run, name="infinity-checkpoint", daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()  # the rank files must be complete before the commit
+            self._thread = None
+
+    def _run(self) -> None:
+        try:
+            bind_thread(self.engine.device)  # (a background thread: its device copies go to this rank's GPU)
+            self._write()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread at commit
+            self.error = e
+
+    def _write(self) -> None:
+        engine, m = self.engine, self.engine.manager
+        rank = engine.rank
+        path = os.path.join(self.tmp_dir, rank_file(rank))
+        records = self.records()
+        cfg = engine.config.io
+        with IOEngine(cfg.engine_config(checksum="off")) as io:
+            in_flight: list = []
+            try:
+                for rec in records:
+                    kind = Kind(rec.kind)
+                    buf = m.fetch(rec.unit, kind, rec.chunk, torch.device("cpu")).wait()  # bytes to write
+                    chunk_start = m.chunk_span(rec.unit, rec.chunk, kind)[0]
+                    data = buf.narrow(0, rec.start - chunk_start, rec.numel).to(torch.float32)  # (params: cast)
+                    rec.crc = crc32(data)
+                    in_flight.append((io.submit_write(data, path, rec.offset), buf, data))
+                    while len(in_flight) > WRITES_IN_FLIGHT:
+                        done, used, _ = in_flight.pop(0)
+                        done.wait()  # the buffer is reused once its write landed
+                        m.release(used)
+                while in_flight:
+                    done, used, _ = in_flight.pop(0)
+                    done.wait()  # every record must be on disk before the index names it
+                    m.release(used)
+            finally:
+                for fut, used, _ in in_flight:  # after a failure: let the other writes finish before their buffers go
+                    try:
+                        fut.wait()
+                    except OSError:
+                        pass  # the first error is the one reported
+                    m.release(used)
+        if not records:
+            open(path, "wb").close()
+        fsync_path(path)
+        index = {"rank": rank, "file": rank_file(rank), "records": [r.__dict__ for r in records]}
+        _write_json(os.path.join(self.tmp_dir, rank_index(rank)), index)
+        torch.save(rng_state(), os.path.join(self.tmp_dir, rank_rng(rank)))  # plain values (Note [safe loading])
+        fsync_path(os.path.join(self.tmp_dir, rank_rng(rank)))
+
+
+def _write_json(path: str, payload: dict) -> int:
+    data = json.dumps(payload, indent=1, sort_keys=True).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())  # durable before the manifest refers to it
+    return zlib.crc32(data)
+
+
+class PendingCheckpoint:
+    """A save in progress: `commit()` makes it visible (all ranks call it)."""
+
+    def __init__(self, engine, path: str, tmp_dir: str, writer: ShardWriter, user_state: dict, manifest: dict,
+                 hold: int | None):
+        self.engine, self.path, self.tmp_dir, self.writer = engine, path, tmp_dir, writer
+        self.user_state, self.manifest = user_state, manifest
+        self._hold = hold  # rank 0: the flock on the partial's marker (Note [partials in use])
+
+    def _release(self) -> None:
+        if self._hold is not None:
+            os.close(self._hold)  # closing the descriptor drops the flock
+            self._hold = None
+
+    def commit(self) -> str:
+        engine = self.engine
+        group = engine.env.group
+        self.writer.join()
+        failed = torch.tensor([0 if self.writer.error is None else 1], dtype=torch.int32)
+        if group is not None:
+            flag = failed.to(engine.env.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # every rank must agree to commit
+            failed = flag.cpu()
+        if int(failed):
+            if engine.rank == 0:
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self._release()
+            _barrier(group)
+            err = self.writer.error
+            if err is None:
+                raise CheckpointError(f"checkpoint {self.path} was not saved: another rank failed to write its "
+                                      f"shard (see its error); nothing was made visible and no earlier checkpoint "
+                                      f"was touched")
+            raise CheckpointError(f"checkpoint {self.path} was not saved (rank {engine.rank}): {err}. Nothing was "
+                                  f"made visible and no earlier checkpoint was touched") from err
+        _barrier(group)  # all rank files are durable
+        if engine.rank == 0:
+            ranks = []
+            for r in range(engine.world_size):
+                with open(os.path.join(self.tmp_dir, rank_index(r)), "rb") as f:
+                    ranks.append({"file": rank_file(r), "index": rank_index(r), "index_crc32": zlib.crc32(f.read()),
+                                  "rng": rank_rng(r), "rng_crc32": file_crc(os.path.join(self.tmp_dir, rank_rng(r)))})
+            self.manifest["ranks"] = ranks
+            if self.manifest.get("buffers"):
+                self.manifest["buffers_crc32"] = file_crc(os.path.join(self.tmp_dir, BUFFERS))
+            try:
+                _write_json(os.path.join(self.tmp_dir, MANIFEST), self.manifest)
+                fsync_path(self.tmp_dir)
+                os.rename(self.tmp_dir, self.path)  # the checkpoint appears whole, or not at all
+            except OSError as e:  # e.g. the disk filled up for the manifest: the partial goes, nothing is visible
+                shutil.rmtree(self.tmp_dir, ignore_errors=True)
+                self._release()
+                raise CheckpointError(f"checkpoint {self.path} was not saved: writing its manifest failed ({e}). "
+                                      f"Nothing was made visible and no earlier checkpoint was touched; free space "
+                                      f"in {os.path.dirname(self.path)}") from e
+            fsync_path(os.path.dirname(os.path.abspath(self.path)))
+            os.remove(os.path.join(self.path, PARTIAL_MARKER))  # after the rename: a dying save stays marked stale
+            self._release()
+        _barrier(group)
+        return self.path
+
+
+def begin_save(engine, path: str, user_state: dict | None, background: bool) -> PendingCheckpoint:
+    """Start saving `engine`'s state to `path` (all ranks call it at an accumulation boundary)."""
+    path = os.path.abspath(os.fspath(path))
+    user_state = dict(user_state or {})
+    try:
+        json.dumps(user_state)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"save_checkpoint(user_state=...) must be JSON-serializable (ints, floats, strings, "
+                              f"lists, dicts) such as the data position: {e}") from e
+    if engine.micro_step % engine.config.train.grad_accum_steps != 0:
+        raise CheckpointError(
+            f"save_checkpoint at micro-step {engine.micro_step} is inside an accumulation window of "
+            f"{engine.config.train.grad_accum_steps}: save right after engine.step() so no gradients are pending")
+    group = engine.env.group
+    token = secrets.token_hex(4) if engine.rank == 0 else None
+    if group is not None:
+        box = [token]
+        dist.broadcast_object_list(box, src=0, group=group)
+        token = box[0]
+    tmp_dir = f"{path}.tmp-{token}"
+    parent = os.path.dirname(path)
+    hold = None
+    if engine.rank == 0:
+        if os.path.exists(path):
+            raise CheckpointError(f"checkpoint path {path} already exists: save to a new directory (e.g. one per "
+                                  f"step), or remove it first")
+        try:
+            os.makedirs(parent, exist_ok=True)
+            _remove_stale_partials(parent)
+            os.makedirs(tmp_dir)
+            hold = os.open(os.path.join(tmp_dir, PARTIAL_MARKER), os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(hold, fcntl.LOCK_EX)  # held until the commit (or this process's death)
+        except OSError as e:  # e.g. a full disk: nothing is left behind
+            if hold is not None:
+                os.close(hold)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            raise CheckpointError(f"checkpoint {path} was not saved: cannot create {tmp_dir} ({e}); free space "
+                                  f"in {parent} or save elsewhere. No earlier checkpoint was touched") from e
+    _barrier(group)  # the partial directory exists for every rank
+    writer = ShardWriter(engine, tmp_dir)
+    need = sum(-(-r.numel * 4 // ALIGN) * ALIGN for r in writer.records()) + (256 << 10)  # + index, RNG, manifest
+    free = shutil.disk_usage(parent).free
+    if free < need * (engine.env.local_world_size if engine.rank == 0 else 1):
+        writer.error = CheckpointError(
+            f"not enough space in {parent}: rank {engine.rank} needs {need} bytes, {free} are free "
+            f"({need - free} bytes missing); free space or save elsewhere")
+    if engine.rank == 0 and writer.error is None:
+        try:
+            save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
+        except OSError as e:  # reported by commit(), which removes the partial
+            writer.error = e
+    if writer.error is None:
+        writer.start(background)
+    manifest = {
+        "format": FORMAT, "world_size": engine.world_size, "compute_dtype": engine.config.precision.compute_dtype,
+        "zero_stage": engine.config.zero.stage,
+        "units": model_layout(engine.units), "config": engine.config.to_dict(),
+        "optimizer_steps": engine.optimizer_steps, "micro_step": engine.micro_step,
+        "param_steps": [u.param_steps for u in engine.units],
+        "loss_scale": {"scale": engine.scaler.scale, "clean_steps": engine.scaler._clean_steps,
+                       "skipped_steps": engine.scaler.skipped_steps},
+        "user_state": user_state, "run_id": engine.run_id,
+        "state_dict_keys": list(engine.module.state_dict(keep_vars=True).keys()),
+        "buffers": BUFFERS if engine.rank == 0 else None,
+    }
+    return PendingCheckpoint(engine, path, tmp_dir, writer, user_state, manifest, hold)
+
+
+def _remove_stale_partials(parent: str) -> None:
+    """Partial directories of saves that never completed (a killed run) are never valid: remove them.
+
+    Note [partials in use]: a save in progress holds an flock on its partial's marker file from
+    creation to commit; the kernel drops it when the process dies. Only a marker whose flock can be
+    taken (its saver is gone) makes a partial stale: another live process's save is never removed.
+    """
+    for name in os.listdir(parent):
+        full = os.path.join(parent, name)
+        marker = os.path.join(full, PARTIAL_MARKER)
+        if ".tmp-" not in name or not os.path.isfile(marker):
+            continue
+        try:
+            fd = os.open(marker, os.O_RDWR)
+        except OSError:
+            continue  # committed or removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live save holds it
+        finally:
+            os.close(fd)
+        shutil.rmtree(full, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------- loading
+def read_manifest(path: str) -> dict:
+    """The manifest of a complete checkpoint, or a CheckpointError saying what is wrong."""
+    path = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(path):
+        partial = [n for n in os.listdir(os.path.dirname(path) or ".")
+                   if n.startswith(os.path.basename(path) + ".tmp-")] if os.path.isdir(os.path.dirname(path)) else []
+        hint = (f" (only an incomplete save, {partial[0]}, is there: that run stopped while saving; load the "
+                f"checkpoint before it)") if partial else ""
+        raise CheckpointError(f"no checkpoint at {path}{hint}: check the path")
+    if ".tmp-" in os.path.basename(path) and os.path.exists(os.path.join(path, PARTIAL_MARKER)):
+        raise CheckpointError(f"{path} is an incomplete save (the run stopped before committing it): load the "
+                              f"checkpoint before it")
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no {MANIFEST}: it is not a complete infinity checkpoint") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}/{MANIFEST} is corrupted ({e}): use another checkpoint") from e
+    if manifest.get("format") not in READABLE:
+        raise CheckpointError(f"{path} has format {manifest.get('format')!r}, this version reads {READABLE}")
+    return manifest
+
+
+def check_layout(manifest: dict, units, path: str) -> None:
+    """The checkpoint must be of this model: same parameters, shapes and unit split."""
+    saved = manifest["units"]
+    ours = model_layout(units)
+    if saved == ours:
+        return
+    saved_params = {n: tuple(s["shape"]) for u in saved for s in u["slots"] for n in s["names"]}
+    our_params = {n: tuple(s["shape"]) for u in ours for s in u["slots"] for n in s["names"]}
+    problems = [f"missing in the checkpoint: {n}" for n in our_params if n not in saved_params][:3]
+    problems += [f"not in this model: {n}" for n in saved_params if n not in our_params][:3]
+    problems += [f"{n}: shape {list(saved_params[n])} in the checkpoint, {list(s)} here"
+                 for n, s in our_params.items() if n in saved_params and saved_params[n] != s][:3]
+    if not problems:
+        problems = ["the same parameters are grouped into different units or orders (units.classes, or frozen "
+                    "parameters, differ)"]
+    raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(problems)
+                          + ". Load it into the model (and [units] config) it was saved from")
+
+
+class SavedShards:
+    """Random access to the saved records of one (unit, kind), verified, one record cached."""
+
+    def __init__(self, path: str, manifest: dict, io: IOEngine):
+        self.path, self.io = path, io
+        self.saved_world = manifest["world_size"]
+        self.by_key: dict[tuple[int, str], list[tuple[int, dict]]] = {}
+        for r, entry in enumerate(manifest["ranks"]):
+            index_path = os.path.join(path, entry["index"])
+            with open(index_path, "rb") as f:
+                data = f.read()
+            if zlib.crc32(data) != entry["index_crc32"]:
+                raise CheckpointError(f"{index_path} does not match its checksum in the manifest: the checkpoint is "
+                                      f"corrupted; use another one")
+            for rec in json.loads(data)["records"]:
+                self.by_key.setdefault((rec["unit"], rec["kind"]), []).append((r, rec))
+        self._cached: tuple | None = None
+
+    def read_range(self, unit_index: int, kind: "str | tuple[str, ...]", saved_shard: int, lo: int, hi: int,
+                   out: torch.Tensor) -> None:
+        """Fill `out` with elements [lo, hi) of the unit's flat buffer from the records of `kind` (several: in
+        order, later ones over earlier ones), zeros where nothing was saved. `saved_shard`: the saving run's
+        shard, for format 1's records."""
+        out.zero_()
+        kinds = (kind,) if isinstance(kind, str) else kind
+        for r, rec in (item for k in kinds for item in self.by_key.get((unit_index, k), [])):
+            rec_lo = rec["flat"] if "flat" in rec else r * saved_shard + rec["start"]
+            rec_hi = rec_lo + rec["numel"]
+            a, b = max(lo, rec_lo), min(hi, rec_hi)
+            if a >= b:
+                continue
+            data = self._record(r, rec)
+            out[a - lo: b - lo].copy_(data[a - rec_lo: b - rec_lo])
+
+    def _record(self, r: int, rec: dict) -> torch.Tensor:
+        key = (r, rec["offset"])
+        if self._cached is not None and self._cached[0] == key:
+            return self._cached[1]
+        buf = torch.empty(rec["numel"], dtype=torch.float32)
+        file = os.path.join(self.path, rank_file(r))
+        try:
+            self.io.submit_read(buf, file, rec["offset"]).wait()  # the record is verified before use
+        except OSError as e:
+            raise CheckpointError(f"cannot read {file} at offset {rec['offset']} ({rec['numel'] * 4} bytes, unit "
+                                  f"{rec['unit']} {rec['kind']} chunk {rec['chunk']}): {e}. The checkpoint is "
+                                  f"damaged; use another one") from e
+        if crc32(buf) != rec["crc"]:
+            raise CheckpointError(f"checksum mismatch in {file} at offset {rec['offset']} (unit {rec['unit']} "
+                                  f"{rec['kind']} chunk {rec['chunk']}): the checkpoint is corrupted and was not "
+                                  f"loaded; use another checkpoint")
+        self._cached = (key, buf)
+        return buf
+
+
+def load(engine, path: str) -> dict:
+    """Restore `engine` from `path`; returns the user state saved with it."""
+    path = os.path.abspath(os.fspath(path))
+    manifest = read_manifest(path)
+    check_layout(manifest, engine.units, path)
+    m = engine.manager
+    saved_world = manifest["world_size"]
+    entry = manifest["ranks"][engine.rank if engine.rank < saved_world else 0]
+    rng = load_verified(os.path.join(path, entry["rng"]), entry.get("rng_crc32"), "RNG states")
+    buffers = load_buffers(path, manifest)  # both verified before any state changes
+    cpu = torch.device("cpu")
+    cfg = engine.config.io
+    with IOEngine(cfg.engine_config(checksum="off")) as io:
+        shards = SavedShards(path, manifest, io)
+        for unit, layout in zip(engine.units, manifest["units"]):
+            saved_padded = -(-layout["flat_numel"] // saved_world) * saved_world if layout["flat_numel"] else 0
+            saved_shard = saved_padded // saved_world
+            base = unit.layout.update.start  # Note [resharding]: what this rank stores, by its layout
+            for kind in SAVED_KINDS:
+                for chunk in range(m.num_chunks(unit.index)):
+                    start, numel = m.chunk_span(unit.index, chunk)
+                    buf = m.target(unit.index, kind, chunk, cpu)
+                    shards.read_range(unit.index, kind.value, saved_shard, base + start, base + start + numel, buf)
+                    # written before the next record reuses memory; with the master, the compute-dtype
+                    # parameters, its cast (Note [what is saved])
+                    stores = m.store_master(unit.index, chunk, buf) if kind is Kind.MASTER else [
+                        m.store(unit.index, kind, chunk, buf)]
+                    for pending in stores:
+                        pending.wait()
+            params_base = unit.layout.params.start
+            for chunk in m.params_not_updated(unit.index):  # frozen weights, the other ranks' partitions
+                start, numel = m.chunk_span(unit.index, chunk, Kind.PARAMS)
+                values = torch.empty(numel, dtype=torch.float32)
+                shards.read_range(unit.index, VALUE_KINDS, saved_shard, params_base + start,
+                                  params_base + start + numel, values)
+                m.store(unit.index, Kind.PARAMS, chunk, values.to(engine.compute_dtype), release=False).wait()
+            m.mark_zero(unit.index, Kind.GRADS)
+            unit.param_steps = dict(manifest["param_steps"][unit.index])
+            unit.slots_with_grad.clear()
+    engine.optimizer_steps = manifest["optimizer_steps"]
+    engine.micro_step = manifest["micro_step"]
+    engine._stepped_at = engine.micro_step
+    scale = manifest["loss_scale"]
+    engine.scaler.scale, engine.scaler._clean_steps = scale["scale"], scale["clean_steps"]
+    engine.scaler.skipped_steps = scale["skipped_steps"]
+    try:
+        set_rng_state(rng)
+    except (TypeError, KeyError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{path}/{entry['rng']} does not hold RNG states ({type(e).__name__}: {e}): the "
+                              f"checkpoint is damaged; use another one") from None
+    restore_buffers(engine.module, buffers, path)
+    continue_run(engine, path, manifest)
+    return manifest["user_state"]
+

@@ -1,0 +1,330 @@
+"""One consolidated state dict from a sharded checkpoint, streamed tensor by tensor.
+
+    infinity.state.export.export_checkpoint("ckpt/step-1000", "model.safetensors")
+    infinity.state.export.export_checkpoint("ckpt/step-1000", "model.pt")          # torch.save format
+    infinity.state.export.export_checkpoint("ckpt/step-1000", "hf-dir")            # Hugging Face directory
+
+Each tensor is assembled from the rank files' records (each verified against its
+checksum), written, and dropped, so peak memory is the largest tensor plus one
+record, whatever the model's size. The keys and their order are the model's
+`state_dict()`: parameters (fp32 masters, or cast with `dtype`) and persistent
+buffers; a tied parameter appears under each of its names.
+
+Note [torch.save streaming]: the `.pt` file is first written by `torch.save` under
+`torch.serialization.skip_data()` with untouched `torch.empty` placeholders (address
+space, not memory), then every storage record is filled in place at its offset.
+The result is an ordinary torch.save file: `torch.load` reads it.
+
+A path with no suffix is a Hugging Face directory (`write_hf`): safetensors shards
+of at most `max_shard_size` and their index, named as `save_pretrained` names them,
+so `AutoModelForCausalLM.from_pretrained(DIR)` loads it (once the config is saved
+there); for a PEFT model, the adapters alone as PEFT saves them, or (`merge_lora`)
+the merged weights under the base model's names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from typing import Iterator
+
+import torch
+import torch.nn as nn
+
+from infinity.state.checkpoint import VALUE_KINDS, CheckpointError, SavedShards, load_buffers, read_manifest
+from infinity.state.weights import base_name, is_adapter
+from io_engine import IOConfig, IOEngine, atomic_write, parse_size
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+class _Entry:
+    """One key of the consolidated state dict: a parameter slot or a buffer."""
+
+    def __init__(self, key: str, shape: tuple, dtype: torch.dtype, slot=None, unit: int = -1, buffer=None):
+        self.key, self.shape, self.dtype, self.slot, self.unit, self.buffer = key, shape, dtype, slot, unit, buffer
+
+    @property
+    def num_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+def _entries(path: str, manifest: dict, dtype: torch.dtype | None) -> list[_Entry]:
+    by_name = {}
+    for u, unit in enumerate(manifest["units"]):
+        for slot in unit["slots"]:
+            for name in slot["names"]:
+                by_name[name] = (u, slot)
+    buffers = load_buffers(path, manifest)
+    out = []
+    for key in manifest.get("state_dict_keys") or list(by_name):
+        if key in by_name:
+            u, slot = by_name[key]
+            out.append(_Entry(key, tuple(slot["shape"]), dtype or torch.float32, slot=slot, unit=u))
+        elif key in buffers:
+            out.append(_Entry(key, tuple(buffers[key].shape), buffers[key].dtype, buffer=buffers[key]))
+        else:
+            raise CheckpointError(f"{path}: state_dict key {key!r} is neither a saved parameter nor a saved buffer")
+    return out
+
+
+class _Reader:
+    """Full tensors of a checkpoint's entries, one at a time (records read and verified on the way)."""
+
+    def __init__(self, path: str, manifest: dict):
+        self.manifest = manifest
+        self.io = IOEngine(IOConfig(block_size=1 << 20, queue_depth=8, threads=4, direct=True, checksum="off"))
+        self.shards = SavedShards(path, manifest, self.io)
+
+    def tensor(self, entry: _Entry) -> torch.Tensor:
+        if entry.buffer is not None:
+            return entry.buffer
+        flat_numel = self.manifest["units"][entry.unit]["flat_numel"]
+        saved_shard = -(-flat_numel // self.manifest["world_size"])
+        numel = entry.num_bytes // entry.dtype.itemsize
+        full = torch.empty(numel, dtype=torch.float32)
+        offset = entry.slot["offset"]
+        self.shards.read_range(entry.unit, VALUE_KINDS, saved_shard, offset, offset + numel, full)
+        return full.view(entry.shape).to(entry.dtype)
+
+    def close(self) -> None:
+        self.io.close()
+
+
+def _tensors(path: str, manifest: dict, entries: list[_Entry]) -> Iterator[tuple[_Entry, torch.Tensor]]:
+    """Yield each entry's full tensor, one at a time."""
+    reader = _Reader(path, manifest)
+    try:
+        for entry in entries:
+            yield entry, reader.tensor(entry)
+    finally:
+        reader.close()
+
+
+def write_safetensors_file(out: str, specs: list[tuple[str, tuple, torch.dtype]], tensors: Iterator[torch.Tensor],
+                            metadata: dict) -> int:
+    """Write one safetensors file from (key, shape, dtype) specs and their tensors in the same order, streaming;
+    returns the data bytes."""
+    header, pos = {}, 0
+    for key, shape, dtype in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    header["__metadata__"] = metadata
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    with open(out + ".tmp", "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for (key, shape, dtype), tensor in zip(specs, tensors, strict=True):
+            assert tuple(tensor.shape) == tuple(shape) and tensor.dtype == dtype, (key, tensor.shape, shape, dtype)
+            f.write(memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(out + ".tmp", out)
+    return pos
+
+
+def write_safetensors(path: str, manifest: dict, out: str, dtype: torch.dtype | None) -> None:
+    entries = _entries(path, manifest, dtype)
+    metadata = {"format": "pt", "source": "infinity", "checkpoint": os.path.basename(path)}
+    write_safetensors_file(out, [(e.key, e.shape, e.dtype) for e in entries],
+                            (t for _, t in _tensors(path, manifest, entries)), metadata)
+
+
+def write_torch(path: str, manifest: dict, out: str, dtype: torch.dtype | None) -> None:
+    entries = _entries(path, manifest, dtype)
+    placeholders, first = {}, {}
+    for e in entries:  # a tied parameter: one storage under several names, as torch.save keeps it
+        tied = next((first[n] for n in e.slot["names"] if n in first), None) if e.slot else None
+        placeholders[e.key] = tied if tied is not None else torch.empty(e.shape, dtype=e.dtype)
+        first.setdefault(e.key, placeholders[e.key])
+    tmp = out + ".tmp"
+    with torch.serialization.skip_data():
+        torch.save(placeholders, tmp)  # layout only: no bytes are read from the placeholders
+    reader = torch._C.PyTorchFileReader(tmp)
+    records = [r for r in reader.get_all_records() if "data/" in r and r.rsplit("/", 1)[-1].isdigit()]
+    offsets = {int(r.rsplit("/", 1)[-1]): reader.get_record_offset(r) for r in records}
+    storage_of: dict[int, int] = {}
+    for e in entries:  # storages are numbered in order of first appearance (torch.save's id_map)
+        storage_of.setdefault(id(placeholders[e.key]), len(storage_of))
+    index_of = {e.key: storage_of[id(placeholders[e.key])] for e in entries}
+    del reader, placeholders, first
+    written = set()
+    with open(tmp, "r+b") as f:
+        for entry, tensor in _tensors(path, manifest, entries):
+            index = index_of[entry.key]
+            if index in written:  # the second name of a tied parameter
+                continue
+            f.seek(offsets[index])
+            f.write(memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy()))
+            written.add(index)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+
+
+# ----------------------------------------------------------------- Hugging Face directories
+HF_SINGLE, HF_INDEX, ADAPTER_FILE = "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors"
+_HF_SHARD = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def lora_merges(model) -> dict[str, list[tuple[str, str, float, bool]]]:
+    """Base weight name -> (lora_A name, lora_B name, scale, fan_in_fan_out) of each active LoRA adapter
+    of a PEFT model's layers (found by duck typing: no peft import). The merged weight is, as PEFT's
+    `get_delta_weight`: W + scale * (B @ A), transposed for fan_in_fan_out layers (GPT-2's Conv1D)."""
+    merges: dict[str, list] = {}
+    for mname, layer in model.named_modules():
+        lora_a = getattr(layer, "lora_A", None)
+        if not isinstance(lora_a, nn.ModuleDict) or not hasattr(layer, "scaling"):
+            continue
+        active = [a for a in getattr(layer, "active_adapters", list(lora_a.keys()))]
+        for adapter in active:
+            unsupported = (adapter in getattr(layer, "lora_embedding_A", {}) or
+                           getattr(layer, "use_dora", {}).get(adapter) or getattr(layer, "lora_bias", {}).get(adapter)
+                           or (adapter in lora_a and lora_a[adapter].weight.dim() != 2))
+            if unsupported:
+                raise ValueError(f"merge_lora=True: the adapter {adapter!r} of {mname} is not a plain LoRA of a "
+                                 f"Linear / Conv1D layer (embedding, convolution, DoRA or LoRA bias): export the "
+                                 f"adapters alone (merge_lora=False) and merge them with PEFT")
+            if adapter not in lora_a:
+                continue
+            merges.setdefault(f"{mname}.base_layer.weight", []).append(
+                (f"{mname}.lora_A.{adapter}.weight", f"{mname}.lora_B.{adapter}.weight", float(layer.scaling[adapter]),
+                 bool(getattr(layer, "fan_in_fan_out", False))))
+    return merges
+
+
+def _shards(specs: list[tuple], limit: int) -> list[list[tuple]]:
+    """Split (key, shape, dtype, ...) specs in order into files of at most `limit` bytes, as save_pretrained
+    does: a tensor that does not fit starts the next file; one larger than the limit has a file of its own."""
+    groups, size = [[]], 0
+    for spec in specs:
+        nbytes = math.prod(spec[1]) * spec[2].itemsize
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += nbytes
+    return groups
+
+
+def _remove_stale(out: str, written: set[str], pattern: re.Pattern) -> None:
+    """Files of an earlier export into the same directory that this one did not write (another shard count)."""
+    for name in os.listdir(out):
+        if pattern.match(name) and name not in written:
+            os.remove(os.path.join(out, name))
+
+
+def write_hf(path: str, manifest: dict, out: str, dtype: torch.dtype | None, max_shard_size: int | str,
+             merge_lora: bool, model=None) -> None:
+    """A Hugging Face directory: `model.safetensors`, or `model-0000i-of-0000N.safetensors` and
+    `model.safetensors.index.json` when the weights pass `max_shard_size` (decimal "5GB" as transformers
+    means it), the model's state_dict names, a tied parameter once under its first name (as save_pretrained
+    writes it; from_pretrained ties the other). A PEFT model (`model` has `peft_config`): with `merge_lora`
+    the merged weights under the base model's names, otherwise the adapters alone as PEFT saves them."""
+    limit = parse_size(max_shard_size, "max_shard_size")
+    entries = _entries(path, manifest, None)  # fp32 masters: a merge adds in fp32, the cast comes last
+    by_key = {e.key: e for e in entries}
+    peft = model is not None and bool(getattr(model, "peft_config", None))
+    os.makedirs(out, exist_ok=True)
+    if peft and not merge_lora:
+        return _write_adapters(path, manifest, out, by_key, model, dtype)
+    merges = lora_merges(model) if peft else {}
+    chosen: dict[str, _Entry] = {}
+    for e in entries:
+        if e.slot is not None and e.key != e.slot["names"][0]:
+            continue  # the second name of a tied parameter
+        key = e.key
+        if peft:
+            if is_adapter(key):
+                continue
+            key = base_name(key)
+            if key in chosen and ".modules_to_save." not in e.key:
+                continue  # a module PEFT trains a copy of: the trained copy is the model's
+        chosen[key] = e
+    specs = [(key, e.shape, (dtype or e.dtype) if e.buffer is None else e.dtype, e) for key, e in chosen.items()]
+    reader = _Reader(path, manifest)
+
+    def tensors(group):
+        for _, _, out_dtype, e in group:
+            t = reader.tensor(e)
+            for a, b, scale, fan_in_fan_out in merges.get(e.key, []):
+                delta = reader.tensor(by_key[b]) @ reader.tensor(by_key[a])
+                t = t + scale * (delta.T if fan_in_fan_out else delta)
+            yield t.to(out_dtype)
+
+    groups = _shards(specs, limit)
+    names = [HF_SINGLE] if len(groups) == 1 else [f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+                                                  for i in range(1, len(groups) + 1)]
+    weight_map, total = {}, 0
+    try:
+        for name, group in zip(names, groups):
+            total += write_safetensors_file(os.path.join(out, name), [g[:3] for g in group], tensors(group),
+                                             {"format": "pt"})
+            weight_map.update({g[0]: name for g in group})
+    finally:
+        reader.close()
+    if len(groups) > 1:
+        atomic_write(os.path.join(out, HF_INDEX), json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2).encode())
+    _remove_stale(out, set(names) | ({HF_INDEX} if len(groups) > 1 else set()),
+                  re.compile(_HF_SHARD.pattern + "|^" + re.escape(HF_INDEX) + "$"))
+
+
+def _write_adapters(path: str, manifest: dict, out: str, by_key: dict, model, dtype: torch.dtype | None) -> None:
+    """The adapters alone, named as PEFT's save_pretrained names them (PEFT's own `get_peft_model_state_dict`
+    picks and renames them, given placeholders), and `adapter_config.json` from the model's PEFT config."""
+    from peft import get_peft_model_state_dict  # only a PEFT model gets here
+
+    adapter = getattr(model, "active_adapter", "default")
+    placeholders = {k: torch.empty(0) for k in by_key}
+    picked = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=adapter,
+                                       save_embedding_layers=False)
+    name_of = {id(v): k for k, v in placeholders.items()}
+    chosen = [(key, by_key[name_of[id(v)]]) for key, v in picked.items()]
+    specs = [(key, e.shape, (dtype or e.dtype) if e.buffer is None else e.dtype) for key, e in chosen]
+    reader = _Reader(path, manifest)
+    try:
+        write_safetensors_file(os.path.join(out, ADAPTER_FILE), specs,
+                                (reader.tensor(e).to(s[2]) for (_, e), s in zip(chosen, specs)), {"format": "pt"})
+    finally:
+        reader.close()
+    model.peft_config[adapter].save_pretrained(out)
+
+
+def export_format(out: str) -> str:
+    """"safetensors" for a `.safetensors` path, "hf" (a Hugging Face directory) for a path with no suffix
+    or an existing directory, "torch" (torch.save) for any other suffix."""
+    out = os.fspath(out)
+    if out.endswith(".safetensors"):
+        return "safetensors"
+    if os.path.isdir(out) or not os.path.splitext(os.path.basename(out.rstrip(os.sep)))[1]:
+        return "hf"
+    return "torch"
+
+
+def export_checkpoint(checkpoint: str, out: str, dtype: torch.dtype | None = None, fmt: str | None = None, *,
+                      max_shard_size: int | str = "5GB", merge_lora: bool = False, model=None) -> str:
+    """Write the checkpoint's full state dict to `out`: `.safetensors` one file, a path with no suffix a
+    Hugging Face directory (`write_hf`; `model`, the engine's module, tells a PEFT model's adapters),
+    any other suffix torch.save."""
+    manifest = read_manifest(checkpoint)
+    fmt = fmt or export_format(out)
+    if fmt == "safetensors":
+        write_safetensors(os.path.abspath(checkpoint), manifest, os.fspath(out), dtype)
+    elif fmt == "torch":
+        write_torch(os.path.abspath(checkpoint), manifest, os.fspath(out), dtype)
+    elif fmt == "hf":
+        write_hf(os.path.abspath(checkpoint), manifest, os.fspath(out), dtype, max_shard_size, merge_lora, model)
+    else:
+        raise ValueError(f"export format {fmt!r}: use 'safetensors', 'torch' or 'hf'")
+    return os.fspath(out)

@@ -1,0 +1,539 @@
+"""The CUDA path's logic, tested on the CPU through seams (issue 21): a compute device faked by `meta`
+(arithmetic without bytes: a tensor left on the CPU fails the first op that meets a device tensor),
+recording stand-ins for torch.cuda's streams, events and set_device, and a count of host syncs."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import infinity
+import infinity.memory.manager as manager_module
+import infinity.runtime.engine as engine_module
+from dist_utils import run_distributed
+from engine_runs import train_steps
+from infinity.device.streams import Streams, count_host_syncs
+from infinity.machine.environment import resolve
+from infinity.memory.manager import TieredMemoryManager
+from infinity.memory.tier import Kind, Tier
+from infinity.models.gpt import GPT
+from infinity.optim.worker import OptimizerWorker
+from infinity.profile import Link
+from infinity.profile.clock import TrainingClock
+from infinity.runtime.hooks import to_device
+from infinity.state.checkpoint import ShardWriter
+from reference import TINY, Recipe, reference_run
+
+META = torch.device("meta")
+
+
+class WithBuffers(nn.Module):
+    """Units with BatchNorm statistics; a persistent buffer and a non-persistent one (a mask) at the root;
+    a forward that takes nested inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(3)])
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.register_buffer("mask", torch.ones(8), persistent=False)
+
+    def forward(self, x, extra):
+        h = self.embed(x) * self.scale * self.mask
+        for block in self.blocks:
+            h = block(h)
+        return (h + extra["bias"][0]).square().mean()
+
+
+@pytest.fixture
+def meta_device(monkeypatch):
+    """The engine's compute device is `meta`, as if it were a GPU: every tensor the forward meets must be there."""
+    monkeypatch.setattr(engine_module, "resolve", lambda group=None: dataclasses.replace(resolve(group), device=META))
+
+
+def test_inputs_and_buffers_on_the_engine_device(meta_device):
+    engine = infinity.initialize(WithBuffers(), {"placement": {"params": "device", "grads": "device",
+                                                               "optimizer": "device"},
+                                                 "train": {"grad_accum_steps": 2}})  # (no step: no norm on meta)
+    with engine:
+        buffers = dict(engine.module.named_buffers())
+        assert {"scale", "mask", "blocks.0.1.running_mean", "blocks.2.1.num_batches_tracked"} <= set(buffers)
+        assert {name: b.device for name, b in buffers.items()} == {name: META for name in buffers}
+        loss = engine(torch.randn(5, 4), extra={"bias": [torch.randn(8)]})  # CPU inputs, nested in a dict and list
+        assert loss.device == META
+        engine.backward(loss)
+
+
+def test_to_device_moves_every_tensor_of_nested_inputs():
+    tree = ([torch.ones(2), 3, "s"], {"a": (torch.zeros(1), None), "b": {"c": torch.arange(3)}})
+    moved = to_device(tree, META)
+    assert [moved[0][0].device, moved[1]["a"][0].device, moved[1]["b"]["c"].device] == [META] * 3
+    assert moved[0][1:] == [3, "s"] and moved[1]["a"][1] is None
+
+
+class CheckpointedGPT(GPT):
+    """The GPT with every block under torch.utils.checkpoint: its forward runs again during backward."""
+
+    use_reentrant = False
+
+    def forward(self, idx, targets=None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_keeps_the_forward_order_and_prefetch(reentrant, tmp_path):
+    """The recomputation in backward fires the blocks' forward pre-hooks again: they are not a new forward
+    (the recorded order stays [1, 2, 3]) and prefetch keeps engaging in every later step."""
+    recipe = Recipe(steps=3)
+
+    def build():
+        torch.manual_seed(recipe.seed)
+        model = CheckpointedGPT(recipe.model)
+        model.use_reentrant = reentrant
+        return model
+
+    ref_losses, _, ref_state = reference_run(recipe, model=build())
+    config = recipe.config(params="nvme", grads="host", optimizer="host") | {"nvme": {"paths": [str(tmp_path)]}}
+    engine = infinity.initialize(build(), config)  # (parameters on the CPU's own tier would alias: no fetch)
+    losses, issued, fetches = [], [], []
+    fetch = engine.manager.fetch
+
+    def counting_fetch(unit, kind, *args, **kwargs):
+        fetches.append((unit, kind))
+        return fetch(unit, kind, *args, **kwargs)
+
+    engine.manager.fetch = counting_fetch
+    with engine:
+        for step in range(recipe.steps):
+            fetches.clear()
+            losses += train_steps(engine, recipe, step, step + 1, rank=0, world=1)
+            assert engine.prefetcher.trace.recorded == [1, 2, 3], engine.prefetcher.trace.recorded
+            issued.append(engine.prefetcher.issued)
+            # once for the forward, once for backward (the recomputation and the backward share it), per micro-batch
+            per_unit = [fetches.count((i, Kind.PARAMS)) for i in (1, 2, 3)]
+            assert per_unit == [2 * recipe.accum] * 3, per_unit
+        state = engine.full_state_dict()
+    assert all(b > a for a, b in zip(issued, issued[1:])), f"prefetches issued by the end of each step: {issued}"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key])
+
+
+def test_record_without_a_stream_records_on_the_engine_device(monkeypatch):
+    """Streams of cuda:1 (stand-ins): an event recorded 'on the current stream' is on cuda:1's current
+    stream, not on whatever torch.cuda.Event.record picks for the calling thread's device (cuda:0)."""
+    recorded = []
+
+    class Event:
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"current stream of {device}")
+    streams = Streams(device=torch.device("cuda", 1), compute="compute", h2d="h2d", d2h="d2h", comm="comm")
+    streams.record()
+    streams.record(streams.comm)
+    assert recorded == ["current stream of cuda:1", "comm"]
+
+
+def test_threads_select_the_engine_device(monkeypatch, tmp_path):
+    """The optimizer worker and the background checkpoint writer select the engine's GPU when they start
+    (torch.cuda.set_device, recorded here with the thread that called it)."""
+    selected = []
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda device: selected.append((threading.current_thread().name, torch.device(device))))
+    cuda1 = torch.device("cuda", 1)
+    OptimizerWorker(SimpleNamespace(compute_device=cuda1), num_units=1).close()
+    assert selected == [("infinity-optimizer", cuda1)]
+
+    selected.clear()
+    engine = infinity.initialize(Recipe().build(), Recipe().config())
+    with engine:
+        engine.env = dataclasses.replace(engine.env, device=cuda1)  # (only the writer thread reads it after this)
+        writer = ShardWriter(engine, str(tmp_path))
+        writer._write = lambda: None
+        writer.start(background=True)
+        writer.join()
+        engine.env = dataclasses.replace(engine.env, device=torch.device("cpu"))
+    assert selected == [("infinity-checkpoint", cuda1)]
+
+
+def _gather_order_on_rank(rank, world, recipe):
+    """Train `recipe` at world size `world`, recording each all-gather's issue and wait (the collectives
+    seam), the start of each block's forward compute (a forward pre-hook registered after the engine's) and
+    the end of its backward (its gradients' reduction)."""
+    import infinity.device.collectives as collectives
+    from infinity.units.unit import Unit
+    events = []
+    config = recipe.config(params="host", grads="host", optimizer="host")
+    config["overlap"] = {"optimizer_with_backward": False}  # (else a unit still updating is fetched late)
+    engine = infinity.initialize(recipe.build(), config)
+
+    def unit_of(out):
+        return next(u.index for u in engine.units if u.flat_numel and u._storage.data_ptr() == out.data_ptr())
+
+    issue = collectives.all_gather_into
+
+    class Work:
+        def __init__(self, work, index):
+            self.work, self.index = work, index
+
+        def wait(self):
+            events.append(("wait", self.index))
+            return self.work.wait()
+
+    def recording_gather(out, shard, group, async_op=True):
+        index = unit_of(out)
+        events.append(("issue", index))
+        return Work(issue(out, shard, group, async_op), index)
+
+    collectives.all_gather_into = recording_gather
+    reduce_grads = Unit.reduce_grads
+
+    def recording_reduce(unit, *args):
+        events.append(("reduce", unit.index))  # the unit's backward is done: its gradients are reduced
+        return reduce_grads(unit, *args)
+
+    Unit.reduce_grads = recording_reduce
+    for i, block in enumerate(engine.module.blocks, start=1):
+        block.register_forward_pre_hook(lambda _m, _a, i=i: events.append(("compute", i)) if torch.is_grad_enabled()
+                                        and not engine._in_backward else None)
+    per_step, losses = [], []
+    with engine:
+        for step in range(recipe.steps):
+            events.clear()
+            losses += train_steps(engine, recipe, step, step + 1, rank, world)
+            per_step.append(list(events))
+        collectives.all_gather_into = issue
+        state = engine.full_state_dict()
+    return losses, per_step, state
+
+
+def test_all_gather_of_the_next_unit_is_issued_while_one_computes(tmp_path):
+    """World size 2 (gloo): from the second step on, the all-gather of block i+1 is issued before block i
+    computes and waited after it, and in backward that of block i-1 before block i's backward ends; the
+    training matches torch."""
+    recipe = Recipe(steps=3, accum=1)
+    ref_losses, _, ref_state = reference_run(recipe)
+    results = run_distributed(_gather_order_on_rank, 2, recipe)
+    for losses, per_step, _ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        for events in per_step[1:]:
+            forward = events[:events.index(("compute", 3)) + 1]
+            for i in (1, 2):
+                assert forward.index(("issue", i + 1)) < forward.index(("compute", i)) < \
+                    forward.index(("wait", i + 1)), forward
+            backward = events[len(forward):]
+            for i in (3, 2):
+                assert backward.index(("issue", i - 1)) < backward.index(("reduce", i)) < \
+                    backward.index(("wait", i - 1)), backward
+    state = results[0][2]
+    for key in ref_state:
+        torch.testing.assert_close(state[key], ref_state[key])
+
+
+@pytest.mark.parametrize("overlap, clip", [(False, 0.5), (True, 0.0), (True, 0.5)],
+                         ids=["inline", "eager", "deferred"])
+def test_host_syncs_per_step_do_not_grow_with_the_units(overlap, clip):
+    """The training thread's host syncs (Note [host syncs], counted at the seam) per steady step are the
+    same with 2 blocks as with 5, in every update mode; the optimizer worker may wait per unit."""
+    per_model = {}
+    for n_layer in (2, 5):
+        recipe = Recipe(model=dataclasses.replace(TINY, n_layer=n_layer), steps=3, grad_clip=clip,
+                        extra={"overlap": {"optimizer_with_backward": overlap}})
+        engine = infinity.initialize(recipe.build(), recipe.config(params="host", grads="host", optimizer="host"))
+        with engine:
+            train_steps(engine, recipe, 0, 1, rank=0, world=1)
+            with count_host_syncs() as syncs:
+                train_steps(engine, recipe, 1, 3, rank=0, world=1)
+                engine.synchronize()
+        per_model[n_layer] = [why for thread, why in syncs if thread == threading.current_thread().name]
+    assert per_model[2] == per_model[5] == ["grad norm"] * 2, per_model
+
+
+class RecordingStreams(Streams):
+    """Streams of a pretend GPU: every record / wait / use / host sync is logged, in order."""
+
+    def __init__(self):
+        super().__init__(device=torch.device("cuda", 0), compute="compute", h2d="h2d", d2h="d2h", comm="comm")
+        self.log = []
+        self.complete = True
+
+    def record(self, stream=None):
+        log, on = self.log, stream or "current"
+        log.append(("record", on))
+
+        streams = self
+
+        class Event:
+            def synchronize(self):
+                log.append(("host waits", on))
+
+            def query(self):
+                return streams.complete  # (the test says when the device has finished)
+        return Event()
+
+    def wait_event(self, event, stream=None) -> None:
+        self.log.append(("wait", stream or "current"))
+
+    @contextlib.contextmanager
+    def use(self, stream):
+        self.log.append(("use", stream))
+        yield
+        self.log.append(("end", stream))
+
+
+@contextlib.contextmanager
+def recorded_manager(tmp_path, optimizer: str):
+    """An engine with params on NVMe and grads on the host; its manager's streams record every call."""
+    recipe = Recipe()
+    config = recipe.config(params="nvme", grads="host", optimizer=optimizer) | {"nvme": {"paths": [str(tmp_path)]}}
+    with infinity.initialize(recipe.build(), config) as engine:
+        engine.manager.streams = RecordingStreams()
+        yield engine.manager, engine.manager.streams
+
+
+def test_device_to_host_store_waits_for_the_producing_stream(tmp_path, monkeypatch):
+    """Defect 1: a store of a device tensor to the host or NVMe tier copies on the d2h stream only after
+    that stream waits for the stream that produced the tensor; and both tiers' stores take that path."""
+    with recorded_manager(tmp_path, "nvme") as (manager, streams):
+        manager._to_host(torch.empty(4), torch.ones(4))
+        assert streams.log == [("record", "current"), ("wait", "d2h"), ("use", "d2h"), ("record", "d2h"),
+                               ("end", "d2h"), ("host waits", "d2h")]
+        copies = []
+
+        def to_host(dst, src, wait=True):
+            copies.append((dst.device.type, src.device.type, wait))
+            return streams.record("d2h")
+
+        monkeypatch.setattr(manager, "_to_host", to_host)
+        streams.log.clear()
+        for kind in (Kind.GRADS, Kind.EXP_AVG):  # host tier, NVMe tier
+            start, numel = manager.chunk_span(1, 0)
+            manager.store(1, kind, 0, torch.empty(numel, device=META)).wait()
+        assert copies == [("cpu", "meta", False), ("cpu", "meta", True)]  # (the disk write reads host memory next)
+        manager.mark_zero(1, Kind.EXP_AVG)
+        # defect 8: the host-tier store does not wait; the thread that reads those host bytes next does
+        assert ("host waits", "d2h") not in streams.log
+        streams.log.clear()
+        with count_host_syncs() as syncs:
+            manager.fetch(1, Kind.GRADS, 0, torch.device("cpu")).wait()
+        assert streams.log == [("host waits", "d2h")] and len(syncs) == 1
+
+
+@pytest.fixture
+def cudart_calls(monkeypatch) -> list:
+    """CUDA's runtime faked: the cudaHostRegister / cudaHostUnregister calls made, in order."""
+    calls = []
+
+    class CudaRuntime:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append(("register", ptr, nbytes))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", CudaRuntime)
+    return calls
+
+
+def test_host_tier_is_one_arena_pinned_at_its_exact_size(cudart_calls):
+    """Defect 5 (Note [pinned arena]): with pinning, the host tier is one allocation registered once with
+    CUDA at the plan's bytes (each shard rounded up to a page), every shard inside it; nothing goes
+    through the caching host allocator, which rounds pinned blocks up to powers of two."""
+    calls = cudart_calls
+    recipe = Recipe()
+    engine = infinity.initialize(recipe.build(), recipe.config(params="host", grads="host", optimizer="host"))
+    with engine:
+        plan = engine.plan
+        manager = TieredMemoryManager(plan, torch.device("cpu"), Streams(torch.device("cpu")), None, pin_host=True)
+        for unit in range(len(plan.units)):
+            for kind in Kind:
+                manager.allocate(unit, kind)
+        shards = [manager.resident(u, k) for u in range(len(plan.units)) for k in Kind]
+        page = 4096
+        expected = sum(-(-s.numel() * s.element_size() // page) * page for s in shards)
+        host_state = sum(plan.state_bytes()[Tier.HOST].values())
+        assert host_state <= expected <= host_state + page * len(shards)
+        assert calls == [("register", calls[0][1], expected)]
+        base = calls[0][1]
+        for s in shards:
+            assert base <= s.data_ptr() and s.data_ptr() + s.numel() * s.element_size() <= base + expected
+        assert manager.memory_report()["pinned_host_tier_bytes"] == expected
+        manager.close()
+        assert calls[1:] == [("unregister", base)]
+
+
+def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path, monkeypatch):
+    """Defects 6 and 8: a fetch to the device (faked by meta) from the host tier, or from NVMe, is waited
+    for by the consumer's stream (no host sync); the NVMe read's copy is issued as soon as the read lands,
+    before wait(); its staging buffer goes back only once the copy is done; host bytes a copy may still
+    read are waited for before they are rewritten."""
+    with recorded_manager(tmp_path, "host") as (manager, streams):
+        numel = manager.chunk_span(1, None)[1]
+        with count_host_syncs() as syncs:
+            pending = manager.fetch(1, Kind.GRADS, None, into=torch.empty(numel, device=META))  # host tier
+            assert streams.log == [("use", "h2d"), ("record", "h2d"), ("end", "h2d")]  # (host bytes: no wait)
+            pending.wait()
+            assert streams.log[3:] == [("wait", "current")]
+        assert syncs == []
+        streams.log.clear()
+        spans, profiler = [], manager.profiler
+        manager.profiler = SimpleNamespace(enabled=True, device_span=lambda name, link, num_bytes: (
+            spans.append((link, num_bytes)) or contextlib.nullcontext()))
+        manager.fetch(1, Kind.GRADS, None, into=torch.empty(numel, device=META)).wait()
+        assert spans == [(Link.H2D, numel * 4)]  # (defect 11: the copy's profile span is device time)
+        manager.profiler = profiler
+        streams.log.clear()
+        manager.store(1, Kind.GRADS, None, torch.zeros(numel))  # rewrites the bytes the copy reads
+        assert streams.log == [("host waits", "h2d")]
+
+        streams.log.clear()
+        streams.complete = False  # the copies below have not finished on the device
+        bound = []  # (defect 4: the I/O thread that issues the copy selects the engine's device first)
+        monkeypatch.setattr(manager_module, "bind_thread", lambda device: bound.append(
+            (threading.current_thread() is threading.main_thread(), device)))
+        with count_host_syncs() as syncs:
+            pending = manager.fetch(1, Kind.PARAMS, None, into=torch.empty(numel, dtype=torch.float32, device=META),
+                                    urgent=True)
+            deadline = time.monotonic() + 30
+            while ("record", "h2d") not in streams.log and time.monotonic() < deadline:
+                time.sleep(0.01)  # the read lands on the I/O thread, which issues the copy
+            assert streams.log == [("use", "h2d"), ("record", "h2d"), ("end", "h2d")], streams.log
+            pending.wait()
+            assert streams.log[3:] == [("wait", "current")]
+        assert syncs == []
+        assert bound == [(False, META)]
+        assert len(manager.staging._after) == 1  # the staging buffer waits for its copy
+        streams.complete = True
+        manager.staging.host_buffer(16, torch.float32)
+        assert manager.staging._after == []
+
+
+def test_worker_updates_on_its_own_stream_ordered_by_events():
+    """Defect 9 (Note [update stream]): the optimizer worker queues its device work on the update stream,
+    waits on the device for the gradients the training thread queued before submitting, and a user of
+    the unit waits on the device for the event recorded after its update (stand-in streams, by thread)."""
+    log = []
+
+    class ThreadStreams(RecordingStreams):
+        def __init__(self):
+            super().__init__()
+            self.update = "update"
+            self.log = _ByThread(log)
+
+    class _Optimizer:
+        compute_device = torch.device("cpu")
+
+        def step(self, *, hyper, grad_scale, active, units, on_unit_done):
+            log.append((threading.current_thread().name, "step"))
+            for unit in units:
+                on_unit_done(unit)
+
+    worker = OptimizerWorker(_Optimizer(), num_units=1, streams=ThreadStreams())
+    try:
+        unit = SimpleNamespace(index=0)
+        worker.submit([unit], hyper=None, grad_scale=None, active={0: [(0, 1, 1)]}, after_unit=lambda u: None)
+        worker.wait_unit(0)
+    finally:
+        worker.close()
+    main, work = threading.current_thread().name, "infinity-optimizer"
+    assert [e for e in log if e[0] == work][:4] == [(work, "use", "update"), (work, "wait", "current"), (work, "step"),
+                                                    (work, "record", "current")], log
+    # the initial 'updated' event, the event at submit, then the wait for the unit's update event
+    assert [e for e in log if e[0] == main] == [(main, "record", "current")] * 2 + [(main, "wait", "current")], log
+
+
+class _ByThread(list):
+    """A log whose entries carry the name of the thread that appended them."""
+
+    def __init__(self, sink: list):
+        super().__init__()
+        self.sink = sink
+
+    def append(self, entry) -> None:
+        self.sink.append((threading.current_thread().name, *entry))
+
+
+def test_compute_spans_on_a_gpu_are_device_time():
+    """Defect 11: on a GPU the training thread's compute spans are device spans (CUDA events on the compute
+    stream, named when they end), not host-clock spans around kernel launches."""
+    calls = []
+
+    class DeviceSpan:
+        def __enter__(self):
+            calls.append("device span begins")
+            return self
+
+        def end(self, name):
+            calls.append(("device span ends", name))
+
+    class Profiler:
+        enabled = True
+
+        def device_span(self, name, link, **kwargs):
+            assert link is Link.COMPUTE
+            return DeviceSpan()
+
+        def record(self, name, link, start, end, **kwargs):
+            calls.append(("host span", name))
+
+    clock = TrainingClock(Profiler(), device_time=True)
+    clock.compute_begin()
+    clock.compute_end("forward before blocks.1")
+    assert calls == ["device span begins", ("device span ends", "forward before blocks.1")]
+    calls.clear()
+    cpu = TrainingClock(Profiler())
+    cpu.compute_begin()
+    cpu.compute_end("backward")
+    assert calls == [("host span", "backward")]
+
+
+def test_a_prefetch_after_an_update_follows_it_on_the_device():
+    """Note [update stream]: a unit whose update is done may be prefetched (ready), and the stream that
+    fetches it then waits for the update's event, so the fetch or gather reads the new parameters."""
+    recipe = Recipe(extra={"overlap": {"optimizer_with_backward": True}})
+    engine = infinity.initialize(recipe.build(), recipe.config())
+    with engine:
+        streams = engine.updates.worker.streams = RecordingStreams()
+        assert engine.updates.ready(1)
+        assert streams.log == [("wait", "current")]
+
+
+def test_staging_buffers_are_pinned_at_their_size_class_not_a_power_of_two(cudart_calls, monkeypatch):
+    """Defect 5 for io_engine's staging pool: a pinned buffer is a fresh mapping registered with CUDA at its
+    exact bytes (a 5 MiB size class pins 5 MiB, where the caching host allocator would pin 8 MiB) and
+    unregistered when its last view dies, before the mapping goes."""
+    import gc
+
+    from io_engine import AlignedBufferPool, size_class
+    calls = cudart_calls
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda *a, **k: pytest.fail("caching host allocator used"))
+    pool = AlignedBufferPool(alignment=4096, pin=None)
+    nbytes = 4 * 2**20 + 12345  # its class: 5 MiB
+    buf = pool.get(nbytes // 4, torch.float32)
+    assert size_class(nbytes, 4096) == 5 * 2**20
+    assert calls == [("register", calls[0][1], 5 * 2**20)]
+    assert calls[0][1] <= buf.data_ptr() < calls[0][1] + 5 * 2**20 and buf.data_ptr() % 4096 == 0
+    buf.fill_(1.0)  # the bytes are real memory
+    pool.put(buf)
+    del buf
+    pool.close()
+    gc.collect()
+    assert calls[1:] == [("unregister", calls[0][1])]

@@ -1,0 +1,212 @@
+"""The run directory of `infinity train`: bad data and failed starts leave nothing; one job at a time
+(an OS lock, released by a crash); auto names that do not collide; a summary.json whenever a started run
+stops early (a second Ctrl-C, a checkpoint that cannot be saved), naming what to do."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import infinity.job.train as train_mod
+import infinity.state.checkpoint as ckpt_mod
+from infinity.config.sections import ConfigError
+from infinity.job.cli import EXIT_USAGE, main
+from infinity.job.run_dir import LOCK, RunDir
+
+TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model.n_head=2", "--set",
+        "model.seq_len=16", "--set", "run.batch_size=2", "--set", "run.eval_batches=1", "--set", "run.eval_every=0",
+        "--set", "run.steps=4", "--set", "profile.enabled=false", "--quiet"]
+
+
+pytestmark = pytest.mark.usefixtures("module_cache")  # one cache for the module (conftest.py)
+
+
+def train(capsys, root: Path, name: str, *extra: str) -> tuple[int, str]:
+    code = main(["train", *TINY, "--set", f"run.dir={root}", "--set", f"run.name={name}", *extra])
+    return code, capsys.readouterr().err
+
+
+def _data_file(tmp_path: Path, kind: str) -> Path:
+    if kind == "empty":
+        (tmp_path / "empty.txt").write_bytes(b"")
+        return tmp_path / "empty.txt"
+    if kind == "not-gzip":
+        (tmp_path / "text.gz").write_text("plain text with a .gz name " * 100)
+        return tmp_path / "text.gz"
+    if kind == "empty-gzip":
+        (tmp_path / "e.gz").write_bytes(gzip.compress(b""))
+        return tmp_path / "e.gz"
+    (tmp_path / "corpus").mkdir()
+    return tmp_path / "corpus"
+
+
+@pytest.mark.parametrize("kind,needle", [("empty", "is empty"), ("not-gzip", "not a valid gzip file"),
+                                         ("empty-gzip", "is empty"), ("directory", "is a directory")])
+def test_bad_data_exits_2_with_the_fix_and_leaves_nothing(kind, needle, tmp_path, capsys):
+    data = _data_file(tmp_path, kind)
+    code, err = train(capsys, tmp_path / "runs", "r", "--set", f"data.path={data}")
+    assert code == EXIT_USAGE and needle in err and "Traceback" not in err, err
+    assert "data.path" in err and ("point it at" in err or "compress it" in err)
+    assert not (tmp_path / "runs" / "r").exists()
+
+
+def test_a_failed_start_leaves_nothing_and_the_name_can_be_used_again(tmp_path, capsys):
+    code, err = train(capsys, tmp_path, "r", "--set", "model.ffn_dim=100")  # fails building the model
+    assert code == EXIT_USAGE and "model.ffn_dim" in err
+    assert not (tmp_path / "r").exists(), "a failed start left the run directory behind"
+    code, err = train(capsys, tmp_path, "r")
+    assert code == 0, err
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["status"] == "completed"
+
+
+def test_a_failed_start_in_an_existing_empty_directory_keeps_the_directory(tmp_path, capsys):
+    (tmp_path / "r").mkdir()
+    code, _ = train(capsys, tmp_path, "r", "--set", "model.ffn_dim=100")
+    assert code == EXIT_USAGE and (tmp_path / "r").is_dir()  # the user's directory, not ours to remove
+
+
+def test_auto_names_of_jobs_started_in_the_same_second_differ(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_mod.time, "strftime", lambda fmt: "20260101-000000")
+    import infinity.job.run_dir as rd
+    monkeypatch.setattr(rd.time, "strftime", lambda fmt: "20260101-000000")
+    a, b = RunDir.new(str(tmp_path), "auto"), RunDir.new(str(tmp_path), "auto")
+    assert a.path != b.path and {a.path.name, b.path.name} == {"20260101-000000", "20260101-000000-2"}
+    a.release()
+    b.release()
+
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from infinity.job.run_dir import RunDir
+    run = RunDir.existing(Path(sys.argv[1]))
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+""")
+
+
+def test_a_second_job_on_a_locked_run_directory_is_refused_naming_the_holder(tmp_path, capsys):
+    code, err = train(capsys, tmp_path, "r", "--set", "run.steps=2")
+    assert code == 0, err
+    before = (tmp_path / "r" / "metrics.jsonl").read_text()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "r"), "60"], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code = main(["train", "--resume", str(tmp_path / "r"), "--set", "run.steps=4", "--quiet"])
+        err = capsys.readouterr().err
+        assert code == EXIT_USAGE and f"in use by another infinity train job (pid {holder.pid})" in err, err
+        with pytest.raises(ConfigError, match=f"pid {holder.pid}"):
+            RunDir.new(str(tmp_path), "r")  # a new run of the same name: refused for the lock too
+        assert (tmp_path / "r" / "metrics.jsonl").read_text() == before, "the refused job wrote into the run"
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a crash: the kernel drops the lock
+        holder.wait()
+    code = main(["train", "--resume", str(tmp_path / "r"), "--set", "run.steps=4", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    assert (tmp_path / "r" / LOCK).exists()
+
+
+def test_a_second_ctrl_c_still_writes_a_summary(tmp_path, capsys, monkeypatch):
+    real = train_mod._reduce_step
+
+    def reduce(loss, stop, device, world):
+        value = real(loss, stop, device, world)
+        if reduce.calls == 2:  # Ctrl-C twice during step 3: StopFlag raises KeyboardInterrupt
+            raise KeyboardInterrupt
+        reduce.calls += 1
+        return value
+    reduce.calls = 0
+    monkeypatch.setattr(train_mod, "_reduce_step", reduce)
+    code, err = train(capsys, tmp_path, "r", "--set", "run.checkpoint_every=1")
+    assert code == 130
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "aborted" and summary["steps"] == 2
+    assert summary["checkpoint"].endswith("step-00000002") and "--resume" in summary["what_to_do"]
+
+
+def _no_space_for(where: str, monkeypatch):
+    real = ckpt_mod.shutil.disk_usage
+
+    def disk_usage(path):
+        usage = real(path)
+        return usage._replace(free=0) if os.path.basename(os.fspath(path)) == where else usage
+    monkeypatch.setattr(ckpt_mod.shutil, "disk_usage", disk_usage)
+
+
+def test_a_final_save_without_space_keeps_the_last_checkpoint_and_says_what_to_do(tmp_path, capsys, monkeypatch):
+    _no_space_for("r", monkeypatch)  # the final checkpoint goes to <run>/checkpoint; periodic ones elsewhere
+    code, err = train(capsys, tmp_path, "r", "--set", "run.checkpoint_every=2")
+    assert code == EXIT_USAGE and "not enough space" in err and "intact" not in err, err
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 4 and "not enough space" in summary["error"]
+    assert summary["checkpoint"].endswith("step-00000002")
+    assert "infinity train --resume" in summary["what_to_do"] and "lost" not in summary["what_to_do"]
+    ckpt_mod.read_manifest(summary["checkpoint"])  # the previous checkpoint is whole
+    assert not [p for p in (tmp_path / "r").iterdir() if ".tmp-" in p.name]
+
+
+def test_a_save_that_fails_with_no_earlier_checkpoint_says_the_training_is_lost(tmp_path, capsys, monkeypatch):
+    _no_space_for("r", monkeypatch)
+    code, err = train(capsys, tmp_path, "r")
+    assert code == EXIT_USAGE and "intact" not in err
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["checkpoint"] is None
+    assert "no complete checkpoint" in summary["what_to_do"] and "lost" in summary["what_to_do"]
+
+
+def test_the_run_swap_folder_is_private(tmp_path, capsys, monkeypatch):
+    seen = {}
+    real = train_mod._loop
+
+    def loop(job, config, engine, *a, **k):
+        swap = Path(config.nvme.paths[0])
+        seen["dir"] = swap.stat().st_mode & 0o777
+        seen["files"] = {f.name: f.stat().st_mode & 0o777 for f in swap.iterdir()}
+        return real(job, config, engine, *a, **k)
+    monkeypatch.setattr(train_mod, "_loop", loop)
+    code, err = train(capsys, tmp_path, "r", "--set", "run.steps=1")
+    assert code == 0, err
+    assert seen["dir"] == 0o700 and seen["files"] and all(m == 0o600 for m in seen["files"].values()), seen
+
+
+def test_a_resume_removes_the_swap_files_a_killed_job_left(tmp_path):
+    swap = tmp_path / "r" / "swap"
+    swap.mkdir(parents=True)
+    (swap / "infinity.rank0.12345.swp").write_bytes(b"x" * 4096)
+    (swap / "keep.txt").write_text("not a swap file")
+    run = RunDir.existing(tmp_path / "r")
+    try:
+        assert sorted(p.name for p in swap.iterdir()) == ["keep.txt"]
+    finally:
+        run.release()
+
+
+def test_resumes_keep_checkpoint_keep_last_in_bounds(tmp_path, capsys):
+    """Each resume continues the run's keep_last count (it does not start its own), and the final checkpoint
+    is still replaced when keep_last already removed the old one."""
+    keep = ["--set", "run.checkpoint_every=1", "--set", "checkpoint.keep_last=2"]
+    code, err = train(capsys, tmp_path, "r", *keep)
+    assert code == 0, err
+    for steps in (6, 8):
+        code = main(["train", "--resume", str(tmp_path / "r"), "--set", f"run.steps={steps}", "--quiet"])
+        assert code == 0, capsys.readouterr().err
+    saved = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
+    assert len(saved) <= 2, saved
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 8
+    ckpt_mod.read_manifest(str(tmp_path / "r" / "checkpoint"))
+
+
+def test_an_nvme_path_that_is_a_file_exits_2_and_leaves_nothing(tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    code, err = train(capsys, tmp_path / "runs", "r", "--set", f'nvme.paths=["{tmp_path / "afile"}"]')
+    assert code == EXIT_USAGE and "afile" in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs" / "r").exists()

@@ -1,0 +1,248 @@
+"""The `infinity train` job: config resolution, data, run directory, Ctrl-C, torchrun (one node and two)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import infinity
+from infinity.config.sections import ConfigError
+from infinity.job.data import Batches, load_tokens, split
+from infinity.job.train import TRAIN_DEFAULTS, Job, load_job, overlap_efficiency, to_toml, train
+
+TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "run.batch_size=4",
+        "run.eval_batches=1", "run.eval_every=0"]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+
+
+# ---------------------------------------------------------------- config
+
+
+def test_defaults_put_params_and_optimizer_state_on_nvme_under_the_run_directory():
+    job = load_job()
+    config = job.engine_config("runs/x")
+    assert (config.placement.params, config.placement.grads, config.placement.optimizer) == ("nvme", "host", "nvme")
+    assert config.nvme.paths == ("runs/x/swap",)
+    assert config.profile.enabled and config.profile.trace_dir == "runs/x/profile"
+    assert config.optimizer.schedule == "cosine" and config.optimizer.total_steps == job.run.steps
+    assert config.optimizer.lr == TRAIN_DEFAULTS["optimizer"]["lr"]
+
+
+def test_overrides_reach_the_job_and_the_engine():
+    job = load_job(None, ["run.steps=7", "optimizer.lr=1e-3", "placement.optimizer=host", "model.kind=llama"])
+    config = job.engine_config("s")
+    assert job.run.steps == 7 and job.model.kind == "llama"
+    assert config.optimizer.lr == 1e-3 and config.placement.optimizer == "host"
+    assert config.placement.params == "nvme"  # the job default for the keys not overridden
+    assert config.optimizer.total_steps == 7
+
+
+def test_auto_policy_and_constant_schedule_drop_the_job_defaults_they_contradict():
+    config = load_job(None, ["placement.policy=auto", "optimizer.schedule=constant"]).engine_config("s")
+    assert config.placement.policy == "auto" and config.placement.params == "device"  # the engine default
+    assert config.optimizer.schedule == "constant" and config.optimizer.total_steps == 0
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["run.stepz=3"], 'run.stepz (did you mean "steps"?)'),
+    (["model.kind=gpt3"], 'model.kind = "gpt3": not a valid choice'),
+    (["modle.n_layer=2"], 'unknown section [modle] (did you mean "model"?)'),
+    (["model.n_head=5"], "model.n_head = 5: must divide model.d_model"),
+    (["model.vocab_size=100"], "model.vocab_size = 100: must be >= 256"),
+    (["data.val_fraction=0.9"], "data.val_fraction = 0.9: must be < 0.5"),
+    (["placement.params=disk"], 'placement.params = "disk"'),
+    (["model.n_kv_head=2"], 'only llama has grouped-query attention; remove it or set model.kind = "llama"'),
+])
+def test_bad_job_keys_name_the_key_and_the_fix(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_job(None, overrides)
+    assert needle in str(e.value)
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    job = load_job(None, ["run.steps=9", "precision.compute_dtype=bf16"])
+    config = job.engine_config(str(tmp_path))
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config, job))
+    again = load_job(path)
+    assert again.engine_config("ignored") == config
+    assert (again.run, again.model, again.data) == (job.run, job.model, job.data)
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_shipped_corpus_is_a_few_megabytes_of_text():
+    tokens = load_tokens("kjv")
+    assert 1_000_000 < len(tokens) < 8_000_000
+    text = bytes(tokens[:200].tolist()).decode()
+    assert "In the beginning God created the heaven and the earth." in text
+
+
+def test_every_world_size_sees_the_same_global_batches():
+    tokens = torch.arange(10_000) % 251
+    train_part, val_part = split(tokens.to(torch.uint8), 0.1, 16)
+    whole = Batches(train_part, val_part, seq_len=16, global_batch=8, seed=3)
+    for world in (2, 4):
+        rows = [Batches(train_part, val_part, seq_len=16, global_batch=8, seed=3, rank=r, world=world).batch(5, 1)
+                for r in range(world)]
+        x, y = whole.batch(5, 1)
+        torch.testing.assert_close(torch.cat([r[0] for r in rows]), x)
+        torch.testing.assert_close(torch.cat([r[1] for r in rows]), y)
+    torch.testing.assert_close(y[:, :-1], x[:, 1:])  # targets are the next bytes
+    assert not torch.equal(whole.batch(5, 0)[0], whole.batch(6, 0)[0])
+    with pytest.raises(ConfigError, match="multiple of 3"):
+        Batches(train_part, val_part, seq_len=16, global_batch=8, seed=3, rank=0, world=3)
+
+
+def test_missing_corpus_file_is_explained():
+    with pytest.raises(ConfigError, match="no such file"):
+        load_tokens("/nonexistent/corpus.txt")
+
+
+# ---------------------------------------------------------------- the run
+
+
+def reference_losses(job: Job, steps: int) -> list[float]:
+    """Plain PyTorch with torch.optim.AdamW on the same model, init, batches and schedule."""
+    from infinity.models.gpt import GPT, GPTConfig
+    from infinity.optim.schedule import lr_at
+    config = job.engine_config("unused")
+    m = job.model
+    with infinity.meta_init():
+        model = GPT(GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+                              d_model=m.d_model))
+    engine = infinity.initialize(model, {"train": {"seed": config.train.seed}}, init_fn=__import__(
+        "infinity.models.gpt", fromlist=["gpt_init"]).gpt_init)
+    state = engine.full_state_dict()
+    engine.close()
+    ref = GPT(GPTConfig(vocab_size=m.vocab_size, seq_len=m.seq_len, n_layer=m.n_layer, n_head=m.n_head,
+                        d_model=m.d_model))
+    ref.load_state_dict(state)
+    o = config.optimizer
+    opt = torch.optim.AdamW(ref.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    batches = Batches.from_config(job.data, seq_len=m.seq_len, global_batch=job.run.batch_size)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, o)
+        x, y = batches.batch(step, 0)
+        loss = ref(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def test_run_directory_and_losses_match_plain_pytorch(tmp_path):
+    steps = 6
+    job = load_job(None, TINY + [f"run.steps={steps}", f"run.dir={tmp_path}", "run.name=r", "run.eval_every=3"])
+    result = train(job, verbose=False)
+    run = tmp_path / "r"
+    assert result.status == "completed" and result.steps == steps
+    assert {"config.toml", "metrics.jsonl", "memory_report.json", "summary.json", "estimate.json", "profile"} <= {
+        p.name for p in run.iterdir()}
+    assert (run / "profile" / "rank0" / "summary.json").exists() and (run / "profile" / "rank0" / "trace.json").exists()
+    assert not (run / "swap").exists(), "swap files are removed at the end"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "overlap_efficiency"} <= set(records[0])
+    assert 0 < records[-1]["overlap_efficiency"] <= 1
+    assert [r for r in records if "val_loss" in r][0]["step"] == 3
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in records]), torch.tensor(reference_losses(job, steps)))
+    report = json.loads((run / "memory_report.json").read_text())
+    assert report["state"] == report["plan"] and report["state"]["nvme"]["master"] > 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["last_loss"] < summary["first_loss"] and summary["peak_rss_bytes"] > 0
+    assert load_job(run / "config.toml").engine_config("x").placement == job.engine_config("x").placement
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(job, verbose=False)
+
+
+def test_overlap_efficiency_shows_when_a_profiler_reports_it():
+    class Engine:
+        pass
+    engine = Engine()
+    assert overlap_efficiency(engine) is None
+    engine.profiler = type("P", (), {"summary": lambda self: {"steps": [{"overlap_efficiency": 0.8}],
+                                                             "median": {"overlap_efficiency": 0.7}}})()
+    assert overlap_efficiency(engine) == 0.8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ctrl_c_stops_cleanly_after_the_current_step(tmp_path):
+    cmd = [sys.executable, "-m", "infinity", "train", "--quiet"] + [a for o in TINY + [
+        "run.steps=100000", f"run.dir={tmp_path}", "run.name=r"] for a in ("--set", o)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 130, proc.stderr.read()
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and 3 <= summary["steps"] < 100000
+    assert len(_metrics(tmp_path / "r")) == summary["steps"]
+    assert (tmp_path / "r" / "memory_report.json").exists() and not (tmp_path / "r" / "swap").exists()
+
+
+def _torchrun(args: list[str], overrides: list[str], env) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "infinity", "train", "--quiet"]
+    return subprocess.Popen(cmd + [a for o in overrides for a in ("--set", o)], env=env, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_two_nodes_train_like_one_node_with_two_processes(tmp_path):
+    """torchrun --nnodes 2 (rendezvous on 127.0.0.1) and --nproc-per-node 2 give the same losses."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same kernels, so the same floating-point sums
+    common = TINY + ["run.steps=4", f"run.dir={tmp_path}", "run.eval_every=2"]
+    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(_free_port())], common + ["run.name=one"], env)
+    assert one.wait(timeout=180) == 0, one.stderr.read()
+    endpoint = f"127.0.0.1:{_free_port()}"
+    nodes = [_torchrun(["--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", endpoint, "--rdzv-id", "infinity-test"], common + ["run.name=two"], env)
+             for r in range(2)]
+    for node in nodes:
+        assert node.wait(timeout=180) == 0, node.stderr.read()
+    a, b = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    for key in ("loss", "grad_norm", "lr"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and math.isfinite(summary["last_loss"])
+
+
+@pytest.mark.slow
+def test_default_train_finishes_in_5_minutes_with_the_loss_falling(tmp_path):
+    start = time.time()
+    out = subprocess.run([sys.executable, "-m", "infinity", "train", "--quiet", "--set", f"run.dir={tmp_path}",
+                          "--set", "run.name=default"], capture_output=True, text=True, timeout=600)
+    elapsed = time.time() - start
+    assert out.returncode == 0, out.stderr
+    assert elapsed < 300, elapsed
+    losses = [r["loss"] for r in _metrics(tmp_path / "default")]
+    assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:10]) / 10

@@ -1,0 +1,125 @@
+"""The byte model (memory/traffic.py) is the one answer about a plan's bytes: the planner fits, `infinity
+estimate` reports and `memory_report` shows the same working bytes for one run, they cover what the run
+allocates, and a host budget bounds all of them (the state read-ahead included)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import infinity
+from infinity.job import estimate as est
+from infinity.job.train import ModelConfig, build_model
+from infinity.memory.cost_model import LinkRates
+from infinity.memory.placement import Budgets, plan_for_config
+from infinity.memory.tier import OPTIMIZER_KINDS, Tier
+
+RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
+SMALL = ModelConfig(n_layer=3, d_model=64, n_head=4, seq_len=16, vocab_size=300)
+NVME = {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _config(swap, host_budget: str, read_ahead="auto") -> infinity.Config:
+    return infinity.Config.from_dict({
+        "placement": NVME, "nvme": {"paths": [str(swap)]},
+        "optimizer": {"sub_group_size": 2048, "grad_clip": 1.0},
+        "memory": {"device_budget": "1GiB", "host_budget": host_budget},
+        "overlap": {"optimizer_with_backward": True, "optimizer_read_ahead": read_ahead}})
+
+
+def test_planner_estimate_and_memory_report_agree_on_one_runs_working_bytes(tmp_path, monkeypatch):
+    """One run's host working bytes, term by term, are the same number in the plan the engine made, in
+    `infinity estimate`'s peak terms and in memory_report's plan section; the staging pool the run really
+    allocated (update pipeline, read-ahead, fresh copies) stays within them, and all of it within the
+    host budget. Planted: a plan without its read-ahead term (the pool outgrows it)."""
+    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False: 0)  # no probe process: not what is tested
+    config = _config(tmp_path, "16MiB")
+    predicted = est.estimate(lambda: build_model(SMALL), config, batch_size=2, seq_len=SMALL.seq_len, rates=RATES)
+    bundle = build_model(SMALL)
+    with infinity.initialize(bundle.model, config, init_fn=bundle.init_fn) as engine:
+        x = torch.randint(0, SMALL.vocab_size, (2, SMALL.seq_len), generator=torch.Generator().manual_seed(0))
+        for _ in range(3):
+            engine.backward(engine(x, x))
+            engine.step()
+        engine.synchronize()
+        report = engine.memory_report()
+        plan = engine.plan
+    host = plan.working[Tier.HOST]
+    terms = report["working_planned_terms"]["host"]
+    assert report["working_planned"]["host"] == host == sum(terms.values()) == predicted.peak_terms["working_host"]
+    assert predicted.plan.working_terms == plan.working_terms
+    assert report["read_ahead_planned"] == engine.read_ahead_bytes == predicted.peak_terms["read_ahead"] > 0
+    assert terms["fresh_params"] == predicted.peak_terms["fresh_params"] > 0
+    nvme_optimizer = sum(report["state"]["nvme"][k.value] for k in OPTIMIZER_KINDS)
+    assert engine.read_ahead_bytes == nvme_optimizer  # 16 MiB leave room for all of it
+    assert 0 < report["staging_host_bytes"] <= host  # what the run allocated is what the plan fitted
+    assert plan.tier_totals()[Tier.HOST] <= 16 << 20
+
+
+@pytest.mark.parametrize("host_mib", [1, 2, 4, 64])
+def test_the_host_budget_bounds_every_working_term_and_the_read_ahead(host_mib, tmp_path):
+    """Note [working memory]: "auto" read-ahead takes half of what the rest of the plan leaves under the
+    host budget (none below one sub-group), so the plan's host bytes never exceed the budget."""
+    config = _config(tmp_path, f"{host_mib}MiB")
+    sizes = est.unit_sizes_of(build_model(SMALL).model, config, 1)
+    budgets = Budgets(device=1 << 30, host=host_mib << 20, nvme=1 << 40, shared_ram=True, ram=8 << 30)
+    plan = plan_for_config(sizes, config, budgets)
+    without = plan_for_config(sizes, _config(tmp_path, f"{host_mib}MiB", read_ahead=0), budgets)
+    rest = without.tier_totals()[Tier.HOST]
+    wanted = sum(plan.state_bytes()[Tier.NVME][k] for k in OPTIMIZER_KINDS)
+    chunk = 2048 * 4 * 3
+    expected = min(wanted, (budgets.host - rest) // 2)
+    assert plan.read_ahead == (expected if expected >= chunk else 0)
+    assert plan.tier_totals()[Tier.HOST] <= budgets.host
+    assert {t: v for t, v in plan.working_terms[Tier.HOST].items() if t != "read_ahead"} == {
+        t: v for t, v in without.working_terms[Tier.HOST].items() if t != "read_ahead"}
+
+
+def test_staging_is_derived_from_the_optimizer_and_the_pool(tmp_path):
+    """The update's staging term is io_engine's size classes of what OffloadedOptimizer holds: with one
+    chunk per unit and every kind on NVMe, at most reads-ahead + 1 tasks' four fp32 buffers are live, plus
+    the writes in flight (here checked against a bound, and against the optimizer's own defaults)."""
+    import inspect
+
+    from infinity.memory import traffic
+    from infinity.optim.offloaded import OffloadedOptimizer
+    from io_engine import size_class
+    defaults = inspect.signature(OffloadedOptimizer.__init__).parameters
+    assert defaults["read_ahead"].default == traffic.UPDATE_READS_AHEAD
+    assert defaults["max_writes_in_flight"].default == traffic.UPDATE_WRITES_IN_FLIGHT
+    from infinity.memory.placement import UnitSizes, plan_placement
+    units = tuple(UnitSizes.uniform(f"u{i}", 2 * 3000, 2 * 3000, chunk_numels=(3000, 3000))
+                  for i in range(3))
+    budgets = Budgets(device=1 << 30, host=64 << 20, nvme=1 << 40, shared_ram=True, ram=8 << 30)
+    plan = plan_placement(units, torch.float32, policy="static", static=NVME, budgets=budgets, units_ahead=1)
+    staging = plan.working_terms[Tier.HOST]["update_staging"]
+    # fp32 parameters alias the master: a task holds four fp32 buffers (master, moments, gradient); the
+    # steps hold the tasks read ahead and the one stepped, plus the writes in flight, and from the second step
+    # on up to as many writes left pending by the previous step (waited when their chunk is fetched again)
+    one, tasks = size_class(3000 * 4, 4096), (traffic.UPDATE_READS_AHEAD + 1) * 4
+    assert one == 16384 and staging % one == 0
+    assert (
+        (tasks + traffic.UPDATE_WRITES_IN_FLIGHT) * one
+        <= staging
+        <= (tasks + 2 * traffic.UPDATE_WRITES_IN_FLIGHT) * one
+    )
+    assert est.staging_pool_bytes(plan) == staging
+
+
+def test_the_bench_out_of_core_budget_flags_reach_the_engine():
+    """`--host-budget` / `--device-budget` are the engine's [memory] budgets (parsed as the config does)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import bench_out_of_core
+    cfg = bench_out_of_core.engine_config(bench_out_of_core.parse_args(
+        ["--dir", "/x", "--host-budget", "2GiB", "--device-budget", "3GiB"]))
+    memory = infinity.Config.from_dict(cfg).memory
+    assert (memory.host_budget, memory.device_budget) == (2 << 30, 3 << 30)
+    assert "memory" not in bench_out_of_core.engine_config(bench_out_of_core.parse_args(["--dir", "/x"]))
