@@ -2,7 +2,7 @@
 
 One small dataclass per TOML section; the top-level `Config` holds one of each.
 Every field carries its meaning in ``field(metadata={"help": ...})`` so that
-``infinity config --defaults`` and the README reference are generated from the
+``infinity config --defaults`` and the reference in docs/config.md are generated from the
 code, never written by hand.
 
     config = Config.from_file("run.toml")
@@ -487,7 +487,7 @@ class Config:
 
     @staticmethod
     def reference_markdown() -> str:
-        """The README's config reference: one table row per key."""
+        """The config reference of docs/config.md: one table row per key."""
         rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
         for key, kind_name, default, help_text in Config.reference():
             shown, kind = (text.replace("|", "\\|") for text in (show(default), kind_name))

@@ -2,7 +2,7 @@
 
 The tokenizer is the identity on bytes (vocabulary 256), so no tokenizer file or
 download is needed and any text trains. The shipped corpus is the King James
-Bible (public domain; `data/README.md`). The last `data.val_fraction` of the
+Bible (public domain; `infinity/corpus/README.md`). The last `data.val_fraction` of the
 bytes is held out for the validation loss.
 
 Note [same batches at every world size]: the batch of optimizer step s,
