@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,7 @@ import torch
 from infinity.device.streams import Streams, bind_thread, host_wait
 from infinity.memory.buffers import HostArena, StagingBuffers, arena_bytes
 from infinity.memory.fresh import FreshCopies
+from infinity.memory.pending import Chained, Pending, WritesAfterCopy  # noqa: F401 - Pending: the handles' home for callers
 from infinity.memory.placement import Plan
 from infinity.memory.tier import Kind, Residency, Tier, check_transition
 from infinity.profile import Link, NullProfiler
@@ -74,30 +76,6 @@ class _Shard:
         return range(len(self.chunks)) if chunk is None else range(chunk, chunk + 1)
 
 
-class Pending:
-    """An issued fetch or store. `wait()` returns the tensor (fetch) or None (store)."""
-
-    def __init__(self, result=None, futures=(), after=None):
-        self._result, self._futures, self._after = result, list(futures), after
-        self._done = False
-        self._lock = threading.Lock()  # the training thread and the optimizer worker may wait on the same write
-
-    def done(self) -> bool:
-        return self._done or all(f.done() for f in self._futures)
-
-    def wait(self):
-        if self._done:
-            return self._result
-        with self._lock:
-            if not self._done:
-                for fut in self._futures:
-                    fut.wait()  # the bytes must be on disk / in the buffer before the caller touches them
-                if self._after is not None:
-                    self._after()
-                self._done = True
-        return self._result
-
-
 class TieredMemoryManager:
     """Residency table and byte counters of every shard on this rank."""
 
@@ -113,6 +91,8 @@ class TieredMemoryManager:
                 if plan.tier(i, k) is Tier.HOST]
         self.host_arena = HostArena(arena_bytes(host), pin=pin_host) if pin_host else None  # Note [pinned arena]
         self.bytes_moved: dict[str, int] = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
+        # stores from the device to NVMe: submitted once their d2h copy is done (Note [stores after their copy])
+        self._copy_waiter = ThreadPoolExecutor(1, thread_name_prefix="infinity-d2h-wait")
 
     # ----------------------------------------------------------------- allocation
     def allocate(self, unit: int, kind: Kind) -> None:
@@ -342,7 +322,7 @@ class TieredMemoryManager:
 
         for future in futures:
             future.add_done_callback(issue)
-        return _Chained(read, lambda _host: (issue(landed=True), copy[0].wait())[1])
+        return Chained(read, lambda _host: (issue(landed=True), copy[0].wait())[1])
 
     def resident(self, unit: int, kind: Kind) -> torch.Tensor | None:
         """The whole stored shard of a DEVICE / HOST shard (None on NVMe), for aliasing."""
@@ -409,6 +389,8 @@ class TieredMemoryManager:
                     self._order_device(shard, ids, self.streams.d2h)
                     done = self._to_host(view, tensor, wait=False)  # whoever reads these bytes next waits for it
                     self.streams.hold(tensor, self.streams.d2h)  # (its device memory is not reused before)
+                    if not release:
+                        self.streams.wait_event(done)  # the caller rewrites `tensor` next: on the device, after
                     for i in ids:
                         shard.chunks[i].device_use = done
                 else:
@@ -424,13 +406,16 @@ class TieredMemoryManager:
             if release:
                 self.staging.release(tensor)
             return Pending(None)
-        host = tensor
+        host, copied = tensor, None
         if tensor.device.type != "cpu":
             host = self.staging.host_buffer(numel, shard.dtype)
-            self._to_host(host, tensor)  # (the disk write reads host memory)
+            copied = self._to_host(host, tensor, wait=False)  # the disk write waits for it, not this thread
+            self.streams.hold(tensor, self.streams.d2h)  # (its device memory is not reused before)
             self.bytes_moved["d2h"] += numel * shard.dtype.itemsize
             if release:
                 self.staging.release(tensor)
+            else:
+                self.streams.wait_event(copied)  # the caller rewrites `tensor` next: on the device, after the copy
             release = True
         ids = shard.chunk_ids(chunk)
         # a master that the parameters alias is written for both: they follow its state
@@ -441,7 +426,7 @@ class TieredMemoryManager:
         if params is not None:
             for i in ids:
                 self.fresh.discard(unit, i)
-        futures, chunks = [], [shard.chunks[i] for i in ids]
+        chunks = [shard.chunks[i] for i in ids]
         written_chunks = [(shard, c) for c in chunks]
         for c in (follower.chunks[i] for i in ids) if follower is not None else ():
             self._wait_write(c)
@@ -452,9 +437,15 @@ class TieredMemoryManager:
             self._wait_write(c)
             self._set(shard, c, Residency.WRITING)
             c.version += 1
-            futures.append(self._timed(self.swap.write(c.extent, host.narrow(0, c.start - start, c.numel)),
-                                       Link.NVME_WRITE, shard, c))
             self.bytes_moved["nvme_write"] += c.numel * shard.dtype.itemsize
+
+        def submit():
+            return [self._timed(self.swap.write(c.extent, host.narrow(0, c.start - start, c.numel)),
+                                Link.NVME_WRITE, shard, c) for c in chunks]
+        if copied is None:
+            futures = submit()
+        else:  # Note [stores after their copy] (pending.py)
+            futures = [WritesAfterCopy(self._copy_waiter, copied, submit)]
 
         release_when_written = release and not keep  # a kept buffer is released by the fresh copies
 
@@ -525,28 +516,11 @@ class TieredMemoryManager:
 
     def close(self) -> None:
         self.drain()
+        self._copy_waiter.shutdown()
         self.fresh.close()
         self.staging.close()
         if self.host_arena is not None:
             self.host_arena.close()
-
-
-class _Chained(Pending):
-    """A fetch followed by a step that runs at wait() time (e.g. NVMe read, then host-to-device)."""
-
-    def __init__(self, first: Pending, then):
-        super().__init__()
-        self._first, self._then = first, then
-
-    def done(self) -> bool:
-        return self._first.done()
-
-    def wait(self):
-        with self._lock:
-            if not self._done:
-                self._result = self._then(self._first.wait())
-                self._done = True
-        return self._result
 
 
 def _crossing(src: torch.device, dst: torch.device) -> str | None:

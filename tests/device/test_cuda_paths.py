@@ -321,13 +321,27 @@ def test_device_to_host_store_waits_for_the_producing_stream(tmp_path, monkeypat
 
         monkeypatch.setattr(manager, "_to_host", to_host)
         streams.log.clear()
-        for kind in (Kind.GRADS, Kind.EXP_AVG):  # host tier, NVMe tier
-            start, numel = manager.chunk_span(1, 0)
-            manager.store(1, kind, 0, torch.empty(numel, device=META)).wait()
-        assert copies == [("cpu", "meta", False), ("cpu", "meta", True)]  # (the disk write reads host memory next)
+        start, numel = manager.chunk_span(1, 0)
+        with count_host_syncs() as syncs:
+            manager.store(1, Kind.GRADS, 0, torch.empty(numel, device=META)).wait()  # host tier
+            # defect 8: the host-tier store does not wait; the thread that reads those host bytes next does
+            assert ("host waits", "d2h") not in streams.log and syncs == []
+            manager.store(1, Kind.EXP_AVG, 0, torch.empty(numel, device=META)).wait()  # NVMe tier
+        # Note [stores after their copy]: the NVMe store does not wait for its copy on the storing thread either;
+        # its disk write, which reads the host buffer, waits for it on the manager's copy-waiter thread
+        assert copies == [("cpu", "meta", False), ("cpu", "meta", False)]
+        assert [(thread.startswith("infinity-d2h-wait"), why) for thread, why in syncs] == [
+            (True, "d2h copy before its disk write")], syncs
+        stored = torch.empty(numel, device=META)
+        # a source the caller keeps (release=False): its next writes on the caller's stream wait on the device
+        # for the copy that reads it, in both tiers
+        for kind in (Kind.GRADS, Kind.EXP_AVG):
+            streams.log.clear()
+            manager.store(1, kind, 0, stored, release=False).wait()
+            log = streams.log
+            assert ("wait", "current") in log and log.index(("record", "d2h")) < log.index(("wait", "current")), (
+                kind, log)
         manager.mark_zero(1, Kind.EXP_AVG)
-        # defect 8: the host-tier store does not wait; the thread that reads those host bytes next does
-        assert ("host waits", "d2h") not in streams.log
         streams.log.clear()
         with count_host_syncs() as syncs:
             manager.fetch(1, Kind.GRADS, 0, torch.device("cpu")).wait()
