@@ -41,6 +41,7 @@ from infinity.profile.clock import TrainingClock
 from infinity.runtime.activations import activations_for
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
+from infinity.runtime.inference import InferenceForwards
 from infinity.runtime.loss_scale import LossScaler
 from infinity.runtime.materialize import buffers_to, materialize_units
 from infinity.runtime.prefetch import OrderTrace, Prefetcher
@@ -106,6 +107,7 @@ class Engine:
             self._handles += handles
             self._counters.append(counter)
         self._handles += self.activations.install()  # (after the unit hooks: Note [unit checkpoints])
+        self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device)
         self.micro_step = 0  # backward passes since initialize
         self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
@@ -210,7 +212,7 @@ class Engine:
         self.clock.forward_begins()
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
-        with self.activations.forward():  # counts what autograd saves (Note [activation bytes])
+        with self.activations.forward(), self.inference.engine_call():  # (Note [activation bytes])
             output = self.module(*args, **kwargs)
         self.clock.compute_end("forward")
         needs_grad = bool(tensors_needing_grad(output))
@@ -221,6 +223,11 @@ class Engine:
             self.prefetcher.release_unused()
             root.reshard()
         return output
+
+    def generate(self, *args, **kwargs):
+        """A Hugging Face model's own `generate`, at every placement (Note [inference forwards])."""
+        self._check_open()
+        return self.inference.generate(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale)."""
@@ -410,6 +417,7 @@ class Engine:
             finally:
                 for h in self._handles:
                     h.remove()
+                self.inference.close()
                 self.manager.close()
                 if self.swap is not None:
                     self.swap.close()

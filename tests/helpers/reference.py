@@ -95,3 +95,17 @@ def engine_losses(engine, batches, loss_of) -> list[float]:
         engine.step()
         losses.append(loss.item())
     return losses
+
+
+TRAINABLE = ("attn.proj", "ln")  # parameter names that stay trainable: a LoRA-like handful
+
+
+@dataclass(frozen=True)
+class FrozenRecipe(Recipe):
+    """The tiny GPT with everything frozen but the attention projections and the layer norms."""
+
+    def build(self):
+        model = super().build()
+        for name, p in model.named_parameters():
+            p.requires_grad_(any(t in name for t in TRAINABLE))
+        return model

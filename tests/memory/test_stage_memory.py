@@ -12,7 +12,6 @@ import glob
 import json
 import os
 import zlib
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from ckpt_runs import load_then_run, make_engine, run_then_save, states_equal, t
 from dist_utils import run_distributed
 from infinity.memory.tier import OPTIMIZER_KINDS, Kind
 from infinity.memory.traffic import bytes_per_step
-from reference import Recipe, engine_losses, plain_adamw, reference_run
+from reference import FrozenRecipe, Recipe, engine_losses, plain_adamw, reference_run
 from stage_formulas import FORMULAS
 
 HOST = {"params": "host", "grads": "host", "optimizer": "host"}
@@ -77,20 +76,6 @@ def test_memory_report_meets_the_formulas_at_every_stage(world):
 
 
 # ---------------------------------------------------------------- frozen weights
-
-
-TRAINABLE = ("attn.proj", "ln")  # parameter names that stay trainable: a LoRA-like handful
-
-
-@dataclass(frozen=True)
-class FrozenRecipe(Recipe):
-    """The tiny GPT with everything frozen but the attention projections and the layer norms."""
-
-    def build(self):
-        model = super().build()
-        for name, p in model.named_parameters():
-            p.requires_grad_(any(t in name for t in TRAINABLE))
-        return model
 
 
 def _frozen_run(rank, world, recipe, placement, swap_root, stage):

@@ -11,11 +11,10 @@ import os
 
 import pytest
 import torch
-from test_stage_memory import FrozenRecipe
 
 from dist_utils import run_distributed
 from infinity.memory.stages import STAGES, stage_for
-from reference import Recipe, reference_run
+from reference import FrozenRecipe, Recipe, reference_run
 from zero_runs import Case, cases_on_rank
 
 CLIP = Recipe(micro_batch=6, steps=3)  # 6 sequences split evenly over 1, 2 or 3 ranks; clipping clips

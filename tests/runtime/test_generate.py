@@ -1,0 +1,128 @@
+"""Generation and evaluation forwards outside engine(batch), at every placement (Note [inference forwards]).
+
+The reference is transformers itself: the same weights (saved by save_pretrained, loaded with weights=) in
+the plain model, greedy decoding by its own generate(); evaluation logits by its own forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import infinity
+from hf_tiny import HOST, nvme, on_meta, prompt, reference, train
+
+NEW_TOKENS = 4  # the prompt's 12 + 4 stay within the tiny models' 16 positions
+
+
+def placement(tier: str, swap) -> dict:
+    if tier == "nvme":
+        return nvme(str(swap))
+    if tier == "device":
+        return {**HOST, "placement": {"params": "device", "grads": "device", "optimizer": "device"}}
+    return HOST
+
+
+def greedy(generate, x):
+    return generate(x, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Each kind's reference model and its save_pretrained directory."""
+    out = {}
+    for kind in ("llama", "gpt2"):
+        ref = reference(kind)
+        path = tmp_path_factory.mktemp(kind)
+        ref.save_pretrained(path)
+        out[kind] = (ref, str(path))
+    return out
+
+
+@pytest.mark.parametrize("tier", ["nvme", "host", "device"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_greedy_generation_equals_the_plain_model(kind, tier, saved, tmp_path):
+    ref, path = saved[kind]
+    x = prompt()
+    with torch.no_grad():
+        want = greedy(ref.generate, x)
+    with infinity.initialize(on_meta(kind), placement(tier, tmp_path), weights=path) as engine:
+        got = greedy(engine.generate, x)
+        again = greedy(engine.generate, x)  # a second generate: the root was released and is fetched again
+        assert not engine.units[0].state.name.startswith("UNSHARD")  # released after generate
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
+@pytest.mark.parametrize("extra", [{"zero": {"stage": 2}}, {"activation": {"checkpoint": "units"}}],
+                         ids=["stage2", "checkpointed"])
+def test_generation_with_parameters_on_nvme_at_other_settings(extra, saved, tmp_path):
+    ref, path = saved["llama"]
+    x = prompt()
+    with torch.no_grad():
+        want = greedy(ref.generate, x)
+    with infinity.initialize(on_meta("llama"), nvme(str(tmp_path)) | extra, weights=path) as engine:
+        assert torch.equal(greedy(engine.generate, x), want)
+
+
+def test_evaluation_through_the_module_under_no_grad(saved, tmp_path):
+    """engine.module(...) called directly (a user's eval loop) with parameters on NVMe: transformers' logits."""
+    ref, path = saved["llama"]
+    x = prompt()
+    with torch.no_grad():
+        want = ref(input_ids=x).logits
+    with infinity.initialize(on_meta("llama"), nvme(str(tmp_path)), weights=path) as engine:
+        with torch.no_grad():
+            got = engine.module(input_ids=x).logits
+            via_engine = engine(input_ids=x).logits
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(via_engine, want)
+        with pytest.raises(RuntimeError, match="needs gradients.*torch.no_grad"):
+            engine.module(input_ids=x)  # with gradients, outside engine(batch): refused with the fix
+        with torch.no_grad():  # and the engine still works after the refusal
+            torch.testing.assert_close(engine.module(input_ids=x).logits, want)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "worker"])
+def test_evaluation_and_generation_leave_training_bitwise_unchanged(overlap, saved, tmp_path):
+    """Training with an evaluation forward and a generate after every step ends with the very parameters of the
+    same training without them; and no gradient state is allocated by them."""
+    _, path = saved["llama"]
+    config = nvme(str(tmp_path)) | {"overlap": {"optimizer_with_backward": overlap}, "optimizer": {
+        "lr": 1e-2, "weight_decay": 0.1, "grad_clip": 0.5 if overlap else 0.0}}
+    x = prompt()
+    finals = []
+    for interleave in (False, True):
+        with infinity.initialize(on_meta("llama"), config, weights=path) as engine:
+            for _ in range(3):
+                train(engine, steps=1)
+                if interleave:
+                    grads_before = [u._grad_flat is None for u in engine.units]
+                    with torch.no_grad():
+                        engine.module(input_ids=x)
+                    greedy(engine.generate, x)
+                    assert [u._grad_flat is None for u in engine.units] == grads_before
+            finals.append(engine.full_state_dict())
+    for key, value in finals[0].items():
+        assert torch.equal(value, finals[1][key]), key
+
+
+def test_generation_of_a_peft_model_on_nvme(saved, tmp_path):
+    """A LoRA-wrapped model's generate (PEFT calls its base model's): with B = 0 the adapters add nothing, so
+    the base model's greedy tokens."""
+    peft = pytest.importorskip("peft")
+    ref, path = saved["llama"]
+    x = prompt()
+    with torch.no_grad():
+        want = greedy(ref.generate, x)
+    base = on_meta("llama")
+    with infinity.meta_init():
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with infinity.initialize(model, nvme(str(tmp_path)), weights=path) as engine:
+        assert torch.equal(greedy(engine.generate, x), want)
+
+
+def test_generate_needs_a_model_with_generate(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with infinity.initialize(model, HOST) as engine:
+        with pytest.raises(TypeError, match="has none.*torch.no_grad"):
+            engine.generate(torch.zeros(1, 4))
