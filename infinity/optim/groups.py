@@ -62,6 +62,7 @@ class ParamGroups:
     groups: list[dict]
     base_lrs: list[float]
     group_of: dict[str, int]
+    lrs_set_by_user: bool = False  # engine.set_lr was called (Note [who sets the lr] in optimizer_surface.py)
 
     def __len__(self) -> int:
         return len(self.groups)
@@ -87,9 +88,16 @@ class ParamGroups:
         return [float(value) if base == cfg.lr else factor * base for base in self.base_lrs]
 
     def record(self) -> list[dict]:
-        """What a checkpoint keeps of the groups (JSON): names, hyper-parameters, current lr."""
-        return [{"params": sorted(g["params"]), "lr": float(g["lr"]), "weight_decay": float(g["weight_decay"]),
-                 "betas": [float(b) for b in g["betas"]], "eps": float(g["eps"])} for g in self.groups]
+        """What a checkpoint keeps of the groups (JSON): names, hyper-parameters, current lr, and who sets it
+        (`lr_set_by_user`; a torch scheduler's "initial_lr")."""
+        out = []
+        for g in self.groups:
+            out.append({"params": sorted(g["params"]), "lr": float(g["lr"]), "weight_decay": float(g["weight_decay"]),
+                        "betas": [float(b) for b in g["betas"]], "eps": float(g["eps"]),
+                        "lr_set_by_user": self.lrs_set_by_user})
+            if "initial_lr" in g:
+                out[-1]["initial_lr"] = float(g["initial_lr"])
+        return out
 
     def difference(self, saved: list[dict] | None) -> str | None:
         """Why groups saved by `record` are not these groups (None: the same partition of the parameters and
@@ -110,9 +118,13 @@ class ParamGroups:
         return None
 
     def restore_lrs(self, saved: list[dict] | None) -> None:
-        """Set each group's current lr to the saved one (as torch's `Optimizer.load_state_dict` does)."""
+        """Each group's current lr (and a scheduler's "initial_lr") as saved, as torch's
+        `Optimizer.load_state_dict` does, and who sets the lrs: a run resumes as it went on."""
         for g, s in zip(self.groups, saved or []):
             g["lr"] = s["lr"]
+            if "initial_lr" in s:
+                g["initial_lr"] = s["initial_lr"]
+            self.lrs_set_by_user = bool(s.get("lr_set_by_user", False))
 
 
 def _named_trainable(model: nn.Module) -> tuple[dict[str, str], dict[int, str]]:

@@ -13,7 +13,8 @@ schedule (`lr_schedule=` of initialize, else `[optimizer] schedule` / warmup wit
 peak) writes each group's lr for the update about to run. The user takes over by calling
 `engine.set_lr(...)`, or by building a torch LR scheduler on `engine.optimizer` (torch marks each
 group's "initial_lr" then); from then on the learning rates change only when the user (or their
-scheduler) writes them. One rule, in one place: `LearningRates.for_update`.
+scheduler) writes them. A checkpoint keeps the lrs and who sets them, so a resumed run goes on
+the same way. One rule, in one place: `LearningRates.for_update`.
 """
 
 from __future__ import annotations
@@ -35,12 +36,11 @@ class LearningRates:
     def __init__(self, groups: ParamGroups, cfg: OptimizerConfig,
                  lr_schedule: Callable[[int], float | Sequence[float]] | None):
         self.groups, self.cfg, self.lr_schedule = groups, cfg, lr_schedule
-        self._set_by_user = False
         self.for_update(0)  # the lrs a user (or a scheduler built now) sees before the first update
 
     def user_controls(self) -> bool:
         """engine.set_lr was called, or a torch LR scheduler was built on engine.optimizer."""
-        return self._set_by_user or any("initial_lr" in g for g in self.groups.groups)
+        return self.groups.lrs_set_by_user or any("initial_lr" in g for g in self.groups.groups)
 
     def for_update(self, step: int) -> tuple[AdamHyper, ...]:
         """The hyper-parameters of optimizer step `step` (0-based), per group; writes the built-in schedule's
@@ -63,7 +63,7 @@ class LearningRates:
                              f"parameter group, in the order of engine.param_groups)")
         for g, v in zip(self.groups.groups, values):
             g["lr"] = float(v)
-        self._set_by_user = True
+        self.groups.lrs_set_by_user = True
 
 
 class EngineOptimizer(torch.optim.Optimizer):
