@@ -294,3 +294,28 @@ def test_engine_optimizer_surface():
         assert math.isclose(engine.lr[1], CLIP.lr)
     finally:
         engine.close()
+
+
+def test_estimate_shows_groups_with_the_same_bytes(tmp_path):
+    """`infinity estimate` takes `[optimizer] no_decay`, reports each group's counts, and plans the same bytes."""
+    from infinity.job import estimate as est
+    from infinity.job.train import ModelConfig, build_model
+    from infinity.memory.cost_model import LinkRates
+    rates = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="t")
+    small = ModelConfig(n_layer=2, d_model=48, n_head=4, seq_len=16, vocab_size=300)
+    results = {}
+    for rules in ([], ["bias_and_norm"]):
+        config = infinity.Config.from_dict({"optimizer": {"no_decay": rules, "weight_decay": WD},
+                                            "placement": {"params": "host", "grads": "host", "optimizer": "host"}})
+        results[len(rules)] = est.estimate(lambda: build_model(small), config, batch_size=2, seq_len=16, rates=rates)
+    plain, grouped = results[0], results[1]
+    assert grouped.state() == plain.state() and grouped.state()
+    model = build_model(small).model
+    off = hf_no_decay_names(model)
+    named = dict(model.named_parameters())
+    expect = [(len(named) - len(off), sum(p.numel() for n, p in named.items() if n not in off), WD),
+              (len(off), sum(named[n].numel() for n in off), 0.0)]
+    assert [(g["tensors"], g["elements"], g["weight_decay"]) for g in grouped.groups] == expect
+    text = est.format_estimate(grouped)
+    assert f"optimizer groups: 2 ({expect[0][0]} tensors, {expect[0][1]:,} elements at weight_decay 0.1; " in text
+    assert len(plain.groups) == 1 and plain.groups[0]["elements"] == expect[0][1] + expect[1][1]
