@@ -62,8 +62,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
                  lr_schedule: Callable[[int], float] | None = None, group=None, weights=None, strict: bool = True,
                  param_groups: list[dict] | None = None):
-        self.module, self.config = model, config
-        self.groups = resolve_groups(model, config.optimizer, param_groups)  # by name: build_units replaces them
+        self.module, self.config, self.groups = model, config, resolve_groups(model, config.optimizer, param_groups)
         self.env = resolve(group)
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
         self.streams = Streams.for_device(self.env.device)
@@ -260,6 +259,7 @@ class Engine:
         if not self.updates.step(norm, self.optimizer_steps):
             return False
         self.optimizer_steps += 1
+        self.optimizer.stepped()  # (a torch LR scheduler on it checks this)
         self.clock.stepped(self.optimizer_steps - 1)
         return True
 

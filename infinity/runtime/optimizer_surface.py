@@ -81,6 +81,11 @@ class EngineOptimizer(torch.optim.Optimizer):
                              "engine.backward(loss), then step()")
         return self._engine_step()
 
+    def stepped(self) -> None:
+        """engine.step() applied an update: torch's LR schedulers check this flag (their own protocol, set by the
+        `step` they wrap) to warn about a scheduler stepped before its optimizer; engine.step() counts too."""
+        self._opt_called = True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: the engine's gradients are consumed by its update."""
 
