@@ -127,15 +127,16 @@ class ParamGroups:
             self.lrs_set_by_user = bool(s.get("lr_set_by_user", False))
 
 
-def _named_trainable(model: nn.Module) -> tuple[dict[str, str], dict[int, str]]:
-    """Every name of a trainable parameter -> its canonical name, and id(parameter) -> canonical name."""
+def _named_parameters(model: nn.Module) -> tuple[dict[str, str], dict[int, str], set[str]]:
+    """Every name of a trainable parameter -> its canonical name, id(parameter) -> canonical name (every
+    parameter), and the names of the frozen ones."""
     alias: dict[str, str] = {}
     by_id: dict[int, str] = {}
+    frozen: set[str] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical = by_id.setdefault(id(p), name)
-        if p.requires_grad:
-            alias[name] = canonical
-    return alias, {i: n for i, n in by_id.items() if n in alias}
+        (alias.__setitem__(name, canonical) if p.requires_grad else frozen.add(name))
+    return alias, by_id, frozen
 
 
 def _check_value(key: str, value, where: str) -> object:
@@ -173,7 +174,8 @@ def _from_no_decay(model: nn.Module, cfg: OptimizerConfig, alias: dict[str, str]
 
 def resolve_groups(model: nn.Module, cfg: OptimizerConfig, param_groups: Sequence[dict] | None) -> ParamGroups:
     """The groups of this run (module docstring); raises ConfigError naming what to change."""
-    alias, canonical_of = _named_trainable(model)
+    alias, canonical_of, frozen = _named_parameters(model)
+    trainable = set(alias.values())
     if param_groups is not None and cfg.no_decay:
         raise ConfigError(f"both param_groups= and optimizer.no_decay = {list(cfg.no_decay)} are set: the groups "
                           f"passed to initialize replace the key; drop one (put the no-decay parameters in a group "
@@ -181,10 +183,12 @@ def resolve_groups(model: nn.Module, cfg: OptimizerConfig, param_groups: Sequenc
     if param_groups is None:
         given = _from_no_decay(model, cfg, alias)
     else:
-        if isinstance(param_groups, dict) or not all(isinstance(g, dict) for g in param_groups):
+        given = [] if isinstance(param_groups, dict) else list(param_groups)
+        if given and all(isinstance(g, nn.Parameter) for g in given):
+            given = [{"params": given}]  # torch.optim also takes the parameters themselves: one group
+        if not given or not all(isinstance(g, dict) for g in given):
             raise ConfigError("param_groups must be a list of dicts, each with 'params' (parameters of the model or "
                               "their names) and any of " + ", ".join(GROUP_KEYS) + " (as torch.optim takes them)")
-        given = list(param_groups)
     groups: list[dict] = []
     group_of: dict[str, int] = {}
     for i, spec in enumerate(given):
@@ -200,6 +204,8 @@ def resolve_groups(model: nn.Module, cfg: OptimizerConfig, param_groups: Sequenc
         names = []
         for p in params:
             name = alias.get(p) if isinstance(p, str) else canonical_of.get(id(p))
+            if (p in frozen) if isinstance(p, str) else (name is not None and name not in trainable):
+                continue  # frozen (requires_grad=False): never stepped, as torch.optim skips a None gradient
             if name is None:
                 what = repr(p) if isinstance(p, str) else f"a tensor of shape {tuple(p.shape)}"
                 raise ConfigError(f"{where}: {what} is not a trainable parameter of the model: pass the model's own "

@@ -277,6 +277,8 @@ def test_refusals():
     assert "both param_groups= and optimizer.no_decay" in msg
     msg = _groups_error(lambda m: [{"params": list(m.parameters()), "betas": (0.9, 1.5)}])
     assert "betas = (0.9, 1.5) must be a pair of numbers in [0, 1)" in msg
+    msg = _groups_error(lambda m: {"params": list(m.parameters())})
+    assert "param_groups must be a list of dicts" in msg
     with pytest.raises(infinity.ConfigError, match="optimizer.no_decay.*not a regular expression"):
         infinity.Config.from_dict({"optimizer": {"no_decay": ["(bias"]}})
     with pytest.raises(infinity.ConfigError, match="no_decay.*closest|did you mean"):
@@ -324,3 +326,17 @@ def test_estimate_shows_groups_with_the_same_bytes(tmp_path):
     text = est.format_estimate(grouped)
     assert f"optimizer groups: 2 ({expect[0][0]} tensors, {expect[0][1]:,} elements at weight_decay 0.1; " in text
     assert len(plain.groups) == 1 and plain.groups[0]["elements"] == expect[0][1] + expect[1][1]
+
+
+def test_torch_forms_accepted_frozen_parameters_skipped():
+    """As torch.optim: a plain list of parameters is one group; frozen parameters in a group are skipped (never
+    stepped: their gradient is None); a parameter given under another name of a tied weight is the same one."""
+    model = CLIP.build()
+    cfg = infinity.Config().optimizer
+    named = dict(model.named_parameters())
+    assert resolve_groups(model, cfg, list(model.parameters())).groups[0]["params"] == list(named)
+    named["wpe.weight"].requires_grad_(False)
+    groups = resolve_groups(model, cfg, [{"params": list(model.parameters())}]).groups
+    assert groups[0]["params"] == [n for n in named if n != "wpe.weight"]
+    groups = resolve_groups(model, cfg, [{"params": [n for n in named]}, {"params": ["wpe.weight"]}]).groups
+    assert groups[1]["params"] == []
