@@ -100,8 +100,9 @@ class ParamGroups:
         return out
 
     def difference(self, saved: list[dict] | None) -> str | None:
-        """Why groups saved by `record` are not these groups (None: the same partition of the parameters and
-        the same weight_decay / betas / eps; learning rates may differ, they are restored)."""
+        """Why groups saved by `record` are not these groups (None: the same partition of the parameters into
+        groups). The hyper-parameters are this run's, as `[optimizer]`'s were before groups: a run may resume
+        with another weight_decay, and an engine built for evaluation loads any checkpoint of its model."""
         mine = self.record()
         if saved is None:  # a checkpoint from before groups: one group, the [optimizer] values
             return None if len(mine) == 1 else f"it was saved with 1 parameter group, this run has {len(mine)}"
@@ -112,9 +113,6 @@ class ParamGroups:
                 moved = sorted(set(s["params"]) ^ set(m["params"]))
                 more = " ..." if len(moved) > 5 else ""
                 return f"group {i} holds other parameters (differing: {', '.join(moved[:5])}{more})"
-            for key in ("weight_decay", "betas", "eps"):
-                if s[key] != m[key]:
-                    return f"group {i} has {key} = {m[key]}, the checkpoint's has {s[key]}"
         return None
 
     def restore_lrs(self, saved: list[dict] | None) -> None:

@@ -426,9 +426,9 @@ def check_groups(manifest: dict, groups, path: str) -> None:
     why = groups.difference(manifest.get("param_groups"))
     if why is not None:
         raise CheckpointError(f"checkpoint {path} was saved with other parameter groups: {why}. Resume with the "
-                              f"param_groups= (or [optimizer] no_decay / weight_decay / betas / eps) of the run that "
-                              f"saved it; to change the groups, start a new run from its weights (engine."
-                              f"export_state_dict, then initialize(..., weights=...))")
+                              f"param_groups= (or [optimizer] no_decay) of the run that saved it; to change the "
+                              f"groups, start a new run from its weights (engine.export_state_dict, then "
+                              f"initialize(..., weights=...))")
 
 
 class SavedShards:

@@ -213,7 +213,7 @@ def test_lr_schedule_argument_scales_groups():
 def test_checkpoint_keeps_groups_and_refuses_others(tmp_path):
     """Save after 1 step with the two-lr groups, resume in a new engine and train 2 more: equals 3 straight
     steps of torch AdamW; a run with other groups (nanoGPT's) is refused with the fix, before any state
-    changes."""
+    changes; the same groups with another weight_decay load (hyper-parameters are the resuming run's)."""
     recipe, ckpt = CLIP, str(tmp_path / "ckpt")
     swap = str(tmp_path / "swap")
     os.makedirs(swap)
@@ -248,6 +248,12 @@ def test_checkpoint_keeps_groups_and_refuses_others(tmp_path):
                                                   ".*param_groups="):
             engine.load_checkpoint(ckpt)
         assert engine.optimizer_steps == 0
+    finally:
+        engine.close()
+    engine = make(lambda m: [dict(g, weight_decay=0.05) for g in two_lr_groups(m)])
+    try:
+        engine.load_checkpoint(ckpt)
+        assert engine.optimizer_steps == 1 and [g["weight_decay"] for g in engine.param_groups] == [0.05, 0.05]
     finally:
         engine.close()
 
