@@ -205,6 +205,14 @@ def test_lr_schedule_argument_scales_groups():
         assert [g["lr"] for g in engine.param_groups] == engine.lr
     finally:
         engine.close()
+    model = recipe.build()
+    per_group = lambda k: [1e-3 / (k + 1), 2e-3]  # noqa: E731 - a list: one lr per group
+    with infinity.initialize(model, recipe.config(), param_groups=two_lr_groups(model), lr_schedule=per_group) as e:
+        assert e.lr == [1e-3, 2e-3]
+        e.optimizer_steps = 3  # (what the schedule is asked for: the next update's index)
+        assert e.lr == [2.5e-4, 2e-3]
+    with pytest.raises(ValueError, match="returned 2 learning rates for 1 parameter groups"):  # at initialize
+        infinity.initialize(recipe.build(), recipe.config(), lr_schedule=lambda k: [1e-3, 1e-3])
 
 
 # ----------------------------------------------------------------- checkpoints
