@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 __all__ = ["GROUP_KEYS", "BIAS_AND_NORM", "ParamGroups", "decay_parameter_names", "resolve_groups"]
 
 GROUP_KEYS = ("lr", "weight_decay", "betas", "eps")  # what a group may set; the rest comes from [optimizer]
+# Keys torch.optim.AdamW / Adam write into every group of `optimizer.param_groups` that say how it computes
+# (foreach, fused, capturable: implementations of the same update) or ask for variants: accepted (so a torch
+# optimizer's groups can be passed as they are) only with the values of the update infinity runs; "adamw"
+# is decoupled weight decay, "adam" is not.
+_TORCH_IMPLEMENTATION = ("foreach", "fused", "capturable")
+_TORCH_VARIANTS = {"amsgrad": False, "maximize": False, "differentiable": False}
 BIAS_AND_NORM = "bias_and_norm"  # the `no_decay` rule name: HF Trainer's default
 # transformers' Trainer.get_decay_parameter_names (4.x-5.x): these patterns, searched in the lower-cased
 # name, and every parameter inside an nn.LayerNorm, get no weight decay
@@ -154,6 +160,17 @@ def _check_value(key: str, value, where: str) -> object:
     return value
 
 
+def _check_torch_keys(spec: dict, where: str, decoupled: bool) -> None:
+    """A torch optimizer's own keys in a group must describe the update infinity runs."""
+    wanted = {**_TORCH_VARIANTS, "decoupled_weight_decay": decoupled}
+    for key, value in wanted.items():
+        if key in spec and bool(spec[key]) != value:
+            fix = ('set optimizer.name = "adamw"' if key == "decoupled_weight_decay" and spec[key] else
+                   'set optimizer.name = "adam"' if key == "decoupled_weight_decay" else f"remove {key!r}")
+            raise ConfigError(f"{where}: {key} = {spec[key]!r} is not supported (infinity runs "
+                              f"{'AdamW' if decoupled else 'Adam'} with {key} = {value}); {fix}")
+
+
 def _defaults(cfg: OptimizerConfig) -> dict:
     return {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": tuple(cfg.betas), "eps": cfg.eps}
 
@@ -191,7 +208,9 @@ def resolve_groups(model: nn.Module, cfg: OptimizerConfig, param_groups: Sequenc
     group_of: dict[str, int] = {}
     for i, spec in enumerate(given):
         where = f"param_groups[{i}]"
-        unknown = sorted(set(spec) - {"params", *GROUP_KEYS})
+        _check_torch_keys(spec, where, decoupled=cfg.name == "adamw")
+        unknown = sorted(set(spec) - {"params", *GROUP_KEYS, *_TORCH_IMPLEMENTATION, *_TORCH_VARIANTS,
+                                      "decoupled_weight_decay"})
         if unknown:
             raise ConfigError(f"{where}: unknown key(s) {unknown}; a group sets only {', '.join(GROUP_KEYS)} (the "
                               f"rest of Adam is [optimizer]'s: name, grad_clip, ...)")

@@ -291,6 +291,10 @@ def test_refusals():
     assert "both param_groups= and optimizer.no_decay" in msg
     msg = _groups_error(lambda m: [{"params": list(m.parameters()), "betas": (0.9, 1.5)}])
     assert "betas = (0.9, 1.5) must be a pair of numbers in [0, 1)" in msg
+    msg = _groups_error(lambda m: [{"params": list(m.parameters()), "amsgrad": True}])
+    assert "amsgrad = True is not supported" in msg
+    msg = _groups_error(lambda m: torch.optim.Adam(m.parameters()).param_groups)  # [optimizer] name = "adamw"
+    assert 'decoupled_weight_decay = False is not supported (infinity runs AdamW' in msg and '"adam"' in msg
     msg = _groups_error(lambda m: {"params": list(m.parameters())})
     assert "param_groups must be a list of dicts" in msg
     with pytest.raises(infinity.ConfigError, match="optimizer.no_decay.*not a regular expression"):
@@ -354,3 +358,7 @@ def test_torch_forms_accepted_frozen_parameters_skipped():
     assert groups[0]["params"] == [n for n in named if n != "wpe.weight"]
     groups = resolve_groups(model, cfg, [{"params": [n for n in named]}, {"params": ["wpe.weight"]}]).groups
     assert groups[1]["params"] == []
+    torch_groups = torch.optim.AdamW(nanogpt_groups(model), lr=2e-3, betas=(0.9, 0.99), fused=True).param_groups
+    groups = resolve_groups(model, cfg, torch_groups).groups  # a torch AdamW's groups, as they are
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in groups] == [(2e-3, (0.9, 0.99), WD),
+                                                                          (2e-3, (0.9, 0.99), 0.0)]
