@@ -81,6 +81,12 @@ class EngineOptimizer(torch.optim.Optimizer):
                              "engine.backward(loss), then step()")
         return self._engine_step()
 
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "_engine_step"):  # (torch's __init__ adds its placeholder group before)
+            raise ValueError("engine.optimizer.add_param_group: the groups are fixed at initialize; pass every group "
+                             "to infinity.initialize(model, config, param_groups=[...])")
+        super().add_param_group(param_group)
+
     def stepped(self) -> None:
         """engine.step() applied an update: torch's LR schedulers check this flag (their own protocol, set by the
         `step` they wrap) to warn about a scheduler stepped before its optimizer; engine.step() counts too."""

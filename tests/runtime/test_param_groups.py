@@ -314,6 +314,8 @@ def test_engine_optimizer_surface():
         assert all(isinstance(n, str) for g in engine.param_groups for n in g["params"])
         assert engine.param_groups[0]["betas"] == (0.8, 0.99) and engine.param_groups[1]["betas"] == CLIP.betas
         assert not opt.step()  # no backward yet: nothing to apply
+        with pytest.raises(ValueError, match="groups are fixed at initialize"):
+            opt.add_param_group({"params": ["wte.weight"]})
         with pytest.raises(ValueError, match="one learning rate >= 0, or a list of 2"):
             engine.set_lr([1.0])
         assert math.isclose(engine.lr[1], CLIP.lr)
