@@ -97,10 +97,6 @@ class InferenceForwards:
             self.prefetcher.release_unused()
             self.root.reshard()
 
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
 
 def _generating_modules(module: nn.Module) -> list[nn.Module]:
     """The model, and the model a wrapper's `generate` runs when it is another one (PEFT's base model)."""
