@@ -39,6 +39,7 @@ from infinity.optim.schedule import lr_at
 from infinity.profile import NullProfiler, Profiler
 from infinity.profile.clock import TrainingClock
 from infinity.runtime.activations import activations_for
+from infinity.runtime.chunked_loss import loss_forward
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from infinity.runtime.loss_scale import LossScaler
@@ -72,6 +73,7 @@ class Engine:
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
                     sub_group_size=config.optimizer.sub_group_size)
+        self._forward = loss_forward(config.activation, model)  # the model, or its chunked loss (checked first)
         self.units = build_units(model, list(config.units.classes), comm)
         loaded = plan_weights(weights, model, self.units, strict) if weights is not None else None  # checked first
         self.plan = self._plan()
@@ -211,7 +213,7 @@ class Engine:
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
         with self.activations.forward():  # counts what autograd saves (Note [activation bytes])
-            output = self.module(*args, **kwargs)
+            output = self._forward(*args, **kwargs)
         self.clock.compute_end("forward")
         needs_grad = bool(tensors_needing_grad(output))
         self.prefetcher.end_forward(backward_follows=needs_grad)
