@@ -130,8 +130,15 @@ def test_through_the_engine_with_params_on_nvme_equals_unchunked_training(build,
             torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_the_training_job_with_loss_chunk_tokens_gives_the_unchunked_jobs_losses(tmp_path):
+def test_the_training_job_with_loss_chunk_tokens_gives_the_unchunked_jobs_losses(tmp_path, monkeypatch):
     from infinity.job.train import load_job, train
+    from infinity.runtime import chunked_loss
+    calls = []
+
+    def counted(*args):
+        calls.append(args[-1])
+        return chunked_cross_entropy(*args)
+    monkeypatch.setattr(chunked_loss, "chunked_cross_entropy", counted)
 
     def losses(chunk, name):
         job = load_job(None, ["model.kind=llama", "model.n_layer=1", "model.d_model=32", "model.n_head=4",
@@ -141,4 +148,23 @@ def test_the_training_job_with_loss_chunk_tokens_gives_the_unchunked_jobs_losses
         assert train(job, verbose=False).status == "completed"
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         return [__import__("json").loads(line)["loss"] for line in lines]
-    assert losses(10, "chunked") == pytest.approx(losses(0, "off"), rel=1e-5)
+    off = losses(0, "off")
+    assert not calls
+    assert losses(10, "chunked") == pytest.approx(off, rel=1e-5)
+    assert calls and set(calls) == {10}  # the job's steps (and validation) went through the chunked loss
+
+
+def test_estimate_counts_the_logits_the_chunked_loss_does_not_keep():
+    from infinity.config.sections import Config
+    from infinity.job.estimate import estimate
+    from infinity.job.train import ModelConfig, build_model
+    vocab, seq = 4096, 64
+    model = ModelConfig(kind="llama", vocab_size=vocab, d_model=16, n_layer=1, n_head=2, seq_len=seq)
+
+    def saved(chunk):
+        config = Config.from_dict({"activation": {"loss_chunk_tokens": chunk}})
+        est = estimate(lambda: build_model(model), config, batch_size=2, seq_len=seq, cuda=False)
+        return est.trace.activation_bytes
+    # off, autograd keeps the fp32 log-softmax of the logits [2, seq, vocab] (the head saves its input, already
+    # counted); chunked, the hidden states and labels (a few bytes more than nothing)
+    assert saved(0) - saved(16) == pytest.approx(2 * seq * vocab * 4, rel=0.01)
