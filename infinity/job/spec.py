@@ -40,6 +40,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from infinity.config.options import (
     ConfigError,
@@ -311,7 +312,10 @@ class ModelBundle:
 def _lm_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Loss of a Hugging Face causal LM: transformers' ForCausalLMLoss of its logits against the next tokens (with
     `[activation] loss_chunk_tokens` the engine computes it chunked, without the whole logits)."""
-    return forward(input_ids=x, labels=y, shift_labels=y).loss  # y: already the next tokens (Note [chunked loss])
+    if getattr(getattr(forward, "forward_fn", forward), "chunks_loss", False):  # (Note [chunked loss])
+        return forward(input_ids=x, shift_labels=y).loss  # y: already the next tokens
+    logits = forward(input_ids=x).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
 def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True) -> ModelBundle:
@@ -348,7 +352,6 @@ def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool 
                                           max_position_embeddings=cfg.seq_len, bos_token_id=None, eos_token_id=None,
                                           pad_token_id=None)
         cls = transformers.LlamaForCausalLM
-    hf_cfg.loss_type = "ForCausalLM"  # what _lm_loss relies on (transformers warns when it must guess)
     with scope:
         model = cls(hf_cfg)
     return ModelBundle(model, model._init_weights, _lm_loss, f"{cfg.kind} (transformers) {_count(model)}")
@@ -389,7 +392,6 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
     if isinstance(positions, int) and cfg.seq_len > positions:
         raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
                           f"set model.seq_len <= {positions}")
-    hf_cfg.loss_type = getattr(hf_cfg, "loss_type", None) or "ForCausalLM"
     try:
         with scope:
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg)

@@ -15,8 +15,11 @@ attribute: `model.model`, `transformer`) for the hidden states and applies the h
 head lives in the root unit, unsharded while the forward and backward run, and gets its gradient as usual
 (tied embeddings, as GPT-2's, are one parameter: autograd sums both uses). Models whose head does more than
 a Linear (logit soft-capping, logit scaling) are refused with the fix, since the chunked loss could not
-reproduce them. Any other model opts in with a method `chunked_loss_parts(*args, **kwargs)` returning
-(hidden states [..., hidden], head nn.Linear, shifted labels [...]).
+reproduce them. A caller learns whether the forward chunks from `chunks_loss` on it (or on
+`engine.forward_fn`): the job then passes its labels, and otherwise computes the loss from the logits as
+before (passing `shift_labels` to an unchunked model needs transformers >= 4.50). Any other model opts
+in with a method `chunked_loss_parts(*args, **kwargs)` returning (hidden states [..., hidden], head
+nn.Linear, shifted labels [...]).
 """
 
 from __future__ import annotations
@@ -105,6 +108,8 @@ class HFChunkedLoss:
     """A Hugging Face causal LM's forward with labels, its loss chunked: the decoder for the hidden states,
     then `chunked_cross_entropy` with the head (Note [chunked loss])."""
 
+    chunks_loss = True  # (what a caller asks to know whether to pass labels: Note [chunked loss])
+
     def __init__(self, model: nn.Module, chunk_tokens: int):
         self.model, self.chunk_tokens = model, chunk_tokens
         lm = _causal_lm(model)
@@ -139,6 +144,8 @@ class HFChunkedLoss:
 
 class OptInChunkedLoss:
     """A model with `chunked_loss_parts(*args, **kwargs) -> (hidden, head, shift_labels)`: returns the loss."""
+
+    chunks_loss = True
 
     def __init__(self, model: nn.Module, chunk_tokens: int):
         self.model, self.chunk_tokens = model, chunk_tokens

@@ -73,7 +73,7 @@ class Engine:
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
                     sub_group_size=config.optimizer.sub_group_size)
-        self._forward = loss_forward(config.activation, model)  # the model, or its chunked loss (checked first)
+        self.forward_fn = loss_forward(config.activation, model)  # the model, or its chunked loss (checked first)
         self.units = build_units(model, list(config.units.classes), comm)
         loaded = plan_weights(weights, model, self.units, strict) if weights is not None else None  # checked first
         self.plan = self._plan()
@@ -213,7 +213,7 @@ class Engine:
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
         with self.activations.forward():  # counts what autograd saves (Note [activation bytes])
-            output = self._forward(*args, **kwargs)
+            output = self.forward_fn(*args, **kwargs)
         self.clock.compute_end("forward")
         needs_grad = bool(tensors_needing_grad(output))
         self.prefetcher.end_forward(backward_follows=needs_grad)
