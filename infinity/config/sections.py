@@ -362,6 +362,10 @@ class ActivationConfig(Section):
     offload: str = option("none", '"host": the units\' saved inputs go to (pinned) host memory after their '
                           "forward and are copied back one unit ahead of their backward; needs checkpoint = \"units\".",
                           "enum", choices=("none", "host"))
+    loss_chunk_tokens: int = option(0, "N > 0: a causal LM's output head and cross-entropy run over N tokens at a "
+                                    "time in forward and again in backward, so the full [batch, seq, vocab] "
+                                    "logits never exist (Hugging Face causal LMs called with labels, or a model "
+                                    "with chunked_loss_parts; Note [chunked loss]); 0: off.", "int", ge=0)
 
     def _check(self) -> None:
         if self.offload != "none" and self.checkpoint == "none":

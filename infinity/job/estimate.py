@@ -254,8 +254,10 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         else:
             rates = link_rates.cached_link_rates(cuda)
     traced = make_model()  # a second copy: tracing moves its buffers to the meta device
+    from infinity.runtime.chunked_loss import loss_forward  # the forward the engine runs (Note [chunked loss])
     from infinity.units.unit import find_unit_modules
-    trace = trace_step(traced.model, traced.loss, batch_size, seq_len,
+    forward = loss_forward(config.activation, traced.model)
+    trace = trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch_size, seq_len,
                        [m for _, m in find_unit_modules(traced.model, list(config.units.classes))])
     flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
     compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0

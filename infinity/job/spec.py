@@ -310,7 +310,10 @@ class ModelBundle:
 
 
 def _lm_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Loss of a Hugging Face causal LM: cross-entropy of its logits against the next bytes."""
+    """Loss of a Hugging Face causal LM: transformers' ForCausalLMLoss of its logits against the next tokens (with
+    `[activation] loss_chunk_tokens` the engine computes it chunked, without the whole logits)."""
+    if getattr(getattr(forward, "forward_fn", forward), "chunks_loss", False):  # (Note [chunked loss])
+        return forward(input_ids=x, shift_labels=y).loss  # y: already the next tokens
     logits = forward(input_ids=x).logits
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 

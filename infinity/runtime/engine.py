@@ -39,6 +39,7 @@ from infinity.optim.read_ahead import resolve_read_ahead
 from infinity.profile import NullProfiler, Profiler
 from infinity.profile.clock import TrainingClock
 from infinity.runtime.activations import activations_for
+from infinity.runtime.chunked_loss import loss_forward
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from infinity.runtime.inference import InferenceForwards
@@ -74,6 +75,7 @@ class Engine:
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
                     sub_group_size=config.optimizer.sub_group_size)
+        self.forward_fn = loss_forward(config.activation, model)  # the model, or its chunked loss (checked first)
         self.units = build_units(model, list(config.units.classes), comm)
         for unit in self.units:
             unit.set_groups(self.groups.group_of)  # Note [groups ride on ranges] (optim/groups.py)
@@ -200,7 +202,7 @@ class Engine:
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
         with self.activations.forward(), self.inference.engine_call():  # (Note [activation bytes])
-            output = self.module(*args, **kwargs)
+            output = self.forward_fn(*args, **kwargs)
         self.clock.compute_end("forward")
         needs_grad = bool(tensors_needing_grad(output))
         self.prefetcher.end_forward(backward_follows=needs_grad)
