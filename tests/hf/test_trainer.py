@@ -1,6 +1,8 @@
 """InfinityTrainer / InfinitySFTTrainer against transformers' Trainer / TRL's SFTTrainer on the same script."""
 
 
+import os
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ datasets = pytest.importorskip("datasets")
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import infinity  # noqa: E402
+from dist_utils import free_port  # noqa: E402
 from infinity.hf import InfinityTrainer  # noqa: E402
 
 VOCAB = 64
@@ -182,3 +185,34 @@ def test_sft_trainer_losses_equal(tmp_path):
     assert len(losses(ref)) == 8
     torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
     ours.engine.close()
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_gloo_equals_one_process_on_the_global_batch(tmp_path):
+    """examples/hf_trainer.py under `torchrun --nproc-per-node 2` (gloo, 2 x 2 samples per micro-batch) gives
+    the losses of plain Trainer in one process on 4 samples per micro-batch."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(root / "examples" / "hf_trainer.py"), "--out", str(tmp_path / "dist"),
+                           "--steps", "6"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = json.loads((tmp_path / "dist" / "losses.json").read_text())
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dist" / "pretrained-0")
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 64, (16,), generator=g).tolist() for _ in range(64)]
+    train = datasets.Dataset.from_list([{"input_ids": r, "labels": r} for r in rows])
+    ref = Trainer(model=model, args=args_for(tmp_path / "ref", per_device_train_batch_size=4, learning_rate=1e-3,
+                                             weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                                             max_grad_norm=1.0, warmup_steps=2, max_steps=6, eval_strategy="no"),
+                  train_dataset=train)
+    ref.train()
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
