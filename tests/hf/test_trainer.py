@@ -83,6 +83,9 @@ def test_losses_and_eval_equal_the_trainer(tmp_path):
     no_decay = {n for g in ours.engine.param_groups if g["weight_decay"] == 0.0 for n in g["params"]}
     assert no_decay == {n for n, _ in ref.model.named_parameters()} - set(ref.get_decay_parameter_names(ref.model))
     assert any(n.endswith("bias") for n in no_decay) and any("norm" in n for n in no_decay)
+    # predict: the engine's forward under no_grad, the reference's logits
+    p_ref, p_ours = ref.predict(evals), ours.predict(evals)
+    torch.testing.assert_close(torch.tensor(p_ours.predictions), torch.tensor(p_ref.predictions), rtol=1e-4, atol=1e-5)
     # save_model: a standalone HF directory with the trained weights
     ours.save_model(str(tmp_path / "saved"))
     ref.save_model(str(tmp_path / "saved_ref"))
@@ -110,6 +113,16 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     straight.engine.close()
     resumed.engine.close()
+
+
+def test_gradient_checkpointing_is_the_engines_units(tmp_path):
+    train = lm_dataset(16)
+    kw = dict(max_steps=6, eval_strategy="no", gradient_accumulation_steps=1)
+    ref = run(Trainer, tmp_path / "r", train, None, **kw)
+    ours = run(InfinityTrainer, tmp_path / "o", train, None, gradient_checkpointing=True, **kw)
+    assert ours.infinity_config.activation.checkpoint == "units" and not ours.args.gradient_checkpointing
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ours.engine.close()
 
 
 @pytest.mark.parametrize("kw, names", [
