@@ -57,7 +57,9 @@ def main() -> None:
                  "optimizer": a.placement}
     infinity_config = {"placement": placement}
     if a.placement == "nvme":
-        infinity_config["nvme"] = {"paths": [os.path.join(a.out, "swap")]}
+        swap = os.path.join(a.out, "swap")  # (point it at a fast local NVMe disk for real runs)
+        os.makedirs(swap, exist_ok=True)
+        infinity_config["nvme"] = {"paths": [swap]}
     trainer = InfinityTrainer(model=model, args=args, train_dataset=train,  # infinity: the class, and:
                               infinity_config=infinity_config, infinity_weights=pretrained)
     trainer.train()
