@@ -1,0 +1,105 @@
+"""What `transformers.TrainingArguments` say, as the engine's config: mapped, or refused with the fix.
+
+Note [training arguments win]: the Trainer's own arguments own the optimizer hyper-parameters
+(learning_rate, adam_beta1/2, adam_epsilon, weight_decay, max_grad_norm), the accumulation
+(gradient_accumulation_steps), the compute dtype (bf16), activation checkpointing
+(gradient_checkpointing) and the seed; `infinity_config` owns what the Trainer has no words for
+(placement, budgets, NVMe paths, ZeRO stage, prefetch, io). A key both could set is taken from the
+arguments; an `infinity_config` that sets it to something else is refused (one answer, in one
+place), and so is any argument the engine cannot honour: never ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from infinity.config.sections import Config, ConfigError
+
+__all__ = ["engine_config_for", "refuse_unsupported"]
+
+ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")  # exactly torch.optim.AdamW's update
+
+
+def _value(args, name: str):
+    v = getattr(args, name, None)
+    return getattr(v, "value", v)  # (enums such as OptimizerNames)
+
+
+def refuse_unsupported(args) -> None:
+    """Raise a ConfigError naming the first TrainingArguments field the engine cannot honour, and the fix."""
+    optim = str(_value(args, "optim"))
+    if optim not in ADAMW_OPTIMS:
+        raise ConfigError(f"TrainingArguments(optim={optim!r}): infinity runs AdamW (torch.optim.AdamW's update) "
+                          f"on its own CPU/GPU optimizer; use optim=\"adamw_torch\" (or \"adamw_torch_fused\"), or "
+                          f"[optimizer] name = \"adam\" in infinity_config for Adam")
+    refusals = [
+        ("fp16", bool(args.fp16), "fp16=True: infinity's mixed precision is bf16 here; use bf16=True "
+                                   "(master weights stay fp32)"),
+        ("deepspeed", args.deepspeed is not None, "deepspeed=...: infinity replaces DeepSpeed; remove it and put "
+                                                   "placement / stage in infinity_config"),
+        ("fsdp", bool(args.fsdp), "fsdp=...: infinity shards the model itself; remove it and set [zero] stage in "
+                                  "infinity_config"),
+        ("torch_compile", bool(args.torch_compile), "torch_compile=True: the engine's hooks run per unit; "
+                                                    "remove it"),
+        ("optim_args", bool(args.optim_args), "optim_args=...: the engine takes only lr / betas / eps / "
+                                              "weight_decay; remove it"),
+        ("gradient_checkpointing_kwargs", bool(args.gradient_checkpointing_kwargs),
+         "gradient_checkpointing_kwargs=...: the engine checkpoints whole units ([activation] checkpoint = "
+         "\"units\"); remove the kwargs"),
+        ("use_liger_kernel", bool(getattr(args, "use_liger_kernel", False)), "use_liger_kernel=True: remove it"),
+        ("n_gpu", getattr(args, "_n_gpu", 0) > 1, "more than one GPU in one process (DataParallel): launch one "
+                                                  "process per GPU with torchrun instead"),
+    ]
+    for name, bad, fix in refusals:
+        if bad:
+            raise ConfigError(f"TrainingArguments({fix})")
+
+
+def _mapped(args) -> dict[str, dict[str, Any]]:
+    """The engine keys the TrainingArguments decide (Note [training arguments win])."""
+    return {
+        "optimizer": {"name": "adamw", "lr": float(args.learning_rate),
+                      "betas": (float(args.adam_beta1), float(args.adam_beta2)), "eps": float(args.adam_epsilon),
+                      "weight_decay": float(args.weight_decay), "grad_clip": max(float(args.max_grad_norm or 0), 0.0),
+                      "schedule": "constant", "warmup_steps": 0, "total_steps": 0, "no_decay": ()},
+        "precision": {"compute_dtype": "bf16" if args.bf16 else "fp32"},
+        "activation": {"checkpoint": "units" if args.gradient_checkpointing else "none"},
+        "train": {"grad_accum_steps": int(args.gradient_accumulation_steps), "seed": int(args.seed)},
+        "checkpoint": {"background": False, "keep_last": 0},  # the Trainer rotates its checkpoint-N folders
+    }
+
+
+def _as_config(infinity_config) -> Config:
+    if infinity_config is None:
+        return Config()
+    if isinstance(infinity_config, Config):
+        return infinity_config
+    if isinstance(infinity_config, dict):
+        return Config.from_dict(infinity_config)
+    return Config.from_file(infinity_config)
+
+
+def engine_config_for(args, infinity_config=None) -> Config:
+    """The engine's Config: `infinity_config` (a Config, a dict, a TOML path or None) with the keys the
+    TrainingArguments decide set from them; a conflicting `infinity_config` key is refused."""
+    refuse_unsupported(args)
+    user = _as_config(infinity_config).to_dict()
+    default = Config().to_dict()
+    for section, keys in _mapped(args).items():
+        for key, value in keys.items():
+            given, fallback = user[section][key], default[section][key]
+            if _same(given, fallback) or _same(given, value):
+                user[section][key] = value
+                continue
+            if key == "name" and given == "adam":  # Adam (L2 decay) instead of AdamW: infinity_config's to choose
+                continue
+            raise ConfigError(f"infinity_config sets {section}.{key} = {given!r} but the Trainer decides it "
+                              f"({value!r} from TrainingArguments): set it in TrainingArguments and remove it "
+                              f"from infinity_config")
+    return Config.from_dict(user)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return list(a) == list(b)
+    return a == b

@@ -1,0 +1,201 @@
+"""`transformers.Trainer` and TRL's `SFTTrainer` running on the infinity engine (docs/hf-trainer.md).
+
+    trainer = InfinityTrainer(model=model, args=args, train_dataset=ds, infinity_config="run.toml")
+
+The Trainer keeps its loop (data, callbacks, logging, evaluation, checkpoint folders, the LR scheduler);
+the engine owns the model's state. Note [trainer on the engine]: as optimum-neuron / optimum-habana do,
+the subclass replaces the few places where the Trainer touches parameters, gradients or the optimizer:
+- the engine is built in `__init__` (so `evaluate()` before `train()` works, and a model built under
+  `infinity.meta_init()` is materialized from `infinity_weights=` unit by unit, never whole in RAM);
+- `create_optimizer` returns `engine.optimizer` (the Trainer's decay / no-decay groups were given to the
+  engine as `param_groups=`), so the Trainer's own `create_scheduler` drives the engine's lrs;
+- `_wrap_model` returns `EngineForward`, a module whose forward is `engine(...)`: `compute_loss`,
+  `prediction_step` (under no_grad) and TRL's losses call it unchanged, and Accelerate never wraps the
+  model (no DDP: the engine reduces gradients itself);
+- `training_step` ends in `engine.backward` instead of `accelerator.backward`;
+- clipping is the engine's (`[optimizer] grad_clip` = max_grad_norm, applied inside `engine.step()`);
+  the grad norm the Trainer logs is the engine's, filled in after the step;
+- `save_model` writes the engine's HF export; `_save_optimizer_and_scheduler` /
+  `_load_optimizer_and_scheduler` write / read an engine checkpoint (bitwise resume); `_load_from_checkpoint`
+  does nothing (the weights come back with the engine checkpoint).
+Private methods overridden (`_wrap_model`, `_move_model_to_device`, `_clip_grad_norm`, `_get_grad_norm`,
+`_save_optimizer_and_scheduler`, `_load_optimizer_and_scheduler`, `_load_from_checkpoint`) are pinned by
+the transformers range in pyproject.toml's `hf` extra.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback
+
+from infinity.config.sections import ConfigError
+from infinity.hf.arguments import engine_config_for
+from infinity.runtime.engine import initialize
+
+__all__ = ["EngineForward", "InfinityTrainer", "InfinityTrainerMixin"]
+
+ENGINE_CHECKPOINT = "infinity"  # the engine checkpoint inside a Trainer checkpoint-N folder
+SCHEDULER_FILE = "scheduler.pt"  # (transformers' SCHEDULER_NAME)
+
+
+class EngineForward(nn.Module):
+    """The model as the Trainer calls it: forward = `engine(...)`; holds no parameters of its own (so the
+    Trainer's `model.zero_grad()` touches nothing: the engine owns the gradients)."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine  # (not a submodule: its parameters are the engine's)
+
+    def forward(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "EngineForward":
+        super().train(mode)
+        self.engine.train(mode)
+        return self
+
+    @property
+    def config(self):
+        return self.engine.module.config
+
+
+class _GradNormLog(TrainerCallback):
+    """After each optimizer step, the engine's global grad norm into the tensor the Trainer logs."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        norm = self.trainer.engine.last_grad_norm
+        if norm is not None:
+            self.trainer._grad_norm.fill_(norm)
+
+
+class InfinityTrainerMixin:
+    """The overrides shared by InfinityTrainer and InfinitySFTTrainer (Note [trainer on the engine])."""
+
+    def __init__(self, *args, infinity_config=None, infinity_weights=None, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None:
+            engine_config_for(training_args, infinity_config)  # refused before the parent does any work
+        self.engine = None
+        super().__init__(*args, **kwargs)
+        self.infinity_config = engine_config_for(self.args, infinity_config)
+        if self.args.gradient_checkpointing:
+            self.args.gradient_checkpointing = False  # the engine checkpoints units; HF's own would do it twice
+        model = self.model
+        decay = set(self.get_decay_parameter_names(model))
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [n for n in trainable if n in decay], "weight_decay": self.args.weight_decay},
+                  {"params": [n for n in trainable if n not in decay], "weight_decay": 0.0}]
+        self.engine = initialize(model, self.infinity_config, weights=infinity_weights,
+                                 param_groups=[g for g in groups if g["params"]])
+        self._forward = EngineForward(self.engine)
+        self._grad_norm = torch.zeros(())
+        self.add_callback(_GradNormLog(self))
+
+    # ----------------------------------------------------------------- placement and wrapping
+    def _move_model_to_device(self, model, device):
+        """Nothing: the engine places the parameters (a meta model has nothing to move)."""
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return self._forward
+
+    def create_optimizer(self, model=None):
+        self.optimizer = self.engine.optimizer
+        return self.optimizer
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        accum = self.args.gradient_accumulation_steps
+        if accum > 1 and len(loader) % accum != 0:
+            raise ConfigError(f"{len(loader)} batches per epoch (this rank) is not a multiple of "
+                              f"gradient_accumulation_steps = {accum}: the engine applies an update every {accum} "
+                              f"backward passes; set dataloader_drop_last=True with a dataset size that divides, "
+                              f"or choose gradient_accumulation_steps dividing {len(loader)}")
+        return loader
+
+    # ----------------------------------------------------------------- the step
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """As Trainer.training_step (the same loss and the same scaling for accumulation), with the backward
+        on the engine: `engine.backward` divides by grad_accum_steps itself, so it gets the loss times that."""
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        del inputs
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+                or self.compute_loss_func is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        self.engine.backward(loss * self.args.gradient_accumulation_steps)
+        return loss.detach()
+
+    def _clip_grad_norm(self, model):
+        """The engine clips inside step() (Note [trainer on the engine]); the norm is filled in after it."""
+        return self._grad_norm
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self._grad_norm
+
+    # ----------------------------------------------------------------- saving and resuming
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A standalone Hugging Face directory (`from_pretrained` loads it): the engine's export, the model's
+        config, the processing class and the training arguments. In a Trainer checkpoint the engine
+        checkpoint it is exported from stays (`infinity/`, read back on resume)."""
+        from infinity.state.export import export_checkpoint
+        output_dir = output_dir or self.args.output_dir
+        checkpoint = os.path.join(output_dir, ENGINE_CHECKPOINT)
+        replaced = f"{checkpoint}.replaced"
+        if self.args.should_save and os.path.isdir(checkpoint):  # (a resumed run saving a step again, as the
+            os.replace(checkpoint, replaced)                     # Trainer overwrites checkpoint-N: the old
+        self.accelerator.wait_for_everyone()                     # one goes once the new one is complete)
+        self.engine.save_checkpoint(checkpoint)
+        self.engine.wait_for_checkpoint()
+        if self.args.should_save and os.path.isdir(replaced):
+            import shutil
+            shutil.rmtree(replaced)
+        if self.args.should_save:
+            export_checkpoint(checkpoint, output_dir, fmt="hf", model=self.engine.module)
+            module = self.engine.module
+            if getattr(module, "config", None) is not None:
+                module.config.save_pretrained(output_dir)
+            if getattr(module, "generation_config", None) is not None and hasattr(module, "can_generate") \
+                    and module.can_generate():
+                module.generation_config.save_pretrained(output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+            if not _internal_call:
+                import shutil
+                shutil.rmtree(checkpoint)
+        self.accelerator.wait_for_everyone()  # the directory is complete when every rank returns
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine checkpoint is written by save_model (just before); the scheduler's state here."""
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """Nothing: the weights come back with the engine checkpoint (_load_optimizer_and_scheduler)."""
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT)):
+            raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r} has no {ENGINE_CHECKPOINT}/ "
+                              f"engine checkpoint: resume from a checkpoint-N folder an Infinity trainer saved")
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        if checkpoint is None:
+            return
+        self.engine.load_checkpoint(os.path.join(checkpoint, ENGINE_CHECKPOINT))
+        path = os.path.join(checkpoint, SCHEDULER_FILE)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+
+class InfinityTrainer(InfinityTrainerMixin, Trainer):
+    """`transformers.Trainer` on the infinity engine: the parent's constructor plus `infinity_config=` (a
+    Config, a dict, a TOML path) and `infinity_weights=` (weights for a model built under meta_init)."""

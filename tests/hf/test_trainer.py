@@ -1,0 +1,231 @@
+"""InfinityTrainer / InfinitySFTTrainer against transformers' Trainer / TRL's SFTTrainer on the same script."""
+
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+
+import infinity  # noqa: E402
+from dist_utils import free_port  # noqa: E402
+from infinity.hf import InfinityTrainer  # noqa: E402
+
+VOCAB = 64
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: one intra-op thread (the default, one per core, spent most of the reference's time
+    waiting on the shared machine's cores)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def tiny_llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      attention_bias=True)  # (biases: the no-decay group has more than norms)
+    return LlamaForCausalLM(cfg)
+
+
+def lm_dataset(n, length=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, VOCAB, (length,), generator=g).tolist() for _ in range(n)]
+    return datasets.Dataset.from_list([{"input_ids": r, "labels": r} for r in rows])
+
+
+def args_for(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=2, per_device_eval_batch_size=4,
+                learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.85, adam_beta2=0.97, adam_epsilon=1e-7,
+                max_grad_norm=0.5, gradient_accumulation_steps=2, lr_scheduler_type="cosine", warmup_steps=3,
+                max_steps=32, logging_steps=1, eval_strategy="steps", eval_steps=16, save_strategy="no",
+                report_to=[], seed=7, use_cpu=True, disable_tqdm=True, dataloader_drop_last=True)
+    base.update(kw)
+    return TrainingArguments(**base)
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def eval_losses(trainer):
+    return [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+
+
+def run(cls, out, train, evals, **kw):
+    trainer = cls(model=tiny_llama(), args=args_for(out, **kw), train_dataset=train, eval_dataset=evals)
+    trainer.train()
+    return trainer
+
+
+def test_losses_and_eval_equal_the_trainer(tmp_path):
+    train, evals = lm_dataset(32), lm_dataset(8, seed=2)
+    ref = run(Trainer, tmp_path / "ref", train, evals)
+    ours = run(InfinityTrainer, tmp_path / "ours", train, evals)
+    assert len(losses(ref)) == 32
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(eval_losses(ours)), torch.tensor(eval_losses(ref)), rtol=1e-5, atol=0)
+    ref_lr = [h["learning_rate"] for h in ref.state.log_history if "loss" in h]
+    our_lr = [h["learning_rate"] for h in ours.state.log_history if "loss" in h]
+    assert our_lr == pytest.approx(ref_lr, rel=1e-12)
+    ref_gn = [h["grad_norm"] for h in ref.state.log_history if "loss" in h]
+    our_gn = [h["grad_norm"] for h in ours.state.log_history if "loss" in h]
+    assert our_gn == pytest.approx(ref_gn, rel=1e-4)
+    # the groups the engine runs are the Trainer's: no decay on biases and norm weights
+    no_decay = {n for g in ours.engine.param_groups if g["weight_decay"] == 0.0 for n in g["params"]}
+    assert no_decay == {n for n, _ in ref.model.named_parameters()} - set(ref.get_decay_parameter_names(ref.model))
+    assert any(n.endswith("bias") for n in no_decay) and any("norm" in n for n in no_decay)
+    # predict: the engine's forward under no_grad, the reference's logits
+    p_ref, p_ours = ref.predict(evals), ours.predict(evals)
+    torch.testing.assert_close(torch.tensor(p_ours.predictions), torch.tensor(p_ref.predictions), rtol=1e-4, atol=1e-5)
+    # save_model: a standalone HF directory with the trained weights
+    ours.save_model(str(tmp_path / "saved"))
+    ref.save_model(str(tmp_path / "saved_ref"))
+    mine = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    theirs = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved_ref"))
+    x = torch.tensor(lm_dataset(2, seed=3)["input_ids"])
+    torch.testing.assert_close(mine(x).logits, theirs(x).logits, rtol=1e-4, atol=1e-5)
+    ours.engine.close()
+
+
+def test_resume_from_checkpoint_is_bitwise(tmp_path):
+    """16 steps straight vs 8 steps, a checkpoint-8 folder, and a new trainer resuming from it."""
+    train = lm_dataset(32)
+    kw = dict(max_steps=16, eval_strategy="no", gradient_accumulation_steps=1, save_strategy="steps", save_steps=8)
+    straight = run(InfinityTrainer, tmp_path / "a", train, None, **kw)
+    first = InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path / "b", **kw), train_dataset=train)
+    first.train()  # (writes checkpoint-8 and checkpoint-16; we resume from 8)
+    first.engine.close()
+    ckpt = tmp_path / "b" / "checkpoint-8"
+    assert (ckpt / "infinity").is_dir() and (ckpt / "config.json").is_file()
+    resumed = InfinityTrainer(model=tiny_llama(seed=5), args=args_for(tmp_path / "b", **kw), train_dataset=train)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert losses(resumed)[-8:] == losses(straight)[-8:]  # bitwise
+    a, b = straight.engine.full_state_dict(), resumed.engine.full_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    straight.engine.close()
+    resumed.engine.close()
+
+
+def test_gradient_checkpointing_is_the_engines_units(tmp_path):
+    train = lm_dataset(16)
+    kw = dict(max_steps=6, eval_strategy="no", gradient_accumulation_steps=1)
+    ref = run(Trainer, tmp_path / "r", train, None, **kw)
+    ours = run(InfinityTrainer, tmp_path / "o", train, None, gradient_checkpointing=True, **kw)
+    assert ours.infinity_config.activation.checkpoint == "units" and not ours.args.gradient_checkpointing
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ours.engine.close()
+
+
+@pytest.mark.parametrize("kw, names", [
+    (dict(optim="adafactor"), "optim"), (dict(fp16=True), "fp16"), (dict(torch_compile=True), "torch_compile"),
+    (dict(optim_args="foo=1"), "optim_args"),
+])
+def test_what_the_engine_cannot_honour_is_refused(tmp_path, kw, names):
+    with pytest.raises(infinity.ConfigError, match=names):
+        InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path, **kw), train_dataset=lm_dataset(4))
+
+
+def test_infinity_config_cannot_contradict_the_arguments(tmp_path):
+    with pytest.raises(infinity.ConfigError, match="optimizer.lr"):
+        InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path), train_dataset=lm_dataset(4),
+                        infinity_config={"optimizer": {"lr": 1.0}})
+    with pytest.raises(infinity.ConfigError, match="gradient_accumulation_steps"):
+        InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path, gradient_accumulation_steps=3, max_steps=2,
+                                                        eval_strategy="no"),
+                        train_dataset=lm_dataset(8)).train()
+
+
+def test_meta_model_with_weights_trains_as_the_loaded_model(tmp_path):
+    """A model built under meta_init plus infinity_weights= (a pretrained directory) gives the losses of
+    Trainer on the same pretrained model loaded whole."""
+    tiny_llama(seed=11).save_pretrained(tmp_path / "pretrained")
+    train = lm_dataset(16)
+    kw = dict(max_steps=8, eval_strategy="no", gradient_accumulation_steps=1)
+    ref = Trainer(model=LlamaForCausalLM.from_pretrained(tmp_path / "pretrained"), args=args_for(tmp_path / "r", **kw),
+                  train_dataset=train)
+    ref.train()
+    with infinity.meta_init():
+        model = LlamaForCausalLM(tiny_llama().config)
+    ours = InfinityTrainer(model=model, args=args_for(tmp_path / "o", **kw), train_dataset=train,
+                           infinity_weights=str(tmp_path / "pretrained"),
+                           infinity_config={"placement": {"params": "host", "optimizer": "host"}})
+    ours.train()
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ours.engine.close()
+
+
+def test_sft_trainer_losses_equal(tmp_path):
+    trl = pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from infinity.hf import InfinitySFTTrainer
+
+    words = ["hello", "world", "how", "are", "you", "fine", "thanks", "what", "is", "two", "plus", "four"]
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<unk>", "user", "assistant", ":"] + words)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}assistant : {% endif %}")
+    g = torch.Generator().manual_seed(0)
+
+    def say(n):
+        return " ".join(words[i] for i in torch.randint(0, 12, (n,), generator=g))
+    rows = [{"messages": [{"role": "user", "content": say(4)}, {"role": "assistant", "content": say(5)}]}
+            for _ in range(16)]
+    ds = datasets.Dataset.from_list(rows)
+
+    def sft(cls, out):
+        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3, weight_decay=0.1,
+                            max_grad_norm=0.5, gradient_accumulation_steps=2, lr_scheduler_type="cosine", max_steps=8,
+                            logging_steps=1, save_strategy="no", report_to=[], seed=3, use_cpu=True,
+                            disable_tqdm=True, dataloader_drop_last=True, max_length=32, bf16=False)
+        trainer = cls(model=tiny_llama(), args=cfg, train_dataset=ds, processing_class=tokenizer)
+        trainer.train()
+        return trainer
+
+    ref, ours = sft(trl.SFTTrainer, tmp_path / "r"), sft(InfinitySFTTrainer, tmp_path / "o")
+    assert len(losses(ref)) == 8
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ours.engine.close()
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_gloo_equals_one_process_on_the_global_batch(tmp_path):
+    """examples/hf_trainer.py under `torchrun --nproc-per-node 2` (gloo, 2 x 2 samples per micro-batch) gives
+    the losses of plain Trainer in one process on 4 samples per micro-batch."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(root / "examples" / "hf_trainer.py"), "--out", str(tmp_path / "dist"),
+                           "--steps", "6"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ours = json.loads((tmp_path / "dist" / "losses.json").read_text())
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dist" / "pretrained-0")
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 64, (16,), generator=g).tolist() for _ in range(64)]
+    train = datasets.Dataset.from_list([{"input_ids": r, "labels": r} for r in rows])
+    ref = Trainer(model=model, args=args_for(tmp_path / "ref", per_device_train_batch_size=4, learning_rate=1e-3,
+                                             weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                                             max_grad_norm=1.0, warmup_steps=2, max_steps=6, eval_strategy="no"),
+                  train_dataset=train)
+    ref.train()
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
