@@ -108,16 +108,6 @@ class InfinityTrainerMixin:
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
-    def get_train_dataloader(self):
-        loader = super().get_train_dataloader()
-        accum = self.args.gradient_accumulation_steps
-        if accum > 1 and len(loader) % accum != 0:
-            raise ConfigError(f"{len(loader)} batches per epoch (this rank) is not a multiple of "
-                              f"gradient_accumulation_steps = {accum}: the engine applies an update every {accum} "
-                              f"backward passes; set dataloader_drop_last=True with a dataset size that divides, "
-                              f"or choose gradient_accumulation_steps dividing {len(loader)}")
-        return loader
-
     # ----------------------------------------------------------------- the step
     def training_step(self, model, inputs, num_items_in_batch=None):
         """As Trainer.training_step (the same loss and the same scaling for accumulation), with the backward
@@ -133,7 +123,9 @@ class InfinityTrainerMixin:
                 or self.compute_loss_func is not None
         if not scaled:
             loss = loss / self.current_gradient_accumulation_steps
-        self.engine.backward(loss * self.args.gradient_accumulation_steps)
+        # the Trainer's last window of an epoch may be shorter: its sync step ends the engine's window too
+        # (Note [accumulation windows]); the Trainer scaled that window's losses by its own length
+        self.engine.backward(loss * self.args.gradient_accumulation_steps, end_window=self.accelerator.sync_gradients)
         return loss.detach()
 
     def _clip_grad_norm(self, model):

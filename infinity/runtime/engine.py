@@ -38,6 +38,7 @@ from infinity.optim.groups import resolve_groups
 from infinity.optim.read_ahead import resolve_read_ahead
 from infinity.profile import NullProfiler, Profiler
 from infinity.profile.clock import TrainingClock
+from infinity.runtime.accumulation import AccumulationWindow
 from infinity.runtime.activations import activations_for
 from infinity.runtime.chunked_loss import loss_forward
 from infinity.runtime.grad_reduce import GradReducer
@@ -104,7 +105,7 @@ class Engine:
                                      config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace,
                                      fetch_inputs=self.activations.fetch)
         self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
-        self._stepped_at = 0  # micro_step of the last step() that ran, so a second call is a no-op
+        self.window = AccumulationWindow(config.train.grad_accum_steps)  # Note [accumulation windows]
         self._handles, self._counters = [], []
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
                                   pre_backward=self._pre_backward, grads_ready=self._grads_ready,
@@ -114,13 +115,13 @@ class Engine:
             self._handles += handles
             self._counters.append(counter)
         self._handles += self.activations.install()  # (after the unit hooks: Note [unit checkpoints])
-        self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device)
+        self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device,
+                                           backward_pending=lambda: self._backward_pending)
         self._handles += self.inference.handles
         self.micro_step = 0  # backward passes since initialize
         self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
-        self._backward_pending = False
-        self._in_backward = False  # inside engine.backward: forward hooks firing now are recomputation
+        self._backward_pending, self._in_backward = False, False  # in backward, forward hooks are recomputation
         self._closed = False
         self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
         self._saved_checkpoints: list[str] = []
@@ -182,16 +183,13 @@ class Engine:
         unit.reshard()
 
     def _grads_ready(self, unit: Unit) -> None:
-        self.reducer.issue(unit, final=self._final_micro_batch())
+        self.reducer.issue(unit, final=self.window.ends_now())
         if unit.index != 0 and unit.trainable_numel == unit.flat_numel:
             unit.reshard()  # every parameter has its gradient, so no backward op needs them any more
 
     def _backward_done(self, unit: Unit) -> None:
         if unit.index != 0:
             unit.reshard()  # its inputs' gradients are computed: no backward op reads its parameters now
-
-    def _final_micro_batch(self) -> bool:
-        return (self.micro_step + 1) % self.config.train.grad_accum_steps == 0
 
     # ----------------------------------------------------------------- training surface
     def __call__(self, *args, **kwargs):
@@ -218,13 +216,15 @@ class Engine:
         self._check_open()
         return self.inference.generate(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale)."""
+    def backward(self, loss: torch.Tensor, end_window: bool = False) -> None:
+        """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale); `end_window=True` ends the
+        accumulation window here, even a short one (Note [accumulation windows])."""
         self._check_open()
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
-        if self.updates.updates_during_backward and self._final_micro_batch():
+        self.window.begin(end_window)
+        if self.updates.updates_during_backward and self.window.ends_now():
             self.wait_for_checkpoint()  # updates start during this backward (Note [overlap])
         scale = self.scaler.scale / self.config.train.grad_accum_steps
         self.clock.compute_begin()
@@ -234,7 +234,7 @@ class Engine:
         finally:
             self._in_backward = False
         self.clock.compute_end("backward")
-        final = self._final_micro_batch()
+        final = self.window.ends_now()
         for unit, counter in zip(self.units, self._counters):
             if not counter.fired and unit.trainable_numel > 0:
                 self.reducer.issue(unit, final=final)  # parameters that got no gradient contribute zeros
@@ -245,6 +245,7 @@ class Engine:
             unit.reshard()
         self._backward_pending = False
         self.micro_step += 1
+        self.window.taken()
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; returns whether parameters changed.
@@ -253,11 +254,10 @@ class Engine:
         [overlap]) and this returns once it is issued; the next forward waits per unit.
         """
         self._check_open()
-        at = self.micro_step
-        if at == 0 or at % self.config.train.grad_accum_steps != 0 or self._stepped_at == at:
+        if not self.window.closed:
             return False
         self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
-        self._stepped_at = self.micro_step
+        self.window.stepped()
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)

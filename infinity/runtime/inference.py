@@ -34,9 +34,9 @@ class InferenceForwards:
     """The root unit's unshard around forwards of the model made outside `engine(batch)`."""
 
     def __init__(self, module: nn.Module, root: Unit, pre_forward: Callable[[Unit], None], prefetcher: Prefetcher,
-                 device: torch.device):
+                 device: torch.device, backward_pending: Callable[[], bool]):
         self.module, self.root, self.prefetcher, self.device = module, root, prefetcher, device
-        self._pre_forward = pre_forward
+        self._pre_forward, self._backward_pending = pre_forward, backward_pending
         self._engine_call = False  # engine(batch) is running its own forward: these hooks stand aside
         self._holding = False  # inside generate: the root stays unsharded between forwards
         self._depth = 0  # nested forwards of the hooked modules (a PEFT wrapper around its base model)
@@ -57,13 +57,17 @@ class InferenceForwards:
     def _before(self, _module, _args) -> None:
         if self._engine_call:
             return None
+        if self._depth == 0 and self._backward_pending():
+            raise RuntimeError("a forward through engine.module(...) (evaluation, generate) between engine(batch) "
+                               "and its engine.backward(loss) would release what that backward needs: call "
+                               "engine.backward(loss) first")
         self._depth += 1
         if self._depth == 1:
             self._pre_forward(self.root)  # (waits for the root's update, starts the first blocks' prefetch)
         return None
 
     def _after(self, _module, _args, output) -> None:
-        if self._engine_call:
+        if self._engine_call or self._depth == 0:  # (the pre-hook refused this forward)
             return None
         self._depth -= 1
         if self._depth:

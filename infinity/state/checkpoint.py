@@ -292,7 +292,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"save_checkpoint(user_state=...) must be JSON-serializable (ints, floats, strings, "
                               f"lists, dicts) such as the data position: {e}") from e
-    if engine.micro_step % engine.config.train.grad_accum_steps != 0:
+    if not engine.window.between_windows:
         raise CheckpointError(
             f"save_checkpoint at micro-step {engine.micro_step} is inside an accumulation window of "
             f"{engine.config.train.grad_accum_steps}: save right after engine.step() so no gradients are pending")
@@ -528,7 +528,7 @@ def load(engine, path: str) -> dict:
     engine.optimizer_steps = manifest["optimizer_steps"]
     engine.groups.restore_lrs(manifest.get("param_groups"))  # as torch's Optimizer.load_state_dict does
     engine.micro_step = manifest["micro_step"]
-    engine._stepped_at = engine.micro_step
+    engine.window.taken_in_window, engine.window.closed = 0, False  # (saved between windows, after the step)
     scale = manifest["loss_scale"]
     engine.scaler.scale, engine.scaler._clean_steps = scale["scale"], scale["clean_steps"]
     engine.scaler.skipped_steps = scale["skipped_steps"]

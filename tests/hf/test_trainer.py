@@ -138,10 +138,21 @@ def test_infinity_config_cannot_contradict_the_arguments(tmp_path):
     with pytest.raises(infinity.ConfigError, match="optimizer.lr"):
         InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path), train_dataset=lm_dataset(4),
                         infinity_config={"optimizer": {"lr": 1.0}})
-    with pytest.raises(infinity.ConfigError, match="gradient_accumulation_steps"):
-        InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path, gradient_accumulation_steps=3, max_steps=2,
-                                                        eval_strategy="no"),
-                        train_dataset=lm_dataset(8)).train()
+
+
+def test_an_epochs_shorter_last_window_is_the_trainers(tmp_path):
+    """7 batches per epoch with gradient_accumulation_steps = 3: windows of 3, 3 and 1, two epochs; the Trainer
+    scales the short window by its own length and steps it (Note [accumulation windows])."""
+    train = lm_dataset(14)
+    kw = dict(gradient_accumulation_steps=3, max_steps=-1, num_train_epochs=2, eval_strategy="no")
+    ref = run(Trainer, tmp_path / "ref", train, None, **kw)
+    ours = run(InfinityTrainer, tmp_path / "ours", train, None, **kw)
+    assert len(losses(ref)) == 6 and ours.engine.optimizer_steps == 6
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ref_gn = [h["grad_norm"] for h in ref.state.log_history if "loss" in h]
+    our_gn = [h["grad_norm"] for h in ours.state.log_history if "loss" in h]
+    assert our_gn == pytest.approx(ref_gn, rel=1e-4)
+    ours.engine.close()
 
 
 def test_meta_model_with_weights_trains_as_the_loaded_model(tmp_path):

@@ -80,6 +80,10 @@ def test_evaluation_through_the_module_under_no_grad(saved, tmp_path):
             engine.module(input_ids=x)  # with gradients, outside engine(batch): refused with the fix
         with torch.no_grad():  # and the engine still works after the refusal
             torch.testing.assert_close(engine.module(input_ids=x).logits, want)
+        loss = engine(input_ids=x, labels=x).loss  # a training forward waits for its backward:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="call engine.backward"):
+            engine.module(input_ids=x)  # an evaluation now would release the root it needs
+        engine.backward(loss)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["inline", "worker"])

@@ -1,0 +1,46 @@
+"""Where the engine is in its gradient accumulation window: which backward ends it, and whether step() acts.
+
+Note [accumulation windows]: an update applies the gradients of one window of `[train] grad_accum_steps`
+backward passes. The backward that ends a window is known before it runs (stage 0-1 reduce the window's
+gradient once, in it; the eager update mode starts updating during it), so "this one ends the window" is a
+property of the backward, not of step(): by default the `grad_accum_steps`-th backward of the window, or an
+earlier one the caller marks with `engine.backward(loss, end_window=True)`: an epoch's last, shorter window,
+as Hugging Face's Trainer runs it (it scales that window's losses by its own length; the engine's
+1/grad_accum_steps scaling is unchanged, so a plain loop that ends a window early scales its losses itself).
+`step()` acts once after a window closed and is a no-op otherwise; a checkpoint is taken between windows.
+"""
+
+from __future__ import annotations
+
+
+class AccumulationWindow:
+    """The current window's backward passes taken, and whether a closed window awaits its step()."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self.taken_in_window = 0  # backward passes of the open window so far
+        self.closed = False  # the last backward ended a window and step() has not applied it yet
+        self._end_now = False
+
+    def begin(self, end_window: bool) -> None:
+        """A backward starts; `end_window`: it ends the window whatever the count."""
+        self._end_now = end_window or self.taken_in_window + 1 >= self.length
+
+    def ends_now(self) -> bool:
+        """Whether the backward running (or about to run) ends the window."""
+        return self._end_now or self.taken_in_window + 1 >= self.length
+
+    def taken(self) -> None:
+        """The backward finished: count it, and close the window if it ended it."""
+        if self._end_now:
+            self.taken_in_window, self.closed = 0, True
+        else:
+            self.taken_in_window += 1
+        self._end_now = False
+
+    def stepped(self) -> None:
+        self.closed = False
+
+    @property
+    def between_windows(self) -> bool:
+        return self.taken_in_window == 0
