@@ -41,6 +41,21 @@ class DataConfig(Section):
                                   "float", gt=0.0, lt=0.5, example=0.05)
     seed: int = option(1234, "Seed of the batch sampler (independent of train.seed, which seeds the weights).",
                         "int", ge=0)
+    format: str = option("text", '"text": data.path is plain text (bytes, or the pretrained tokenizer\'s tokens); '
+                          '"completion": records with a prompt and a completion field; "chat": records with a '
+                          "list of messages rendered by the tokenizer's chat template (docs/finetune-data.md).",
+                          "enum", choices=("text", "completion", "chat"))
+    prompt_field: str = option("prompt", 'Field of the prompt in format = "completion" records.', "str")
+    completion_field: str = option("completion", 'Field of the completion in format = "completion" records.', "str")
+    messages_field: str = option("messages", 'Field of the message list in format = "chat" records.', "str")
+    train_on_prompt: bool = option(False, "Score the prompt / non-assistant turns too (false: the loss counts only "
+                                    "completions and assistant turns; labels -100 elsewhere).", "bool")
+    packing: bool = option(False, "Pack several records in one row of model.seq_len tokens (each sees only "
+                            "itself: block-diagonal attention); false: one record per row, padded.", "bool")
+    truncation: str = option("right", 'A record longer than model.seq_len + 1 tokens: "right" cuts its end, '
+                              '"refuse" stops with the record\'s line.', "enum", choices=("right", "refuse"))
+    val_path: str = option("", "A file of validation records (same format); empty: the last data.val_fraction of "
+                           "the records.", "path")
 
 
 def corpus_path(path: str) -> Path:
@@ -107,6 +122,8 @@ def windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[t
 
 class Batches:
     """Deterministic training and validation batches for one rank."""
+
+    loss = None  # the model's own next-token loss (records.SampleBatches carries a masked one)
 
     def __init__(self, train: torch.Tensor, val: torch.Tensor, *, seq_len: int, global_batch: int, seed: int,
                  rank: int = 0, world: int = 1):

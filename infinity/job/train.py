@@ -325,7 +325,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
     start, run_dir = result.steps, result.run_dir
     accum = config.train.grad_accum_steps
     device = engine.device
-    tokens_per_step = batches.tokens_per_batch * accum
+    loss_of = batches.loss or bundle.loss  # records carry their masked loss (Note [masked fine-tuning loss])
     began = time.perf_counter() - elapsed_before
     recent: list[float] = []
     overlap = None
@@ -333,9 +333,11 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
     for step in range(start + 1, job.run.steps + 1):
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=device)
+        tokens_per_step = 0  # trained tokens: not padding, not masked (-100), over all ranks
         for micro in range(accum):
             x, y = (t.to(device, non_blocking=True) for t in batches.batch(step - 1, micro))
-            loss = bundle.loss(engine, x, y)
+            tokens_per_step += int((y != -100).sum()) * engine.world_size
+            loss = loss_of(engine, x, y)
             engine.backward(loss)
             total += loss.detach().double()
         engine.step()
@@ -346,7 +348,8 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
             overlap = overlap_efficiency(engine)  # summarizing the spans costs time: not every step
         record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
                   "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
-                  "tokens_per_s": tokens_per_step / seconds, "tokens": step * tokens_per_step,
+                  "tokens_per_s": tokens_per_step / seconds, "tokens_per_step": tokens_per_step,
+                  "tokens": step * tokens_per_step,
                   "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap}
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
@@ -386,7 +389,7 @@ def _validate(engine, bundle: ModelBundle, batches: Batches, count: int, device:
     engine.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     for x, y in batches.val_batches(count):
-        total += bundle.loss(engine, x.to(device), y.to(device)).double()
+        total += (batches.loss or bundle.loss)(engine, x.to(device), y.to(device)).double()
     engine.train()
     value, _ = _reduce_step(total / count, False, device, engine.world_size)
     return value
