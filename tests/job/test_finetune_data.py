@@ -105,10 +105,17 @@ def test_chat_masked_loss_equals_transformers(tmp_path, llama):
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])  # gpt2: absolute positions, so position ids must restart
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_logits_equal_alone(tmp_path, llama, attn):
+def test_packed_logits_equal_alone(tmp_path, llama, attn, kind):
     path, _, tok = llama
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
+    if kind == "llama":
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn).eval()
+    else:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64)
+        cfg._attn_implementation = attn
+        model = transformers.GPT2LMHeadModel(cfg).eval()
     g = torch.Generator().manual_seed(1)
     samples = [Sample(ids := torch.randint(0, len(tok), (n,), generator=g).tolist(), ids) for n in (7, 12, 5)]
     x, y = collate([samples], 30)  # one row: 7 + 12 + 5 tokens, then 6 pads
@@ -189,3 +196,48 @@ def test_parquet_read_with_datasets(tmp_path, llama):
     datasets.Dataset.from_list([{"prompt": "a", "completion": " b"}] * 3).to_parquet(str(tmp_path / "d.parquet"))
     samples = load_samples(data(path=str(tmp_path / "d.parquet"), format="completion"), tok, "t", 64)
     assert len(samples) == 3
+
+
+def _sums(n: int):
+    g = torch.Generator().manual_seed(n)
+    for _ in range(n):
+        a, b = torch.randint(0, 10, (2,), generator=g).tolist()
+        yield {"prompt": f"{a} plus {b}?", "completion": f" {a + b}."}
+
+
+@pytest.mark.slow  # ~40 s on 2 shared cores
+def test_train_completion_jsonl_learns_the_format_not_the_json(tmp_path, llama, monkeypatch):
+    """`infinity train` on a JSONL file: the export continues a prompt with a completion and stops (EOS), where
+    training the file as text would continue it with JSON (issue 31)."""
+    from infinity.job.train import load_job, train
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    path, _, tok = llama
+    f = write_jsonl(tmp_path / "sums.jsonl", list(_sums(200)))
+    job = load_job(None, [f"model.pretrained={path}", f"data.path={f}", "data.format=completion", "data.packing=true",
+                          "model.seq_len=64", "run.batch_size=8", "run.steps=120", "run.eval_every=0",
+                          "run.eval_batches=1", "optimizer.lr=1e-2", "optimizer.warmup_steps=10",
+                          f"run.dir={tmp_path}", "run.name=r"])
+    result = train(job, verbose=False)
+    assert result.val_loss < 1.0
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < m["tokens_per_step"] < 8 * 64 for m in metrics)  # only completion tokens are counted
+    model = transformers.AutoModelForCausalLM.from_pretrained(result.run_dir / "export").eval()
+    ids = tok("3 plus 4?", return_tensors="pt")["input_ids"]
+    out = tok.decode(model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:])
+    assert out.startswith(" ") and out.rstrip().endswith("</s>") and "prompt" not in out and "{" not in out, out
+
+
+@pytest.mark.slow  # ~25 s: engine start
+def test_train_chat_padded_runs_and_counts_tokens(tmp_path, llama, monkeypatch):
+    from infinity.job.train import load_job, train
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    path, _, tok = llama
+    f = write_jsonl(tmp_path / "c.jsonl", [CHAT] * 6)
+    job = load_job(None, [f"model.pretrained={path}", f"data.path={f}", "data.format=chat", "model.seq_len=64",
+                          "run.batch_size=2", "run.steps=2", "run.eval_every=0", "run.eval_batches=1",
+                          "run.export=false", f"run.dir={tmp_path}", "run.name=r"])
+    result = train(job, verbose=False)
+    (sample,) = load_samples(data(path=str(f), format="chat"), tok, "t", 64)[:1]
+    trained = sum(t != IGNORE for t in sample.labels[1:])
+    metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["tokens_per_step"] for m in metrics] == [2 * trained] * 2
