@@ -20,6 +20,7 @@ tuples, so a `Config` compares and hashes by value.
 from __future__ import annotations
 
 import dataclasses
+import re
 import textwrap
 import tomllib
 from dataclasses import dataclass, field
@@ -91,10 +92,23 @@ class OptimizerConfig(Section):
                                "(must exceed warmup_steps; unused by constant).", "int", ge=0)
     min_lr_ratio: float = option(0.0, "Final learning rate of cosine / linear decay, as a fraction of lr.",
                                   "float", ge=0.0, le=1.0, example=0.1)
+    no_decay: tuple[str, ...] = option((), 'Parameters that get no weight decay (weight_decay 0; the rest get '
+                                        'weight_decay): "bias_and_norm" = HF Trainer\'s rule (biases and the '
+                                        'weights of normalization layers), any other entry a regular expression '
+                                        'searched in the parameter\'s name (model.named_parameters()). '
+                                        'initialize(param_groups=...) replaces it.', "strs", unique=True,
+                                        example=["bias_and_norm"])
     sub_group_size: int = option(8_388_608, "Elements per optimizer sub-group: the unit streamed through "
                                   "buffers (read, step, write) when optimizer state is on NVMe.", "int", gt=0)
 
     def _check(self) -> None:
+        for rule in self.no_decay:
+            try:
+                re.compile(rule)
+            except re.error as e:
+                raise ConfigError(f"optimizer.no_decay: {show(rule)} is not a regular expression ({e}); write "
+                                  '"bias_and_norm" or a pattern searched in parameter names, e.g. "\\\\.bias$"'
+                                  ) from None
         decaying = self.schedule in ("cosine", "linear")
         if decaying and self.total_steps <= self.warmup_steps:
             raise ConfigError(

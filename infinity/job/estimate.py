@@ -88,6 +88,7 @@ class Estimate:
     peak: dict[str, int] = field(default_factory=dict)  # "ram" (and "device" with a GPU): bytes per rank
     peak_terms: dict[str, int] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
+    groups: list[dict] = field(default_factory=list)  # per optimizer group: tensors, elements, weight_decay, lr
     activation: ActivationConfig = field(default_factory=ActivationConfig)
 
     @property
@@ -118,7 +119,7 @@ class Estimate:
             "traffic_per_step": self.traffic.total() if self.traffic else None,
             "step_time": None if st is None else {"total_s": st.total, "forward_backward": st.fb, "optimizer": st.opt},
             "peak": self.peak, "peak_terms": self.peak_terms,
-            "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok,
+            "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok, "param_groups": self.groups,
         }
 
 
@@ -135,6 +136,15 @@ def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
                 stage=stage_for(config.zero.stage), sub_group_size=config.optimizer.sub_group_size)
     units = build_units(model, list(config.units.classes), comm)
     return unit_sizes(units, config.optimizer.sub_group_size)
+
+
+def group_counts(model: nn.Module, config: Config) -> list[dict]:
+    """The optimizer groups `[optimizer] no_decay` makes of the model's trainable parameters (as initialize)."""
+    from infinity.optim.groups import resolve_groups
+    numel = dict(model.named_parameters())
+    return [{"tensors": len(g["params"]), "elements": sum(numel[n].numel() for n in g["params"]),
+             "weight_decay": g["weight_decay"], "lr": g["lr"]}
+            for g in resolve_groups(model, config.optimizer, None).groups]
 
 
 def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
@@ -233,6 +243,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     bundle = make_model()
     sizes = unit_sizes_of(bundle.model, config, world_size)
     num_params = sum(p.numel() for p in {id(p): p for p in bundle.model.parameters()}.values())
+    groups = group_counts(bundle.model, config)
     paths = list(config.nvme.paths)
     path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
     unusable = [c for c in path_checks if not c.ok]
@@ -260,7 +271,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         plan, plan_error = None, "; ".join(f"{c.detail} ({c.fix})" for c in unusable)
     est = Estimate(world_size=world_size, local_world_size=local, cuda=cuda, num_params=num_params, units=len(sizes),
                    budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace,
-                   activation=config.activation)
+                   activation=config.activation, groups=groups)
     if plan is not None:
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
         est.traffic.add(cost_model.activation_offload_traffic(activation_terms(trace, config.activation)["host"],
@@ -332,6 +343,9 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
              f"({est.local_world_size} per node), {'GPU' if est.cuda else 'CPU only'}",
              f"budgets per rank: device {_fmt(est.budgets.device)}, host {_fmt(est.budgets.host)}, "
              f"nvme {_fmt(est.budgets.nvme)}" + (" (device and host share the RAM)" if est.budgets.shared_ram else ""),
+             f"optimizer groups: {len(est.groups)} (" + "; ".join(
+                 f"{g['tensors']} tensors, {g['elements']:,} elements at weight_decay {g['weight_decay']:g}"
+                 for g in est.groups) + "); bytes as with one group",
              ""]
     if est.plan is not None:
         kinds = [k.value for k in Kind]

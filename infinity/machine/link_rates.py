@@ -224,3 +224,13 @@ def rates_for_plan(config: Config, device: torch.device, *, measure: bool) -> Li
     if measure and config.nvme.paths:
         return link_rates(config.nvme.paths[0], device, io_config=config.io)
     return cached_link_rates(device.type == "cuda")
+
+
+def link_peaks(config: Config, device: torch.device) -> dict[str, float]:
+    """The profile's per-link peaks: the link rates measured on this machine and swap disk (cached by
+    `infinity bench-links --dir DIR` or the auto policy); none measured = no achieved-vs-peak."""
+    from infinity.memory import cost_model
+    paths = config.nvme.paths
+    if paths and not os.path.isdir(paths[0]):
+        return {}  # the plan's preflight names the missing directory
+    return cost_model.profile_peaks(cached_rates_for(paths[0] if paths else None, device))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AdamHyper", "adam_step", "adam_step_reference"]
+__all__ = ["AdamHyper", "Hypers", "adam_step", "adam_step_reference"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +52,9 @@ class AdamHyper:
     """Decoupled (AdamW) or L2-in-the-gradient (Adam) weight decay."""
     decoupled: bool
     """True: AdamW (``master *= 1 - lr * weight_decay``); False: Adam (``grad += weight_decay * master``)."""
+
+
+Hypers = tuple[AdamHyper, ...]  # one per parameter group (Note [groups ride on ranges] in groups.py)
 
 
 def _check_shards(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

@@ -25,20 +25,21 @@ import torch
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import UPDATE_READS_AHEAD, UPDATE_WRITES_IN_FLIGHT  # the byte model stages these
-from infinity.optim.cpu_adam import AdamHyper, adam_step
+from infinity.optim.cpu_adam import Hypers, adam_step
 from infinity.optim.read_ahead import StateReadAhead
 from infinity.profile import Link, NullProfiler
 from infinity.units.unit import Unit
 
 _NOTHING = contextlib.nullcontext()
 FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
+Run = tuple[int, int, int, int]  # (start, length, adam step, parameter group) of a unit's update range
 
 
 @dataclass(frozen=True)
 class _Task:
     unit: Unit
     chunk: int
-    ranges: tuple[tuple[int, int, int], ...]  # (start, length, adam step) within the chunk; the rest is left as is
+    ranges: tuple[Run, ...]  # (start, length, adam step, group) within the chunk; the rest is left as is
 
 
 class OffloadedOptimizer:
@@ -53,15 +54,15 @@ class OffloadedOptimizer:
         self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
         self.state_read_ahead = state_read_ahead  # the worker's (Note [state read-ahead]): reads taken from it
 
-    def plan_tasks(self, active: dict[int, list[tuple[int, int, int]]], units: list[Unit]) -> list[_Task]:
-        """Chunks that hold elements to step, given each unit's active (start, length, step) shard ranges."""
+    def plan_tasks(self, active: dict[int, list[Run]], units: list[Unit]) -> list[_Task]:
+        """Chunks that hold elements to step, given each unit's active (start, length, step, group) shard ranges."""
         tasks = []
         for unit in units:
             runs = active.get(unit.index, [])
             for chunk in range(self.manager.num_chunks(unit.index)):
                 start, numel = self.manager.chunk_span(unit.index, chunk)
-                inside = tuple((max(a, start) - start, min(a + n, start + numel) - max(a, start), step)
-                               for a, n, step in runs if a < start + numel and a + n > start)
+                inside = tuple((max(a, start) - start, min(a + n, start + numel) - max(a, start), step, group)
+                               for a, n, step, group in runs if a < start + numel and a + n > start)
                 if inside:
                     tasks.append(_Task(unit, chunk, inside))
         return tasks
@@ -78,17 +79,18 @@ class OffloadedOptimizer:
         return {k: held[k] if k in held else m.fetch(u, k, m.optimizer_chunk(u, k, task.chunk), device)
                 for k in FETCHED}
 
-    def task_chunks(self, active: dict[int, list[tuple[int, int, int]]], units: list[Unit]) -> list[tuple[int, int]]:
+    def task_chunks(self, active: dict[int, list[Run]], units: list[Unit]) -> list[tuple[int, int]]:
         """(unit, chunk) of every task `step` would run, in its order (what to read ahead)."""
         return [(t.unit.index, t.chunk) for t in self.plan_tasks(active, units)]
 
-    def step(self, *, hyper: AdamHyper, grad_scale: float | None, active: dict[int, list[tuple[int, int, int]]],
+    def step(self, *, hyper: Hypers, grad_scale: float | None, active: dict[int, list[Run]],
              units: list[Unit] | None = None, on_unit_done=None) -> None:
         """One update of the active elements of `units` (default: all), in that order.
 
-        Each run carries its 1-based Adam step. `on_unit_done(unit)` is called once a
-        unit's last sub-group has been stepped and its write-backs issued (later reads of
-        its shards wait for those writes); its gradients are then declared zero.
+        Each run carries its 1-based Adam step and its parameter group, whose hyper-parameters are
+        `hyper[group]` (Note [groups ride on ranges] in groups.py: one kernel call per run).
+        `on_unit_done(unit)` is called once a unit's last sub-group has been stepped and its write-backs
+        issued (later reads of its shards wait for those writes); its gradients are then declared zero.
         """
         m = self.manager
         units = self.units if units is None else units
@@ -118,11 +120,11 @@ class OffloadedOptimizer:
             prof, what = self.profiler, f"u{task.unit.index} c{task.chunk}"
             with prof.wait(Link.NVME_READ, f"optimizer state {what}") if self.blocks_compute else _NOTHING:
                 bufs = {k: p.wait() for k, p in pending.items()}  # this sub-group's state must be in memory to step it
-            with prof.span(f"adam {what}", Link.CPU_OPTIMIZER, num_bytes=sum(n for _, n, _ in task.ranges) * 16,
+            with prof.span(f"adam {what}", Link.CPU_OPTIMIZER, num_bytes=sum(r[1] for r in task.ranges) * 16,
                            unit=task.unit.name):
-                for a, n, step in task.ranges:
+                for a, n, step, group in task.ranges:
                     master, exp_avg, exp_avg_sq, grad = (bufs[k].narrow(0, a, n) for k in FETCHED)
-                    adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale)
+                    adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper[group], grad_scale=grad_scale)
             u, c = task.unit.index, task.chunk
             # the parameters first: the next forward reads them soonest (from memory when kept:
             # Note [fresh parameters]); aliased to the master, they are its write (Note [aliased parameters])

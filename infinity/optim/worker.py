@@ -25,21 +25,21 @@ from typing import Callable
 import torch
 
 from infinity.device.streams import Streams, bind_thread
-from infinity.optim.cpu_adam import AdamHyper
-from infinity.optim.offloaded import OffloadedOptimizer
+from infinity.optim.cpu_adam import Hypers
+from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import Issue, StateReadAhead
 from infinity.units.unit import Unit
 
 _POLL_S = 0.002  # while the read-ahead waits for a chunk to land: 2 ms of latency on ~50 ms reads
 
 
-Active = dict[int, list[tuple[int, int, int]]]  # per unit: the (start, length, adam step) runs to step
+Active = dict[int, list[Run]]  # per unit: the (start, length, adam step, group) runs to step
 
 
 @dataclass
 class _Batch:
     units: list[Unit]
-    hyper: AdamHyper
+    hyper: Hypers  # per parameter group
     grad_scale: float | None
     active: Active | Callable[[], Active | None]  # or resolved on the worker (it may wait for the device there)
     after_unit: Callable[[Unit], None]
@@ -84,7 +84,7 @@ class OptimizerWorker:
         self._thread = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
         self._thread.start()
 
-    def submit(self, units: list[Unit], *, hyper: AdamHyper, grad_scale: float | None,
+    def submit(self, units: list[Unit], *, hyper: Hypers, grad_scale: float | None,
                active: Active | Callable[[], Active | None], after_unit: Callable[[Unit], None]) -> None:
         """Issue the update of `units` (all submitted batches must share hyper and grad_scale). `active` may be
         a function the worker calls first (Note [host syncs] in streams.py); if it returns None the batch's

@@ -26,6 +26,7 @@ from infinity.device.collectives import all_reduce_sum, broadcast_object
 from infinity.device.dtypes import DTYPES
 from infinity.device.streams import Streams, host_value
 from infinity.machine.environment import resolve, resolve_budgets
+from infinity.machine.link_rates import link_peaks
 from infinity.memory.buffers import UnshardedMemory
 from infinity.memory.fresh import fresh_budget
 from infinity.memory.manager import TieredMemoryManager
@@ -33,9 +34,8 @@ from infinity.memory.placement import plan_for_config
 from infinity.memory.stages import stage_for
 from infinity.memory.tier import Tier
 from infinity.memory.traffic import plan_report
-from infinity.optim.cpu_adam import AdamHyper
+from infinity.optim.groups import resolve_groups
 from infinity.optim.read_ahead import resolve_read_ahead
-from infinity.optim.schedule import lr_at
 from infinity.profile import NullProfiler, Profiler
 from infinity.profile.clock import TrainingClock
 from infinity.runtime.activations import activations_for
@@ -43,6 +43,7 @@ from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from infinity.runtime.loss_scale import LossScaler
 from infinity.runtime.materialize import buffers_to, materialize_units
+from infinity.runtime.optimizer_surface import EngineOptimizer, LearningRates
 from infinity.runtime.prefetch import OrderTrace, Prefetcher
 from infinity.runtime.update_modes import NonFiniteGradError, update_mode
 from infinity.state.checkpoint import apply_retention, begin_save
@@ -59,20 +60,23 @@ class Engine:
     """One rank's view of a sharded model. Create with `infinity.initialize`."""
 
     def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
-                 lr_schedule: Callable[[int], float] | None = None, group=None, weights=None, strict: bool = True):
-        self.module, self.config = model, config
-        self.lr_schedule = lr_schedule
+                 lr_schedule: Callable[[int], float] | None = None, group=None, weights=None, strict: bool = True,
+                 param_groups: list[dict] | None = None):
+        self.module, self.config, self.groups = model, config, resolve_groups(model, config.optimizer, param_groups)
         self.env = resolve(group)
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
         self.streams = Streams.for_device(self.env.device)
-        self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=self._link_peaks()) if config.profile.enabled
-                         else NullProfiler(rank=self.env.rank))
+        self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=link_peaks(config, self.env.device))
+                         if config.profile.enabled else NullProfiler(rank=self.env.rank))
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
                     sub_group_size=config.optimizer.sub_group_size)
         self.units = build_units(model, list(config.units.classes), comm)
+        for unit in self.units:
+            unit.set_groups(self.groups.group_of)  # Note [groups ride on ranges] (optim/groups.py)
+        self.lrs = LearningRates(self.groups, config.optimizer, lr_schedule)  # Note [who sets the lr]
         loaded = plan_weights(weights, model, self.units, strict) if weights is not None else None  # checked first
         self.plan = self._plan()
         self.io, self.swap = self._open_swap()
@@ -85,10 +89,11 @@ class Engine:
         self._pending_checkpoint = None  # a background save, committed at the next step() / wait_for_checkpoint()
         trace = OrderTrace()  # the forward order: the prefetcher replays it, the update mode updates in it
         self.updates = update_mode(config, units=self.units, manager=self.manager, device=self.env.device,
-                                   group=self.env.group, scaler=self.scaler, hyper=self._hyper, trace=trace,
+                                   group=self.env.group, scaler=self.scaler, trace=trace,
+                                   hyper=lambda: self.lrs.for_update(self.optimizer_steps),
                                    read_ahead_bytes=self.read_ahead_bytes, profiler=self.profiler,
                                    reading_swap=lambda: self._pending_checkpoint is not None)
-        self.optimizer = self.updates.optimizer  # the mode's (its state read-ahead, if any, is on it)
+        self.optimizer = EngineOptimizer(self.groups, config.optimizer, self.step)  # for a user's LR scheduler
         self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
         self.activations = activations_for(config.activation, self.units, self.streams, self.env.device)
@@ -128,16 +133,6 @@ class Engine:
             sys.setswitchinterval(config.io.switch_interval_us * 1e-6)
 
     # ----------------------------------------------------------------- construction
-    def _link_peaks(self) -> dict[str, float]:
-        """The profile's per-link peaks: the link rates measured on this machine and swap disk (cached by
-        `infinity bench-links --dir DIR` or the auto policy); none measured = no achieved-vs-peak."""
-        from infinity.machine.link_rates import cached_rates_for
-        from infinity.memory import cost_model
-        paths = self.config.nvme.paths
-        if paths and not os.path.isdir(paths[0]):
-            return {}  # the plan's preflight names the missing directory
-        return cost_model.profile_peaks(cached_rates_for(paths[0] if paths else None, self.env.device))
-
     def _plan(self):
         """The placement, planned exactly as `infinity estimate` plans it, then the same preflight checks."""
         from infinity.machine.link_rates import rates_for_plan
@@ -180,12 +175,6 @@ class Engine:
         self.prefetcher.wait_for(unit)
         self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
-
-    def _hyper(self) -> AdamHyper:
-        o = self.config.optimizer
-        lr = self.lr_schedule(self.optimizer_steps) if self.lr_schedule else lr_at(self.optimizer_steps, o)
-        return AdamHyper(lr=lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps, weight_decay=o.weight_decay,
-                         decoupled=o.name == "adamw")
 
     def _post_forward(self, unit: Unit) -> None:
         unit.reshard()
@@ -270,8 +259,24 @@ class Engine:
         if not self.updates.step(norm, self.optimizer_steps):
             return False
         self.optimizer_steps += 1
+        self.optimizer.stepped()  # (a torch LR scheduler on it checks this)
         self.clock.stepped(self.optimizer_steps - 1)
         return True
+
+    @property
+    def lr(self) -> list[float]:
+        """The learning rate of each parameter group for the next update (Note [who sets the lr])."""
+        return self.lrs.current(self.optimizer_steps)
+
+    def set_lr(self, value: float | list[float]) -> None:
+        """Set the learning rate of every group (a number) or of each (a list); from then on the built-in
+        schedule stops and the rates change only when set again (Note [who sets the lr])."""
+        self.lrs.set(value)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The parameter groups: `params` (names) and `lr`, `weight_decay`, `betas`, `eps` (live dicts)."""
+        return self.groups.groups
 
     @property
     def kept_params(self) -> frozenset[tuple[int, int]]:
@@ -340,17 +345,8 @@ class Engine:
         Saves a checkpoint next to `path` first (all ranks call this), then rank 0 assembles
         the tensors one by one from it; the checkpoint stays, for resuming.
         """
-        from infinity.state.export import export_checkpoint
-        ckpt = f"{os.fspath(path).rstrip(os.sep)}.checkpoint"
-        self.save_checkpoint(ckpt)
-        self.wait_for_checkpoint()
-        if self.rank == 0:
-            export_checkpoint(ckpt, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora,
-                              model=self.module)
-        if self.env.group is not None:
-            import torch.distributed as dist
-            dist.barrier(group=self.env.group)  # the file is complete when every rank returns
-        return os.fspath(path)
+        from infinity.state.export import export_engine
+        return export_engine(self, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora)
 
     # ----------------------------------------------------------------- reporting and state
     def memory_report(self) -> dict:
@@ -429,13 +425,19 @@ class Engine:
 
 def initialize(model: nn.Module, config: Config | dict | str | None = None, *,
                init_fn: Callable[[nn.Module], None] | None = None,
-               lr_schedule: Callable[[int], float] | None = None, group=None, weights=None,
-               strict: bool = True) -> Engine:
-    """Shard `model`, plan its state over the tiers, and materialize it unit by unit.
+               lr_schedule: Callable[[int], float | list[float]] | None = None, group=None, weights=None,
+               strict: bool = True, param_groups: list[dict] | None = None) -> Engine:
+    """Shard `model`, plan its state over the tiers, and materialize it unit by unit (docs/loop.md: a loop).
 
     `config` is a Config, a dict, a path to a TOML file, or None for defaults. `weights`: a
     `.safetensors` file, an HF directory or a torch state dict to load, unit by unit (weights.py;
-    `strict=False` warns about keys that do not fit instead of raising).
+    `strict=False` warns about keys that do not fit instead of raising). `param_groups`: as torch.optim
+    takes them, dicts of `params` (the model's parameters or their names) and any of `lr`, `weight_decay`,
+    `betas`, `eps` (the rest from `[optimizer]`); every trainable parameter in exactly one group; replaces
+    `[optimizer] no_decay`. `lr_schedule(step)`: the learning rate of optimizer step `step` (0-based) for a
+    group at `optimizer.lr` (others scaled by their lr), or a list per group, instead of `[optimizer]
+    schedule`, until `engine.set_lr` or a torch scheduler on `engine.optimizer` takes over (Note [who sets
+    the lr] in optimizer_surface.py).
     """
     if config is None:
         config = Config()
@@ -444,4 +446,4 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, *,
     elif isinstance(config, (str, os.PathLike)):
         config = Config.from_file(config)
     return Engine(model, config, init_fn=init_fn, lr_schedule=lr_schedule, group=group, weights=weights,
-                  strict=strict)
+                  strict=strict, param_groups=param_groups)

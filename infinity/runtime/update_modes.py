@@ -41,8 +41,8 @@ from infinity.device.streams import host_value, to_host
 from infinity.memory.fresh import kept_chunks
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
-from infinity.optim.cpu_adam import AdamHyper
-from infinity.optim.offloaded import OffloadedOptimizer
+from infinity.optim.cpu_adam import Hypers
+from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import StateReadAhead
 from infinity.optim.worker import OptimizerWorker
 from infinity.profile import Link
@@ -64,10 +64,10 @@ class UpdateMode(abc.ABC):
     updates_during_backward = False  # the final backward starts updates: a background save must be committed first
 
     def __init__(self, *, units: list[Unit], manager: TieredMemoryManager, optimizer: OffloadedOptimizer,
-                 scaler: LossScaler, hyper: Callable[[], AdamHyper], trace: OrderTrace, group, device: torch.device,
+                 scaler: LossScaler, hyper: Callable[[], Hypers], trace: OrderTrace, group, device: torch.device,
                  grad_clip: float, on_nonfinite: str, profiler):
         self.units, self.manager, self.optimizer, self.scaler = units, manager, optimizer, scaler
-        self.hyper = hyper  # the hyperparameters of the update issued now (its learning rate)
+        self.hyper = hyper  # per parameter group, the hyperparameters of the update issued now (its lr)
         self.trace, self.group, self.device, self.profiler = trace, group, device, profiler
         self.grad_clip, self.on_nonfinite = grad_clip, on_nonfinite
 
@@ -277,7 +277,7 @@ class EagerUpdate(_OnWorker):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._nonfinite: tuple[str, float] | None = None  # the first unit whose gradient was not finite
-        self._predicted: dict[int, list[tuple[int, int, int]]] = {}  # this window's ranges by local flags (read-ahead)
+        self._predicted: dict[int, list[Run]] = {}  # this window's ranges by local flags (read-ahead)
 
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
         """Submit `unit`'s update now; the worker reads its norm and flags (Note [host syncs]): the training
@@ -287,7 +287,7 @@ class EagerUpdate(_OnWorker):
         self._predicted[unit.index] = unit.active_ranges(local)  # (the state read-ahead's guess: local flags)
         flags: list[bool] = []
 
-        def active() -> dict[int, list[tuple[int, int, int]]] | None:  # on the worker
+        def active() -> dict[int, list[Run]] | None:  # on the worker
             value = host_value(sumsq, "unit grad norm")  # a non-finite unit must not be stepped
             if not math.isfinite(value):
                 self._nonfinite = self._nonfinite or (unit.name, value)
@@ -349,7 +349,7 @@ def mode_class(config: Config) -> type[UpdateMode]:
 
 
 def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManager, device: torch.device, group,
-                scaler: LossScaler, hyper: Callable[[], AdamHyper], trace: OrderTrace, read_ahead_bytes: int,
+                scaler: LossScaler, hyper: Callable[[], Hypers], trace: OrderTrace, read_ahead_bytes: int,
                 reading_swap: Callable[[], bool], profiler) -> UpdateMode:
     """Build the configured mode with its optimizer (and, on the worker, its worker and state read-ahead)."""
     cls = mode_class(config)

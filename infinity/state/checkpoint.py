@@ -342,6 +342,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         "units": model_layout(engine.units), "config": engine.config.to_dict(),
         "optimizer_steps": engine.optimizer_steps, "micro_step": engine.micro_step,
         "param_steps": [u.param_steps for u in engine.units],
+        "param_groups": engine.groups.record(),  # names, hyper-parameters, current lrs (checked at load)
         "loss_scale": {"scale": engine.scaler.scale, "clean_steps": engine.scaler._clean_steps,
                        "skipped_steps": engine.scaler.skipped_steps},
         "user_state": user_state, "run_id": engine.run_id,
@@ -420,6 +421,16 @@ def check_layout(manifest: dict, units, path: str) -> None:
                           + ". Load it into the model (and [units] config) it was saved from")
 
 
+def check_groups(manifest: dict, groups, path: str) -> None:
+    """The checkpoint's parameter groups must be this run's (optim/groups.py `ParamGroups.difference`)."""
+    why = groups.difference(manifest.get("param_groups"))
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path} was saved with other parameter groups: {why}. Resume with the "
+                              f"param_groups= (or [optimizer] no_decay) of the run that saved it; to change the "
+                              f"groups, start a new run from its weights (engine.export_state_dict, then "
+                              f"initialize(..., weights=...))")
+
+
 class SavedShards:
     """Random access to the saved records of one (unit, kind), verified, one record cached."""
 
@@ -479,6 +490,7 @@ def load(engine, path: str) -> dict:
     path = os.path.abspath(os.fspath(path))
     manifest = read_manifest(path)
     check_layout(manifest, engine.units, path)
+    check_groups(manifest, engine.groups, path)
     m = engine.manager
     saved_world = manifest["world_size"]
     entry = manifest["ranks"][engine.rank if engine.rank < saved_world else 0]
@@ -514,6 +526,7 @@ def load(engine, path: str) -> dict:
             unit.param_steps = dict(manifest["param_steps"][unit.index])
             unit.slots_with_grad.clear()
     engine.optimizer_steps = manifest["optimizer_steps"]
+    engine.groups.restore_lrs(manifest.get("param_groups"))  # as torch's Optimizer.load_state_dict does
     engine.micro_step = manifest["micro_step"]
     engine._stepped_at = engine.micro_step
     scale = manifest["loss_scale"]

@@ -328,3 +328,17 @@ def export_checkpoint(checkpoint: str, out: str, dtype: torch.dtype | None = Non
     else:
         raise ValueError(f"export format {fmt!r}: use 'safetensors', 'torch' or 'hf'")
     return os.fspath(out)
+
+
+def export_engine(engine, path: str, *, dtype: torch.dtype | None, max_shard_size: int | str, merge_lora: bool) -> str:
+    """`Engine.export_state_dict`: a checkpoint next to `path` (all ranks), then rank 0 exports it."""
+    ckpt = f"{os.fspath(path).rstrip(os.sep)}.checkpoint"
+    engine.save_checkpoint(ckpt)
+    engine.wait_for_checkpoint()
+    if engine.rank == 0:
+        export_checkpoint(ckpt, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora,
+                          model=engine.module)
+    if engine.env.group is not None:
+        import torch.distributed as dist
+        dist.barrier(group=engine.env.group)  # the file is complete when every rank returns
+    return os.fspath(path)

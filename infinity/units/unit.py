@@ -114,6 +114,7 @@ class Unit:
         self._grad_flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
         self.slots_with_grad: set[int] = set()  # ids of slots that got a gradient in this accumulation window
         self.param_steps: dict[str, int] = {}  # optimizer steps each parameter has taken (Adam bias correction)
+        self.slot_groups: tuple[int, ...] = ()  # per trainable slot: its parameter group (empty: all group 0)
         self.peak_unsharded = 0
 
     def can_alias(self, stored: torch.Tensor | None) -> bool:
@@ -281,26 +282,33 @@ class Unit:
         """Per trainable slot (flat order): did it get a gradient in this accumulation window?"""
         return [id(s) in self.slots_with_grad for s in self.slots if s.requires_grad]
 
-    def active_ranges(self, flags: list[bool]) -> list[tuple[int, int, int]]:
-        """(start, length, adam_step) runs of this rank's update range (`layout.update`) to step this step.
+    def set_groups(self, group_of: dict[str, int]) -> None:
+        """Each trainable parameter's group, by canonical name (Note [groups ride on ranges] in optim/groups.py)."""
+        self.slot_groups = tuple(group_of[s.name] for s in self.slots if s.requires_grad)
+
+    def active_ranges(self, flags: list[bool]) -> list[tuple[int, int, int, int]]:
+        """(start, length, adam_step, group) runs of this rank's update range (`layout.update`) to step this step.
 
         `flags` (from `grad_flags`, reduced over ranks) says which trainable parameters
         got a gradient on some rank. Like torch.optim, a parameter whose gradient is
         None is not stepped (no decay, no moment update) and its own step count, used
-        for bias correction, does not advance. Runs merge neighbours of equal step count.
+        for bias correction, does not advance. Runs merge neighbours of equal step count
+        and parameter group (Note [groups ride on ranges] in optim/groups.py).
         """
         update = self.layout.update  # ranges are relative to its start (stages 1-3: rank * s; stage 0: 0)
         shard_start, shard_end = update.start, update.start + update.numel
-        runs: list[tuple[int, int, int]] = []
-        for slot, flag in zip((s for s in self.slots if s.requires_grad), flags):
+        trainable = [s for s in self.slots if s.requires_grad]
+        groups = self.slot_groups or (0,) * len(trainable)
+        runs: list[tuple[int, int, int, int]] = []
+        for slot, flag, group in zip(trainable, flags, groups):
             lo, hi = max(slot.offset, shard_start), min(slot.offset + slot.numel, shard_end)
             if not flag or lo >= hi:
                 continue
             step = self.param_steps.get(slot.name, 0) + 1
-            if runs and runs[-1][0] + runs[-1][1] == lo - shard_start and runs[-1][2] == step:
-                runs[-1] = (runs[-1][0], runs[-1][1] + hi - lo, step)
+            if runs and runs[-1][0] + runs[-1][1] == lo - shard_start and runs[-1][2:] == (step, group):
+                runs[-1] = (runs[-1][0], runs[-1][1] + hi - lo, step, group)
             else:
-                runs.append((lo - shard_start, hi - lo, step))
+                runs.append((lo - shard_start, hi - lo, step, group))
         return runs
 
     def commit_steps(self, flags: list[bool]) -> None:

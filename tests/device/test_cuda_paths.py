@@ -448,7 +448,7 @@ def test_worker_updates_on_its_own_stream_ordered_by_events():
     worker = OptimizerWorker(_Optimizer(), num_units=1, streams=ThreadStreams())
     try:
         unit = SimpleNamespace(index=0)
-        worker.submit([unit], hyper=None, grad_scale=None, active={0: [(0, 1, 1)]}, after_unit=lambda u: None)
+        worker.submit([unit], hyper=None, grad_scale=None, active={0: [(0, 1, 1, 0)]}, after_unit=lambda u: None)
         worker.wait_unit(0)
     finally:
         worker.close()

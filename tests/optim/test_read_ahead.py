@@ -54,9 +54,9 @@ def test_read_ahead_is_bitwise_no_read_ahead_and_is_used(clip, tmp_path):
     runs = {}
     for read_ahead in (0, "auto"):
         recipe, engine = _engine(tmp_path, f"ra{read_ahead}", read_ahead, clip=clip)
-        ra = engine.optimizer.state_read_ahead
+        ra = engine.updates.optimizer.state_read_ahead
         assert (ra is None) == (read_ahead == 0)
-        tasks = len(engine.optimizer.task_chunks({u.index: u.active_ranges([True] * len(u.grad_flags()))
+        tasks = len(engine.updates.optimizer.task_chunks({u.index: u.active_ranges([True] * len(u.grad_flags()))
                                                   for u in engine.units}, engine.units))
         losses = []
         for step in range(recipe.steps):
@@ -81,7 +81,7 @@ def test_checkpoint_loaded_meanwhile_makes_held_state_stale(tmp_path):
     train_steps(engine, recipe, 0, 1, 0, 1)
     engine.save_checkpoint(str(tmp_path / "ckpt"))
     train_steps(engine, recipe, 1, 3, 0, 1)
-    ra = engine.optimizer.state_read_ahead
+    ra = engine.updates.optimizer.state_read_ahead
     whole = engine.read_ahead_bytes
     _wait_for(lambda: ra.held_bytes == whole and not ra._todo, "the read-ahead of step 4")
     engine.load_checkpoint(str(tmp_path / "ckpt"))  # replaces every chunk the worker holds
@@ -100,7 +100,7 @@ def test_checkpoint_loaded_meanwhile_makes_held_state_stale(tmp_path):
 
 def test_budget_bounds_what_is_held(tmp_path):
     recipe, engine = _engine(tmp_path, "a", "100KiB")
-    ra = engine.optimizer.state_read_ahead
+    ra = engine.updates.optimizer.state_read_ahead
     chunks = [ra.chunk_bytes(u.index, c) for u in engine.units for c in range(engine.manager.num_chunks(u.index))]
     assert engine.read_ahead_bytes == 100 << 10 and max(chunks) <= 100 << 10 < sum(chunks)  # the budget binds
     held = []
@@ -117,7 +117,7 @@ def test_the_read_ahead_staging_is_allocated_at_initialize(tmp_path):
     """Buffers first allocated mid-step pace the reads behind them: initialize allocates what a
     full read-ahead holds, and training then finds every buffer it needs in the pool."""
     recipe, engine = _engine(tmp_path, "a", "auto")
-    ra = engine.optimizer.state_read_ahead
+    ra = engine.updates.optimizer.state_read_ahead
     at_init = engine.memory_report()["staging_host_bytes"]
     assert at_init >= engine.read_ahead_bytes == ra.reserve_buffers() > 0
     assert engine.memory_report()["staging_host_bytes"] == at_init  # a second reservation reuses them
@@ -136,7 +136,7 @@ def test_issue_rest_issues_every_chunk_left_within_the_budget_at_once(tmp_path, 
     from infinity.optim.read_ahead import READS_IN_FLIGHT, StateReadAhead
     recipe, engine = _engine(tmp_path, "a", 0)
     active = {u.index: u.active_ranges([True] * len(u.grad_flags())) for u in engine.units}
-    order = engine.optimizer.task_chunks(active, engine.units)
+    order = engine.updates.optimizer.task_chunks(active, engine.units)
     sizes = [StateReadAhead(engine.manager, 1).chunk_bytes(*c) for c in order]
     limit = sum(sizes) if budget == "all" else sum(sizes[:3])
     ra = StateReadAhead(engine.manager, limit)
@@ -187,7 +187,7 @@ def test_a_failed_read_ahead_surfaces_at_the_next_wait_and_is_sticky(tmp_path):
             raise OSError("injected: read of the swap file failed")
 
     recipe, engine = _engine(tmp_path, "a", "auto")
-    ra = engine.optimizer.state_read_ahead
+    ra = engine.updates.optimizer.state_read_ahead
     fetch = engine.manager.fetch
 
     def failing_fetch(unit, kind, chunk=None, device=None, into=None):

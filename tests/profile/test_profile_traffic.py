@@ -49,7 +49,7 @@ def test_profiled_bytes_equal_the_plan(placement, overlap, tmp_path):
             predicted[link] += per[link]
     # with overlap the worker reads the next update's state ahead (Note [state read-ahead]); after the
     # last step that read is never used, and is all the traffic beyond the plan's
-    read_ahead = engine.optimizer.state_read_ahead
+    read_ahead = engine.updates.optimizer.state_read_ahead
     assert (read_ahead is not None) == (overlap and placement[2] == "nvme")
     unused = read_ahead.unused_disk_bytes if read_ahead else 0
     assert read_ahead is None or read_ahead.stale == 0
