@@ -192,6 +192,11 @@ class Job:
         model.lora.merge only shapes the export)."""
         return {**self.model.to_dict(), **{f"lora.{k}": v for k, v in self.lora.to_dict().items() if k != "merge"}}
 
+    def finetune_defaults(self) -> list:
+        """The fine-tuning defaults in force (Note [fine-tuning defaults]); printed at the start."""
+        from infinity.job.finetune_defaults import pretrained_defaults
+        return pretrained_defaults(self.model.pretrained, self.lora.r, self.engine_keys)
+
     def engine_config(self, run_dir: str) -> Config:
         """The engine Config: user keys over TRAIN_DEFAULTS over Config(). Unless set, swap files go to
         <run_dir>/swap, the profile (spans, overlap summary, chart) to <run_dir>/profile, and the checkpoints
@@ -200,6 +205,8 @@ class Job:
         merged = {s: dict(v) for s, v in TRAIN_DEFAULTS.items()}
         if user.get("placement", {}).get("policy") == "auto":
             merged.pop("placement")  # auto plans every tier itself
+        for d in self.finetune_defaults():
+            merged.setdefault(d.section, {})[d.key] = d.value
         for section, table in user.items():
             merged.setdefault(section, {}).update(table)
         opt = merged["optimizer"]
@@ -478,7 +485,7 @@ def record_batches(job: Job, rank: int = 0, world: int = 1):
         train, val = samples, load_samples(job.data, tokenizer, where, job.model.seq_len, job.data.val_path)
     else:
         train, val = split_samples(samples, job.data.val_fraction, job.data.path)
-    compute = job.engine_keys.get("precision", {}).get("compute_dtype", "fp32")
+    compute = job.engine_config(".").precision.compute_dtype
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute, torch.float32)  # the attention mask's
     return SampleBatches(train, val, seq_len=job.model.seq_len, global_batch=job.run.batch_size,
                          seed=job.data.seed, packing=job.data.packing, dtype=dtype, rank=rank, world=world)

@@ -237,6 +237,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                 say.note(f"note: the learning rate reaches its final value at optimizer.total_steps = {o.total_steps} "
                          f"and stays there until run.steps = {job.run.steps}; --set optimizer.total_steps="
                          f"{job.run.steps} to stretch the schedule instead")
+        for default in job.finetune_defaults():
+            say.note(default.line())
         say.note(f"{bundle.description}, {len(engine.units)} units, world size {world}, device {engine.device}, "
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])

@@ -241,3 +241,32 @@ def test_train_chat_padded_runs_and_counts_tokens(tmp_path, llama, monkeypatch):
     trained = sum(t != IGNORE for t in sample.labels[1:])
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["tokens_per_step"] for m in metrics] == [2 * trained] * 2
+
+
+def test_finetune_defaults_printed_and_overridable(tmp_path, llama):
+    from infinity.job.finetune_defaults import pretrained_defaults
+    from infinity.job.train import load_job
+    path, _, _ = llama
+    base = [f"model.pretrained={path}", f"run.dir={tmp_path}"]
+    cfg = load_job(None, base).engine_config(str(tmp_path))
+    assert cfg.optimizer.lr == 2e-5 and cfg.optimizer.no_decay == ("bias_and_norm",)
+    assert cfg.optimizer.weight_decay == 0.1  # the section's weight decay is kept for the other weights
+    assert load_job(None, base + ["model.lora.r=4"]).engine_config(str(tmp_path)).optimizer.lr == 2e-4
+    mine = load_job(None, base + ["optimizer.lr=1e-3", "optimizer.no_decay=[]"]).engine_config(str(tmp_path))
+    assert mine.optimizer.lr == 1e-3 and mine.optimizer.no_decay == ()
+    assert load_job(None, [f"run.dir={tmp_path}"]).engine_config(str(tmp_path)).optimizer.lr == 2e-3  # scratch
+    lines = [d.line() for d in load_job(None, base).finetune_defaults()]
+    assert any("optimizer.lr = 2e-05" in line and "--set optimizer.lr=" in line for line in lines)
+    # the checkpoint's dtype: bf16 kept, fp16 -> fp32 on CPU (said why), fp16 on CUDA
+    config = json.loads((path / "config.json").read_text())
+    for dtype, cuda, want in (("bfloat16", False, "bf16"), ("float16", False, "fp32"), ("float16", True, "fp16"),
+                              ("float32", False, None)):
+        d = tmp_path / f"{dtype}{cuda}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**config, "dtype": dtype}))
+        got = {x.key: x for x in pretrained_defaults(str(d), 0, {}, cuda=cuda)}
+        assert (got["compute_dtype"].value if "compute_dtype" in got else None) == want
+    assert "CPU" in got.get("compute_dtype", pretrained_defaults(str(tmp_path / "float16False"), 0, {},
+                                                                  cuda=False)[-1]).why
+    assert not pretrained_defaults(str(tmp_path / "bfloat16False"), 0, {"precision": {"compute_dtype": "fp32"}},
+                                   cuda=False)[2:]
