@@ -89,6 +89,13 @@ def load_tokens(path: str) -> torch.Tensor:
     if not raw:
         raise ConfigError(f"data.path = {path!r} is empty: point it at a text file with the training text, or "
                           f'use "kjv" for the shipped corpus')
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # binary data would train without a word (issue 31)
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"data.path = {path!r} line {line}: not UTF-8 text (byte {e.start}: "
+                          f"{raw[e.start:e.start + 1]!r}); the file looks binary: point data.path at a UTF-8 "
+                          f"text file") from None
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 

@@ -270,3 +270,28 @@ def test_finetune_defaults_printed_and_overridable(tmp_path, llama):
                                                                   cuda=False)[-1]).why
     assert not pretrained_defaults(str(tmp_path / "bfloat16False"), 0, {"precision": {"compute_dtype": "fp32"}},
                                    cuda=False)[2:]
+
+
+def test_binary_text_data_names_the_line(tmp_path):
+    from infinity.job.data import load_tokens
+    (tmp_path / "t.txt").write_bytes(b"one\ntwo\nthr\xffee\n")
+    with pytest.raises(ConfigError, match=r"t.txt' line 3: not UTF-8"):
+        load_tokens(str(tmp_path / "t.txt"))
+    assert len(load_tokens("kjv")) > 1_000_000  # the shipped corpus is UTF-8
+
+
+def test_validation_file_or_fraction(tmp_path, llama):
+    from infinity.job.train import job_batches, load_job
+    path, _, tok = llama
+    train_f = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{i} plus 1?", "completion": f" {i + 1}."}
+                                                  for i in range(10)])
+    val_f = write_jsonl(tmp_path / "v.jsonl", [{"prompt": "7 plus 7?", "completion": " 14."}])
+    common = [f"model.pretrained={path}", f"data.path={train_f}", "data.format=completion", "model.seq_len=32",
+              "run.batch_size=2", f"run.dir={tmp_path}"]
+    own = job_batches(load_job(None, common + [f"data.val_path={val_f}"]))
+    assert len(own.train) == 10 and [s.ids for s in own.val] == \
+        [s.ids for s in load_samples(data(path=str(val_f), format="completion"), tok, "t", 32)]
+    x, y = own.val_batches(1)[0]
+    assert tok.decode([t for t in y.flatten().tolist() if t != IGNORE]).count(" 14.</s>") == 2  # masked alike
+    split = job_batches(load_job(None, common + ["data.val_fraction=0.2"]))
+    assert (len(split.train), len(split.val)) == (8, 2)
