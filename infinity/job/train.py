@@ -45,7 +45,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -166,6 +166,7 @@ class Result:
     losses: list[float]
     val_loss: float | None
     seconds: float
+    step_tokens: list[int] = field(default_factory=list)  # trained tokens (not pad, not -100) of each step run here
 
 
 def train(job: Job, *, verbose: bool = True, resume: Resume | None = None) -> Result:
@@ -365,6 +366,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
         metrics.flush()
         result.steps, result.seconds = step, time.perf_counter() - began
         result.losses.append(mean_loss)
+        result.step_tokens.append(tokens_per_step)
         say.update(step, mean_loss, tokens_per_step * len(recent) / sum(recent), overlap)
         if stopping:
             result.status = "interrupted"
@@ -471,6 +473,7 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
         "seconds": result.seconds,
         "tokens_per_s": result.steps * job.run.batch_size * job.model.seq_len
         * engine.config.train.grad_accum_steps / result.seconds if result.seconds else None,
+        "trained_tokens_per_step": sum(result.step_tokens) / len(result.step_tokens) if result.step_tokens else None,
         "peak_rss_bytes": peaks[0], "checkpoint": str(checkpoint) if checkpoint else None,
         "export": str(exported) if exported else None,
         "overlap_efficiency": overlap_efficiency(engine),

@@ -241,6 +241,8 @@ def test_train_chat_padded_runs_and_counts_tokens(tmp_path, llama, monkeypatch):
     trained = sum(t != IGNORE for t in sample.labels[1:])
     metrics = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["tokens_per_step"] for m in metrics] == [2 * trained] * 2
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["trained_tokens_per_step"] == 2 * trained
 
 
 def test_finetune_defaults_printed_and_overridable(tmp_path, llama):
