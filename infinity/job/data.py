@@ -41,6 +41,21 @@ class DataConfig(Section):
                                   "float", gt=0.0, lt=0.5, example=0.05)
     seed: int = option(1234, "Seed of the batch sampler (independent of train.seed, which seeds the weights).",
                         "int", ge=0)
+    format: str = option("text", '"text": data.path is plain text (bytes, or the pretrained tokenizer\'s tokens); '
+                          '"completion": records with a prompt and a completion field; "chat": records with a '
+                          "list of messages rendered by the tokenizer's chat template (docs/finetune-data.md).",
+                          "enum", choices=("text", "completion", "chat"))
+    prompt_field: str = option("prompt", 'Field of the prompt in format = "completion" records.', "str")
+    completion_field: str = option("completion", 'Field of the completion in format = "completion" records.', "str")
+    messages_field: str = option("messages", 'Field of the message list in format = "chat" records.', "str")
+    train_on_prompt: bool = option(False, "Score the prompt / non-assistant turns too (false: the loss counts only "
+                                    "completions and assistant turns; labels -100 elsewhere).", "bool")
+    packing: bool = option(False, "Pack several records in one row of model.seq_len tokens (each sees only "
+                            "itself: block-diagonal attention); false: one record per row, padded.", "bool")
+    truncation: str = option("right", 'A record longer than model.seq_len + 1 tokens: "right" cuts its end, '
+                              '"refuse" stops with the record\'s line.', "enum", choices=("right", "refuse"))
+    val_path: str = option("", "A file of validation records (same format); empty: the last data.val_fraction of "
+                           "the records.", "path")
 
 
 def corpus_path(path: str) -> Path:
@@ -74,6 +89,13 @@ def load_tokens(path: str) -> torch.Tensor:
     if not raw:
         raise ConfigError(f"data.path = {path!r} is empty: point it at a text file with the training text, or "
                           f'use "kjv" for the shipped corpus')
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # binary data would train without a word (issue 31)
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"data.path = {path!r} line {line}: not UTF-8 text (byte {e.start}: "
+                          f"{raw[e.start:e.start + 1]!r}); the file looks binary: point data.path at a UTF-8 "
+                          f"text file") from None
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
@@ -107,6 +129,8 @@ def windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[t
 
 class Batches:
     """Deterministic training and validation batches for one rank."""
+
+    loss = None  # the model's own next-token loss (records.SampleBatches carries a masked one)
 
     def __init__(self, train: torch.Tensor, val: torch.Tensor, *, seq_len: int, global_batch: int, seed: int,
                  rank: int = 0, world: int = 1):

@@ -192,6 +192,11 @@ class Job:
         model.lora.merge only shapes the export)."""
         return {**self.model.to_dict(), **{f"lora.{k}": v for k, v in self.lora.to_dict().items() if k != "merge"}}
 
+    def finetune_defaults(self) -> list:
+        """The fine-tuning defaults in force (Note [fine-tuning defaults]); printed at the start."""
+        from infinity.job.finetune_defaults import pretrained_defaults
+        return pretrained_defaults(self.model.pretrained, self.lora.r, self.engine_keys)
+
     def engine_config(self, run_dir: str) -> Config:
         """The engine Config: user keys over TRAIN_DEFAULTS over Config(). Unless set, swap files go to
         <run_dir>/swap, the profile (spans, overlap summary, chart) to <run_dir>/profile, and the checkpoints
@@ -200,6 +205,8 @@ class Job:
         merged = {s: dict(v) for s, v in TRAIN_DEFAULTS.items()}
         if user.get("placement", {}).get("policy") == "auto":
             merged.pop("placement")  # auto plans every tier itself
+        for d in self.finetune_defaults():
+            merged.setdefault(d.section, {})[d.key] = d.value
         for section, table in user.items():
             merged.setdefault(section, {}).update(table)
         opt = merged["optimizer"]
@@ -442,11 +449,7 @@ def corpus_tokens(job: Job) -> torch.Tensor:
     if where is None:
         return raw
     transformers = _transformers(f"model.pretrained = {where!r}", 'or --set model.tokenizer=bytes')
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"model.pretrained = {where!r}: its tokenizer does not load ({e}); fix its files, or "
-                          f"--set model.tokenizer=bytes to train on bytes as token ids") from None
+    tokenizer = _tokenizer(job, where)
     lines = bytes(raw.numpy()).decode("utf-8", errors="replace").splitlines(keepends=True)
     ids: list[int] = []
     for i in range(0, len(lines), 4096):  # batches of lines: a fast tokenizer encodes them in parallel
@@ -462,9 +465,41 @@ def corpus_tokens(job: Job) -> torch.Tensor:
     return tokens
 
 
+def _tokenizer(job: Job, where: str):
+    transformers = _transformers(f"model.pretrained = {where!r}", 'or --set model.tokenizer=bytes')
+    try:
+        return transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.pretrained = {where!r}: its tokenizer does not load ({e}); fix its files, or "
+                          f"--set model.tokenizer=bytes to train on bytes as token ids") from None
+
+
+def record_batches(job: Job, rank: int = 0, world: int = 1):
+    """Batches of completion / chat records (records.py, Note [masked fine-tuning loss])."""
+    from infinity.job.records import SampleBatches, load_samples, split_samples
+    where = tokenizer_dir(job.model)
+    if where is None:
+        raise ConfigError(f"data.format = {job.data.format!r} needs a tokenizer: set model.pretrained to a model "
+                          f"directory with its tokenizer saved in it (and model.tokenizer = \"auto\"), or use "
+                          f'data.format = "text"')
+    tokenizer = _tokenizer(job, where)
+    samples = load_samples(job.data, tokenizer, where, job.model.seq_len)
+    if job.data.val_path:
+        train, val = samples, load_samples(job.data, tokenizer, where, job.model.seq_len, job.data.val_path)
+    else:
+        train, val = split_samples(samples, job.data.val_fraction, job.data.path)
+    compute = job.engine_config(".").precision.compute_dtype
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(compute, torch.float32)  # the attention mask's
+    return SampleBatches(train, val, seq_len=job.model.seq_len, global_batch=job.run.batch_size,
+                         seed=job.data.seed, packing=job.data.packing, dtype=dtype, rank=rank, world=world)
+
+
 def job_batches(job: Job, rank: int = 0, world: int = 1):
-    """The job's training and validation batches for one rank (data.py's sampler over `corpus_tokens`)."""
+    """The job's training and validation batches for one rank (data.py's sampler over `corpus_tokens`, or
+    records.py's over completion / chat records)."""
     from infinity.job.data import Batches, split
+    if job.data.format != "text":
+        return record_batches(job, rank, world)
     train, val = split(corpus_tokens(job), job.data.val_fraction, job.model.seq_len)
     return Batches(train, val, seq_len=job.model.seq_len, global_batch=job.run.batch_size, seed=job.data.seed,
                    rank=rank, world=world)

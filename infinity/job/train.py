@@ -45,7 +45,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -166,6 +166,7 @@ class Result:
     losses: list[float]
     val_loss: float | None
     seconds: float
+    step_tokens: list[int] = field(default_factory=list)  # trained tokens (not pad, not -100) of each step run here
 
 
 def train(job: Job, *, verbose: bool = True, resume: Resume | None = None) -> Result:
@@ -237,6 +238,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                 say.note(f"note: the learning rate reaches its final value at optimizer.total_steps = {o.total_steps} "
                          f"and stays there until run.steps = {job.run.steps}; --set optimizer.total_steps="
                          f"{job.run.steps} to stretch the schedule instead")
+        for default in job.finetune_defaults():
+            say.note(default.line())
         say.note(f"{bundle.description}, {len(engine.units)} units, world size {world}, device {engine.device}, "
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])
@@ -325,7 +328,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
     start, run_dir = result.steps, result.run_dir
     accum = config.train.grad_accum_steps
     device = engine.device
-    tokens_per_step = batches.tokens_per_batch * accum
+    loss_of = batches.loss or bundle.loss  # records carry their masked loss (Note [masked fine-tuning loss])
     began = time.perf_counter() - elapsed_before
     recent: list[float] = []
     overlap = None
@@ -333,9 +336,11 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
     for step in range(start + 1, job.run.steps + 1):
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=device)
+        tokens_per_step = 0  # trained tokens: not padding, not masked (-100), over all ranks
         for micro in range(accum):
             x, y = (t.to(device, non_blocking=True) for t in batches.batch(step - 1, micro))
-            loss = bundle.loss(engine, x, y)
+            tokens_per_step += int((y != -100).sum()) * engine.world_size
+            loss = loss_of(engine, x, y)
             engine.backward(loss)
             total += loss.detach().double()
         engine.step()
@@ -346,7 +351,8 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
             overlap = overlap_efficiency(engine)  # summarizing the spans costs time: not every step
         record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
                   "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
-                  "tokens_per_s": tokens_per_step / seconds, "tokens": step * tokens_per_step,
+                  "tokens_per_s": tokens_per_step / seconds, "tokens_per_step": tokens_per_step,
+                  "tokens": step * tokens_per_step,
                   "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap}
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
@@ -360,6 +366,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
         metrics.flush()
         result.steps, result.seconds = step, time.perf_counter() - began
         result.losses.append(mean_loss)
+        result.step_tokens.append(tokens_per_step)
         say.update(step, mean_loss, tokens_per_step * len(recent) / sum(recent), overlap)
         if stopping:
             result.status = "interrupted"
@@ -386,7 +393,7 @@ def _validate(engine, bundle: ModelBundle, batches: Batches, count: int, device:
     engine.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     for x, y in batches.val_batches(count):
-        total += bundle.loss(engine, x.to(device), y.to(device)).double()
+        total += (batches.loss or bundle.loss)(engine, x.to(device), y.to(device)).double()
     engine.train()
     value, _ = _reduce_step(total / count, False, device, engine.world_size)
     return value
@@ -466,6 +473,7 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
         "seconds": result.seconds,
         "tokens_per_s": result.steps * job.run.batch_size * job.model.seq_len
         * engine.config.train.grad_accum_steps / result.seconds if result.seconds else None,
+        "trained_tokens_per_step": sum(result.step_tokens) / len(result.step_tokens) if result.step_tokens else None,
         "peak_rss_bytes": peaks[0], "checkpoint": str(checkpoint) if checkpoint else None,
         "export": str(exported) if exported else None,
         "overlap_efficiency": overlap_efficiency(engine),

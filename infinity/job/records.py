@@ -1,0 +1,311 @@
+"""Fine-tuning data of `infinity train`: prompt/completion and chat records, masked, padded or packed.
+
+`data.format = "completion"` reads `{"prompt": ..., "completion": ...}` records and `"chat"` reads
+`{"messages": [{"role": ..., "content": ...}]}` records (field names from `data.*_field`) from a local .jsonl,
+.json, .parquet or .arrow file. Each record becomes one sample: token ids and labels (the ids themselves where
+the loss counts, -100 elsewhere).
+
+Note [masked fine-tuning loss]: a sample's loss is exactly what transformers computes for
+`model(input_ids, labels=labels).loss`: the logits at position t are scored against labels[t + 1], tokens
+labelled -100 are left out, and the loss is the mean over the remaining tokens of the whole batch. Labels are
+-100 on the prompt (completion) or on every turn but the assistant's (chat) unless `data.train_on_prompt`. A
+completion is tokenized as the tokenizer's BOS (when it defines one and adds it) + prompt + completion + EOS,
+so the model learns to stop. A chat is rendered by the tokenizer's own `apply_chat_template`; the assistant
+turns are found by rendering each prefix of the conversation (with the generation prompt before an assistant
+turn) and taking the token boundaries, so any template works, and an EOS is appended after a final assistant
+turn the template does not end with one.
+
+Note [packed samples never meet]: with `data.packing = true` several samples share a row of model.seq_len
+tokens; the row carries a segment id per token (1, 2, ... per sample, 0 on padding) and the loss passes the
+model a 4D additive attention mask that is causal *within* a segment and closed across segments, plus
+position ids that restart at 0 for each sample. So a sample's logits equal its logits alone (the test checks
+this with transformers' "sdpa" and "eager" attention), and the last token of a sample is not scored against
+the first of the next. Without packing each row holds one sample, padded to the longest row of the global
+batch; the same mask then hides the padding. Rows are drawn by (data.seed, step, micro-batch) over the whole
+global batch, so Note [same batches at every world size] holds here too.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from infinity.config.options import ConfigError
+
+IGNORE = -100  # transformers' ignore_index
+ROLES = ("system", "user", "assistant", "tool")
+FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+class DataError(ConfigError):
+    """Bad training data: the message names the file and the line (or record)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    ids: list[int]
+    labels: list[int]  # aligned with ids (not shifted); IGNORE where the loss does not count
+
+
+# ---------------------------------------------------------------- reading
+
+def read_records(path: str) -> list[tuple[str, dict]]:
+    """(where, record) of each record of a local file; `where` is "FILE line N" (jsonl) or "FILE record N"."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"data.path = {path!r}: no such file; point it at a local .jsonl, .json, .parquet or "
+                          f".arrow file")
+    kind = FILE_KINDS.get(file.suffix.lower())
+    if kind is None:
+        raise ConfigError(f"data.path = {path!r}: data.format needs a .jsonl, .json, .parquet or .arrow file; "
+                          f'rename or convert it, or set data.format = "text" to train on it as plain text')
+    if file.suffix.lower() == ".jsonl":
+        return list(_jsonl(file))
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"data.path = {path!r}: reading {file.suffix} files needs Hugging Face datasets: "
+                          f'pip install "infinity[hf]"') from None
+    try:
+        table = datasets.load_dataset(kind, data_files=str(file), split="train")
+    except Exception as e:  # datasets raises many kinds (ArrowInvalid, DatasetGenerationError, ...)
+        raise DataError(f"{file}: Hugging Face datasets cannot read it as {kind} ({type(e).__name__}: {e}); fix "
+                        f"the file") from None
+    return [(f"{file} record {i + 1}", row) for i, row in enumerate(table)]
+
+
+def _jsonl(file: Path):
+    with open(file, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"{file} line {n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); the file "
+                                f"looks binary: point data.path at a JSONL file") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno}); each line must be one JSON "
+                                f"object") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: a JSON {type(record).__name__}, not an object; each line must be one "
+                                f"JSON object")
+            yield where, record
+
+
+def _field(record: dict, name: str, key: str, where: str, kind: type) -> Any:
+    if name not in record:
+        raise DataError(f"{where}: no field {name!r} (it has {sorted(record)}); add it, or set data.{key} to "
+                        f"the field's name")
+    value = record[name]
+    if not isinstance(value, kind):
+        raise DataError(f"{where}: field {name!r} is a {type(value).__name__}, not a "
+                        f"{'string' if kind is str else 'list of messages'}")
+    return value
+
+
+# ---------------------------------------------------------------- rendering
+
+def _limit(sample: Sample, seq_len: int, truncation: str, where: str) -> Sample:
+    """A sample of at most seq_len + 1 tokens (inputs and next-token targets of one row), or the error."""
+    if len(sample.ids) <= seq_len + 1:
+        return sample
+    if truncation == "refuse":
+        raise DataError(f"{where}: {len(sample.ids)} tokens, more than model.seq_len + 1 = {seq_len + 1}; raise "
+                        f'model.seq_len, shorten the record, or set data.truncation = "right"')
+    return Sample(sample.ids[:seq_len + 1], sample.labels[:seq_len + 1])
+
+
+def render_completion(tokenizer, record: dict, data, where: str) -> Sample:
+    """BOS + prompt + completion + EOS; labels only on completion + EOS unless data.train_on_prompt."""
+    prompt = _field(record, data.prompt_field, "prompt_field", where, str)
+    completion = _field(record, data.completion_field, "completion_field", where, str)
+    bos = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    plain = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    head = bos[: len(bos) - len(plain)] if bos[len(bos) - len(plain):] == plain else []  # BOS if the tokenizer adds one
+    p = head + plain
+    c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        c = c + [tokenizer.eos_token_id]
+    labels = (p if data.train_on_prompt else [IGNORE] * len(p)) + c
+    return Sample(p + c, labels)
+
+
+def render_chat(tokenizer, record: dict, data, where: str) -> Sample:
+    """The conversation by the tokenizer's chat template; labels only on assistant turns unless
+    data.train_on_prompt (Note [masked fine-tuning loss])."""
+    messages = _field(record, data.messages_field, "messages_field", where, list)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or "role" not in m:
+            raise DataError(f"{where}: message {i} is not an object with a \"role\" and a string \"content\"")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: message {i} has role {m['role']!r}; use one of {list(ROLES)}")
+    ids = _template(tokenizer, messages)
+    mask = [bool(data.train_on_prompt)] * len(ids)
+    if not data.train_on_prompt:
+        start = 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before = _template(tokenizer, messages[:i], generation_prompt=True)
+            upto = _template(tokenizer, messages[:i + 1])
+            start = _common(before, ids)
+            end = _common(upto, ids)
+            for t in range(start, end):
+                mask[t] = True
+    eos = tokenizer.eos_token_id
+    if eos is not None and messages and messages[-1]["role"] == "assistant" and (not ids or ids[-1] != eos):
+        ids, mask = ids + [eos], mask + [True]
+    return Sample(ids, [t if m else IGNORE for t, m in zip(ids, mask)])
+
+
+def _template(tokenizer, messages: list, generation_prompt: bool = False) -> list[int]:
+    if not messages:
+        return []
+    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
+                                        return_dict=False)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+
+def _common(prefix: list[int], ids: list[int]) -> int:
+    """Length of the common prefix (the token boundary where a conversation prefix ends)."""
+    n = 0
+    for a, b in zip(prefix, ids):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str | None = None) -> list[Sample]:
+    """The samples of `path` (default data.path) in data.format."""
+    if data.format == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(f'data.format = "chat": the tokenizer in {tokenizer_where} has no chat template; save '
+                          f"one with it (tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR)), or use "
+                          f'data.format = "completion"')
+    render = render_chat if data.format == "chat" else render_completion
+    samples = []
+    for where, record in read_records(path or data.path):
+        sample = _limit(render(tokenizer, record, data, where), seq_len, data.truncation, where)
+        if len(sample.ids) >= 2 and any(t != IGNORE for t in sample.labels[1:]):
+            samples.append(sample)
+    if not samples:
+        raise DataError(f"{path or data.path}: no record has a token to train on; check data.format and the "
+                        f"field names")
+    return samples
+
+
+# ---------------------------------------------------------------- batches
+
+def _rows(samples: list[Sample], order: list[int], count: int, seq_len: int, packing: bool) -> list[list[Sample]]:
+    """`count` rows of samples taken in `order` (several per row when packing)."""
+    rows: list[list[Sample]] = []
+    it = iter(order)
+    if not packing:
+        return [[samples[next(it)]] for _ in range(count)]
+    room = 0
+    for i in it:
+        need = min(len(samples[i].ids), seq_len)
+        if need > room:
+            if len(rows) == count:
+                break
+            rows.append([])
+            room = seq_len
+        rows[-1].append(samples[i])
+        room -= need
+    return rows
+
+
+def collate(rows: list[list[Sample]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs [B, 2, width]: token ids and segment ids, targets [B, width]) of rows of samples."""
+    x = torch.zeros(len(rows), 2, width, dtype=torch.long)
+    y = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for s, sample in enumerate(row, 1):
+            n = min(len(sample.ids), width - at)  # a lone sample of seq_len + 1 tokens: its last is only a target
+            x[r, 0, at:at + n] = torch.tensor(sample.ids[:n])
+            x[r, 1, at:at + n] = s
+            targets = sample.labels[1:n + 1] + [IGNORE] * max(0, n + 1 - len(sample.labels))
+            y[r, at:at + n] = torch.tensor(targets[:n])
+            at += n
+    return x, y
+
+
+def attention_inputs(x: torch.Tensor, dtype: torch.dtype) -> dict:
+    """input_ids, a 4D additive attention mask and position ids of collated rows (Note [packed samples never
+    meet])."""
+    ids, seg = x[:, 0], x[:, 1]
+    t = ids.size(1)
+    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    allowed = (seg[:, :, None] == seg[:, None, :]) & causal & (seg[:, None, :] > 0)
+    allowed |= torch.eye(t, dtype=torch.bool, device=x.device)  # a pad sees itself: no all-masked row (NaN)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=x.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    start = torch.ones_like(seg, dtype=torch.bool)
+    start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+    idx = torch.arange(t, device=x.device).expand_as(seg)
+    first = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=1).values
+    return {"input_ids": ids, "attention_mask": mask[:, None], "position_ids": idx - first}
+
+
+def masked_loss(dtype: torch.dtype):
+    """loss(forward, x, y) of collated rows: the mean cross-entropy over the targets that are not -100."""
+    def loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = forward(**attention_inputs(x, dtype)).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
+    return loss
+
+
+class SampleBatches:
+    """Deterministic batches of samples for one rank: the same interface as data.Batches."""
+
+    def __init__(self, train: list[Sample], val: list[Sample], *, seq_len: int, global_batch: int, seed: int,
+                 packing: bool, dtype: torch.dtype, rank: int = 0, world: int = 1):
+        from infinity.job.data import rank_rows
+        self.train, self.val, self.seq_len, self.seed, self.packing = train, val, seq_len, seed, packing
+        self.global_batch, self.rows = global_batch, rank_rows(global_batch, rank, world)
+        self.loss = masked_loss(dtype)
+
+    def _batch(self, samples: list[Sample], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        need = self.global_batch * (self.seq_len if self.packing else 1)
+        order = torch.cat([torch.randperm(len(samples), generator=g)
+                           for _ in range(-(-need // len(samples)))]).tolist()
+        rows = _rows(samples, order, self.global_batch, self.seq_len, self.packing)
+        width = self.seq_len if self.packing else min(self.seq_len, max(len(r[0].ids) for r in rows) - 1)
+        return collate(rows, width)
+
+    def global_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._batch(self.train, (self.seed * 1_000_003 + step) * 1009 + micro)
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.global_batch_at(step, micro)
+        return x[self.rows], y[self.rows]
+
+    def val_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for i in range(count):
+            x, y = self._batch(self.val, self.seed + 7 + i)
+            out.append((x[self.rows], y[self.rows]))
+        return out
+
+    @property
+    def tokens_per_batch(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+def split_samples(samples: list[Sample], val_fraction: float, where: str) -> tuple[list[Sample], list[Sample]]:
+    n_val = max(1, int(len(samples) * val_fraction))
+    if len(samples) - n_val < 1:
+        raise ConfigError(f"{where}: {len(samples)} record(s): too few to hold out data.val_fraction for "
+                          f"validation; add records or set data.val_path")
+    return samples[: len(samples) - n_val], samples[len(samples) - n_val:]
+
