@@ -81,6 +81,9 @@ class RunConfig(Section):
     export: bool = option(True, "With model.pretrained: at the end, write the trained model into <run>/export as a "
                            "Hugging Face directory (config.json, safetensors shards, the tokenizer files of "
                            "model.pretrained) for from_pretrained.", "bool")
+    export_dtype: str = option("auto", 'dtype of the exported weights: "auto" = the pretrained config\'s dtype '
+                                '(torch_dtype), else fp32; or "fp32", "bf16", "fp16". config.json says the dtype '
+                                'written.', "enum", choices=("auto", "fp32", "bf16", "fp16"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,9 +175,6 @@ TRAIN_DEFAULTS = {
 }
 DECAY_DEFAULTS = {"schedule": "cosine", "min_lr_ratio": 0.1}  # applied when the user sets no schedule
 EXPORT = "export"  # <run>/export: the fine-tuned model as a Hugging Face directory (Note [fine-tuning job])
-# Files of the pretrained directory copied beside the export, so that from_pretrained finds them there too.
-COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
 
 
 @dataclass(frozen=True)
