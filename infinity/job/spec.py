@@ -409,13 +409,18 @@ def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
         import peft
     except ImportError:
         raise ConfigError(f"model.lora.r = {lora.r} needs PEFT: pip install peft (or remove model.lora.r)") from None
+    targets = list(lora.targets)
+    shorthand = len(targets) == 1 and targets[0] == "all-linear"  # PEFT's shorthand: a string, PEFT resolves it
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=list(lora.targets) or None, task_type="CAUSAL_LM")
+                             target_modules=targets[0] if shorthand else (targets or None), task_type="CAUSAL_LM")
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:  # e.g. a target that names no module, or no default for this kind of model
-        raise ConfigError(f"model.lora.targets = {show(list(lora.targets))}: PEFT cannot apply it ({e}); name the "
-                          f"model's linear layers, e.g. targets = [\"q_proj\", \"v_proj\"]") from None
+        own = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if type(m).__name__ in ("Linear", "Conv1D") and not n.endswith("lm_head")})
+        raise ConfigError(f"model.lora.targets = {show(targets)}: PEFT cannot apply it ({e}); name the model's "
+                          f"own linear layers (this model's: {', '.join(own[:10])}), e.g. targets = "
+                          f"{show(own[:2])}, or [\"all-linear\"]") from None
 
 
 # ---------------------------------------------------------------- data

@@ -59,3 +59,18 @@ def test_bad_pretrained_directory_exits_2_with_one_message(dirs, tmp_path, case,
     assert len(error) == 1, proc.stderr[-2000:]
     for w in words:
         assert re.search(w, error[0]), (w, error[0])
+
+
+@pytest.mark.parametrize("targets,ok", [(("all-linear",), True), (("q_proj",), False)])
+def test_lora_targets_all_linear_and_hint_with_the_models_own_names(dirs, targets, ok):
+    from infinity.config.sections import ConfigError
+    from infinity.job.spec import LoraConfig, ModelConfig, build_model
+    model = ModelConfig(pretrained=str(dirs / "gpt2"), seq_len=8)
+    lora = LoraConfig(r=4, targets=targets)
+    if ok:  # every Linear / Conv1D but the head, as PEFT resolves "all-linear"
+        adapted = {n.split(".")[-4] for n, _ in build_model(model, lora).model.named_parameters() if "lora_A" in n}
+        assert adapted >= {"c_attn", "c_proj", "c_fc"}
+    else:
+        with pytest.raises(ConfigError, match="c_attn") as e:
+            build_model(model, lora)
+        assert "v_proj" not in str(e.value)
