@@ -96,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     from infinity.machine.preflight import PreflightError
     from infinity.memory.placement import PlacementError
     from infinity.state.checkpoint import CheckpointError
+    from infinity.state.weights import WeightsError
     try:
         return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links}[
             args.command](args)
-    except (ConfigError, PlacementError, PreflightError, CheckpointError) as e:
+    except (ConfigError, PlacementError, PreflightError, CheckpointError, WeightsError) as e:  # bad input: exit 2
         print(f"infinity {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

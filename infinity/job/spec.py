@@ -81,6 +81,9 @@ class RunConfig(Section):
     export: bool = option(True, "With model.pretrained: at the end, write the trained model into <run>/export as a "
                            "Hugging Face directory (config.json, safetensors shards, the tokenizer files of "
                            "model.pretrained) for from_pretrained.", "bool")
+    export_dtype: str = option("auto", 'dtype of the exported weights: "auto" = the pretrained config\'s dtype '
+                                '(torch_dtype), else fp32; or "fp32", "bf16", "fp16". config.json says the dtype '
+                                'written.', "enum", choices=("auto", "fp32", "bf16", "fp16"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,9 +175,6 @@ TRAIN_DEFAULTS = {
 }
 DECAY_DEFAULTS = {"schedule": "cosine", "min_lr_ratio": 0.1}  # applied when the user sets no schedule
 EXPORT = "export"  # <run>/export: the fine-tuned model as a Hugging Face directory (Note [fine-tuning job])
-# Files of the pretrained directory copied beside the export, so that from_pretrained finds them there too.
-COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
 
 
 @dataclass(frozen=True)
@@ -419,13 +419,18 @@ def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
         import peft
     except ImportError:
         raise ConfigError(f"model.lora.r = {lora.r} needs PEFT: pip install peft (or remove model.lora.r)") from None
+    targets = list(lora.targets)
+    shorthand = len(targets) == 1 and targets[0] == "all-linear"  # PEFT's shorthand: a string, PEFT resolves it
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                             target_modules=list(lora.targets) or None, task_type="CAUSAL_LM")
+                             target_modules=targets[0] if shorthand else (targets or None), task_type="CAUSAL_LM")
     try:
         return peft.get_peft_model(model, config)
     except ValueError as e:  # e.g. a target that names no module, or no default for this kind of model
-        raise ConfigError(f"model.lora.targets = {show(list(lora.targets))}: PEFT cannot apply it ({e}); name the "
-                          f"model's linear layers, e.g. targets = [\"q_proj\", \"v_proj\"]") from None
+        own = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if type(m).__name__ in ("Linear", "Conv1D") and not n.endswith("lm_head")})
+        raise ConfigError(f"model.lora.targets = {show(targets)}: PEFT cannot apply it ({e}); name the model's "
+                          f"own linear layers (this model's: {', '.join(own[:10])}), e.g. targets = "
+                          f"{show(own[:2])}, or [\"all-linear\"]") from None
 
 
 # ---------------------------------------------------------------- data

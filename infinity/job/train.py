@@ -65,7 +65,6 @@ from infinity.job.resume import (
 )
 from infinity.job.run_dir import RunDir, write_json
 from infinity.job.spec import (  # noqa: F401 - re-exported: infinity.job.train is where users and tests find the job
-    COMPANION_FILES,
     DECAY_DEFAULTS,
     EXPORT,
     JOB_SECTIONS,
@@ -430,24 +429,19 @@ def _export(job: Job, engine, bundle: ModelBundle, run_dir: Path, checkpoint: Pa
     """<run>/export: the trained model as a Hugging Face directory, from the final checkpoint when there is one
     (else through a checkpoint of its own, removed after), with the pretrained directory's config and tokenizer
     files (Note [fine-tuning job])."""
-    from infinity.state.export import export_checkpoint
+    from infinity.state.export import copy_companions, export_checkpoint, resolve_export_dtype
     out = run_dir / EXPORT
     merge = job.lora.merge
+    dtype = resolve_export_dtype(job.run.export_dtype, bundle.hf_config)  # Note [stand-alone export]
     if checkpoint is not None:
         if rank == 0:
-            export_checkpoint(str(checkpoint), str(out), merge_lora=merge, model=engine.module)
+            export_checkpoint(str(checkpoint), str(out), dtype=dtype, merge_lora=merge, model=engine.module,
+                              config=bundle.hf_config)
         _barrier(world)
     else:
-        engine.export_state_dict(str(out), merge_lora=merge)
-        if rank == 0:
-            shutil.rmtree(f"{out}.checkpoint", ignore_errors=True)
+        engine.export_state_dict(str(out), dtype=dtype, merge_lora=merge)  # config.json: the module's own
     if rank == 0:
-        adapters_only = bool(job.lora.r) and not merge  # PEFT's layout: adapter_config.json names the base
-        if not adapters_only:
-            bundle.hf_config.save_pretrained(str(out))
-        for name in COMPANION_FILES:
-            if os.path.isfile(os.path.join(job.model.pretrained, name)):
-                shutil.copyfile(os.path.join(job.model.pretrained, name), out / name)
+        copy_companions(job.model.pretrained, str(out))
     return out
 
 

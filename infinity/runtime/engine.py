@@ -343,15 +343,13 @@ class Engine:
             self.manager.drain()
             return load_checkpoint(self, path)
 
-    def export_state_dict(self, path: str, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
+    def export_state_dict(self, path: str, dtype: torch.dtype | str | None = "auto", max_shard_size: int | str = "5GB",
                           merge_lora: bool = False) -> str:
         """Write the consolidated state dict, streaming: one file for `.safetensors` (torch.save for another
-        suffix), a Hugging Face directory for a path with no suffix (sharded at `max_shard_size`; a PEFT
-        model's adapters alone, or merged into the base weights with `merge_lora`).
-
-        Saves a checkpoint next to `path` first (all ranks call this), then rank 0 assembles
-        the tensors one by one from it; the checkpoint stays, for resuming.
-        """
+        suffix), a Hugging Face directory for a path with no suffix (sharded at `max_shard_size`, config.json
+        from the model's own config; a PEFT model's adapters alone, or merged with `merge_lora`). `dtype`:
+        "auto" the model config's dtype (else fp32), "fp32" / "bf16" / "fp16" or a torch dtype (Note
+        [stand-alone export]). All ranks call this; a temporary checkpoint beside `path` is removed after."""
         from infinity.state.export import export_engine
         return export_engine(self, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora)
 

@@ -313,10 +313,11 @@ def export_format(out: str) -> str:
 
 
 def export_checkpoint(checkpoint: str, out: str, dtype: torch.dtype | None = None, fmt: str | None = None, *,
-                      max_shard_size: int | str = "5GB", merge_lora: bool = False, model=None) -> str:
+                      max_shard_size: int | str = "5GB", merge_lora: bool = False, model=None, config=None) -> str:
     """Write the checkpoint's full state dict to `out`: `.safetensors` one file, a path with no suffix a
     Hugging Face directory (`write_hf`; `model`, the engine's module, tells a PEFT model's adapters),
-    any other suffix torch.save."""
+    any other suffix torch.save. With a transformers `config`, a Hugging Face directory of full weights gets
+    its config.json, saying the dtype written (Note [stand-alone export])."""
     manifest = read_manifest(checkpoint)
     fmt = fmt or export_format(out)
     if fmt == "safetensors":
@@ -325,20 +326,84 @@ def export_checkpoint(checkpoint: str, out: str, dtype: torch.dtype | None = Non
         write_torch(os.path.abspath(checkpoint), manifest, os.fspath(out), dtype)
     elif fmt == "hf":
         write_hf(os.path.abspath(checkpoint), manifest, os.fspath(out), dtype, max_shard_size, merge_lora, model)
+        adapters_only = model is not None and bool(getattr(model, "peft_config", None)) and not merge_lora
+        if hasattr(config, "save_pretrained") and not adapters_only:
+            save_hf_config(config, os.fspath(out), dtype or torch.float32)
     else:
         raise ValueError(f"export format {fmt!r}: use 'safetensors', 'torch' or 'hf'")
     return os.fspath(out)
 
 
-def export_engine(engine, path: str, *, dtype: torch.dtype | None, max_shard_size: int | str, merge_lora: bool) -> str:
-    """`Engine.export_state_dict`: a checkpoint next to `path` (all ranks), then rank 0 exports it."""
-    ckpt = f"{os.fspath(path).rstrip(os.sep)}.checkpoint"
+# ----------------------------------------------------------------- stand-alone Hugging Face directories
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Note [stand-alone export]: an exported directory is what from_pretrained needs and nothing else: the weights
+# in the source's dtype unless told otherwise ("auto" = the config's `dtype` / `torch_dtype`, else fp32),
+# config.json saying the dtype the weights were written in, and every generation / tokenizer file of the
+# pretrained directory (chat template included). The API's export streams through a temporary checkpoint
+# that is removed afterwards, so nothing is left beside the directory.
+COMPANION_PATTERN = re.compile(r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)|"
+                               r"merges\.txt|chat_template\.(jinja|json)|generation_config\.json|"
+                               r"preprocessor_config\.json|spiece\.model|sentencepiece\..*\.model)$")
+
+
+def config_dtype(config) -> torch.dtype | None:
+    """The dtype a transformers config says its weights are in (`dtype`, older `torch_dtype`), or None."""
+    for attr in ("dtype", "torch_dtype"):
+        value = getattr(config, attr, None) if config is not None else None
+        if isinstance(value, str):
+            value = getattr(torch, value, None)
+        if isinstance(value, torch.dtype):
+            return value
+    return None
+
+
+def resolve_export_dtype(dtype, config=None) -> torch.dtype:
+    """The dtype an export is written in: a torch dtype as given; "fp32" / "bf16" / "fp16"; "auto" (or None)
+    the config's own dtype, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        return config_dtype(config) or torch.float32
+    if dtype in EXPORT_DTYPES:
+        return EXPORT_DTYPES[dtype]
+    raise ValueError(f"export dtype {dtype!r}: use 'auto' (the source's dtype), 'fp32', 'bf16', 'fp16' or a "
+                     f"torch dtype")
+
+
+def save_hf_config(config, out: str, dtype: torch.dtype) -> None:
+    """config.json (and the model's generation config, when it has one) into `out`, saying `dtype`."""
+    import copy
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    config.save_pretrained(out)
+
+
+def copy_companions(source: str, out: str) -> list[str]:
+    """Copy the pretrained directory's generation and tokenizer files into `out`; returns their names."""
+    import shutil
+    copied = []
+    for name in sorted(os.listdir(source)):
+        if COMPANION_PATTERN.match(name) and os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
+            copied.append(name)
+    return copied
+
+
+def export_engine(engine, path: str, *, dtype, max_shard_size: int | str, merge_lora: bool) -> str:
+    """`Engine.export_state_dict`: a temporary checkpoint beside `path` (all ranks), exported by rank 0 in
+    `dtype` (resolve_export_dtype) with the model's config, then removed (Note [stand-alone export])."""
+    import shutil
+    path = os.fspath(path).rstrip(os.sep)
+    module = engine.module
+    config = getattr(getattr(module, "base_model", module), "config", None)
+    dtype, ckpt = resolve_export_dtype(dtype, config), f"{path}.export-tmp"
     engine.save_checkpoint(ckpt)
     engine.wait_for_checkpoint()
     if engine.rank == 0:
         export_checkpoint(ckpt, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora,
-                          model=engine.module)
+                          model=module, config=config)
+        shutil.rmtree(ckpt, ignore_errors=True)
     if engine.env.group is not None:
         import torch.distributed as dist
         dist.barrier(group=engine.env.group)  # the file is complete when every rank returns
-    return os.fspath(path)
+    return path

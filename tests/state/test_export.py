@@ -68,4 +68,4 @@ def test_engine_export_state_dict(tmp_path):
         state = engine.full_state_dict()
     loaded = torch.load(out, weights_only=True)
     assert all(torch.equal(loaded[k], state[k]) for k in state)
-    assert os.path.isdir(str(tmp_path / "final.pt.checkpoint"))
+    assert not any(n.startswith("final.pt.") for n in os.listdir(tmp_path)), "its temporary checkpoint is removed"
