@@ -47,6 +47,20 @@ def _title(summary: dict) -> str:
     )
 
 
+_PHASE_COLORS = {"forward": "#64b5cd", "backward": "#2a6f97", "optimizer": "#937860", "checkpoint": "#da8bc3"}
+
+
+def _phase(name: str) -> str | None:
+    """The phase of a compute span, from its name ("forward before blocks.0", "backward", "update <root>",
+    "checkpoint ..."); None for anything else."""
+    word = name.split(" ", 1)[0]
+    if word in ("forward", "backward", "checkpoint"):
+        return word
+    if word in ("update", "adam", "step", "optimizer"):
+        return "optimizer"
+    return None
+
+
 DETAIL_STEPS = 3  # Note [readable timeline]: the steps drawn span by span
 
 
@@ -64,6 +78,7 @@ def draw_timeline(spans: list[Span], steps: list[StepMark], summary: dict, path:
     """Write the chart as a PNG to `path`; False (nothing written) without matplotlib.
 
     Note [readable timeline]: readable at any run length: (1) the last `DETAIL_STEPS` steps span by span,
+    a phase band (forward / backward / optimizer / checkpoint, from the compute spans' names),
     one lane per link, step boundaries as thin lines labelled once; (2) the whole run as a per-step strip,
     compute and exposed wait stacked per step; (3) exposed wait per unit over the run, largest first."""
     try:
@@ -92,6 +107,12 @@ def draw_timeline(spans: list[Span], steps: list[StepMark], summary: dict, path:
         height = 0.35 if link is Link.COMPUTE else 0.12
         axes.broken_barh(lane_waits, (y - 0.35, height), facecolors=_WAIT_COLOR, linewidth=0)
 
+    y = len(links) - 0.55  # the phase band, above the compute lane
+    for phase, color in _PHASE_COLORS.items():
+        bars = [(s.start - begin, s.end - s.start) for s in shown
+                if s.link in (Link.COMPUTE, Link.CPU_OPTIMIZER) and _phase(s.name) == phase]
+        axes.broken_barh(bars, (y, 0.12), facecolors=color, linewidth=0)
+        axes.plot([], [], color=color, linewidth=6, label=f"phase: {phase}")
     for mark in detail:
         axes.axvline(mark.begin - begin, color="0.5", linewidth=0.6)
         axes.text(mark.begin - begin, len(links) - 0.45, f" step {mark.step}", fontsize=8, va="bottom")
@@ -101,7 +122,7 @@ def draw_timeline(spans: list[Span], steps: list[StepMark], summary: dict, path:
     axes.set_xlabel(f"seconds (the last {len(detail)} step(s) in detail)")
     axes.set_title(_title(summary))
     axes.plot([], [], color=_WAIT_COLOR, linewidth=6, label="waiting on a link (exposed)")
-    axes.legend(loc="upper right", fontsize=8)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
 
     strip = figure.add_subplot(grid[1])
     rows = [r for r in summary.get("steps", []) if r.get("step") is not None]

@@ -17,7 +17,8 @@ def _run(steps: int):
     spans, marks = [], []
     for i in range(steps):
         t = i * 1.0
-        spans.append(Span("forward", Link.COMPUTE, t, t + 0.8))
+        spans.append(Span("forward before blocks.0", Link.COMPUTE, t, t + 0.4))
+        spans.append(Span("backward", Link.COMPUTE, t + 0.4, t + 0.8))
         spans.append(Span("read", Link.NVME_READ, t + 0.1, t + 0.5, num_bytes=1 << 20, unit=f"blocks.{i % 3}"))
         spans.append(Span("fetch", Link.NVME_READ, t + 0.8, t + 0.9, unit=f"blocks.{i % 3}", kind=SpanKind.WAIT))
         marks.append(StepMark(i, t, t + 0.95))
@@ -46,6 +47,9 @@ def test_the_panels_show_compute_and_waits(tmp_path, steps):
         if name != "units":
             assert counts["compute"] > 200, (name, counts)
     assert chart._waits_by_unit(spans)[0][0].startswith("blocks.")
+    for phase in ("forward", "backward"):  # the phase band
+        rgb = tuple(int(chart._PHASE_COLORS[phase][i:i + 2], 16) for i in (1, 3, 5))
+        assert sum(_near(p, rgb, 12) for row in bands["detail"] for p in row[::2]) > 200, phase  # not just the legend
     # the detail shows a few steps, not the whole run: the compute lane has visible gaps between its spans
     detail = bands["detail"]
     row = max(range(detail.shape[0]), key=lambda y: sum(_near(p, COMPUTE_RGB) for p in detail[y]))
