@@ -7,6 +7,7 @@
                                                every ZeRO stage: bytes per tier and link, step time
     infinity config --defaults                 every key with its default and meaning
     infinity config [--config FILE] [--set ...]  the resolved config of a job
+    infinity profile RUN_DIR [--json] [--steps N]   the profile summary of a finished run (Note [profile command])
     infinity bench-links [--dir DIR] [--remeasure]   the link rates the auto policy uses (cached)
     infinity bench-io ...                      python -m io_engine.bench ...
 
@@ -76,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_args(p)
     p.add_argument("--defaults", action="store_true", help="every key at its default, with its meaning")
 
+    p = sub.add_parser("profile", help="print the profile summary of a finished run",
+                       description="The profiler's summary of a run made with profile.enabled = true: per step "
+                                   "compute / exposed wait / overlap, and per link bytes, busy time, rate and "
+                                   "exposed wait (medians).")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<time>), its profile/ or profile/rankN")
+    p.add_argument("--json", action="store_true", help="the summary.json of every rank")
+    p.add_argument("--steps", type=int, default=10, metavar="N", help="step rows to show, the last ones (default 10)")
+
     p = sub.add_parser("bench-links", help="measure (or show the cached) link rates used by the auto policy")
     p.add_argument("--dir", default=None, help="directory on the swap disk (default: the temp directory)")
     p.add_argument("--remeasure", action="store_true", help="measure again even when cached")
@@ -98,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     from infinity.state.checkpoint import CheckpointError
     from infinity.state.weights import WeightsError
     try:
-        return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links}[
+        return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links,
+                "profile": _profile}[
             args.command](args)
     except (ConfigError, PlacementError, PreflightError, CheckpointError, WeightsError) as e:  # bad input: exit 2
         print(f"infinity {args.command}: error: {e}", file=sys.stderr)
@@ -219,6 +229,43 @@ def _generic_loss(forward, x, y):
         return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
     out = forward(x, y)
     return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def profile_summaries(run_dir: str) -> dict[str, dict]:
+    """Note [profile command]: the profiler's summary.json of every rank of a run, by rank directory name:
+    RUN_DIR/profile/rank<N>/summary.json (the job's layout, profile.trace_dir), or a profile directory
+    itself, or one rank's directory. A ConfigError names what is missing and how to get it."""
+    from infinity.config.sections import ConfigError
+    found: dict[str, dict] = {}
+    for base in (os.path.join(run_dir, "profile"), run_dir):
+        if os.path.isdir(base):
+            for name in sorted(os.listdir(base)):
+                path = os.path.join(base, name, "summary.json")
+                if name.startswith("rank") and os.path.isfile(path):
+                    with open(path) as f:
+                        found[name] = json.load(f)
+        if found:
+            return found
+    path = os.path.join(run_dir, "summary.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            data = json.load(f)
+        if "median" in data and "steps" in data:
+            return {f"rank{data.get('rank', 0)}": data}
+    if not os.path.exists(run_dir):
+        raise ConfigError(f"infinity profile {run_dir}: no such directory; give a run directory (runs/<time>)")
+    raise ConfigError(f"{run_dir} has no profile (profile/rank<N>/summary.json): the run was made without the "
+                      f"profiler; train with --set profile.enabled=true")
+
+
+def _profile(args) -> int:
+    from infinity.profile.summary import format_summary
+    summaries = profile_summaries(args.run_dir)
+    if args.json:
+        print(json.dumps(summaries, indent=1))
+        return 0
+    print("\n\n".join(format_summary(s, last=args.steps) for s in summaries.values()))
+    return 0
 
 
 def _bench_links(args) -> int:

@@ -90,6 +90,9 @@ class Estimate:
     checks: list[Check] = field(default_factory=list)
     groups: list[dict] = field(default_factory=list)  # per optimizer group: tensors, elements, weight_decay, lr
     activation: ActivationConfig = field(default_factory=ActivationConfig)
+    table: list = field(default_factory=list)  # estimate_table.Row: placements x stages (Note [estimate table])
+    fixes: list = field(default_factory=list)  # estimate_table.Fix when the configured run does not fit
+    faster: object = None  # a faster fitting row when the configured one fits
 
     @property
     def ok(self) -> bool:
@@ -97,9 +100,12 @@ class Estimate:
 
     def state(self) -> dict[str, dict[str, int]]:
         """Bytes per tier and kind on one rank, as memory_report()["state"]."""
-        if self.plan is None:
+        plan = self.plan
+        if plan is None:  # the configured placement's bytes all the same (unbudgeted)
+            plan = next((r.plan for r in self.table if r.configured), None)
+        if plan is None:
             return {}
-        return {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in self.plan.state_bytes().items()}
+        return {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in plan.state_bytes().items()}
 
     def to_json(self) -> dict:
         st = self.step_time
@@ -120,6 +126,8 @@ class Estimate:
             "step_time": None if st is None else {"total_s": st.total, "forward_backward": st.fb, "optimizer": st.opt},
             "peak": self.peak, "peak_terms": self.peak_terms,
             "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok, "param_groups": self.groups,
+            "table": [r.to_json() for r in self.table], "fixes": [f.to_json() for f in self.fixes],
+            "faster": self.faster.to_json() if self.faster is not None else None,
         }
 
 
@@ -196,11 +204,13 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
                  unit_forward_flops=float(unit_flops[0]))
 
 
-def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int) -> Budgets:
+def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int,
+                        check_machine: bool = True) -> Budgets:
     """Budgets exactly as `initialize` resolves them on this machine ("auto" = this rank's share of the free
-    memory detected now)."""
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return resolve_budgets(config.memory, device, local_world_size, nvme_free)
+    memory detected now); `check_machine`: Note [budget check] (off for what-if runs of other machines)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda and torch.cuda.is_available() \
+        else torch.device("cpu")
+    return resolve_budgets(config.memory, device, local_world_size, nvme_free, check_machine=check_machine)
 
 
 _RUNTIME_PROBE = """
@@ -261,7 +271,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                        [m for _, m in find_unit_modules(traced.model, list(config.units.classes))])
     flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
     compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
-    budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free)
+    budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free,
+                                             check_machine=world_size == 1)
     plan, plan_error = None, None
     try:
         # as initialize plans: no compute time, this machine's cached rates
@@ -283,6 +294,21 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         est.peak = peak_from_terms(est.peak_terms, cuda)
     est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
                            ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
+    from infinity.job import estimate_table as table
+    def activations_of(activation) -> dict[str, int]:
+        acts = activation_terms(trace, activation)
+        return {"device": acts["saved"] + acts["recompute"] + trace.largest_saved_bytes, "host": acts["host"]}
+    ctx = table.Context(sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), activations_of=activations_of,
+                        config=config, world_size=world_size, budgets=budgets, trace=trace,
+                        rates=rates, cuda=cuda, flops=trace.flops)
+    est.table = table.build_table(ctx)
+    me = table.configured_row(est.table)
+    if me is not None and not me.fits and plan is not None:  # the planner fits the state; activations overflow
+        est.checks.insert(0, Check("with activations", False, "; ".join(me.over.values()) + " (activations "
+                                   f"included: {_fmt(me.activations['device'])} on device)",
+                                   "apply one of the changes listed under the table"))
+    est.fixes = table.find_fixes(ctx, est.table, batch_size)
+    est.faster = table.faster_row(est.table)
     return est
 
 
@@ -391,6 +417,8 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
         if est.trace.error:
             lines.append(f"  activations not traced ({est.trace.error})")
         lines.append("")
+    from infinity.job.estimate_table import format_table
+    lines += format_table(est.table, est.fixes, est.faster) + [""]
     lines.append("preflight:")
     lines += [f"  {c.line()}" for c in est.checks]
     return "\n".join(lines)

@@ -38,7 +38,7 @@ from infinity.config.sections import Config, ConfigError
 from infinity.device.dtypes import dtype_of
 from infinity.job.estimate import Trace, resolve_budgets_for, trace_step, unit_sizes_of
 from infinity.memory import cost_model
-from infinity.memory.placement import Budgets, PlacementError, Plan, plan_for_config
+from infinity.memory.placement import Budgets, PlacementError, Plan, overflows, plan_for_config
 from infinity.memory.stages import STAGES, stage_for
 from infinity.memory.tier import Tier
 from io_engine import format_size
@@ -173,7 +173,8 @@ class StageReport:
 
 
 def stage_row(stage: int, sizes, config: Config, budgets: Budgets, cluster: Cluster, num_params: int, *,
-              cuda: bool, rates: cost_model.LinkRates, compute_s: float, network: dict[str, float | None]) -> StageRow:
+              cuda: bool, rates: cost_model.LinkRates, compute_s: float, network: dict[str, float | None],
+              activations: dict[str, int] | None = None) -> StageRow:
     """Plan `sizes` (the units at `stage`) as `initialize` would, and price its step on `cluster`."""
     st = stage_for(stage)
     accum = config.train.grad_accum_steps
@@ -191,6 +192,14 @@ def stage_row(stage: int, sizes, config: Config, budgets: Budgets, cluster: Clus
             plan = plan_for_config(sizes, config, unlimited, rates=rates)
     if plan is None:
         return row
+    if row.fits and activations:  # Note [estimate table]: the activations count in "fits"
+        totals = plan.tier_totals()
+        totals[Tier.DEVICE] += activations["device"]
+        totals[Tier.HOST] += activations["host"]
+        over = overflows(totals, budgets)
+        if over:
+            row.fits, row.error = False, "with activations (" + format_size(activations["device"], exact=False) \
+                + " on device): " + "; ".join(over.values())
     row.state = {t: sum(kinds.values()) for t, kinds in plan.state_bytes().items()}
     traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=accum)
     # every collective runs in forward/backward: the reductions in backward, stage 3's gathers before each use,
@@ -234,13 +243,19 @@ def estimate_stages(make_model: Callable, config: Config, cluster: Cluster, *, h
         rates = cached_link_rates(cuda)
         if budgets is None:
             _, nvme_free = check_disks(list(config.nvme.paths), nvme_bytes=0, local_world_size=g)
-            budgets = resolve_budgets_for(config, local_world_size=g, cuda=cuda, nvme_free=nvme_free)
+            budgets = resolve_budgets_for(config, local_world_size=g, cuda=cuda, nvme_free=nvme_free,
+                                          check_machine=cluster.world_size == 1)
         network = {}
     accum = config.train.grad_accum_steps
     traced = Trace()
     if trace:
+        from infinity.units.unit import find_unit_modules
         copy = make_model()  # tracing moves its buffers to the meta device
-        traced = trace_step(copy.model, copy.loss, batch_size, seq_len)
+        traced = trace_step(copy.model, copy.loss, batch_size, seq_len,
+                            [m for _, m in find_unit_modules(copy.model, list(config.units.classes))])
+    from infinity.job.estimate import activation_terms
+    acts = activation_terms(traced, config.activation)
+    activations = {"device": acts["saved"] + acts["recompute"] + traced.largest_saved_bytes, "host": acts["host"]}
     flops = traced.flops if traced.flops else 6.0 * num_params * batch_size * seq_len
     compute_s = cost_model.compute_seconds(flops * accum, rates)
     rows = []
@@ -248,7 +263,7 @@ def estimate_stages(make_model: Callable, config: Config, cluster: Cluster, *, h
         staged = config.with_overrides([f"zero.stage={stage}"])
         sizes = unit_sizes_of(bundle.model, staged, cluster.world_size)
         rows.append(stage_row(stage, sizes, staged, budgets, cluster, num_params, cuda=cuda, rates=rates,
-                              compute_s=compute_s, network=network))
+                              compute_s=compute_s, network=network, activations=activations))
     p = config.placement
     placement = "auto" if p.policy == "auto" else f"params={p.params} grads={p.grads} optimizer={p.optimizer}"
     return StageReport(cluster=cluster, hardware=hardware, num_params=num_params, placement=placement,

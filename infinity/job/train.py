@@ -263,6 +263,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         try:
             if engine is not None:
                 engine.close()  # waits for in-flight I/O and removes this rank's swap files
+                if say is not None:
+                    _print_profile(engine, run_dir, say)
         finally:
             if say is not None:
                 say.close()
@@ -443,6 +445,17 @@ def _export(job: Job, engine, bundle: ModelBundle, run_dir: Path, checkpoint: Pa
     if rank == 0:
         copy_companions(job.model.pretrained, str(out))
     return out
+
+
+def _print_profile(engine, run_dir: Path, say: Progress) -> None:
+    """The profiler's table at the end of the job (written when the engine closes), as `infinity profile
+    RUN_DIR` prints it."""
+    profiled = getattr(engine, "profile_files", None) or {}
+    if profiled.get("summary"):
+        from infinity.profile.summary import format_summary
+        with open(profiled["summary"]) as f:
+            say.note(format_summary(json.load(f), last=10) + f"\n(`infinity profile {run_dir}` prints it again; "
+                     f"timeline: {profiled.get('timeline', 'not drawn: matplotlib is not installed')})")
 
 
 def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path, result: Result, world: int,

@@ -13,7 +13,9 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from infinity.config.sections import ConfigError
 from infinity.memory.placement import Budgets
+from io_engine import format_size
 
 
 def init_process_group(backend: str | None = None) -> None:
@@ -64,15 +66,32 @@ def resolve(group=None) -> ProcessEnv:
                       owns_group=owns)
 
 
-def resolve_budgets(memory_cfg, device: torch.device, local_world_size: int, nvme_free: int) -> Budgets:
-    """Byte budgets per tier; "auto" means this rank's share of the free memory detected now."""
-    available = psutil.virtual_memory().available // max(1, local_world_size)
+def resolve_budgets(memory_cfg, device: torch.device, local_world_size: int, nvme_free: int, *,
+                    check_machine: bool = True) -> Budgets:
+    """Byte budgets per tier; "auto" means this rank's share of the free memory detected now.
+
+    Note [budget check]: a budget set to more than this machine has (`memory.device_budget` over the GPU's
+    memory, or the RAM without a GPU; `memory.host_budget` over the RAM) is refused at once with a
+    ConfigError naming what the machine has, in `initialize`, the job and `infinity estimate` on this
+    machine; `check_machine=False` for the what-if estimates of other machines (--world, --hardware)."""
+    vm = psutil.virtual_memory()
+    available = vm.available // max(1, local_world_size)
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        device_auto, shared = free, False
+        free, total = torch.cuda.mem_get_info(device)
+        device_auto, shared, device_name = free, False, f"GPU {device} has {format_size(total, exact=False)}"
     else:
-        device_auto, shared = available, True
+        device_auto, shared, total = available, True, vm.total
+        device_name = f"no GPU: the device tier is the RAM, {format_size(total, exact=False)}"
     device_budget = device_auto if memory_cfg.device_budget == "auto" else int(memory_cfg.device_budget)
     host_budget = available if memory_cfg.host_budget == "auto" else int(memory_cfg.host_budget)
+    if check_machine:
+        ram = f"{format_size(vm.total, exact=False)} of RAM ({format_size(vm.available, exact=False)} free now)"
+        if memory_cfg.device_budget != "auto" and device_budget > total:
+            raise ConfigError(f"memory.device_budget = {format_size(device_budget, exact=False)} is more than this "
+                              f"machine has ({device_name}, {format_size(device_auto, exact=False)} free now): "
+                              f'set it to at most that, or "auto"')
+        if memory_cfg.host_budget != "auto" and host_budget > vm.total:
+            raise ConfigError(f"memory.host_budget = {format_size(host_budget, exact=False)} is more than this "
+                              f'machine has ({ram}): set it to at most that, or "auto"')
     return Budgets(device=device_budget, host=host_budget, nvme=nvme_free // max(1, local_world_size),
                    shared_ram=shared, ram=available if shared else None)

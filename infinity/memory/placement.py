@@ -93,24 +93,30 @@ def working_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     return traffic.totals(traffic.working_terms(units, compute_dtype, tiers_of, units_ahead, **settings))
 
 
-def _fits(totals: dict[Tier, int], budgets: Budgets) -> list[str]:
-    """The budget violations of `totals`, as readable lines (empty when it fits)."""
-    problems = []
+def overflows(totals: dict[Tier, int], budgets: Budgets) -> dict[str, str]:
+    """The budget violations of `totals` by binding memory ("device", "host", "ram" when device and host
+    share it, "nvme"), each as a readable line; empty when it fits."""
+    problems = {}
     if totals[Tier.DEVICE] > budgets.device:
-        problems.append(
+        problems["device"] = (
             f"device tier needs {_fmt(totals[Tier.DEVICE])} but memory.device_budget is {_fmt(budgets.device)}"
         )
     if totals[Tier.HOST] > budgets.host:
-        problems.append(f"host tier needs {_fmt(totals[Tier.HOST])} but memory.host_budget is {_fmt(budgets.host)}")
+        problems["host"] = f"host tier needs {_fmt(totals[Tier.HOST])} but memory.host_budget is {_fmt(budgets.host)}"
     if budgets.shared_ram and totals[Tier.DEVICE] + totals[Tier.HOST] > budgets.shared_limit:
-        problems.append(
+        problems["ram"] = (
             f"device + host tiers share this machine's RAM (no GPU) and need "
             f"{_fmt(totals[Tier.DEVICE] + totals[Tier.HOST])} together, over the {_fmt(budgets.shared_limit)} available"
         )
     if totals[Tier.NVME] > budgets.nvme:
         where = "no nvme.paths are set" if budgets.nvme == 0 else f"the nvme.paths have {_fmt(budgets.nvme)} free"
-        problems.append(f"nvme tier needs {_fmt(totals[Tier.NVME])} but {where}")
+        problems["nvme"] = f"nvme tier needs {_fmt(totals[Tier.NVME])} but {where}"
     return problems
+
+
+def _fits(totals: dict[Tier, int], budgets: Budgets) -> list[str]:
+    """The budget violations of `totals`, as readable lines (empty when it fits)."""
+    return list(overflows(totals, budgets).values())
 
 
 def _build(units, compute_dtype, tiers_of: dict[str, Tier], units_ahead: int, settings: dict, reasons=()) -> Plan:

@@ -78,6 +78,7 @@ tiers included); tests/profile/test_profile_traffic.py checks the two agree.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -188,8 +189,25 @@ def update_staging_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtyp
     buffer requests as OffloadedOptimizer.step makes them (read `reads_ahead` tasks ahead, at most
     `writes_in_flight` stores pending, the last stores left pending into the next step) over the size
     classes of io_engine's pool, which keeps every buffer it allocated. Only NVMe shards are staged."""
+    # the replay depends only on each unit's update chunks, which kinds are on NVMe and the aliasing: one
+    # replay per distinct pattern (an estimate's table plans the same units many times over)
+    pattern = tuple((sizes.chunks(Kind.MASTER), tuple(on_nvme(u, k) for k in Kind), aliased(u))
+                    for u, sizes in enumerate(units))
+    if not any(any(nvme) for _, nvme, _ in pattern):
+        return 0
+    return _replay_staging(pattern, compute_dtype.itemsize, reads_ahead, writes_in_flight)
+
+
+@functools.lru_cache(maxsize=64)
+def _replay_staging(pattern: tuple, csize: int, reads_ahead: int, writes_in_flight: int) -> int:
     from io_engine import size_class
-    csize = compute_dtype.itemsize
+    kinds = list(Kind)
+
+    def on_nvme(u: int, kind: Kind) -> bool:
+        return pattern[u][1][kinds.index(kind)]
+
+    def aliased(u: int) -> bool:
+        return pattern[u][2]
     live: dict[int, int] = {}
     peak: dict[int, int] = {}
 
@@ -205,7 +223,7 @@ def update_staging_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtyp
         if c is not None:
             live[c] -= 1
 
-    tasks = [(u, n) for u, sizes in enumerate(units) for n in sizes.chunks(Kind.MASTER)]  # the update's chunks
+    tasks = [(u, n) for u, (chunks, _, _) in enumerate(pattern) for n in chunks]  # the update's chunks
     left: dict[int, list] = {}  # task -> buffers of its stores still pending from the last step
     for _step in range(2):
         for task, pending in left.items():

@@ -159,8 +159,9 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_summary(summary: dict) -> str:
-    """A human-readable table: one row per step, then one row per link (medians)."""
+def format_summary(summary: dict, last: int | None = None) -> str:
+    """A human-readable table: one row per step (the `last` ones only, when given), then one row per link
+    (medians)."""
     median = summary.get("median")
     if median is None:
         return f"profile rank {summary.get('rank', 0)}: no steps, no spans"
@@ -171,7 +172,11 @@ def format_summary(summary: dict) -> str:
         f"on-demand fetches {max(s['on_demand_fetches'] for s in summary['steps'])} (most in a step)",
         f"{'step':>6} {'step_ms':>10} {'compute_ms':>11} {'exposed_ms':>11} {'overlap':>8}",
     ]
-    for s in summary["steps"]:
+    steps = summary["steps"]
+    if last is not None and len(steps) > last:
+        lines.append(f"{'...':>6} ({len(steps) - last} earlier step(s) not shown; the median is over all of them)")
+        steps = steps[-last:]
+    for s in steps:
         step = "all" if s["step"] is None else str(s["step"])
         lines.append(f"{step:>6} {_ms(s['step_s']):>10} {_ms(s['compute_s']):>11} {_ms(s['exposed_s']):>11} "
                      f"{_percent(s['overlap_efficiency']):>8}")

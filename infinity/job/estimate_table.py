@@ -1,0 +1,270 @@
+"""`infinity estimate`'s table: placements x ZeRO stages, fit or not, and the smallest change that fits.
+
+Note [estimate table]: every row is one placement shape (params / grads / optimizer tiers) at one ZeRO
+stage, planned by the engine's own planner (`plan_placement`, static, unbudgeted so that a row exists
+whether it fits or not) over the units `initialize` builds at that stage. Its bytes per tier and rank are
+the plan's state + working bytes (Note [state bytes], Note [working memory]) plus the activations
+(Note [activation estimate]: saved + recompute + the largest saved tensor on the device tier, offloaded
+checkpoint inputs on the host tier). "Fits" is the planner's budget check (`placement.overflows`) on
+those totals, naming the binding memory; the step time is Note [step time] over the plan's traffic. The
+shapes: the configured one, all-device, ZeRO-Offload (params on device, grads + optimizer on host),
+all-host, host + optimizer on NVMe, ZeRO-Infinity (everything on NVMe); the auto policy's plan is the
+configured row when `placement.policy = "auto"`. The optional state read-ahead is left out (it only
+takes memory the rest leaves free).
+
+Note [estimate fixes]: when the configured row does not fit, each kind of change is tried, smallest
+first, and the first that fits of each kind is reported as the `--set` (or `--world-size`) that applies
+it: activation checkpointing (then checkpoint inputs on host), a higher ZeRO stage, a placement shape,
+fewer micro-batch tokens (run.batch_size halved, train.grad_accum_steps doubled: the same tokens per
+step), more ranks. They are ranked by the dominant term of the binding memory: when the activations are
+larger than the state there, the activation and micro-batch changes come first, else the stage and
+placement changes. When the configured row fits but a faster row fits too, that row is offered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from infinity.config.sections import Config
+from infinity.device.dtypes import dtype_of
+from infinity.memory import cost_model
+from infinity.memory.placement import Budgets, PlacementError, Plan, overflows, plan_for_config, plan_placement
+from infinity.memory.stages import STAGES
+from infinity.memory.tier import Tier
+from io_engine import format_size
+
+UNLIMITED = 1 << 62
+SHAPES: dict[str, tuple[str, str, str]] = {  # name -> (params, grads, optimizer)
+    "all-device": ("device", "device", "device"),
+    "ZeRO-Offload": ("device", "host", "host"),
+    "all-host": ("host", "host", "host"),
+    "host+nvme-optim": ("host", "host", "nvme"),
+    "ZeRO-Infinity": ("nvme", "nvme", "nvme"),
+}
+
+
+@dataclass
+class Row:
+    shape: str  # a SHAPES name, "configured" or "auto"
+    tiers: tuple[str, str, str] | None  # params, grads, optimizer (None: the auto policy's mixed plan)
+    stage: int
+    bytes: dict[str, int]  # per tier and rank: state + working + activations
+    activations: dict[str, int]  # the activation part of `bytes`, per tier
+    over: dict[str, str]  # binding memory -> why (empty: fits)
+    step_s: float
+    bound: tuple[str, str]  # the bottleneck of forward/backward and of the optimizer
+    configured: bool = False
+    plan: Plan | None = field(default=None, repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return not self.over
+
+    def sets(self) -> list[str]:
+        """The `--set`s that select this row."""
+        if self.tiers is None:
+            return ["placement.policy=auto", f"zero.stage={self.stage}"]
+        return ["placement.policy=static", *(f"placement.{g}={t}" for g, t in
+                                             zip(("params", "grads", "optimizer"), self.tiers)),
+                f"zero.stage={self.stage}"]
+
+    def to_json(self) -> dict:
+        return {"shape": self.shape, "params": self.tiers and self.tiers[0], "grads": self.tiers and self.tiers[1],
+                "optimizer": self.tiers and self.tiers[2], "stage": self.stage, "bytes": self.bytes,
+                "activations": self.activations, "fits": self.fits, "binding": list(self.over),
+                "why": list(self.over.values()), "step_s": self.step_s, "bound_by": list(self.bound),
+                "configured": self.configured, "set": self.sets()}
+
+
+@dataclass
+class Fix:
+    kind: str  # activation | stage | placement | micro-batch | ranks
+    args: list[str]  # command-line arguments that apply it ("--set k=v", "--world-size N")
+    row: Row
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "args": self.args, "step_s": self.row.step_s, "bytes": self.row.bytes}
+
+
+@dataclass
+class Context:
+    """What a row needs beyond its placement and stage."""
+
+    sizes_of: Callable  # (config, world_size) -> the units initialize builds (estimate.unit_sizes_of)
+    activations_of: Callable  # [activation] -> {"device": bytes, "host": bytes} (Note [activation estimate])
+    config: Config
+    world_size: int
+    budgets: Budgets
+    trace: object  # estimate.Trace
+    rates: cost_model.LinkRates
+    cuda: bool
+    flops: float  # per micro-batch, traced
+
+
+def _activation_bytes(ctx: Context, activation, scale: float = 1.0) -> dict[str, int]:
+    acts = ctx.activations_of(activation)
+    return {k: int(v * scale) for k, v in acts.items()}
+
+
+def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int | None = None,
+             act_scale: float = 1.0, sizes_cache: dict | None = None) -> Row | None:
+    """One row: `config` with the placement `tiers` (None: config's own policy, budgeted)."""
+    world = world_size or ctx.world_size
+    key = (config.zero.stage, world)
+    cache = sizes_cache if sizes_cache is not None else {}
+    if key not in cache:
+        cache[key] = ctx.sizes_of(config, world)
+    sizes = cache[key]
+    try:
+        if tiers is None:  # the auto policy plans against the budgets it has
+            plan = plan_for_config(sizes, config, ctx.budgets, rates=ctx.rates)
+        else:
+            unlimited = dataclasses.replace(ctx.budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
+            plan = plan_placement(sizes, dtype_of(config.precision.compute_dtype), policy="static",
+                                  static=dict(zip(("params", "grads", "optimizer"), tiers)), budgets=unlimited,
+                                  units_ahead=config.prefetch.units_ahead, keep_written=config.prefetch.keep_written)
+    except PlacementError:
+        return None
+    acts = _activation_bytes(ctx, config.activation, act_scale)
+    totals = plan.tier_totals()
+    totals[Tier.DEVICE] += acts["device"]
+    totals[Tier.HOST] += acts["host"]
+    accum = config.train.grad_accum_steps
+    traffic = cost_model.plan_traffic(plan, cuda=ctx.cuda, accum=accum)
+    traffic.add(cost_model.activation_offload_traffic(acts["host"], cuda=ctx.cuda, accum=accum))
+    flops = cost_model.step_flops(ctx.flops * act_scale, ctx.trace.unit_forward_flops * act_scale,
+                                  config.activation.checkpoint)
+    compute = cost_model.compute_seconds(flops * accum, ctx.rates) if flops else 0.0
+    st = cost_model.predict_step_time(traffic, ctx.rates, compute)
+    return Row(shape=shape, tiers=tiers, stage=config.zero.stage, bytes={t.value: v for t, v in totals.items()},
+               activations=acts, over=overflows(totals, ctx.budgets), step_s=st.total, bound=st.bottlenecks(),
+               plan=plan)
+
+
+def _configured_tiers(config: Config):
+    p = config.placement
+    return None if p.policy == "auto" else (p.params, p.grads, p.optimizer)
+
+
+def build_table(ctx: Context) -> list[Row]:
+    """Every shape (the configured one first) at every stage; the configured row marked."""
+    configured = _configured_tiers(ctx.config)
+    shapes = [("configured" if configured is None or configured not in SHAPES.values() else
+               next(n for n, t in SHAPES.items() if t == configured), configured)]
+    shapes += [(n, t) for n, t in SHAPES.items() if t != configured]
+    rows, cache = [], {}
+    for stage in STAGES:
+        staged = ctx.config.with_overrides([f"zero.stage={stage}"])
+        for name, tiers in shapes:
+            if tiers is None:
+                name = "auto"
+            row = make_row(ctx, staged, name, tiers, sizes_cache=cache)
+            if row is not None:
+                row.configured = stage == ctx.config.zero.stage and tiers == configured
+                rows.append(row)
+    return rows
+
+
+def configured_row(rows: list[Row]) -> Row | None:
+    return next((r for r in rows if r.configured), None)
+
+
+def find_fixes(ctx: Context, rows: list[Row], batch_size: int) -> list[Fix]:
+    """Note [estimate fixes]: the first change of each kind that makes the configured run fit, ranked."""
+    me = configured_row(rows)
+    if me is None or me.fits:
+        return []
+    config, found = ctx.config, {}
+    cache: dict = {}
+
+    def attempt(kind: str, args: list[str], sets: list[str], **kw) -> bool:
+        if kind in found:
+            return True
+        row = make_row(ctx, config.with_overrides(sets), me.shape, me.tiers, sizes_cache=cache, **kw)
+        if row is not None and row.fits:
+            found[kind] = Fix(kind, args, row)
+            return True
+        return False
+
+    a = config.activation
+    if a.checkpoint == "none":
+        attempt("activation", ["--set activation.checkpoint=units"], ["activation.checkpoint=units"])
+    if a.offload != "host":
+        attempt("activation", ["--set activation.checkpoint=units", "--set activation.offload=host"],
+                ["activation.checkpoint=units", "activation.offload=host"])
+    if ctx.world_size > 1:
+        for s in STAGES[config.zero.stage + 1:]:
+            if attempt("stage", [f"--set zero.stage={s}"], [f"zero.stage={s}"]):
+                break
+    fitting = sorted((r for r in rows if r.fits and r.stage == me.stage), key=lambda r: r.step_s)
+    if fitting:
+        found["placement"] = Fix("placement", [f"--set {s}" for s in fitting[0].sets()[:-1]], fitting[0])
+    per_rank = batch_size  # sequences per micro-batch on one rank
+    accum = config.train.grad_accum_steps
+    k = 2
+    while per_rank // k >= 1 and "micro-batch" not in found:
+        attempt("micro-batch", [f"--set run.batch_size={per_rank // k * ctx.world_size}",
+                                f"--set train.grad_accum_steps={accum * k}"],
+                [f"train.grad_accum_steps={accum * k}"], act_scale=(per_rank // k) / per_rank)
+        k *= 2
+    for world in (ctx.world_size * 2 ** i for i in range(1, 7)):
+        stage = max(config.zero.stage, 1 if me.stage < 1 else me.stage)
+        stage = 3 if stage < 3 and world > 1 else stage
+        extra = [] if stage == config.zero.stage else [f"--set zero.stage={stage}"]
+        if attempt("ranks", [f"--world-size {world}", *extra], [f"zero.stage={stage}"], world_size=world):
+            break
+    acts_dominant = any(me.activations.get("device" if b in ("device", "ram") else "host", 0) * 2
+                        > me.bytes.get("device" if b in ("device", "ram") else b, 0) for b in me.over)
+    order = (("activation", "stage", "placement", "micro-batch", "ranks") if acts_dominant
+             else ("stage", "placement", "activation", "micro-batch", "ranks"))
+    return [found[k] for k in order if k in found]
+
+
+def faster_row(rows: list[Row]) -> Row | None:
+    """A fitting row at least 10% faster than the configured one (which fits), the fastest."""
+    me = configured_row(rows)
+    if me is None or not me.fits:
+        return None
+    best = min((r for r in rows if r.fits), key=lambda r: r.step_s)
+    return best if best.step_s < 0.9 * me.step_s else None
+
+
+# ---------------------------------------------------------------- text
+
+
+def _fmt(n: int) -> str:
+    return format_size(n, exact=False)
+
+
+def _s(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
+
+
+def format_table(rows: list[Row], fixes: list[Fix], faster: Row | None) -> list[str]:
+    lines = ["placements x ZeRO stages, bytes per rank and tier (state + working + activations; "
+             "* = the configured run):",
+             f"  {'':1} {'shape':16}{'params/grads/optim':22}{'stage':>6}{'device':>11}{'host':>11}{'nvme':>11}"
+             f"  {'fits':16}{'step':>11}  bound (fwd/bwd, optimizer)"]
+    for r in rows:
+        tiers = "/".join(r.tiers) if r.tiers else "auto plan"
+        fits = "yes" if r.fits else "no: " + ",".join(r.over)
+        lines.append(f"  {'*' if r.configured else ' '} {r.shape:16}{tiers:22}{r.stage:>6}"
+                     + "".join(f"{_fmt(r.bytes[t.value]):>11}" for t in Tier)
+                     + f"  {fits:16}{_s(r.step_s):>11}  {r.bound[0]}, {r.bound[1]}")
+    me = configured_row(rows)
+    if me is not None and not me.fits:
+        lines += ["", "the configured run does not fit: " + "; ".join(me.over.values())
+                  + f" (activations: {_fmt(me.activations['device'])} on device, "
+                  f"{_fmt(me.activations['host'])} on host)"]
+        if fixes:
+            lines.append("smallest changes that make it fit (ranked; the dominant term first):")
+            lines += [f"  {i}. {' '.join(f.args)}   ({f.kind}; predicted step {_s(f.row.step_s)})"
+                      for i, f in enumerate(fixes, 1)]
+        else:
+            lines.append("no single change fits: raise memory budgets, add nvme.paths, or use a larger machine")
+    if faster is not None:
+        lines += ["", f"a faster row fits too: {faster.shape} at stage {faster.stage}, {_s(faster.step_s)} per step "
+                  f"instead of {_s(me.step_s)}: " + " ".join(f"--set {s}" for s in faster.sets())]
+    return lines

@@ -1,0 +1,55 @@
+"""The job prints the profiler's table at its end; `infinity profile RUN_DIR [--json]` prints it for a finished
+run (Note [profile command]); a run without a profile is named with the fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "run.batch_size=4",
+        "run.eval_every=0", "run.checkpoint=false", "data.val_fraction=0.1"]
+
+
+def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "infinity", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    sets = TINY + ["run.steps=14", f"run.dir={root}", "run.name=r", "profile.enabled=true"]
+    out = _cli("train", *[a for s in sets for a in ("--set", s)])
+    assert out.returncode == 0, out.stderr[-2000:]
+    return root / "r", out.stdout
+
+
+@pytest.mark.slow
+def test_the_job_prints_the_profile_table_at_its_end(profiled_run):
+    run_dir, stdout = profiled_run
+    assert "profile rank 0: 14 step(s)" in stdout
+    assert "per link, median over steps" in stdout and f"infinity profile {run_dir}" in stdout
+    assert "(4 earlier step(s) not shown" in stdout  # the last 10 steps only
+
+
+@pytest.mark.slow
+def test_profile_command_prints_the_summary_and_json(profiled_run):
+    run_dir, _ = profiled_run
+    out = _cli("profile", str(run_dir), "--steps", "3")
+    assert out.returncode == 0, out.stderr
+    summary = json.loads((run_dir / "profile" / "rank0" / "summary.json").read_text())
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [s["step"] for s in summary["steps"][-3:]]
+    assert f"{summary['median']['step_s'] * 1e3:.2f}" in out.stdout
+    as_json = json.loads(_cli("profile", str(run_dir), "--json").stdout)
+    assert as_json == {"rank0": summary}
+    assert _cli("profile", str(run_dir / "profile" / "rank0")).stdout == _cli("profile", str(run_dir)).stdout
+
+
+def test_profile_command_names_a_missing_profile(tmp_path):
+    out = _cli("profile", str(tmp_path))
+    assert out.returncode == 2 and "profile.enabled=true" in out.stderr
+    out = _cli("profile", str(tmp_path / "nope"))
+    assert out.returncode == 2 and "no such directory" in out.stderr
