@@ -102,7 +102,7 @@ def test_default_budgets_leave_only_placements_with_the_optimizer_on_nvme_for_th
     import infinity.machine.preflight
     monkeypatch.setattr(infinity.machine.preflight, "check_nvme_paths", lambda paths: 1 << 40)
     monkeypatch.setattr(infinity.machine.environment.psutil, "virtual_memory",
-                        lambda: types.SimpleNamespace(available=1 << 36))
+                        lambda: types.SimpleNamespace(available=1 << 36, total=1 << 36))
     args = bench_args(tmp_path, None, model=None)
     assert (args.layers, args.d_model, args.vocab) == (24, 1024, 8192)
     args.device_budget, args.host_budget = bench_step.AUTO_BUDGETS
