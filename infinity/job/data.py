@@ -127,10 +127,40 @@ def windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[t
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
-class Batches:
-    """Deterministic training and validation batches for one rank."""
+class RankBatches:
+    """Deterministic batches for one rank (Note [same batches at every world size]): the global batch of (optimizer
+    step, micro-batch) is a function of the seed alone, and each rank takes its rows of it. A subclass says how a
+    seed becomes a global batch of its source (`_batch`): windows of a token stream here, samples in records.py."""
 
     loss = None  # the model's own next-token loss (records.SampleBatches carries a masked one)
+    train: object
+    val: object
+    seed: int
+    rows: torch.Tensor
+
+    def _batch(self, source, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def global_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole global batch of (optimizer step, micro-batch): every rank's rows."""
+        return self._batch(self.train, (self.seed * 1_000_003 + step) * 1009 + micro)
+
+    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows of the global batch of (optimizer step, micro-batch)."""
+        x, y = self.global_batch_at(step, micro)
+        return x[self.rows], y[self.rows]
+
+    def val_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`count` fixed validation batches (the same every call), this rank's rows."""
+        out = []
+        for i in range(count):
+            x, y = self._batch(self.val, self.seed + 7 + i)
+            out.append((x[self.rows], y[self.rows]))
+        return out
+
+
+class Batches(RankBatches):
+    """Deterministic training and validation batches of a token stream for one rank."""
 
     def __init__(self, train: torch.Tensor, val: torch.Tensor, *, seq_len: int, global_batch: int, seed: int,
                  rank: int = 0, world: int = 1):
@@ -148,23 +178,8 @@ class Batches:
         g = torch.Generator().manual_seed(seed)
         return torch.randint(0, len(tokens) - self.seq_len - 1, (count,), generator=g)
 
-    def global_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole global batch of (optimizer step, micro-batch): every rank's rows."""
-        seed = (self.seed * 1_000_003 + step) * 1009 + micro
-        return windows(self.train, self._starts(self.train, seed, self.global_batch), self.seq_len)
-
-    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's rows of the global batch of (optimizer step, micro-batch)."""
-        x, y = self.global_batch_at(step, micro)
-        return x[self.rows], y[self.rows]
-
-    def val_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """`count` fixed validation batches (the same every call), this rank's rows."""
-        out = []
-        for i in range(count):
-            starts = self._starts(self.val, self.seed + 7 + i, self.global_batch)[self.rows]
-            out.append(windows(self.val, starts, self.seq_len))
-        return out
+    def _batch(self, tokens: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return windows(tokens, self._starts(tokens, seed, self.global_batch), self.seq_len)
 
     @property
     def tokens_per_batch(self) -> int:

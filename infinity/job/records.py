@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from infinity.config.options import ConfigError
+from infinity.job.data import RankBatches, rank_rows
 
 IGNORE = -100  # transformers' ignore_index
 ROLES = ("system", "user", "assistant", "tool")
@@ -264,12 +265,11 @@ def masked_loss(dtype: torch.dtype):
     return loss
 
 
-class SampleBatches:
-    """Deterministic batches of samples for one rank: the same interface as data.Batches."""
+class SampleBatches(RankBatches):
+    """Deterministic batches of samples for one rank (data.RankBatches: the seed of each global batch)."""
 
     def __init__(self, train: list[Sample], val: list[Sample], *, seq_len: int, global_batch: int, seed: int,
                  packing: bool, dtype: torch.dtype, rank: int = 0, world: int = 1):
-        from infinity.job.data import rank_rows
         self.train, self.val, self.seq_len, self.seed, self.packing = train, val, seq_len, seed, packing
         self.global_batch, self.rows = global_batch, rank_rows(global_batch, rank, world)
         self.loss = masked_loss(dtype)
@@ -282,20 +282,6 @@ class SampleBatches:
         rows = _rows(samples, order, self.global_batch, self.seq_len, self.packing)
         width = self.seq_len if self.packing else min(self.seq_len, max(len(r[0].ids) for r in rows) - 1)
         return collate(rows, width)
-
-    def global_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._batch(self.train, (self.seed * 1_000_003 + step) * 1009 + micro)
-
-    def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = self.global_batch_at(step, micro)
-        return x[self.rows], y[self.rows]
-
-    def val_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        out = []
-        for i in range(count):
-            x, y = self._batch(self.val, self.seed + 7 + i)
-            out.append((x[self.rows], y[self.rows]))
-        return out
 
     @property
     def tokens_per_batch(self) -> int:
