@@ -130,3 +130,63 @@ def test_generate_needs_a_model_with_generate(tmp_path):
     with infinity.initialize(model, HOST) as engine:
         with pytest.raises(TypeError, match="has none.*torch.no_grad"):
             engine.generate(torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("tier,stage,checkpoint", [("nvme", 3, "none"), ("nvme", 0, "units"), ("host", 2, "units"),
+                                                   ("device", 1, "none")])
+def test_evaluation_loss_at_each_stage_equals_transformers_and_allocates_no_gradients(tier, stage, checkpoint,
+                                                                                      saved, tmp_path):
+    """An evaluation loop's loss (engine(batch) and engine.module under no_grad) at stages 0-3: transformers'
+    loss on the same weights, with no gradient buffer allocated and no backward owed."""
+    ref, path = saved["llama"]
+    x = prompt()
+    with torch.no_grad():
+        want = ref(input_ids=x, labels=x).loss
+    config = placement(tier, tmp_path) | {"zero": {"stage": stage}, "activation": {"checkpoint": checkpoint}}
+    with infinity.initialize(on_meta("llama"), config, weights=path) as engine:
+        engine.eval()
+        with torch.no_grad():
+            for forward in (engine, engine.module):
+                torch.testing.assert_close(forward(input_ids=x, labels=x).loss, want, rtol=1e-5, atol=1e-6)
+        assert all(u._grad_flat is None and not u.slots_with_grad for u in engine.units)
+        assert all(p.grad is None for p in engine.module.parameters())
+        with pytest.raises(RuntimeError, match="needs a forward with gradients"):
+            engine.backward(torch.zeros(()))
+
+
+def test_inference_mode_forwards_then_training_continues(saved, tmp_path):
+    """torch.inference_mode (stricter than no_grad) for an evaluation forward and a generate; the buffers they
+    unsharded are not inference tensors, so the next training step runs."""
+    ref, path = saved["llama"]
+    x = prompt()
+    with torch.no_grad():
+        want_logits, want_tokens = ref(input_ids=x).logits, greedy(ref.generate, x)
+    with infinity.initialize(on_meta("llama"), nvme(str(tmp_path)), weights=path) as engine:
+        engine.eval()
+        with torch.inference_mode():
+            logits = engine.module(input_ids=x).logits
+            tokens = greedy(engine.generate, x)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-6)
+        assert torch.equal(tokens, want_tokens)
+        engine.train()
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        assert engine.step()
+
+
+def _generate_on_rank(rank, world_size, path, swap):
+    import os
+    os.makedirs(f"{swap}/{rank}", exist_ok=True)
+    config = nvme(f"{swap}/{rank}") | {"zero": {"stage": 3}}
+    with infinity.initialize(on_meta("gpt2"), config, weights=path) as engine:
+        return greedy(engine.generate, prompt())
+
+
+@pytest.mark.slow
+def test_world_2_stage_3_generation_equals_transformers(saved, tmp_path):
+    """Each rank holds half of every parameter on its NVMe; generate all-gathers them unit by unit."""
+    from dist_utils import run_distributed
+    ref, path = saved["gpt2"]
+    with torch.no_grad():
+        want = greedy(ref.generate, prompt())
+    for got in run_distributed(_generate_on_rank, 2, path, str(tmp_path)):
+        assert torch.equal(got, want)
