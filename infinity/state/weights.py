@@ -39,6 +39,7 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -151,31 +152,42 @@ class SafetensorsFiles:
 
 
 class TorchStateDict:
-    """A torch.save'd state dict, loaded memory-mapped (its pages count in RSS: Note [reading without mmap])."""
+    """A state dict of tensors: one given in memory, or a torch.save'd file loaded memory-mapped (its pages count
+    in RSS: Note [reading without mmap])."""
 
-    def __init__(self, path: str):
-        self.where = path
+    def __init__(self, state, where: str):
+        if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise WeightsError(f"{where} holds a {type(state).__name__}, not a state dict of tensors: give "
+                               f"model.state_dict() itself")
+        self.where = where
+        self._tensors = dict(state)
+        self.infos = {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in self._tensors.items()}
+
+    @classmethod
+    def load(cls, path: str) -> TorchStateDict:
         try:
             state = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - any failure to read it is the user's file, named below
             raise WeightsError(f"cannot load {path} as a torch state dict ({type(e).__name__}: {e}); give a "
                                f"state dict saved by torch.save (zip format), a .safetensors file or an HF "
                                f"directory") from e
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise WeightsError(f"{path} holds a {type(state).__name__}, not a state dict of tensors: save "
-                               f"model.state_dict() itself")
-        self._tensors = state
-        self.infos = {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in state.items()}
+        return cls(state, path)
 
     def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        out.copy_(self._tensors[key].reshape(-1)[lo:hi])
+        out.copy_(self._tensors[key].detach().reshape(-1)[lo:hi])
 
     def close(self) -> None:
         self._tensors = {}
 
 
-def open_weights(path: str | os.PathLike):
-    """The source at `path` with its keys known (headers only are read)."""
+def open_weights(path):
+    """The source at `path` (a file, an HF directory, or a state dict in memory) with its keys known (headers
+    only are read)."""
+    if isinstance(path, Mapping):
+        return TorchStateDict(path, "the state dict given as weights=")
+    if not isinstance(path, (str, os.PathLike)):
+        raise WeightsError(f"weights= got a {type(path).__name__}: give a .safetensors file, a torch.save'd "
+                           f"state dict, an HF directory (their paths), or a state dict of tensors")
     path = os.fspath(path)
     if os.path.isdir(path):
         index = os.path.join(path, INDEX)
@@ -191,14 +203,14 @@ def open_weights(path: str | os.PathLike):
         for name, kind in ((SINGLE, SafetensorsFiles), (TORCH_SINGLE, TorchStateDict)):
             if os.path.isfile(os.path.join(path, name)):
                 full = os.path.join(path, name)
-                return SafetensorsFiles([full], full) if kind is SafetensorsFiles else TorchStateDict(full)
+                return SafetensorsFiles([full], full) if kind is SafetensorsFiles else TorchStateDict.load(full)
         raise WeightsError(f"{path} holds none of {INDEX}, {SINGLE}, {TORCH_SINGLE}: give the directory "
                            f"save_pretrained wrote, or the weights file itself")
     if not os.path.isfile(path):
         raise WeightsError(f"weights={path!r}: no such file or directory")
     if path.endswith(".safetensors"):
         return SafetensorsFiles([path], path)
-    return TorchStateDict(path)
+    return TorchStateDict.load(path)
 
 
 # ----------------------------------------------------------------- names

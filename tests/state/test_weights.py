@@ -17,12 +17,14 @@ from dist_utils import run_distributed
 from hf_tiny import HOST, logits, nvme, on_meta, reference
 from infinity.state.weights import WeightsError
 
-LAYOUTS = ["dir", "sharded", "file", "torch"]
+LAYOUTS = ["dir", "sharded", "file", "torch", "memory"]
 
 
 def save(model, root, layout: str) -> str:
     """The checkpoint as a user has it: an HF directory (one file or shards + index), a .safetensors file, a
-    torch state dict."""
+    torch state dict, or a state dict in memory (a copy: the reference model is not the source)."""
+    if layout == "memory":
+        return {key: value.clone() for key, value in model.state_dict().items()}
     path = os.path.join(root, layout)
     if layout == "torch":
         os.makedirs(root, exist_ok=True)
@@ -123,6 +125,10 @@ def test_not_strict_warns_and_initializes_the_missing(saved):
 def test_bad_paths_are_named():
     with pytest.raises(WeightsError, match="no such file"):
         infinity.initialize(on_meta("llama"), HOST, weights="/nonexistent/weights")
+    with pytest.raises(WeightsError, match="got a list: give a .safetensors file"):
+        infinity.initialize(on_meta("llama"), HOST, weights=[])
+    with pytest.raises(WeightsError, match="not a state dict of tensors"):
+        infinity.initialize(on_meta("llama"), HOST, weights={"lm_head.weight": [0.0]})
 
 
 def test_peft_model_loads_the_base_checkpoint(saved):
