@@ -192,6 +192,12 @@ def earlier_losses(path: Path) -> list[float]:
     return [record["loss"] for _, record in _metrics_records(path) if record is not None]
 
 
+def earlier_tokens(path: Path) -> int:
+    """The trained tokens of the steps kept in the metrics (their last record's running total)."""
+    records = [record for _, record in _metrics_records(path) if record is not None]
+    return int(records[-1].get("tokens", 0)) if records else 0
+
+
 
 def stopped_summary(run_dir: Path, status: str, steps: int, error: BaseException) -> dict:
     """summary.json of a run that stopped before its end: the error, and the checkpoint to continue from

@@ -58,6 +58,7 @@ from infinity.job.resume import (
     PERIODIC_CHECKPOINTS,
     Resume,
     earlier_losses,
+    earlier_tokens,
     run_checkpoints,
     stopped_summary,
     train_position,
@@ -166,6 +167,12 @@ class Result:
     val_loss: float | None
     seconds: float
     step_tokens: list[int] = field(default_factory=list)  # trained tokens (not pad, not -100) of each step run here
+    tokens_before: int = 0  # trained tokens of the steps before a resume (rank 0: from the kept metrics)
+
+    @property
+    def tokens(self) -> int:
+        """Trained tokens of all steps done, over all ranks."""
+        return self.tokens_before + sum(self.step_tokens)
 
 
 def train(job: Job, *, verbose: bool = True, resume: Resume | None = None) -> Result:
@@ -231,6 +238,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                 if dropped:
                     say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")
                 earlier = earlier_losses(run_dir / "metrics.jsonl")
+                result.tokens_before = earlier_tokens(run_dir / "metrics.jsonl")
             say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")
             o = config.optimizer
             if o.schedule != "constant" and job.run.steps > o.total_steps:
@@ -353,7 +361,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
         record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
                   "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
                   "tokens_per_s": tokens_per_step / seconds, "tokens_per_step": tokens_per_step,
-                  "tokens": step * tokens_per_step,
+                  "tokens": result.tokens + tokens_per_step,
                   "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap}
         if not math.isfinite(mean_loss):
             raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
@@ -478,8 +486,7 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
         "first_loss": result.losses[0] if result.losses else None,
         "last_loss": result.losses[-1] if result.losses else None, "val_loss": result.val_loss,
         "seconds": result.seconds,
-        "tokens_per_s": result.steps * job.run.batch_size * job.model.seq_len
-        * engine.config.train.grad_accum_steps / result.seconds if result.seconds else None,
+        "tokens_per_s": result.tokens / result.seconds if result.seconds else None,  # trained tokens, all ranks
         "trained_tokens_per_step": sum(result.step_tokens) / len(result.step_tokens) if result.step_tokens else None,
         "peak_rss_bytes": peaks[0], "checkpoint": str(checkpoint) if checkpoint else None,
         "export": str(exported) if exported else None,

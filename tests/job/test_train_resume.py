@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -49,8 +50,10 @@ def assert_same_training(a: Path, b: Path, tmp_path: Path, from_step: int) -> No
     parameters and Adam moments (the checkpoints' rank files are byte-identical)."""
     ma, mb = metrics(a), metrics(b)
     assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(1, len(ma) + 1))
-    for key in ("loss", "lr", "grad_norm"):
+    for key in ("loss", "lr", "grad_norm", "tokens"):
         assert [r[key] for r in ma][from_step:] == [r[key] for r in mb][from_step:], key
+    for records in (ma, mb):  # a running total of the trained tokens, carried across a resume
+        assert [r["tokens"] for r in records] == list(itertools.accumulate(r["tokens_per_step"] for r in records))
     sa, sb = final_state(a / "checkpoint", tmp_path), final_state(b / "checkpoint", tmp_path)
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert (a / "checkpoint" / "rank00000.bin").read_bytes() == (b / "checkpoint" / "rank00000.bin").read_bytes()
@@ -68,6 +71,7 @@ def test_stopped_run_resumed_matches_the_uninterrupted_run_exactly(tmp_path, cap
     assert summary["steps"] == N and summary["status"] == "completed"
     assert summary["resumed"] == {"from": str(stopped / "checkpoint"), "at_step": N // 2}
     assert summary["first_loss"] == metrics(stopped)[0]["loss"] and summary["last_loss"] == metrics(stopped)[-1]["loss"]
+    assert summary["tokens_per_s"] == pytest.approx(metrics(stopped)[-1]["tokens"] / summary["seconds"])
     assert load_job(stopped / "config.toml").run.steps == N  # a later --resume continues from this config
     assert not [p for p in stopped.iterdir() if p.name.startswith("checkpoint.")], "no replaced checkpoint is left"
     assert not (stopped / "swap").exists()
