@@ -118,6 +118,7 @@ def test_auto_config_leaves_the_static_keys_at_their_defaults(tmp_path):
     assert config.memory.device_budget == 4096 and config.memory.host_budget == 4096
 
 
+@pytest.mark.slow  # ~60 s: a benchmark run of every fitting placement
 def test_driver_runs_auto_beside_every_fitting_static_placement(tmp_path):
     budget = int(0.9 * host_bytes_of_everything_on_host(tmp_path))
     argv = ["--dir", str(tmp_path / "disk"), "--steps", "1", "--warmup", "1", "--io-bytes", str(1 << 20),

@@ -129,6 +129,7 @@ def test_paired_floor_is_absent_without_the_run_and_says_why_it_failed():
     assert bench_step._floors(results)["infinity:nvme/host/nvme"]["paired"] == {"error": "exit 1: boom"}
 
 
+@pytest.mark.slow  # ~20 s: a benchmark run
 def test_driver_brackets_each_paired_step_with_samples(tmp_path, monkeypatch):
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))  # the workers inherit it
     argv = ["--dir", str(tmp_path / "disk"), "--steps", "1", "--warmup", "1", "--io-bytes", str(1 << 20),

@@ -45,6 +45,7 @@ def test_stage_ratios():
     assert len(r) == 3
 
 
+@pytest.mark.slow  # ~20 s: a torchrun benchmark run
 def test_world_two_runs_every_rank(tmp_path):
     argv = ["--dir", str(tmp_path / "disk"), "--world", "2", "--steps", "2", "--warmup", "1",
             "--io-bytes", str(1 << 20), "--io-sustained-bytes", "0", "--paired-blocks", "2",

@@ -40,7 +40,7 @@ def dirs(tmp_path_factory):
 
 @pytest.mark.parametrize("case,words", [
     ("noweights", ["holds none of", "model.safetensors"]),
-    ("truncated", ["model.safetensors", "damaged|truncated|does not fit"]),
+    pytest.param("truncated", ["model.safetensors", "damaged|truncated|does not fit"], marks=pytest.mark.slow),
     ("other", ["do not fit the model", "missing from the file", "in the file but not in the model"]),
 ])
 def test_bad_pretrained_directory_exits_2_with_one_message(dirs, tmp_path, case, words):

@@ -44,7 +44,7 @@ def test_world_size_1_matches_pytorch(reference, placement, overlap, tmp_path):
     assert_matches(reference, losses, norms, state, f"world 1 {placement} overlap={overlap}")
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sequential", "overlap"])
 def test_world_size_2_matches_pytorch_every_placement(reference, overlap, tmp_path):
     results = run_distributed(all_placements_on_rank, 2, RECIPE, str(tmp_path), overlap)
     for placement, losses, norms, state in results[0]:
@@ -55,9 +55,18 @@ def test_world_size_2_matches_pytorch_every_placement(reference, overlap, tmp_pa
 NO_CLIP = Recipe(grad_clip=0.0)
 
 
-@pytest.mark.parametrize("placement", [ALL_PLACEMENTS[0], ALL_PLACEMENTS[13], ALL_PLACEMENTS[-1]],
-                         ids=lambda p: "-".join(p.values()))
-@pytest.mark.parametrize("world", [1, 2])
+SLOW = pytest.mark.slow
+EAGER_CASES = [  # CI: the first placement at world 1, the middle one at world 2; `-m slow`: all six
+    (ALL_PLACEMENTS[0], 1),
+    pytest.param(ALL_PLACEMENTS[13], 1, marks=SLOW),
+    pytest.param(ALL_PLACEMENTS[-1], 1, marks=SLOW),
+    pytest.param(ALL_PLACEMENTS[0], 2, marks=SLOW),
+    (ALL_PLACEMENTS[13], 2),
+    pytest.param(ALL_PLACEMENTS[-1], 2, marks=SLOW)]
+
+
+@pytest.mark.parametrize("placement,world", EAGER_CASES,
+                         ids=lambda p: "-".join(p.values()) if isinstance(p, dict) else str(p))
 def test_eager_overlap_is_bitwise_the_sequential_step(placement, world, tmp_path):
     """Without clipping, units are updated during backward; the result is bit for bit the sequential one."""
     ref_losses, _, ref_state = reference_run(NO_CLIP)

@@ -19,7 +19,7 @@ from reference import Recipe
 RECIPE = Recipe(steps=6)
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # (world 1: `-m slow`)
 def test_resume_is_bitwise_identical(world, tmp_path):
     root, ckpt = str(tmp_path), str(tmp_path / "ckpt-3")
     full = run_distributed(uninterrupted, world, RECIPE, NVME, root)
@@ -31,7 +31,7 @@ def test_resume_is_bitwise_identical(world, tmp_path):
     assert states_equal(second[0][1], full_state), "parameters differ from the uninterrupted run (torch.equal)"
 
 
-@pytest.mark.parametrize("saved_world,loaded_world", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("saved_world,loaded_world", [pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])
 def test_resharding_resume(saved_world, loaded_world, tmp_path):
     root, ckpt = str(tmp_path), str(tmp_path / "ckpt")
     placement = {"params": "host", "grads": "device", "optimizer": "nvme"}
