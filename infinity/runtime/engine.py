@@ -26,6 +26,7 @@ from infinity.device.collectives import all_reduce_sum, broadcast_object
 from infinity.device.dtypes import DTYPES
 from infinity.device.streams import Streams, host_value
 from infinity.machine.environment import resolve, resolve_budgets
+from infinity.machine.heap import heap_policy
 from infinity.machine.link_rates import link_peaks
 from infinity.memory.buffers import UnshardedMemory
 from infinity.memory.fresh import fresh_budget
@@ -72,6 +73,7 @@ class Engine:
         self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=link_peaks(config, self.env.device))
                          if config.profile.enabled else NullProfiler(rank=self.env.rank))
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
+        self.heap = heap_policy(config.memory.release_heap)  # Note [heap release]
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
@@ -258,6 +260,7 @@ class Engine:
             return False
         self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
         self.window.stepped()
+        self.heap.release()  # the step's activations are freed; the update is not issued yet
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)
