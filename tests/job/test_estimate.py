@@ -85,11 +85,15 @@ RSS_CASES = {
 }
 
 
-def test_estimate_predicts_the_measured_peak_rss(tmp_path):
-    """Each case trains 3 steps in a fresh process (`infinity train`); its peak RSS is within 15% of the
-    prediction (Note [peak memory] in infinity/memory/traffic.py)."""
+@pytest.mark.parametrize("pair", [("all-nvme", "default-job"),
+                                  pytest.param(("all-device", "host-device-nvme"), marks=pytest.mark.slow)],
+                         ids=lambda p: "+".join(p))
+def test_estimate_predicts_the_measured_peak_rss(pair, tmp_path):
+    """Each case trains 3 steps in a fresh process (`infinity train`), the pair side by side (one per core);
+    its peak RSS is within 15% of the prediction (Note [peak memory] in infinity/memory/traffic.py)."""
     runs = {}
-    for name, overrides in RSS_CASES.items():
+    for name in pair:
+        overrides = RSS_CASES[name]
         overrides = overrides + [f"run.dir={tmp_path}", f"run.name={name}", "run.steps=3", "run.eval_batches=1",
                                  "run.checkpoint=false"]
         job = load_job(None, overrides)
@@ -99,14 +103,12 @@ def test_estimate_predicts_the_measured_peak_rss(tmp_path):
                                       seq_len=job.model.seq_len, rates=RATES).peak["ram"]
                    for name, (job, config, _) in runs.items()}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    names = list(runs)
-    for pair in (names[:2], names[2:]):  # two at a time: one per core
-        procs = [subprocess.Popen([sys.executable, "-m", "infinity", "train", "--quiet"]
-                                  + [a for o in runs[n][2] for a in ("--set", o)], env=env, stderr=subprocess.PIPE,
-                                  text=True) for n in pair]
-        for n, p in zip(pair, procs):
-            assert p.wait(timeout=240) == 0, p.stderr.read()
-    for name in names:
+    procs = [subprocess.Popen([sys.executable, "-m", "infinity", "train", "--quiet"]
+                              + [a for o in runs[n][2] for a in ("--set", o)], env=env, stderr=subprocess.PIPE,
+                              text=True) for n in pair]
+    for p in procs:
+        assert p.wait(timeout=240) == 0, p.stderr.read()
+    for name in pair:
         measured = json.loads((tmp_path / name / "summary.json").read_text())["peak_rss_bytes"]
         assert within(predictions[name], measured, 0.15), (name, predictions[name] >> 20, measured >> 20)
 

@@ -88,7 +88,8 @@ def _frozen_run(rank, world, recipe, placement, swap_root, stage):
         return losses, engine.full_state_dict(), report["state"], report["plan"]
 
 
-@pytest.mark.parametrize("world,placement,stage", [(1, DEVICE, 3), (1, NVME, 3), (1, HOST, 0), (2, HOST, 3)],
+@pytest.mark.parametrize("world,placement,stage", [(1, DEVICE, 3), (1, NVME, 3), (1, HOST, 0),
+                                                   pytest.param(2, HOST, 3, marks=pytest.mark.slow)],
                          ids=["w1-device", "w1-nvme", "w1-host-stage0", "w2-host"])
 def test_frozen_weights_cost_only_their_weights_and_train_like_pytorch(world, placement, stage, tmp_path):
     recipe = FrozenRecipe(steps=3)
@@ -226,7 +227,8 @@ def _load_state(rank, world, recipe, placement, root, ckpt, stage):
         return engine.full_state_dict()
 
 
-@pytest.mark.parametrize("saved,loaded", [((3, 2), (2, 1)), ((0, 1), (3, 2)), ((1, 1), (3, 1))],
+@pytest.mark.parametrize("saved,loaded", [pytest.param((3, 2), (2, 1), marks=pytest.mark.slow), ((0, 1), (3, 2)),
+                                          ((1, 1), (3, 1))],
                          ids=["s3w2-to-s2w1", "s0w1-to-s3w2", "s1w1-to-s3w1"])
 def test_checkpoint_resumes_at_another_stage_and_world_size(saved, loaded, tmp_path):
     """Trained state (masters, moments, frozen weights) saved at one stage and world size resumes at another

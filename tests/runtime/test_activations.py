@@ -74,7 +74,7 @@ def _two_ranks(rank, world, swap_dir, stage):
                       activation("units", "host") | {"zero": {"stage": stage}}, rank=rank, world=world)
 
 
-@pytest.mark.parametrize("stage", [3, 1])
+@pytest.mark.parametrize("stage", [3, pytest.param(1, marks=pytest.mark.slow)])
 def test_checkpointed_units_at_world_size_2_train_like_plain_pytorch(stage, tmp_path):
     runs = run_distributed(_two_ranks, 2, str(tmp_path), stage)
     assert_same_run(runs[0], reference_run(RECIPE))

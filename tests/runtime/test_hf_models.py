@@ -116,6 +116,7 @@ def _llama_ws2(rank, world, swap_dir):
                           rank=rank, world=world)[:2]
 
 
+@pytest.mark.slow  # CI runs world 2 with the GPT (test_zero_stages, test_engine_parity); HF llama at world 1
 def test_llama_at_world_size_2_matches_one_process(tmp_path):
     for r in range(2):
         (tmp_path / str(r)).mkdir()
