@@ -25,8 +25,18 @@ class Tier(enum.Enum):
         return cls(name)
 
 
+class StateDtype(enum.Enum):
+    """`[optimizer] state_dtype`: what the optimizer's state kinds are stored in (Note [16-bit optimizer state]
+    in optim/state_update.py). The update itself is computed in fp32 in every mode."""
+
+    FP32 = "fp32"  # master and both moments fp32: 12 bytes per trainable element
+    BF16 = "bf16"  # moments bf16 (rounded to nearest), master fp32: 8
+    BF16_MASTER = "bf16_master"  # master bf16 too (stochastic rounding), moments bf16: 6
+
+
 class Kind(enum.Enum):
-    """The state kinds of a unit. PARAMS is in the compute dtype, the rest fp32."""
+    """The state kinds of a unit. PARAMS is in the compute dtype, GRADS fp32, the optimizer's kinds as
+    `[optimizer] state_dtype` says (`Kind.dtype`: the one answer)."""
 
     PARAMS = "params"
     GRADS = "grads"
@@ -39,14 +49,20 @@ class Kind(enum.Enum):
         """The `[placement]` key that places this kind."""
         return {Kind.PARAMS: "params", Kind.GRADS: "grads"}.get(self, "optimizer")
 
-    def dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
-        return compute_dtype if self is Kind.PARAMS else torch.float32
+    def dtype(self, compute_dtype: torch.dtype, state_dtype: StateDtype) -> torch.dtype:
+        """The dtype this kind of state lives in, given the compute dtype and `[optimizer] state_dtype`."""
+        if self is Kind.PARAMS:
+            return compute_dtype
+        sixteen = {Kind.GRADS: False, Kind.MASTER: state_dtype is StateDtype.BF16_MASTER}.get(
+            self, state_dtype is not StateDtype.FP32)  # the moments: bf16 in both 16-bit modes
+        return torch.bfloat16 if sixteen else torch.float32
 
 
 OPTIMIZER_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
 
-def params_alias_master(compute_itemsize: int, params: Tier, optimizer: Tier, same_layout: bool) -> bool:
+def params_alias_master(compute_itemsize: int, master_itemsize: int, params: Tier, optimizer: Tier,
+                        same_layout: bool) -> bool:
     """Whether a unit's parameters are stored as its fp32 master (Note [aliased parameters]); `same_layout`:
     the rank stores the same elements in the same chunks of both (`UnitSizes.params_match_update`).
 
@@ -61,9 +77,12 @@ def params_alias_master(compute_itemsize: int, params: Tier, optimizer: Tier, sa
     where the duplicate costs disk bandwidth; on a resident tier it is one memcpy, and
     the module's parameters may be views of the parameter storage itself. Only one layout is
     aliased: where the rank stores parameters it does not update (frozen weights, which have no
-    master; the whole unit at stages 1-2, of which it updates a partition) they are their own.
+    master; the whole unit at stages 1-2, of which it updates a partition) they are their own. A bf16 master
+    (`state_dtype = "bf16_master"`) is not aliased: with bf16 compute the cast would be the identity too, but
+    that case is not implemented (the rule stays: both fp32, the only 4-byte dtype).
     """
-    return compute_itemsize == 4 and params is Tier.NVME and optimizer is Tier.NVME and same_layout
+    both_fp32 = compute_itemsize == 4 and master_itemsize == 4
+    return both_fp32 and params is Tier.NVME and optimizer is Tier.NVME and same_layout
 
 
 class Residency(enum.Enum):
