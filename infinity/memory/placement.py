@@ -258,7 +258,7 @@ class _Search:
         for u, sizes in enumerate(units):
             for c, combo in enumerate(COMBOS):
                 tiers = dict(zip(GROUPS, combo))
-                t = cost_model.unit_traffic(sizes, tiers, compute_bytes=compute_dtype.itemsize, cuda=cuda,
+                t = cost_model.unit_traffic(sizes, tiers, compute_dtype=compute_dtype, cuda=cuda,
                                             accum=accum, is_root=u == 0, state_dtype=state_dtype)
                 self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
                 self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]

@@ -61,14 +61,15 @@ class Kind(enum.Enum):
 OPTIMIZER_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
 
-def params_alias_master(compute_itemsize: int, master_itemsize: int, params: Tier, optimizer: Tier,
+def params_alias_master(compute_dtype: torch.dtype, master_dtype: torch.dtype, params: Tier, optimizer: Tier,
                         same_layout: bool) -> bool:
-    """Whether a unit's parameters are stored as its fp32 master (Note [aliased parameters]); `same_layout`:
+    """Whether a unit's parameters are stored as its master (Note [aliased parameters]); `same_layout`:
     the rank stores the same elements in the same chunks of both (`UnitSizes.params_match_update`).
 
     Note [aliased parameters]: the parameters are the cast of the master weights to
-    the compute dtype. With an fp32 compute dtype (the only 4-byte one) the cast is
-    the identity, so when both live on NVMe they are one set of extents: the master's.
+    the compute dtype. When the compute dtype is the master's (fp32 and an fp32 master, or bf16 and a
+    bf16 master: `[optimizer] state_dtype = "bf16_master"`) the cast is the identity, so when both live
+    on NVMe they are one set of extents: the master's.
     A parameter fetch reads the master's extents; an update writes the master once
     (not the master and then the same bytes again as parameters), and the buffer it
     wrote from is what the fresh copies keep for the next forward (memory/fresh.py).
@@ -77,12 +78,9 @@ def params_alias_master(compute_itemsize: int, master_itemsize: int, params: Tie
     where the duplicate costs disk bandwidth; on a resident tier it is one memcpy, and
     the module's parameters may be views of the parameter storage itself. Only one layout is
     aliased: where the rank stores parameters it does not update (frozen weights, which have no
-    master; the whole unit at stages 1-2, of which it updates a partition) they are their own. A bf16 master
-    (`state_dtype = "bf16_master"`) is not aliased: with bf16 compute the cast would be the identity too, but
-    that case is not implemented (the rule stays: both fp32, the only 4-byte dtype).
+    master; the whole unit at stages 1-2, of which it updates a partition) they are their own.
     """
-    both_fp32 = compute_itemsize == 4 and master_itemsize == 4
-    return both_fp32 and params is Tier.NVME and optimizer is Tier.NVME and same_layout
+    return compute_dtype == master_dtype and params is Tier.NVME and optimizer is Tier.NVME and same_layout
 
 
 class Residency(enum.Enum):

@@ -172,7 +172,7 @@ def optimizer_bytes_per_element(state_dtype: StateDtype) -> int:
 def aliased(sizes: UnitSizes, tiers: dict[str, Tier], compute_dtype: torch.dtype,
             state_dtype: StateDtype = StateDtype.FP32) -> bool:
     """Whether the unit's parameters are stored as its master on `tiers` (Note [aliased parameters])."""
-    return params_alias_master(compute_dtype.itemsize, itemsize(Kind.MASTER, state_dtype), tiers["params"],
+    return params_alias_master(compute_dtype, Kind.MASTER.dtype(compute_dtype, state_dtype), tiers["params"],
                                tiers["optimizer"], sizes.params_match_update)
 
 
@@ -431,16 +431,18 @@ def activation_offload_traffic(input_bytes: int, *, cuda: bool, accum: int) -> S
     return t
 
 
-def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
+def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_dtype: torch.dtype, cuda: bool, accum: int,
                  is_root: bool, kept_numel: int | None = None, first_step: bool = False,
                  state_dtype: StateDtype = StateDtype.FP32) -> StepTraffic:
     """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier.
     `kept_numel`: parameter elements whose first fetch reads a kept copy (None: all written ones).
     `first_step`: no update before it (nothing kept) and the moments are still zeros (never read)."""
     t = StepTraffic()
+    compute_bytes = compute_dtype.itemsize
     P, G = sizes.numel(Kind.PARAMS) * compute_bytes, sizes.numel(Kind.GRADS) * 4
     W, O = sizes.written_params * compute_bytes, sizes.numel(Kind.MASTER)
     master_bytes, optimizer_bytes = itemsize(Kind.MASTER, state_dtype), optimizer_bytes_per_element(state_dtype)
+    alias = aliased(sizes, tiers, compute_dtype, state_dtype)
     fetches = accum * (1 if is_root else 2)
     params, grads, optim = tiers["params"], tiers["grads"], tiers["optimizer"]
     opt_on_gpu = cuda and optim is Tier.DEVICE
@@ -448,7 +450,6 @@ def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_bytes: int
     if params is Tier.NVME:
         kept = 0 if first_step else sizes.written_params if kept_numel is None else kept_numel
         t.fb["nvme_read"] += fetches * P - kept * compute_bytes
-        alias = params_alias_master(compute_bytes, master_bytes, params, optim, sizes.params_match_update)
         t.opt["nvme_write"] += 0 if alias else W
     if cuda and params is not Tier.DEVICE:
         t.fb["h2d"] += fetches * P
@@ -480,14 +481,13 @@ def plan_traffic(plan: "Plan", *, cuda: bool, accum: int, kept: frozenset[tuple[
     """The traffic of every unit of `plan` (unit 0 is the root) per optimizer step. `kept`: the (unit, chunk)s
     of parameters kept in memory after the update (None: all, as with deferred updates)."""
     total = StepTraffic()
-    compute_bytes = plan.compute_dtype.itemsize
     for index, (sizes, kinds) in enumerate(zip(plan.units, plan.tiers)):
         if sizes.shard_numel == 0:
             continue
         tiers = {k.group: t for k, t in kinds.items()}
         kept_numel = None if kept is None else sum(n for c, n in enumerate(sizes.chunks(Kind.PARAMS))
                                                    if (index, c) in kept)
-        total.add(unit_traffic(sizes, tiers, compute_bytes=compute_bytes, cuda=cuda, accum=accum,
+        total.add(unit_traffic(sizes, tiers, compute_dtype=plan.compute_dtype, cuda=cuda, accum=accum,
                                is_root=index == 0, kept_numel=kept_numel, first_step=first_step,
                                state_dtype=plan.state_dtype))
     return total
