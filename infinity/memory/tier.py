@@ -53,9 +53,11 @@ class Kind(enum.Enum):
         """The dtype this kind of state lives in, given the compute dtype and `[optimizer] state_dtype`."""
         if self is Kind.PARAMS:
             return compute_dtype
-        sixteen = {Kind.GRADS: False, Kind.MASTER: state_dtype is StateDtype.BF16_MASTER}.get(
-            self, state_dtype is not StateDtype.FP32)  # the moments: bf16 in both 16-bit modes
-        return torch.bfloat16 if sixteen else torch.float32
+        if self is Kind.GRADS or state_dtype is StateDtype.FP32:
+            return torch.float32
+        if self is Kind.MASTER and state_dtype is StateDtype.BF16:
+            return torch.float32
+        return torch.bfloat16  # the moments in both 16-bit modes, the master with "bf16_master"
 
 
 OPTIMIZER_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)

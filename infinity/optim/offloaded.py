@@ -45,8 +45,8 @@ class _Task:
 
 
 class OffloadedOptimizer:
-    """Adam / AdamW over all units' flat shards, wherever they live, in the plan's state dtype. `seed`: the
-    stochastic rounding's of a bf16 master (Note [16-bit optimizer state])."""
+    """Adam / AdamW over all units' flat shards, wherever they live, in the plan's state dtype. `seed`: the seed
+    of a bf16 master's stochastic rounding (`train.seed`; Note [16-bit optimizer state])."""
 
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, compute_device: torch.device,
                  read_ahead: int = UPDATE_READS_AHEAD, max_writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT,

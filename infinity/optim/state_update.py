@@ -26,9 +26,9 @@ update runs (CPU or GPU), a resumed run rounds exactly as the uninterrupted one,
 recompute it (`stochastic_round`). The bits: the low 16 bits of the fp32 pattern get 16 random bits
 added, then are cut off (a carry rounds the magnitude up; non-finite values are cast as they are).
 
-What is not done: with bf16 compute and a bf16 master the parameters could be the master (the cast is the
-identity, Note [aliased parameters]); they are stored apart. Kahan-compensated bf16 masters (8 bytes) are
-not offered: stochastic rounding reaches 6.
+With bf16 compute a bf16 master is the parameters themselves on NVMe (the cast is the identity: Note
+[aliased parameters]), 6 bytes per parameter in all; with fp32 compute the fp32 parameters are stored beside
+it. Kahan-compensated bf16 masters (8 bytes) are not offered: stochastic rounding reaches 6.
 """
 
 from __future__ import annotations
