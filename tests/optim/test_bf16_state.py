@@ -296,8 +296,9 @@ def moments_of(engine) -> dict[tuple[int, str], torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("saved,loaded", [("fp32", "bf16"), ("bf16", "fp32"), ("fp32", "bf16_master"),
-                                          ("bf16_master", "fp32")])
+@pytest.mark.parametrize("saved,loaded", [("fp32", "bf16"), pytest.param("bf16", "fp32", marks=pytest.mark.slow),
+                                          pytest.param("fp32", "bf16_master", marks=pytest.mark.slow),
+                                          ("bf16_master", "fp32")])  # CI: one each way; -m slow: all four
 def test_a_checkpoint_loads_across_state_dtypes(saved, loaded, tmp_path):
     """Checkpoints hold fp32 values: a 16-bit run loads them rounded to nearest, an fp32 run the 16-bit values."""
     ckpt = str(tmp_path / "ckpt")
@@ -317,7 +318,7 @@ def test_a_checkpoint_loads_across_state_dtypes(saved, loaded, tmp_path):
     assert all(torch.equal(got_moments[k], to_moments(v)) for k, v in moments.items())
 
 
-@pytest.mark.parametrize("state_dtype", ["bf16", "bf16_master"])
+@pytest.mark.parametrize("state_dtype", [pytest.param("bf16", marks=pytest.mark.slow), "bf16_master"])
 def test_resume_of_a_16_bit_run_is_bitwise(state_dtype, tmp_path):
     extra = {"optimizer": {"state_dtype": state_dtype}}
     ckpt = str(tmp_path / "ckpt")
