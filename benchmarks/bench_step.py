@@ -49,6 +49,9 @@ the stage of every infinity and DeepSpeed system without a suffix (default: infi
 `torch` at `--world` > 1 is DDP. With stage suffixes in the run, `stage_ratios` compares
 each infinity `@2` system with its `@3` twin, with `deepspeed:cpu_opt@2` and with
 `fsdp2:cpu_both` (issue 23's bar: stage 2 faster than stage 3, <= 0.8 x ZeRO-2 offload).
+A `@KEY=VALUE` suffix sets one engine key for that system only: the default systems include
+`infinity:nvme/host/nvme@optimizer.state_dtype=bf16` (16-bit optimizer moments, docs/bytes.md), whose
+`bytes_moved_per_step` and step sit beside the fp32 state's `infinity:nvme/host/nvme`.
 
 `--device-budget` / `--host-budget` set infinity's `memory.device_budget` /
 `memory.host_budget` (default "auto": the free memory detected). Without a GPU the
@@ -85,6 +88,7 @@ DEFAULT_SYSTEMS = [
     "torch",
     "infinity:device/device/device", "infinity:device/device/host", "infinity:host/host/host",
     "infinity:device/host/nvme", "infinity:nvme/host/nvme",
+    "infinity:nvme/host/nvme@optimizer.state_dtype=bf16",  # 8 of the 12 optimizer bytes (docs/bytes.md)
     "deepspeed:none", "deepspeed:cpu_opt", "deepspeed:cpu_both", "deepspeed:nvme_opt", "deepspeed:nvme_both",
     "fsdp2:none", "fsdp2:cpu_both",
 ]

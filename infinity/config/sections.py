@@ -101,6 +101,13 @@ class OptimizerConfig(Section):
                                         example=["bias_and_norm"])
     sub_group_size: int = option(8_388_608, "Elements per optimizer sub-group: the unit streamed through "
                                   "buffers (read, step, write) when optimizer state is on NVMe.", "int", gt=0)
+    state_dtype: str = option("fp32", 'What the optimizer state is stored in (the update is computed in fp32 '
+                              'in every mode): "fp32": master weights and both Adam moments fp32, 12 bytes '
+                              'per trainable parameter; "bf16": the moments bf16 (rounded to nearest), the '
+                              'master fp32, 8 bytes; "bf16_master": the master bf16 too, rounded '
+                              'stochastically (seeded by train.seed), 6 bytes. Checkpoints hold fp32 either '
+                              'way and load across settings (docs/bytes.md).',
+                              "enum", choices=("fp32", "bf16", "bf16_master"))
 
     def _check(self) -> None:
         for rule in self.no_decay:

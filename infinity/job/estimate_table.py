@@ -32,7 +32,7 @@ from infinity.device.dtypes import dtype_of
 from infinity.memory import cost_model
 from infinity.memory.placement import Budgets, PlacementError, Plan, overflows, plan_for_config, plan_placement
 from infinity.memory.stages import STAGES
-from infinity.memory.tier import Tier
+from infinity.memory.tier import StateDtype, Tier
 from io_engine import format_size
 
 UNLIMITED = 1 << 62
@@ -124,7 +124,8 @@ def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int
             unlimited = dataclasses.replace(ctx.budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
             plan = plan_placement(sizes, dtype_of(config.precision.compute_dtype), policy="static",
                                   static=dict(zip(("params", "grads", "optimizer"), tiers)), budgets=unlimited,
-                                  units_ahead=config.prefetch.units_ahead, keep_written=config.prefetch.keep_written)
+                                  units_ahead=config.prefetch.units_ahead, keep_written=config.prefetch.keep_written,
+                                  state_dtype=StateDtype(config.optimizer.state_dtype))
     except PlacementError:
         return None
     acts = _activation_bytes(ctx, config.activation, act_scale)

@@ -87,7 +87,7 @@ class TieredMemoryManager:
         self.staging = StagingBuffers(device, pin=pin_host)
         self.fresh = FreshCopies(fresh_budget, self.staging.release)  # Note [fresh parameters]
         self._shards: dict[tuple[int, Kind], _Shard] = {}
-        host = [(u.numel(k), k.dtype(plan.compute_dtype)) for i, u in enumerate(plan.units) for k in Kind
+        host = [(u.numel(k), plan.dtype(k)) for i, u in enumerate(plan.units) for k in Kind
                 if plan.tier(i, k) is Tier.HOST]
         self.host_arena = HostArena(arena_bytes(host), pin=pin_host) if pin_host else None  # Note [pinned arena]
         self.bytes_moved: dict[str, int] = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
@@ -100,7 +100,7 @@ class TieredMemoryManager:
         start as ZERO."""
         layout = self.plan.units[unit].layout.of(kind)
         tier = self.plan.tier(unit, kind)
-        dtype = kind.dtype(self.plan.compute_dtype)
+        dtype = self.plan.dtype(kind)
         shard = _Shard(unit=unit, kind=kind, tier=tier, dtype=dtype, numel=layout.numel)
         start = 0
         for n in layout.chunks:
@@ -344,8 +344,10 @@ class TieredMemoryManager:
     # ----------------------------------------------------------------- store
     def store_master(self, unit: int, chunk: int | None, master: torch.Tensor, *, release: bool = True,
                      keep_params: bool = False) -> list[Pending]:
-        """Issue: new fp32 master weights of an optimizer chunk (None: the whole update range), and the
-        parameters holding the same elements (`optimizer_chunk`), their cast.
+        """Issue: new master weights of an optimizer chunk (None: the whole update range), and the
+        parameters holding the same elements (`optimizer_chunk`), their cast. `master` is in the master's
+        dtype, or fp32 when `release` is False (the caller's own values: cast to a bf16 master here, rounded
+        to nearest; Note [16-bit optimizer state] in optim/state_update.py).
 
         Parameters that alias the master (Note [aliased parameters]) take the master's
         write. Others are cast into a staging buffer (a temporary when `release` is False:
@@ -353,6 +355,10 @@ class TieredMemoryManager:
         soonest. `keep_params`: offer the buffer the parameters were written from to the
         fresh copies (Note [fresh parameters]).
         """
+        dtype = self.plan.dtype(Kind.MASTER)
+        if master.dtype != dtype:
+            assert not release, f"store_master of a {master.dtype} staging buffer into a {dtype} master"
+            master = master.to(dtype)  # a temporary: the caller keeps its own tensor
         if self.plan.aliases_master(unit):
             return [self.store(unit, Kind.MASTER, chunk, master, release=release, keep=keep_params)]
         if master.numel() == 0:

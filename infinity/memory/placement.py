@@ -26,7 +26,7 @@ import torch
 
 from infinity.device.dtypes import dtype_of
 from infinity.memory import cost_model, traffic
-from infinity.memory.tier import Kind, Tier
+from infinity.memory.tier import Kind, StateDtype, Tier
 from infinity.memory.traffic import GROUPS, KINDS_OF_GROUP, UnitSizes  # noqa: F401 - UnitSizes: placement's input, from here
 from io_engine import format_size
 
@@ -65,9 +65,14 @@ class Plan:
     read_ahead: int = 0  # bytes the state read-ahead may hold (Note [state read-ahead]); in working_terms
     reasons: tuple[str, ...] = ()
     unit_reasons: tuple[dict[str, str], ...] = ()  # per unit: group -> why it is on its tier (auto policy)
+    state_dtype: StateDtype = StateDtype.FP32  # `[optimizer] state_dtype` (Note [16-bit optimizer state])
 
     def tier(self, unit: int, kind: Kind) -> Tier:
         return self.tiers[unit][kind]
+
+    def dtype(self, kind: Kind) -> torch.dtype:
+        """The dtype `kind` is stored in (`Kind.dtype`, given this plan's compute and state dtypes)."""
+        return kind.dtype(self.compute_dtype, self.state_dtype)
 
     def uses(self, tier: Tier) -> bool:
         return any(t is tier for unit_tiers in self.tiers for t in unit_tiers.values())
@@ -75,7 +80,7 @@ class Plan:
     def aliases_master(self, unit: int) -> bool:
         """The unit's parameters are stored as its fp32 master (Note [aliased parameters], tier.py)."""
         tiers = {"params": self.tier(unit, Kind.PARAMS), "optimizer": self.tier(unit, Kind.MASTER)}
-        return traffic.aliased(self.units[unit], tiers, self.compute_dtype)
+        return traffic.aliased(self.units[unit], tiers, self.compute_dtype, self.state_dtype)
 
     def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
         """Bytes of state per tier and kind (Note [state bytes], traffic.py)."""
@@ -123,13 +128,14 @@ def _build(units, compute_dtype, tiers_of: dict[str, Tier], units_ahead: int, se
     tiers = tuple({k: tiers_of[g] for g in GROUPS for k in KINDS_OF_GROUP[g]} for _ in units)
     terms = traffic.working_terms(units, compute_dtype, tiers_of, units_ahead, **settings)
     return Plan(tiers=tiers, units=units, compute_dtype=compute_dtype, working=traffic.totals(terms),
-                working_terms=terms, reasons=tuple(reasons))
+                working_terms=terms, reasons=tuple(reasons), state_dtype=settings["state_dtype"])
 
 
 def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, policy: str,
                    static: dict[str, str], budgets: Budgets, units_ahead: int,
                    rates: cost_model.LinkRates | None = None, grad_accum_steps: int = 1,
-                   compute_seconds: float = 0.0, keep_written: bool = True, read_ahead: int | str = 0) -> Plan:
+                   compute_seconds: float = 0.0, keep_written: bool = True, read_ahead: int | str = 0,
+                   state_dtype: StateDtype = StateDtype.FP32) -> Plan:
     """Decide the tier of every unit's state kinds and check it against the budgets.
 
     policy "static": every unit's params / grads / optimizer state on the tiers of
@@ -141,8 +147,9 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     Every working buffer of Note [working memory] is fitted with the state: `keep_written` (the fresh
     copies), and `read_ahead`, the state read-ahead's setting ("auto": half of the host memory the rest
     leaves free; bytes: refused with a ConfigError unless they fit; 0 without the optimizer worker).
+    `state_dtype`: what the optimizer state is stored in (`[optimizer] state_dtype`; its bytes per element).
     """
-    settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written}
+    settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written, "state_dtype": state_dtype}
     if policy == "static":
         tiers_of = {g: Tier.parse(static[g]) for g in GROUPS}
         plan = _build(units, compute_dtype, tiers_of, units_ahead, settings,
@@ -176,6 +183,7 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
         grad_accum_steps=config.train.grad_accum_steps,
         keep_written=config.prefetch.keep_written,
         read_ahead=config.overlap.optimizer_read_ahead if config.overlap.optimizer_with_backward else 0,
+        state_dtype=StateDtype(config.optimizer.state_dtype),
     )
 
 
@@ -220,7 +228,7 @@ def _auto(units, compute_dtype, budgets: Budgets, units_ahead: int, settings: di
     predicted = search.time_of(combos)
     return Plan(tiers=kinds, units=units, compute_dtype=compute_dtype, working=traffic.totals(terms),
                 working_terms=terms, reasons=_summary(tiers, rates, predicted, compute_seconds),
-                unit_reasons=search.reasons(combos))
+                unit_reasons=search.reasons(combos), state_dtype=settings["state_dtype"])
 
 
 SLOWEST_FIRST = (Tier.NVME, Tier.HOST, Tier.DEVICE)
@@ -243,19 +251,19 @@ class _Search:
         import numpy as np
         self.np, self.units, self.budgets, self.rates = np, units, budgets, rates
         self.compute_seconds = compute_seconds
-        cuda = not budgets.shared_ram
+        cuda, state_dtype = not budgets.shared_ram, settings["state_dtype"]
         n, k = len(units), len(COMBOS)
         self.fb, self.opt = np.zeros((n, k, 4)), np.zeros((n, k, 6))
         self.state, self.nvme = np.zeros((n, k, 3)), np.zeros((n, k, 3), dtype=np.int64)
         for u, sizes in enumerate(units):
             for c, combo in enumerate(COMBOS):
                 tiers = dict(zip(GROUPS, combo))
-                t = cost_model.unit_traffic(sizes, tiers, compute_bytes=compute_dtype.itemsize, cuda=cuda,
-                                            accum=accum, is_root=u == 0)
+                t = cost_model.unit_traffic(sizes, tiers, compute_dtype=compute_dtype, cuda=cuda,
+                                            accum=accum, is_root=u == 0, state_dtype=state_dtype)
                 self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
                 self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
                 for g, tier in tiers.items():
-                    stored = traffic.group_bytes(sizes, g, tiers, compute_dtype)
+                    stored = traffic.group_bytes(sizes, g, tiers, compute_dtype, state_dtype)
                     self.state[u, c, _TIER_INDEX[tier]] += stored
                     self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
         self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe

@@ -25,8 +25,18 @@ class Tier(enum.Enum):
         return cls(name)
 
 
+class StateDtype(enum.Enum):
+    """`[optimizer] state_dtype`: what the optimizer's state kinds are stored in (Note [16-bit optimizer state]
+    in optim/state_update.py). The update itself is computed in fp32 in every mode."""
+
+    FP32 = "fp32"  # master and both moments fp32: 12 bytes per trainable element
+    BF16 = "bf16"  # moments bf16 (rounded to nearest), master fp32: 8
+    BF16_MASTER = "bf16_master"  # master bf16 too (stochastic rounding), moments bf16: 6
+
+
 class Kind(enum.Enum):
-    """The state kinds of a unit. PARAMS is in the compute dtype, the rest fp32."""
+    """The state kinds of a unit. PARAMS is in the compute dtype, GRADS fp32, the optimizer's kinds as
+    `[optimizer] state_dtype` says (`Kind.dtype`: the one answer)."""
 
     PARAMS = "params"
     GRADS = "grads"
@@ -39,20 +49,29 @@ class Kind(enum.Enum):
         """The `[placement]` key that places this kind."""
         return {Kind.PARAMS: "params", Kind.GRADS: "grads"}.get(self, "optimizer")
 
-    def dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
-        return compute_dtype if self is Kind.PARAMS else torch.float32
+    def dtype(self, compute_dtype: torch.dtype, state_dtype: StateDtype) -> torch.dtype:
+        """The dtype this kind of state lives in, given the compute dtype and `[optimizer] state_dtype`."""
+        if self is Kind.PARAMS:
+            return compute_dtype
+        if self is Kind.GRADS or state_dtype is StateDtype.FP32:
+            return torch.float32
+        if self is Kind.MASTER and state_dtype is StateDtype.BF16:
+            return torch.float32
+        return torch.bfloat16  # the moments in both 16-bit modes, the master with "bf16_master"
 
 
 OPTIMIZER_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
 
 
-def params_alias_master(compute_itemsize: int, params: Tier, optimizer: Tier, same_layout: bool) -> bool:
-    """Whether a unit's parameters are stored as its fp32 master (Note [aliased parameters]); `same_layout`:
+def params_alias_master(compute_dtype: torch.dtype, master_dtype: torch.dtype, params: Tier, optimizer: Tier,
+                        same_layout: bool) -> bool:
+    """Whether a unit's parameters are stored as its master (Note [aliased parameters]); `same_layout`:
     the rank stores the same elements in the same chunks of both (`UnitSizes.params_match_update`).
 
     Note [aliased parameters]: the parameters are the cast of the master weights to
-    the compute dtype. With an fp32 compute dtype (the only 4-byte one) the cast is
-    the identity, so when both live on NVMe they are one set of extents: the master's.
+    the compute dtype. When the compute dtype is the master's (fp32 and an fp32 master, or bf16 and a
+    bf16 master: `[optimizer] state_dtype = "bf16_master"`) the cast is the identity, so when both live
+    on NVMe they are one set of extents: the master's.
     A parameter fetch reads the master's extents; an update writes the master once
     (not the master and then the same bytes again as parameters), and the buffer it
     wrote from is what the fresh copies keep for the next forward (memory/fresh.py).
@@ -63,7 +82,7 @@ def params_alias_master(compute_itemsize: int, params: Tier, optimizer: Tier, sa
     aliased: where the rank stores parameters it does not update (frozen weights, which have no
     master; the whole unit at stages 1-2, of which it updates a partition) they are their own.
     """
-    return compute_itemsize == 4 and params is Tier.NVME and optimizer is Tier.NVME and same_layout
+    return compute_dtype == master_dtype and params is Tier.NVME and optimizer is Tier.NVME and same_layout
 
 
 class Residency(enum.Enum):

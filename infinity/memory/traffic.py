@@ -8,7 +8,8 @@ bench_step's I/O floors and the profile-equals-plan test (`bytes_per_step`). Thr
 Note [state bytes]: state bytes per tier and kind. What a rank stores of each kind of a unit
 (its `UnitLayout`, Note [stage layouts] in stages.py: the whole unit or a partition, and for
 gradients and optimizer state its trainable elements only) takes `numel * itemsize` on its tier
-(parameters in the compute dtype, the rest fp32): frozen weights cost only their parameter bytes.
+(parameters in the compute dtype, gradients fp32, the optimizer's kinds as `[optimizer] state_dtype`
+says: `optimizer_bytes_per_element`, 12 / 8 / 6): frozen weights cost only their parameter bytes.
 Parameters that alias the master (Note [aliased parameters] in tier.py) take none of their own.
 `group_bytes` applies it to one unit; NVMe extents' alignment is not counted.
 
@@ -67,9 +68,9 @@ own layout; W = the trainable part of P, what an update rewrites); `unit_traffic
     grads      each micro-batch's reduced shard is stored (nvme: write G; with a GPU, d2h G unless on
                the device), micro-batches after the first fetch the sum so far (nvme: read G; h2d G);
                the optimizer reads its update range's part of G (nvme), crossing to where it runs (with a GPU).
-    optimizer  nvme: read O and write O (the first step reads only the master: the moments are
-               zeros, never read); the step runs on the GPU when the optimizer state is on the
-               device tier of a GPU, else on the CPU.
+    optimizer  nvme: read O and write O, `optimizer_bytes_per_element` per element (the first step reads
+               only the master: the moments are zeros, never read); the step runs on the GPU when the
+               optimizer state is on the device tier of a GPU, else on the CPU.
 
 On a machine without a GPU, device and host are the same memory: no copy is a link. The manager
 counts every byte it moves the same way (`TieredMemoryManager.bytes_moved`, d2h / h2d into resident
@@ -87,7 +88,7 @@ import torch
 
 from infinity.config.sections import ConfigError, format_size
 from infinity.memory.stages import KindLayout, UnitLayout
-from infinity.memory.tier import OPTIMIZER_KINDS, Kind, Tier, params_alias_master
+from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype, Tier, params_alias_master
 
 if TYPE_CHECKING:
     from infinity.memory.placement import Budgets, Plan
@@ -157,16 +158,30 @@ class UnitSizes:
 # ---------------------------------------------------------------- Note [state bytes]
 
 
-def aliased(sizes: UnitSizes, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> bool:
+def itemsize(kind: Kind, state_dtype: StateDtype, compute_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes per element of `kind` (`Kind.dtype`: the one answer to its dtype)."""
+    return kind.dtype(compute_dtype, state_dtype).itemsize
+
+
+def optimizer_bytes_per_element(state_dtype: StateDtype) -> int:
+    """Bytes of optimizer state (master and both moments) per trainable element: 12 (fp32), 8 (bf16 moments),
+    6 (bf16 master and moments); Note [16-bit optimizer state] in optim/state_update.py."""
+    return sum(itemsize(k, state_dtype) for k in OPTIMIZER_KINDS)
+
+
+def aliased(sizes: UnitSizes, tiers: dict[str, Tier], compute_dtype: torch.dtype,
+            state_dtype: StateDtype = StateDtype.FP32) -> bool:
     """Whether the unit's parameters are stored as its master on `tiers` (Note [aliased parameters])."""
-    return params_alias_master(compute_dtype.itemsize, tiers["params"], tiers["optimizer"], sizes.params_match_update)
+    return params_alias_master(compute_dtype, Kind.MASTER.dtype(compute_dtype, state_dtype), tiers["params"],
+                               tiers["optimizer"], sizes.params_match_update)
 
 
-def group_bytes(sizes: UnitSizes, group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype) -> int:
+def group_bytes(sizes: UnitSizes, group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype,
+                state_dtype: StateDtype = StateDtype.FP32) -> int:
     """Bytes one unit's `group` takes on its tier (Note [state bytes])."""
-    if group == "params" and aliased(sizes, tiers, compute_dtype):
+    if group == "params" and aliased(sizes, tiers, compute_dtype, state_dtype):
         return 0  # stored as the master (Note [aliased parameters])
-    return sum(sizes.numel(kind) * kind.dtype(compute_dtype).itemsize for kind in KINDS_OF_GROUP[group])
+    return sum(sizes.numel(kind) * itemsize(kind, state_dtype, compute_dtype) for kind in KINDS_OF_GROUP[group])
 
 
 def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
@@ -176,7 +191,7 @@ def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
         for kind, tier in unit_tiers.items():
             if kind is Kind.PARAMS and plan.aliases_master(unit):
                 continue
-            out[tier][kind] += sizes.numel(kind) * kind.dtype(plan.compute_dtype).itemsize
+            out[tier][kind] += sizes.numel(kind) * plan.dtype(kind).itemsize
     return out
 
 
@@ -185,6 +200,7 @@ def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
 
 def update_staging_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype,
                          on_nvme: Callable[[int, Kind], bool], aliased: Callable[[int], bool], *,
+                         state_dtype: StateDtype = StateDtype.FP32,
                          reads_ahead: int = UPDATE_READS_AHEAD, writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT) -> int:
     """Host staging bytes the pool ends up holding for the update: a replay of two optimizer steps'
     buffer requests as OffloadedOptimizer.step makes them (read `reads_ahead` tasks ahead, at most
@@ -196,11 +212,13 @@ def update_staging_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtyp
                     for u, sizes in enumerate(units))
     if not any(any(nvme) for _, nvme, _ in pattern):
         return 0
-    return _replay_staging(pattern, compute_dtype.itemsize, reads_ahead, writes_in_flight)
+    sizes_of = tuple(itemsize(k, state_dtype) for k in _FETCHED)
+    return _replay_staging(pattern, compute_dtype.itemsize, sizes_of, reads_ahead, writes_in_flight)
 
 
 @functools.lru_cache(maxsize=64)
-def _replay_staging(pattern: tuple, csize: int, reads_ahead: int, writes_in_flight: int) -> int:
+def _replay_staging(pattern: tuple, csize: int, fetched_sizes: tuple[int, ...], reads_ahead: int,
+                    writes_in_flight: int) -> int:
     from io_engine import size_class
     kinds = list(Kind)
 
@@ -237,7 +255,8 @@ def _replay_staging(pattern: tuple, csize: int, reads_ahead: int, writes_in_flig
                 u, n = tasks[nxt]
                 for _, c in left.pop(nxt, []):
                     put(c)  # fetching a chunk waits its pending write first
-                ahead.append((nxt, u, n, {k: get(n * 4) if on_nvme(u, k) else None for k in _FETCHED}))
+                ahead.append((nxt, u, n, {k: get(n * size) if on_nvme(u, k) else None
+                                          for k, size in zip(_FETCHED, fetched_sizes)}))
                 nxt += 1
             task, u, n, bufs = ahead.pop(0)
             alias = aliased(u)  # the master's buffer is the parameters' (Note [aliased parameters])
@@ -253,9 +272,11 @@ def _replay_staging(pattern: tuple, csize: int, reads_ahead: int, writes_in_flig
     return sum(c * n for c, n in peak.items())
 
 
-def largest_nvme_chunk_bytes(units: tuple[UnitSizes, ...], optimizer_on_nvme: Callable[[int, Kind], bool]) -> int:
+def largest_nvme_chunk_bytes(units: tuple[UnitSizes, ...], optimizer_on_nvme: Callable[[int, Kind], bool],
+                             state_dtype: StateDtype = StateDtype.FP32) -> int:
     """Bytes one optimizer sub-group's NVMe state takes (all its NVMe kinds)."""
-    return max((max(sizes.chunks(Kind.MASTER), default=0) * 4 * sum(optimizer_on_nvme(u, k) for k in OPTIMIZER_KINDS)
+    return max((max(sizes.chunks(Kind.MASTER), default=0)
+                * sum(itemsize(k, state_dtype) for k in OPTIMIZER_KINDS if optimizer_on_nvme(u, k))
                 for u, sizes in enumerate(units)), default=0)
 
 
@@ -269,7 +290,7 @@ def read_ahead_term(update_staging: int, read_ahead: int, one_kind_chunk: int) -
 
 def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
                   units_ahead: int, *, cuda: bool = False, keep_written: bool = True,
-                  read_ahead: int = 0) -> dict[Tier, dict[str, int]]:
+                  read_ahead: int = 0, state_dtype: StateDtype = StateDtype.FP32) -> dict[Tier, dict[str, int]]:
     """Note [working memory], term by term, for every unit's groups on the tiers of `tiers_of`
     (the planner passes a group's slowest tier of any unit: its staging exists once one unit has it)."""
     if not units:
@@ -281,9 +302,11 @@ def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     device = {"unsharded": (root.unsharded_numel + sum(rest[: units_ahead + 1])) * csize,
               "flat_grad": largest * 4 + largest_shard * 4}
     on_nvme = lambda u, k: tiers_of[k.group] is Tier.NVME  # noqa: E731
-    staging = update_staging_bytes(units, compute_dtype, on_nvme, lambda u: aliased(units[u], tiers_of, compute_dtype))
+    staging = update_staging_bytes(units, compute_dtype, on_nvme,
+                                   lambda u: aliased(units[u], tiers_of, compute_dtype, state_dtype),
+                                   state_dtype=state_dtype)
     params_nvme = tiers_of["params"] is Tier.NVME
-    one_kind = largest_nvme_chunk_bytes(units, lambda u, k: k is Kind.MASTER and on_nvme(u, k))
+    one_kind = largest_nvme_chunk_bytes(units, lambda u, k: k is Kind.MASTER and on_nvme(u, k), state_dtype)
     host = {"update_staging": staging,
             "read_ahead": read_ahead_term(staging, read_ahead, one_kind),
             "fresh_params": fresh_bytes(units, csize, units_ahead, keep_written, lambda u: params_nvme),
@@ -315,7 +338,7 @@ def nvme_optimizer_bytes(plan: "Plan") -> int:
 
 def largest_chunk_bytes(plan: "Plan") -> int:
     """Bytes one optimizer sub-group's NVMe state takes: a read-ahead budget below it never reads."""
-    return largest_nvme_chunk_bytes(plan.units, lambda u, k: plan.tier(u, k) is Tier.NVME)
+    return largest_nvme_chunk_bytes(plan.units, lambda u, k: plan.tier(u, k) is Tier.NVME, plan.state_dtype)
 
 
 def host_slack(plan: "Plan", budgets: "Budgets") -> int:
@@ -355,7 +378,8 @@ def resolve_read_ahead(setting, plan: "Plan", budgets: "Budgets") -> int:
 
 def _one_kind(plan: "Plan") -> int:
     """The largest NVMe sub-group of one optimizer state kind."""
-    return largest_nvme_chunk_bytes(plan.units, lambda u, k: k is Kind.MASTER and plan.tier(u, k) is Tier.NVME)
+    return largest_nvme_chunk_bytes(plan.units, lambda u, k: k is Kind.MASTER and plan.tier(u, k) is Tier.NVME,
+                                    plan.state_dtype)
 
 
 def with_read_ahead(plan: "Plan", read_ahead: int) -> "Plan":
@@ -407,14 +431,18 @@ def activation_offload_traffic(input_bytes: int, *, cuda: bool, accum: int) -> S
     return t
 
 
-def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_bytes: int, cuda: bool, accum: int,
-                 is_root: bool, kept_numel: int | None = None, first_step: bool = False) -> StepTraffic:
+def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_dtype: torch.dtype, cuda: bool, accum: int,
+                 is_root: bool, kept_numel: int | None = None, first_step: bool = False,
+                 state_dtype: StateDtype = StateDtype.FP32) -> StepTraffic:
     """One unit's traffic per optimizer step (Note [traffic per step]); `tiers` maps group -> tier.
     `kept_numel`: parameter elements whose first fetch reads a kept copy (None: all written ones).
     `first_step`: no update before it (nothing kept) and the moments are still zeros (never read)."""
     t = StepTraffic()
+    compute_bytes = compute_dtype.itemsize
     P, G = sizes.numel(Kind.PARAMS) * compute_bytes, sizes.numel(Kind.GRADS) * 4
     W, O = sizes.written_params * compute_bytes, sizes.numel(Kind.MASTER)
+    master_bytes, optimizer_bytes = itemsize(Kind.MASTER, state_dtype), optimizer_bytes_per_element(state_dtype)
+    alias = aliased(sizes, tiers, compute_dtype, state_dtype)
     fetches = accum * (1 if is_root else 2)
     params, grads, optim = tiers["params"], tiers["grads"], tiers["optimizer"]
     opt_on_gpu = cuda and optim is Tier.DEVICE
@@ -422,7 +450,7 @@ def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_bytes: int
     if params is Tier.NVME:
         kept = 0 if first_step else sizes.written_params if kept_numel is None else kept_numel
         t.fb["nvme_read"] += fetches * P - kept * compute_bytes
-        t.opt["nvme_write"] += 0 if params_alias_master(compute_bytes, params, optim, sizes.params_match_update) else W
+        t.opt["nvme_write"] += 0 if alias else W
     if cuda and params is not Tier.DEVICE:
         t.fb["h2d"] += fetches * P
     if cuda and (params is Tier.DEVICE) != opt_on_gpu:  # new params cross between where Adam ran and their tier
@@ -439,8 +467,8 @@ def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_bytes: int
         t.opt["d2h" if grads is Tier.DEVICE else "h2d"] += O * 4
     # optimizer state: streamed through RAM when on NVMe
     if optim is Tier.NVME:
-        t.opt["nvme_read"] += O * (4 if first_step else 12)
-        t.opt["nvme_write"] += O * 12
+        t.opt["nvme_read"] += O * (master_bytes if first_step else optimizer_bytes)
+        t.opt["nvme_write"] += O * optimizer_bytes
     if opt_on_gpu:
         t.adam_device += O
     else:
@@ -453,15 +481,15 @@ def plan_traffic(plan: "Plan", *, cuda: bool, accum: int, kept: frozenset[tuple[
     """The traffic of every unit of `plan` (unit 0 is the root) per optimizer step. `kept`: the (unit, chunk)s
     of parameters kept in memory after the update (None: all, as with deferred updates)."""
     total = StepTraffic()
-    compute_bytes = plan.compute_dtype.itemsize
     for index, (sizes, kinds) in enumerate(zip(plan.units, plan.tiers)):
         if sizes.shard_numel == 0:
             continue
         tiers = {k.group: t for k, t in kinds.items()}
         kept_numel = None if kept is None else sum(n for c, n in enumerate(sizes.chunks(Kind.PARAMS))
                                                    if (index, c) in kept)
-        total.add(unit_traffic(sizes, tiers, compute_bytes=compute_bytes, cuda=cuda, accum=accum,
-                               is_root=index == 0, kept_numel=kept_numel, first_step=first_step))
+        total.add(unit_traffic(sizes, tiers, compute_dtype=plan.compute_dtype, cuda=cuda, accum=accum,
+                               is_root=index == 0, kept_numel=kept_numel, first_step=first_step,
+                               state_dtype=plan.state_dtype))
     return total
 
 

@@ -2,9 +2,10 @@
 
 Work is a list of (unit, chunk) tasks, a chunk being one optimizer sub-group of
 the rank's update range of a unit (trainable elements only: Note [stage layouts]).
-For each task the fp32 master, both Adam moments and the gradient are fetched
+For each task the master, both Adam moments and the gradient are fetched
 to where the optimizer runs (the device when the optimizer state lives there,
-else the CPU), updated in place, written back, and the new master weights
+else the CPU), updated in place (in fp32; a 16-bit state is upcast and rounded
+back by its `StateUpdate`, Note [16-bit optimizer state]), written back, and the new master weights
 are cast to the compute dtype and stored to the parameters' tier (or are the parameters: Note [aliased parameters] in
 memory/tier.py). With state on NVMe this is a pipeline: the reads of task j+1
 are issued before task j is stepped, and the writes of task j drain while later
@@ -25,8 +26,9 @@ import torch
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import UPDATE_READS_AHEAD, UPDATE_WRITES_IN_FLIGHT  # the byte model stages these
-from infinity.optim.cpu_adam import Hypers, adam_step
+from infinity.optim.cpu_adam import Hypers
 from infinity.optim.read_ahead import StateReadAhead
+from infinity.optim.state_update import state_update_for
 from infinity.profile import Link, NullProfiler
 from infinity.units.unit import Unit
 
@@ -43,12 +45,15 @@ class _Task:
 
 
 class OffloadedOptimizer:
-    """Adam / AdamW over all units' flat fp32 shards, wherever they live."""
+    """Adam / AdamW over all units' flat shards, wherever they live, in the plan's state dtype. `seed`: the seed
+    of a bf16 master's stochastic rounding (`train.seed`; Note [16-bit optimizer state])."""
 
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, compute_device: torch.device,
                  read_ahead: int = UPDATE_READS_AHEAD, max_writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT,
-                 profiler=None, blocks_compute: bool = True, state_read_ahead: StateReadAhead | None = None):
+                 profiler=None, blocks_compute: bool = True, state_read_ahead: StateReadAhead | None = None,
+                 seed: int = 0):
         self.units, self.manager, self.compute_device = units, manager, compute_device
+        self.update = state_update_for(manager.plan.state_dtype, seed)
         self.profiler = profiler or NullProfiler()
         self.blocks_compute = blocks_compute  # on the training thread: its read waits are exposed time
         self.read_ahead, self.max_writes_in_flight = read_ahead, max_writes_in_flight
@@ -120,12 +125,15 @@ class OffloadedOptimizer:
             prof, what = self.profiler, f"u{task.unit.index} c{task.chunk}"
             with prof.wait(Link.NVME_READ, f"optimizer state {what}") if self.blocks_compute else _NOTHING:
                 bufs = {k: p.wait() for k, p in pending.items()}  # this sub-group's state must be in memory to step it
-            with prof.span(f"adam {what}", Link.CPU_OPTIMIZER, num_bytes=sum(r[1] for r in task.ranges) * 16,
+            u, c = task.unit.index, task.chunk
+            first = task.unit.layout.update.start + m.chunk_span(u, c)[0]  # the chunk's index in the flat buffer
+            with prof.span(f"adam {what}", Link.CPU_OPTIMIZER,
+                           num_bytes=sum(r[1] for r in task.ranges) * self.update.bytes_per_element,
                            unit=task.unit.name):
                 for a, n, step, group in task.ranges:
                     master, exp_avg, exp_avg_sq, grad = (bufs[k].narrow(0, a, n) for k in FETCHED)
-                    adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper[group], grad_scale=grad_scale)
-            u, c = task.unit.index, task.chunk
+                    self.update.step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper[group],
+                                     grad_scale=grad_scale, unit=u, first=first + a)
             # the parameters first: the next forward reads them soonest (from memory when kept:
             # Note [fresh parameters]); aliased to the master, they are its write (Note [aliased parameters])
             writes.extend(m.store_master(u, c, bufs[Kind.MASTER], keep_params=True))

@@ -102,13 +102,13 @@ class StateReadAhead:
                 break
             total += num_bytes
             numel = self.manager.chunk_span(unit, chunk)[1]
-            buffers += [(numel, torch.float32)] * len(state_read_ahead_kinds(self.manager, unit))
+            buffers += [(numel, self.manager.plan.dtype(k)) for k in state_read_ahead_kinds(self.manager, unit)]
         self.manager.staging.reserve_host(buffers)
         return total
 
     def chunk_bytes(self, unit: int, chunk: int) -> int:
         _, numel = self.manager.chunk_span(unit, chunk)
-        return numel * 4 * len(state_read_ahead_kinds(self.manager, unit))
+        return numel * sum(self.manager.plan.dtype(k).itemsize for k in state_read_ahead_kinds(self.manager, unit))
 
     # ------------------------------------------------------------ training thread
     def set_order(self, chunks: list[tuple[int, int]]) -> None:

@@ -358,13 +358,14 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
               "profiler": profiler}
     if cls is InlineUpdate:
         assert read_ahead_bytes == 0, f"a state read-ahead of {read_ahead_bytes} bytes needs the worker"
-        optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=True)
+        optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=True,
+                                       seed=config.train.seed)
         return InlineUpdate(optimizer=optimizer, **shared)
     # Note [state read-ahead] (optim/read_ahead.py): the worker reads the next update's NVMe state meanwhile
     read_ahead = StateReadAhead(manager, read_ahead_bytes) if read_ahead_bytes > 0 else None
     if read_ahead is not None:
         read_ahead.reserve_buffers()  # its staging, allocated now rather than during the first steps
     optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
-                                   state_read_ahead=read_ahead)
+                                   state_read_ahead=read_ahead, seed=config.train.seed)
     worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams)
     return cls(optimizer=optimizer, worker=worker, reading_swap=reading_swap, **shared)

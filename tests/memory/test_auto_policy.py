@@ -60,30 +60,33 @@ def predicted(plan, rates, cuda, accum=1, compute=0.0) -> float:
 # ---------------------------------------------------------------- traffic formulas
 
 
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
 @pytest.mark.parametrize("accum", [1, 3])
 def test_traffic_of_everything_on_nvme_without_gpu(accum):
     n, P, G, O = 1000, 2000, 4000, 12000  # elements; bytes of bf16 params, fp32 grads, fp32 optimizer state
-    t = unit_traffic(one(n), {"params": N, "grads": N, "optimizer": N}, compute_bytes=2, cuda=False, accum=accum,
+    t = unit_traffic(one(n), {"params": N, "grads": N, "optimizer": N}, compute_dtype=BF16, cuda=False, accum=accum,
                      is_root=False)
     fetches = 2 * accum  # before forward and before backward, each micro-batch
     # the first fetch after the update reads the copy it kept in memory (Note [fresh parameters])
     assert t.fb == {"nvme_read": (fetches - 1) * P + (accum - 1) * G, "nvme_write": accum * G, "h2d": 0, "d2h": 0}
     assert t.opt == {"nvme_read": G + O, "nvme_write": O + P, "h2d": 0, "d2h": 0}
     assert (t.adam_cpu, t.adam_device) == (n, 0)
-    none_kept = unit_traffic(one(n), {"params": N, "grads": N, "optimizer": N}, compute_bytes=2, cuda=False,
+    none_kept = unit_traffic(one(n), {"params": N, "grads": N, "optimizer": N}, compute_dtype=BF16, cuda=False,
                              accum=accum, is_root=False, kept_numel=0)
     assert none_kept.fb["nvme_read"] == fetches * P + (accum - 1) * G
 
 
 def test_root_unit_is_fetched_once_per_micro_batch():
-    t = unit_traffic(one(1000), {"params": N, "grads": H, "optimizer": H}, compute_bytes=4, cuda=False, accum=2,
+    t = unit_traffic(one(1000), {"params": N, "grads": H, "optimizer": H}, compute_dtype=FP32, cuda=False, accum=2,
                      is_root=True)
     assert t.fb["nvme_read"] == (2 * 1 - 1) * 4000  # the first of them reads the kept copy
 
 
 def test_traffic_with_a_gpu_and_everything_on_host():
     n, P, G = 1000, 2000, 4000
-    t = unit_traffic(one(n), {"params": H, "grads": H, "optimizer": H}, compute_bytes=2, cuda=True, accum=1,
+    t = unit_traffic(one(n), {"params": H, "grads": H, "optimizer": H}, compute_dtype=BF16, cuda=True, accum=1,
                      is_root=False)
     assert t.fb == {"nvme_read": 0, "nvme_write": 0, "h2d": 2 * P, "d2h": G}  # params in, grads out
     assert t.opt == {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}  # Adam runs on the CPU, in place
@@ -92,7 +95,7 @@ def test_traffic_with_a_gpu_and_everything_on_host():
 
 def test_optimizer_on_gpu_pulls_host_grads_and_pushes_params_back():
     n, P, G = 1000, 2000, 4000
-    t = unit_traffic(one(n), {"params": H, "grads": H, "optimizer": D}, compute_bytes=2, cuda=True, accum=1,
+    t = unit_traffic(one(n), {"params": H, "grads": H, "optimizer": D}, compute_dtype=BF16, cuda=True, accum=1,
                      is_root=False)
     assert t.opt == {"nvme_read": 0, "nvme_write": 0, "h2d": G, "d2h": P}
     assert t.adam_device == n and t.adam_cpu == 0
@@ -179,7 +182,7 @@ def brute_force_best(units, budgets, rates, cuda, compute):
         tiers = [dict(zip(GROUPS, c)) for c in combos]
         used = {g: N if any(t[g] is N for t in tiers) else H for g in GROUPS}
         plan = Plan(tiers=tuple({k: t[g] for g in GROUPS for k in KINDS_OF_GROUP[g]} for t in tiers), units=units,
-                    compute_dtype=torch.bfloat16, working=working_bytes(units, torch.bfloat16, used, 1))
+                    compute_dtype=BF16, working=working_bytes(units, torch.bfloat16, used, 1))
         if not _fits(plan.tier_totals(), budgets):
             best = min(best, predicted(plan, rates, cuda, compute=compute))
     return best

@@ -1,0 +1,125 @@
+"""How one Adam update reads and writes the stored optimizer state: one type per `[optimizer] state_dtype`.
+
+Note [16-bit optimizer state]: the optimizer state is the master weights and the two Adam moments,
+12 bytes per trainable parameter in fp32; on NVMe and in host memory they are most of the bytes a step
+moves and stores. `state_dtype` stores less of it; the update itself is always the fp32 Adam of
+cpu_adam.py (the same fused kernel), only what is stored between updates changes:
+
+    fp32         master fp32, moments fp32                                    12 bytes per element
+    bf16         master fp32, moments bf16: upcast to fp32, the fp32 update,  8
+                 the new moments rounded to nearest (even) back to bf16
+    bf16_master  master bf16 too: upcast, the fp32 update, the moments         6
+                 rounded to nearest, the new master rounded stochastically
+
+So "bf16" is exactly torch.optim.AdamW in fp32 whose moments are rounded to bf16 after every step (the
+reference the tests hold it to, bit for bit on the CPU). Rounding the moments costs little: Adam uses
+them through m / sqrt(v), and bf16 keeps 8 significant bits of each, a relative error of 2^-9 on
+quantities that are themselves noisy estimates.
+
+The master is different: an update (lr x m / sqrt(v), about lr) is far below one bf16 ulp of a weight
+(2^-8 of it), so a master rounded to nearest would mostly not move at all. Stochastic rounding rounds up
+with probability (x - down) / (up - down), so the stored weight is unbiased: E[round(x)] = x, and small
+updates accumulate in expectation. The random bits come from a counter-based hash of (train.seed, unit
+index, the element's index in the unit's flat buffer, Adam step), never from a generator's state: the
+rounding of an element does not depend on the world size, the stage, the sub-group size or where the
+update runs (CPU or GPU), a resumed run rounds exactly as the uninterrupted one, and a reference can
+recompute it (`stochastic_round`). The bits: the low 16 bits of the fp32 pattern get 16 random bits
+added, then are cut off (a carry rounds the magnitude up; non-finite values are cast as they are).
+
+With bf16 compute a bf16 master is the parameters themselves on NVMe (the cast is the identity: Note
+[aliased parameters]), 6 bytes per parameter in all; with fp32 compute the fp32 parameters are stored beside
+it. Kahan-compensated bf16 masters (8 bytes) are not offered: stochastic rounding reaches 6.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infinity.memory.tier import StateDtype
+from infinity.optim.cpu_adam import AdamHyper, adam_step
+
+__all__ = ["Bf16Master", "Bf16Moments", "Fp32State", "StateUpdate", "rounding_bits", "state_update_for",
+           "stochastic_round"]
+
+_M32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # odd, < 2^31: a product with a 32-bit value fits in int64
+
+
+def _mix(x):
+    """A 32-bit integer hash (xor-shift, multiply), on Python ints or int64 tensors of values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL) & _M32
+    x = x ^ (x >> 16)
+    x = (x * _MUL) & _M32
+    return x ^ (x >> 16)
+
+
+def rounding_bits(numel: int, *, seed: int, unit: int, step: int, first: int, device: torch.device) -> torch.Tensor:
+    """16 random bits (int32 in [0, 65536)) for the elements [first, first + numel) of unit `unit`'s flat buffer
+    at Adam step `step`: a function of those numbers only (Note [16-bit optimizer state])."""
+    key = _mix(_mix(_mix(seed & _M32) ^ (unit & _M32)) ^ (step & _M32))
+    index = torch.arange(first, first + numel, dtype=torch.int64, device=device) & _M32
+    return (_mix(index ^ key) & 0xFFFF).to(torch.int32)
+
+
+def stochastic_round(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 `x` rounded to bf16 with the random `bits` (`rounding_bits`): up with probability equal to the
+    fraction of the bf16 ulp that `x` is above the value below it, so E[result] = x."""
+    pattern = x.contiguous().view(torch.int32)
+    rounded = ((pattern + bits) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits zero
+    return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
+
+
+class StateUpdate:
+    """One Adam update of a run of elements, given the stored master, moments and the fp32 gradient (views
+    into the fetched buffers, in the plan's dtypes); leaves the new values in those buffers."""
+
+    bytes_per_element = 16  # master + moments + gradient read and written per element stepped (profile spans)
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
+             step: int, hyper: AdamHyper, grad_scale: float | None, unit: int, first: int) -> None:
+        """`unit`, `first`: the unit's index and the flat-buffer index of the run's first element."""
+        raise NotImplementedError
+
+
+class Fp32State(StateUpdate):
+    """fp32 state: the fused kernel on the stored buffers themselves."""
+
+    def step(self, master, grad, exp_avg, exp_avg_sq, *, step, hyper, grad_scale, unit, first):
+        adam_step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper, grad_scale=grad_scale)
+
+
+class Bf16Moments(StateUpdate):
+    """bf16 moments: upcast, the fp32 update, rounded to nearest back into the stored moments."""
+
+    bytes_per_element = 12
+
+    def step(self, master, grad, exp_avg, exp_avg_sq, *, step, hyper, grad_scale, unit, first):
+        m, v = exp_avg.float(), exp_avg_sq.float()
+        adam_step(master, grad, m, v, step=step, hyper=hyper, grad_scale=grad_scale)
+        exp_avg.copy_(m)  # round to nearest even
+        exp_avg_sq.copy_(v)
+
+
+class Bf16Master(StateUpdate):
+    """bf16 master and moments: upcast, the fp32 update, moments rounded to nearest, the master stochastically."""
+
+    bytes_per_element = 10
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def step(self, master, grad, exp_avg, exp_avg_sq, *, step, hyper, grad_scale, unit, first):
+        p, m, v = master.float(), exp_avg.float(), exp_avg_sq.float()
+        adam_step(p, grad, m, v, step=step, hyper=hyper, grad_scale=grad_scale)
+        exp_avg.copy_(m)
+        exp_avg_sq.copy_(v)
+        bits = rounding_bits(p.numel(), seed=self.seed, unit=unit, step=step, first=first, device=p.device)
+        master.copy_(stochastic_round(p, bits))
+
+
+def state_update_for(state_dtype: StateDtype, seed: int) -> StateUpdate:
+    """The one place that picks the update's type from `[optimizer] state_dtype` (as the plan carries it)."""
+    if state_dtype is StateDtype.BF16_MASTER:
+        return Bf16Master(seed)
+    return Bf16Moments() if state_dtype is StateDtype.BF16 else Fp32State()
