@@ -357,6 +357,12 @@ class CheckpointConfig(Section):
     background: bool = option(False, "Write checkpoint files in a background thread while the next forward "
                                "and backward run; the checkpoint becomes visible (atomic rename) at the next "
                                "step() or close().", "bool")
+    reference_pretrained: bool = option(True, "Frozen parameters that hold exactly the values read from a "
+                                        "safetensors weights= source (a LoRA run's base model, model.pretrained) "
+                                        "are saved as references to its files (name, tensor, CRC32 of the bytes, "
+                                        "checked at load), not copied: the checkpoint needs that directory "
+                                        "unchanged to load (Note [pretrained references]). false: copy them into "
+                                        "every checkpoint (in the compute dtype), which then stands alone.", "bool")
     dir: str = option("", "Directory the checkpoints are saved under (`infinity train` sets it to the run directory). "
                       "Preflight checks that its disk holds keep_last + 1 checkpoints of every rank on the node, "
                       "besides any swap on the same disk (Note [checkpoint space]); \"\" = not checked.", "path")

@@ -10,3 +10,8 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 def dtype_of(name: str) -> torch.dtype:
     """The torch dtype of `precision.compute_dtype` = `name` (validated by the config)."""
     return DTYPES[name]
+
+
+def name_of(dtype: torch.dtype) -> str:
+    """The config name ("fp32", "bf16", "fp16") of one of DTYPES' dtypes (e.g. a checkpoint record's)."""
+    return next(name for name, d in DTYPES.items() if d == dtype)

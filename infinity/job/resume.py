@@ -146,6 +146,8 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
             raise ConfigError(f"--resume {path}: {key} = {show(value)}, but the run trained with {key} = "
                               f"{show(saved_batches[key])}, so the batches after the checkpoint would differ from "
                               f"the run's: resume with the run's value (drop the --set or --config that changes it)")
+    from infinity.state.checkpoint import check_references
+    check_references(str(checkpoint), job.model.pretrained or None)  # Note [pretrained references]: files still there
     if job.run.steps <= position["step"]:
         raise ConfigError(f"--resume {path}: the checkpoint is at step {position['step']} and run.steps = "
                           f"{job.run.steps}: nothing to train; --set run.steps=N with N > {position['step']} to "

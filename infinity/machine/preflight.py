@@ -18,7 +18,9 @@ engine (`check_nvme_paths`), the job (`prepare_nvme_paths`, which then creates t
 `infinity estimate` (`check_disks`) all ask it.
 
 Note [checkpoint space]: a checkpoint holds, for every rank, the fp32 master and both Adam
-moments of every optimizer sub-group (each record padded to 4 KiB), the rank's index and RNG
+moments of every optimizer sub-group and its frozen parameters in the compute dtype (none when
+they are references to the pretrained files: Note [pretrained references]), each record placed
+as the rank file places it (4 KiB-aligned, or 64-byte-aligned under 4 KiB), the rank's index and RNG
 states, and on rank 0 the manifest (infinity/state/checkpoint.py; rank 0's copy of the model's
 buffers is not counted: the plan does not know them, and they are small beside the state). While
 one is written the `keep_last` before it stay on disk, so the checkpoint directory's
@@ -42,7 +44,7 @@ import torch
 from infinity.config.sections import Config
 from infinity.memory.placement import Plan
 from infinity.memory.tier import Kind, Tier
-from infinity.state.checkpoint import ALIGN, SAVED_KINDS
+from infinity.state.checkpoint import SAVED_KINDS, rank_file_bytes
 from io_engine import format_size
 
 CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
@@ -139,14 +141,18 @@ def prepare_nvme_paths(paths: list[str]) -> None:
 # ---------------------------------------------------------------- disks
 
 
-def checkpoint_bytes(plan: Plan) -> int:
+def checkpoint_bytes(plan: Plan, frozen_referenced: bool = False) -> int:
     """Bytes of one rank's files in one checkpoint (Note [checkpoint space]), at most: every saved kind of every
-    sub-group of its update range, and its frozen parameters (fp32), padded to ALIGN, plus the index, RNG
-    states and manifest (a rank saves only its own partition of replicated kinds: less at stages 0-2)."""
-    align = lambda n: -(-n * 4 // ALIGN) * ALIGN  # noqa: E731
-    records = sum(align(n) for unit in plan.units for n in unit.chunks(Kind.MASTER))
-    frozen = sum(align(unit.numel(Kind.PARAMS) - unit.written_params) for unit in plan.units)
-    return records * len(SAVED_KINDS) + frozen + CHECKPOINT_METADATA
+    sub-group of its update range, and its frozen parameters (in the compute dtype; none when they are all
+    references to the pretrained files: Note [pretrained references]), placed as the rank file places them,
+    plus the index, RNG states and manifest (a rank saves only its own partition of replicated kinds: less at
+    stages 0-2)."""
+    frozen_bytes = 0 if frozen_referenced else plan.compute_dtype.itemsize
+    records = []
+    for unit in plan.units:  # in the rank file's order: per unit, the saved kinds' sub-groups, then its frozen part
+        records += [n * 4 for _ in SAVED_KINDS for n in unit.chunks(Kind.MASTER)]
+        records += [n for n in [(unit.numel(Kind.PARAMS) - unit.written_params) * frozen_bytes] if n]
+    return rank_file_bytes(records) + CHECKPOINT_METADATA
 
 
 def checkpoints_kept(config: Config) -> int:
@@ -225,8 +231,9 @@ def check_locked_memory(locked_bytes: int, local_world_size: int) -> Check:
 
 
 def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, local_world_size: int, cuda: bool,
-              ram_per_rank: int = 0, device_per_rank: int = 0) -> list[Check]:
-    """The checks `infinity estimate` prints and `initialize` refuses to start without (see `require`)."""
+              ram_per_rank: int = 0, device_per_rank: int = 0, frozen_referenced: bool = False) -> list[Check]:
+    """The checks `infinity estimate` prints and `initialize` refuses to start without (see `require`).
+    `frozen_referenced`: checkpoints will refer to the pretrained files for every frozen parameter."""
     checks = [Check("placement fits the budgets", plan is not None, "yes" if plan else (plan_error or "no plan"),
                     "see above: change [placement] or [memory] as it says")]
     if plan is None:
@@ -249,7 +256,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     ckpt_dir = config.checkpoint.dir
     if paths or ckpt_dir:
         disk, _ = check_disks(paths, nvme_bytes=sum(state[Tier.NVME].values()), local_world_size=local_world_size,
-                              checkpoint_dir=ckpt_dir, checkpoint_bytes=checkpoint_bytes(plan),
+                              checkpoint_dir=ckpt_dir, checkpoint_bytes=checkpoint_bytes(plan, frozen_referenced),
                               checkpoints=checkpoints_kept(config))
         checks += disk
     if plan.uses(Tier.NVME):

@@ -52,6 +52,7 @@ from infinity.runtime.prefetch import OrderTrace, Prefetcher
 from infinity.runtime.update_modes import NonFiniteGradError, update_mode
 from infinity.state.checkpoint import apply_retention, begin_save
 from infinity.state.checkpoint import load as load_checkpoint
+from infinity.state.references import PretrainedRefs
 from infinity.state.state_dict import full_state_dict
 from infinity.state.weights import plan_weights
 from infinity.units.unit import Comm, Unit, build_units, unit_sizes
@@ -84,12 +85,13 @@ class Engine:
             unit.set_groups(self.groups.group_of)  # Note [groups ride on ranges] (optim/groups.py)
         self.lrs = LearningRates(self.groups, config.optimizer, lr_schedule)  # Note [who sets the lr]
         loaded = plan_weights(weights, model, self.units, strict) if weights is not None else None  # checked first
-        self.plan = self._plan()
+        self.plan = self._plan(loaded)
         self.io, self.swap = self._open_swap()
         self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
                                            pin_host=self.env.device.type == "cuda", profiler=self.profiler,
                                            fresh_budget=fresh_budget(self.plan, config.prefetch))
         materialize_units(self.units, self.manager, config.train.seed, init_fn, loaded)
+        self.pretrained = PretrainedRefs.of_weights(loaded)  # frozen ranges a checkpoint may refer to, not copy
         buffers_to(model, self.env.device)  # the forward reads them there (they are not sharded)
         self.scaler = LossScaler.for_config(config.precision)
         self._pending_checkpoint = None  # a background save, committed at the next step() / wait_for_checkpoint()
@@ -138,8 +140,9 @@ class Engine:
             sys.setswitchinterval(config.io.switch_interval_us * 1e-6)
 
     # ----------------------------------------------------------------- construction
-    def _plan(self):
-        """The placement, planned exactly as `infinity estimate` plans it, then the same preflight checks."""
+    def _plan(self, weights):
+        """The placement, planned exactly as `infinity estimate` plans it, then the same preflight checks (the
+        checkpoint space without the frozen weights when `weights` will be referenced: Note [pretrained references])."""
         from infinity.machine.link_rates import rates_for_plan
         from infinity.machine.preflight import check_nvme_paths, preflight, require
         cfg = self.config
@@ -150,8 +153,10 @@ class Engine:
         rates = rates_for_plan(cfg, self.env.device, measure=True) if auto else None
         plan = plan_for_config(sizes, cfg, budgets, rates=rates)
         self.read_ahead_bytes = resolve_read_ahead(cfg, plan, budgets)
+        referenced = cfg.checkpoint.reference_pretrained and weights is not None and weights.holds_every_frozen(
+            self.units)
         require(preflight(plan, None, cfg, local_world_size=self.env.local_world_size,
-                          cuda=self.env.device.type == "cuda"))
+                          cuda=self.env.device.type == "cuda", frozen_referenced=referenced))
         return plan
 
     def _open_swap(self):

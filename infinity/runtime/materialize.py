@@ -78,7 +78,7 @@ def materialize_shard(unit: Unit, seed: int, init_fn: Callable[[nn.Module], None
     """
     start, end = unit.layout.params.start, unit.layout.params.start + unit.layout.params.numel
     master = torch.zeros(end - start, dtype=torch.float32)
-    loaded = weights.read_shard(unit.slots, start, end, master) if weights is not None else set()
+    loaded = weights.read_shard(unit.slots, start, end, master, unit.index) if weights is not None else set()
     rest = [s for s in unit.slots if id(s) not in loaded]
     pending = [s for s in rest if is_meta(s)]
     if pending:

@@ -5,10 +5,14 @@ Layout of a checkpoint directory::
     manifest.json        format, world size, model layout, resolved config, counters, user state,
                          and the checksum of every rank's index (written last, by rank 0)
     rank00000.bin        this rank's part of the fp32 master, exp_avg, exp_avg_sq, and of frozen parameters
-                         (cast to fp32), one record per stored chunk, each at a 4 KiB-aligned offset
-    rank00000.json       the records: unit, kind, chunk, element range in the flat buffer, offset, crc32
+                         (in the compute dtype), one record per stored chunk, each at a 4 KiB-aligned offset
+                         (one smaller than 4 KiB: 64-byte aligned, so a small model's records are not mostly holes)
+    rank00000.json       the records: unit, kind, chunk, element range in the flat buffer, dtype, offset, crc32;
+                         and the references to pretrained files that stand for frozen parameters
+                         (Note [pretrained references] in references.py; the manifest names the directory)
     rank00000.rng.pt     this rank's RNG states (torch, CUDA, python, numpy), tensors and plain values only
-    buffers.pt           the model's persistent buffers (rank 0; BatchNorm statistics, masks), restored on load
+    buffers.pt           the model's persistent buffers (rank 0, if it has any; BatchNorm statistics, masks),
+                         restored on load
 
 Note [safe loading]: every file is loaded with `torch.load(..., weights_only=True)` (tensors and plain
 values; no pickled code runs) after its crc32 in the manifest was checked, so a tampered or garbage
@@ -20,7 +24,9 @@ fp32 masters; so masters and Adam moments, the parameters of frozen elements (wh
 master: Note [stage layouts]), counters and per-parameter step counts are the whole state.
 Each element is written once, by the rank whose partition holds it ([r*s, (r+1)*s) of the
 flat buffer): every rank stores its own partition of every kind at every stage, and kinds
-replicated at stages 0-2 are not written N times.
+replicated at stages 0-2 are not written N times. Frozen elements that hold a pretrained
+file's values are written as references to it (Note [pretrained references]); the padding
+past the last frozen parameter (zeros) is not written.
 
 Note [atomicity]: every rank writes into `<path>.tmp-<token>` (marked as partial); rank 0
 writes the manifest after all ranks have fsynced their files, fsyncs, and renames the
@@ -51,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from infinity.device.dtypes import dtype_of, name_of
 from infinity.device.streams import bind_thread
 from infinity.memory.tier import Kind
 from infinity.state.checkpoint_files import (  # noqa: F401 - CheckpointError and apply_retention are used through this module
@@ -68,13 +75,16 @@ from infinity.state.checkpoint_files import (  # noqa: F401 - CheckpointError an
     save_buffers,
     set_rng_state,
 )
+from infinity.state.references import REF_KIND, PretrainedReader, PretrainedRefs, Reference
 from io_engine import IOEngine
 
-FORMAT = "infinity-checkpoint/2"
-READABLE = ("infinity-checkpoint/1", FORMAT)  # 1: stage 3 only, record ranges in the saving rank's shard
+FORMAT = "infinity-checkpoint/3"
+# 1: stage 3 only, record ranges in the saving rank's shard; 2: every record fp32, no references
+READABLE = ("infinity-checkpoint/1", "infinity-checkpoint/2", FORMAT)
 SAVED_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ)
-VALUE_KINDS = ("master", "params")  # the records that hold the model's values: trainable, then frozen ones
+VALUE_KINDS = ("master", "params", REF_KIND)  # the records of the model's values: trainable, frozen, referenced
 ALIGN = 4096
+SMALL_ALIGN = 64  # a record smaller than ALIGN: its offset's alignment
 MANIFEST = "manifest.json"
 PARTIAL_MARKER = ".infinity-partial"
 BUFFERS = "buffers.pt"  # the model's persistent buffers (small; rank 0), so exports load with strict=True
@@ -91,6 +101,20 @@ def rank_index(rank: int) -> str:
 
 def rank_rng(rank: int) -> str:
     return f"rank{rank:05d}.rng.pt"
+
+
+def place(offset: int, nbytes: int) -> int:
+    """The offset of a record of `nbytes` written at or after `offset` in a rank file."""
+    align = ALIGN if nbytes >= ALIGN else SMALL_ALIGN
+    return -(-offset // align) * align
+
+
+def rank_file_bytes(record_bytes) -> int:
+    """The size of a rank file holding records of `record_bytes` (in order), each placed by `place`."""
+    end = 0
+    for nbytes in record_bytes:
+        end = place(end, nbytes) + nbytes
+    return end
 
 
 def crc32(t: torch.Tensor) -> int:
@@ -121,6 +145,11 @@ class _Record:
     offset: int  # byte offset in the rank file
     flat: int = 0  # element offset in the unit's flat buffer (Note [resharding])
     crc: int = 0
+    dtype: str = "fp32"  # the kind's own dtype (params: the compute dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_of(self.dtype).itemsize
 
 
 class ShardWriter:
@@ -134,24 +163,38 @@ class ShardWriter:
         self.engine, self.tmp_dir = engine, tmp_dir
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        # Note [pretrained references]: what this save refers to instead of copying (taken on the training thread)
+        self.refs = engine.pretrained.for_save() if engine.config.checkpoint.reference_pretrained else PretrainedRefs()
+        self.records, self.references = self._plan()
 
-    def records(self) -> list[_Record]:
+    def _plan(self) -> tuple[list[_Record], list[Reference]]:
         """Per stored chunk, the part in this rank's own partition (Note [what is saved]): of the optimizer
-        kinds, and of the parameters past the trainable elements (frozen weights and padding)."""
-        m = self.engine.manager
-        out, offset = [], 0
+        kinds, and of the frozen parameters (past the trainable elements, before the padding) the parts no
+        reference covers; and the references that cover the rest."""
+        m, compute = self.engine.manager, self.engine.compute_dtype
+        out, refs, offset = [], {}, 0
         for unit in self.engine.units:
             own_lo, own_hi = unit.shard_range()
             for kind in SAVED_KINDS + (Kind.PARAMS,):
                 stored = unit.layout.of(kind)
-                lo = max(own_lo, unit.stored_trainable) if kind is Kind.PARAMS else own_lo
+                frozen = kind is Kind.PARAMS
+                lo = max(own_lo, unit.stored_trainable) if frozen else own_lo
+                hi = min(own_hi, unit.flat_numel) if frozen else own_hi
+                dtype = name_of(kind.dtype(compute))
                 for chunk in range(m.num_chunks(unit.index, kind)):
                     start, numel = m.chunk_span(unit.index, chunk, kind)
-                    a, b = max(stored.start + start, lo), min(stored.start + start + numel, own_hi)
-                    if a < b:
-                        out.append(_Record(unit.index, kind.value, chunk, a - stored.start, b - a, offset, flat=a))
-                        offset += -(-(b - a) * 4 // ALIGN) * ALIGN
-        return out
+                    a, b = max(stored.start + start, lo), min(stored.start + start + numel, hi)
+                    if a >= b:
+                        continue
+                    if frozen:
+                        refs.update(dict.fromkeys(self.refs.touching(unit.index, a, b)))
+                    for pa, pb in self.refs.uncovered(unit.index, a, b) if frozen else [(a, b)]:
+                        rec = _Record(unit.index, kind.value, chunk, pa - stored.start, pb - pa, 0, flat=pa,
+                                      dtype=dtype)
+                        rec.offset = place(offset, rec.nbytes)
+                        offset = rec.offset + rec.nbytes
+                        out.append(rec)
+        return out, list(refs)
 
     def start(self, background: bool) -> None:
         if background:
@@ -176,7 +219,7 @@ class ShardWriter:
         engine, m = self.engine, self.engine.manager
         rank = engine.rank
         path = os.path.join(self.tmp_dir, rank_file(rank))
-        records = self.records()
+        records = self.records
         cfg = engine.config.io
         with IOEngine(cfg.engine_config(checksum="off")) as io:
             in_flight: list = []
@@ -185,7 +228,7 @@ class ShardWriter:
                     kind = Kind(rec.kind)
                     buf = m.fetch(rec.unit, kind, rec.chunk, torch.device("cpu")).wait()  # bytes to write
                     chunk_start = m.chunk_span(rec.unit, rec.chunk, kind)[0]
-                    data = buf.narrow(0, rec.start - chunk_start, rec.numel).to(torch.float32)  # (params: cast)
+                    data = buf.narrow(0, rec.start - chunk_start, rec.numel)  # in the kind's own dtype
                     rec.crc = crc32(data)
                     in_flight.append((io.submit_write(data, path, rec.offset), buf, data))
                     while len(in_flight) > WRITES_IN_FLIGHT:
@@ -206,14 +249,15 @@ class ShardWriter:
         if not records:
             open(path, "wb").close()
         fsync_path(path)
-        index = {"rank": rank, "file": rank_file(rank), "records": [r.__dict__ for r in records]}
+        index = {"rank": rank, "file": rank_file(rank),
+                 "records": [r.__dict__ for r in records] + [ref.record() for ref in self.references]}
         _write_json(os.path.join(self.tmp_dir, rank_index(rank)), index)
         torch.save(rng_state(), os.path.join(self.tmp_dir, rank_rng(rank)))  # plain values (Note [safe loading])
         fsync_path(os.path.join(self.tmp_dir, rank_rng(rank)))
 
 
 def _write_json(path: str, payload: dict) -> int:
-    data = json.dumps(payload, indent=1, sort_keys=True).encode()
+    data = json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()  # (compact: a LoRA checkpoint is small)
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
@@ -323,15 +367,17 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
                                   f"in {parent} or save elsewhere. No earlier checkpoint was touched") from e
     _barrier(group)  # the partial directory exists for every rank
     writer = ShardWriter(engine, tmp_dir)
-    need = sum(-(-r.numel * 4 // ALIGN) * ALIGN for r in writer.records()) + (256 << 10)  # + index, RNG, manifest
+    last = writer.records[-1] if writer.records else None
+    need = (last.offset + last.nbytes if last else 0) + (256 << 10)  # + index, RNG, manifest
     free = shutil.disk_usage(parent).free
     if free < need * (engine.env.local_world_size if engine.rank == 0 else 1):
         writer.error = CheckpointError(
             f"not enough space in {parent}: rank {engine.rank} needs {need} bytes, {free} are free "
             f"({need - free} bytes missing); free space or save elsewhere")
-    if engine.rank == 0 and writer.error is None:
+    buffers = persistent_buffers(engine.module) if engine.rank == 0 else {}  # (none: no file)
+    if buffers and writer.error is None:
         try:
-            save_buffers(engine.module, os.path.join(tmp_dir, BUFFERS))
+            save_buffers(buffers, os.path.join(tmp_dir, BUFFERS))
         except OSError as e:  # reported by commit(), which removes the partial
             writer.error = e
     if writer.error is None:
@@ -347,7 +393,8 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
                        "skipped_steps": engine.scaler.skipped_steps},
         "user_state": user_state, "run_id": engine.run_id,
         "state_dict_keys": list(engine.module.state_dict(keep_vars=True).keys()),
-        "buffers": BUFFERS if engine.rank == 0 else None,
+        "buffers": BUFFERS if buffers else None,
+        "pretrained": writer.refs.manifest_entry(),  # the source the references point into (None: no source)
     }
     return PendingCheckpoint(engine, path, tmp_dir, writer, user_state, manifest, hold)
 
@@ -432,12 +479,15 @@ def check_groups(manifest: dict, groups, path: str) -> None:
 
 
 class SavedShards:
-    """Random access to the saved records of one (unit, kind), verified, one record cached."""
+    """Random access to the saved records of one (unit, kind), verified, one record cached. References to
+    pretrained files are resolved from `pretrained_root` (the loading engine's source directory) when given,
+    else from the directory recorded at save; a missing or resized file is refused here, before any read."""
 
-    def __init__(self, path: str, manifest: dict, io: IOEngine):
+    def __init__(self, path: str, manifest: dict, io: IOEngine | None, pretrained_root: str | None = None):
         self.path, self.io = path, io
         self.saved_world = manifest["world_size"]
         self.by_key: dict[tuple[int, str], list[tuple[int, dict]]] = {}
+        seen: set[Reference] = set()
         for r, entry in enumerate(manifest["ranks"]):
             index_path = os.path.join(path, entry["index"])
             with open(index_path, "rb") as f:
@@ -446,8 +496,29 @@ class SavedShards:
                 raise CheckpointError(f"{index_path} does not match its checksum in the manifest: the checkpoint is "
                                       f"corrupted; use another one")
             for rec in json.loads(data)["records"]:
+                if rec["kind"] == REF_KIND:  # a tensor spanning partitions is referenced by each rank: read once
+                    ref = Reference.of_record(rec)
+                    if ref in seen:
+                        continue
+                    seen.add(ref)
                 self.by_key.setdefault((rec["unit"], rec["kind"]), []).append((r, rec))
         self._cached: tuple | None = None
+        refs = self.references()
+        self.pretrained = None
+        if refs:
+            if not manifest.get("pretrained"):
+                raise CheckpointError(f"{path}: its records refer to pretrained files but its manifest names no "
+                                      f"pretrained directory; the checkpoint is damaged, use another one")
+            self.pretrained = PretrainedReader(path, manifest["pretrained"], pretrained_root, {r.file for r in refs})
+
+    def references(self) -> list[Reference]:
+        """Every rank's references to pretrained files (Note [pretrained references]), each once."""
+        return [Reference.of_record(rec) for (_, kind), recs in self.by_key.items() if kind == REF_KIND
+                for _, rec in recs]
+
+    def close(self) -> None:
+        if self.pretrained is not None:
+            self.pretrained.close()
 
     def read_range(self, unit_index: int, kind: "str | tuple[str, ...]", saved_shard: int, lo: int, hi: int,
                    out: torch.Tensor) -> None:
@@ -466,15 +537,19 @@ class SavedShards:
             out[a - lo: b - lo].copy_(data[a - rec_lo: b - rec_lo])
 
     def _record(self, r: int, rec: dict) -> torch.Tensor:
-        key = (r, rec["offset"])
+        key = (r, rec["offset"]) if "offset" in rec else (rec["file"], rec["key"], rec["lo"])
         if self._cached is not None and self._cached[0] == key:
             return self._cached[1]
-        buf = torch.empty(rec["numel"], dtype=torch.float32)
+        if rec["kind"] == REF_KIND:
+            buf = self.pretrained.read(rec)  # verified against the checksum saved with the reference
+            self._cached = (key, buf)
+            return buf
+        buf = torch.empty(rec["numel"], dtype=dtype_of(rec.get("dtype", "fp32")))
         file = os.path.join(self.path, rank_file(r))
         try:
             self.io.submit_read(buf, file, rec["offset"]).wait()  # the record is verified before use
         except OSError as e:
-            raise CheckpointError(f"cannot read {file} at offset {rec['offset']} ({rec['numel'] * 4} bytes, unit "
+            raise CheckpointError(f"cannot read {file} at offset {rec['offset']} ({buf.nbytes} bytes, unit "
                                   f"{rec['unit']} {rec['kind']} chunk {rec['chunk']}): {e}. The checkpoint is "
                                   f"damaged; use another one") from e
         if crc32(buf) != rec["crc"]:
@@ -485,46 +560,33 @@ class SavedShards:
         return buf
 
 
+def check_references(path: str, pretrained_root: str | None = None) -> None:
+    """Refuse (CheckpointError) a checkpoint whose references to pretrained files cannot be resolved under
+    `pretrained_root` (else the directory recorded at save): missing or resized files. Reads its indexes only."""
+    path = os.path.abspath(os.fspath(path))
+    SavedShards(path, read_manifest(path), None, pretrained_root).close()
+
+
 def load(engine, path: str) -> dict:
     """Restore `engine` from `path`; returns the user state saved with it."""
     path = os.path.abspath(os.fspath(path))
     manifest = read_manifest(path)
     check_layout(manifest, engine.units, path)
     check_groups(manifest, engine.groups, path)
-    m = engine.manager
     saved_world = manifest["world_size"]
     entry = manifest["ranks"][engine.rank if engine.rank < saved_world else 0]
     rng = load_verified(os.path.join(path, entry["rng"]), entry.get("rng_crc32"), "RNG states")
     buffers = load_buffers(path, manifest)  # both verified before any state changes
-    cpu = torch.device("cpu")
     cfg = engine.config.io
     with IOEngine(cfg.engine_config(checksum="off")) as io:
-        shards = SavedShards(path, manifest, io)
-        for unit, layout in zip(engine.units, manifest["units"]):
-            saved_padded = -(-layout["flat_numel"] // saved_world) * saved_world if layout["flat_numel"] else 0
-            saved_shard = saved_padded // saved_world
-            base = unit.layout.update.start  # Note [resharding]: what this rank stores, by its layout
-            for kind in SAVED_KINDS:
-                for chunk in range(m.num_chunks(unit.index)):
-                    start, numel = m.chunk_span(unit.index, chunk)
-                    buf = m.target(unit.index, kind, chunk, cpu)
-                    shards.read_range(unit.index, kind.value, saved_shard, base + start, base + start + numel, buf)
-                    # written before the next record reuses memory; with the master, the compute-dtype
-                    # parameters, its cast (Note [what is saved])
-                    stores = m.store_master(unit.index, chunk, buf) if kind is Kind.MASTER else [
-                        m.store(unit.index, kind, chunk, buf)]
-                    for pending in stores:
-                        pending.wait()
-            params_base = unit.layout.params.start
-            for chunk in m.params_not_updated(unit.index):  # frozen weights, the other ranks' partitions
-                start, numel = m.chunk_span(unit.index, chunk, Kind.PARAMS)
-                values = torch.empty(numel, dtype=torch.float32)
-                shards.read_range(unit.index, VALUE_KINDS, saved_shard, params_base + start,
-                                  params_base + start + numel, values)
-                m.store(unit.index, Kind.PARAMS, chunk, values.to(engine.compute_dtype), release=False).wait()
-            m.mark_zero(unit.index, Kind.GRADS)
-            unit.param_steps = dict(manifest["param_steps"][unit.index])
-            unit.slots_with_grad.clear()
+        shards = SavedShards(path, manifest, io, engine.pretrained.root)  # (missing pretrained files: refused here)
+        try:
+            _load_units(engine, shards, manifest)
+        finally:
+            shards.close()
+    # Note [pretrained references]: the frozen parameters now hold the loaded references' ranges (each verified
+    # as it was read), and nothing else of a source
+    engine.pretrained = engine.pretrained.after_load(shards.pretrained, shards.references())
     engine.optimizer_steps = manifest["optimizer_steps"]
     engine.groups.restore_lrs(manifest.get("param_groups"))  # as torch's Optimizer.load_state_dict does
     engine.micro_step = manifest["micro_step"]
@@ -541,3 +603,32 @@ def load(engine, path: str) -> dict:
     continue_run(engine, path, manifest)
     return manifest["user_state"]
 
+
+def _load_units(engine, shards: SavedShards, manifest: dict) -> None:
+    """Every unit's stored kinds from the checkpoint's records (Note [resharding])."""
+    m, cpu, saved_world = engine.manager, torch.device("cpu"), manifest["world_size"]
+    for unit, layout in zip(engine.units, manifest["units"]):
+        saved_padded = -(-layout["flat_numel"] // saved_world) * saved_world if layout["flat_numel"] else 0
+        saved_shard = saved_padded // saved_world
+        base = unit.layout.update.start  # Note [resharding]: what this rank stores, by its layout
+        for kind in SAVED_KINDS:
+            for chunk in range(m.num_chunks(unit.index)):
+                start, numel = m.chunk_span(unit.index, chunk)
+                buf = m.target(unit.index, kind, chunk, cpu)
+                shards.read_range(unit.index, kind.value, saved_shard, base + start, base + start + numel, buf)
+                # written before the next record reuses memory; with the master, the compute-dtype
+                # parameters, its cast (Note [what is saved])
+                stores = m.store_master(unit.index, chunk, buf) if kind is Kind.MASTER else [
+                    m.store(unit.index, kind, chunk, buf)]
+                for pending in stores:
+                    pending.wait()
+        params_base = unit.layout.params.start
+        for chunk in m.params_not_updated(unit.index):  # frozen weights, the other ranks' partitions
+            start, numel = m.chunk_span(unit.index, chunk, Kind.PARAMS)
+            values = torch.empty(numel, dtype=torch.float32)
+            shards.read_range(unit.index, VALUE_KINDS, saved_shard, params_base + start,
+                              params_base + start + numel, values)
+            m.store(unit.index, Kind.PARAMS, chunk, values.to(engine.compute_dtype), release=False).wait()
+        m.mark_zero(unit.index, Kind.GRADS)
+        unit.param_steps = dict(manifest["param_steps"][unit.index])
+        unit.slots_with_grad.clear()

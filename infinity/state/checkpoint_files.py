@@ -35,15 +35,28 @@ def file_crc(path: str) -> int:
         return zlib.crc32(f.read())
 
 
+def _words(values) -> torch.Tensor:
+    """32-bit words (Mersenne Twister keys) as an int32 tensor of the same bits: 4 bytes each in the file."""
+    import numpy as np
+    return torch.from_numpy(np.asarray(values, dtype=np.uint32).view(np.int32).copy())
+
+
+def _unsigned(words: torch.Tensor):
+    """The uint32 array of `_words` (or of format 2's int64 tensors)."""
+    import numpy as np
+    return words.numpy().astype(np.int64).astype(np.uint32)
+
+
 def rng_state() -> dict:
     """The RNG states as tensors and plain values, so that `torch.load(weights_only=True)` reads them."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    version, keys, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": (version, _words(keys), gauss)}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
         import numpy as np
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)
+        state["numpy"] = (name, _words(keys), pos, has_gauss, cached)
     except ImportError:  # numpy is a dependency; keep loading robust anyway
         pass
     return state
@@ -51,13 +64,15 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(int(k) for k in _unsigned(keys)) if isinstance(keys, torch.Tensor) else keys,
+                     gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
         import numpy as np
         name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+        np.random.set_state((name, _unsigned(keys), pos, has_gauss, cached))
 
 
 def load_verified(path: str, crc: int | None, what: str):
@@ -105,8 +120,8 @@ def persistent_buffers(module) -> dict:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict(keep_vars=True).items() if k not in params}
 
 
-def save_buffers(module, path: str) -> None:
-    torch.save(persistent_buffers(module), path)
+def save_buffers(buffers: dict, path: str) -> None:
+    torch.save(buffers, path)
     fsync_path(path)
 
 

@@ -82,7 +82,11 @@ class _Reader:
     def __init__(self, path: str, manifest: dict):
         self.manifest = manifest
         self.io = IOEngine(IOConfig(block_size=1 << 20, queue_depth=8, threads=4, direct=True, checksum="off"))
-        self.shards = SavedShards(path, manifest, self.io)
+        try:
+            self.shards = SavedShards(path, manifest, self.io)
+        except BaseException:  # e.g. the pretrained files it refers to are missing
+            self.io.close()
+            raise
 
     def tensor(self, entry: _Entry) -> torch.Tensor:
         if entry.buffer is not None:
@@ -96,6 +100,7 @@ class _Reader:
         return full.view(entry.shape).to(entry.dtype)
 
     def close(self) -> None:
+        self.shards.close()  # (the pretrained files a LoRA checkpoint refers to)
         self.io.close()
 
 

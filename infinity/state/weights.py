@@ -39,6 +39,7 @@ import json
 import os
 import re
 import warnings
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,6 +61,7 @@ SINGLE = "model.safetensors"
 TORCH_SINGLE = "pytorch_model.bin"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 _SHOWN = 8  # keys named in a message (then a count)
+REF_PIECE = 1 << 24  # elements of a frozen tensor per checksummed read: what a checkpoint load holds of one at a time
 
 
 class WeightsError(ValueError):
@@ -81,11 +83,15 @@ class TensorInfo:
 
 class SafetensorsFiles:
     """One or several safetensors files: their headers parsed, byte ranges read with `preadv`
-    (Note [reading without mmap])."""
+    (Note [reading without mmap]). A tensor read from one can be referenced by a checkpoint
+    (file, key, element range, CRC32 of its bytes: Note [pretrained references] in references.py)."""
+
+    referable = True
 
     def __init__(self, files: list[str], where: str):
         self.where = where
         self.infos: dict[str, TensorInfo] = {}
+        self.file_of: dict[str, str] = {}  # key -> the path of the file holding it
         self._at: dict[str, tuple[int, int]] = {}  # key -> (fd, byte offset of its data)
         self._fds: list[int] = []
         try:
@@ -125,10 +131,12 @@ class SafetensorsFiles:
                 raise WeightsError(f"{path}: tensor {key!r} ({meta}) does not fit in the file's {size} bytes; "
                                    f"the file is truncated or damaged")
             self.infos[key] = info
+            self.file_of[key] = path
             self._at[key] = (fd, base + begin)
 
-    def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """Elements [lo, hi) of the flattened tensor `key`, cast into `out`."""
+    def read(self, key: str, lo: int, hi: int, out: torch.Tensor, checksum: bool = False) -> int | None:
+        """Elements [lo, hi) of the flattened tensor `key`, cast into `out`; with `checksum`, returns the CRC32
+        of the bytes read (as they are in the file, before the cast)."""
         info = self.infos[key]
         fd, at = self._at[key]
         buf = out if out.dtype == info.dtype else torch.empty(hi - lo, dtype=info.dtype)
@@ -139,8 +147,10 @@ class SafetensorsFiles:
             if got <= 0:
                 raise WeightsError(f"{self.where}: short read of {key!r} at byte {pos + done}; the file is truncated")
             done += got
+        crc = zlib.crc32(view) if checksum else None
         if buf is not out:
             out.copy_(buf)
+        return crc
 
     def close(self) -> None:
         for fd in self._fds:
@@ -153,7 +163,9 @@ class SafetensorsFiles:
 
 class TorchStateDict:
     """A state dict of tensors: one given in memory, or a torch.save'd file loaded memory-mapped (its pages count
-    in RSS: Note [reading without mmap])."""
+    in RSS: Note [reading without mmap]). Not referenced by checkpoints: it has no byte ranges to name."""
+
+    referable = False
 
     def __init__(self, state, where: str):
         if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):
@@ -173,7 +185,7 @@ class TorchStateDict:
                                f"directory") from e
         return cls(state, path)
 
-    def read(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
+    def read(self, key: str, lo: int, hi: int, out: torch.Tensor, checksum: bool = False) -> None:
         out.copy_(self._tensors[key].detach().reshape(-1)[lo:hi])
 
     def close(self) -> None:
@@ -241,6 +253,20 @@ def _candidates(names: list[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------- matching
+@dataclass(frozen=True)
+class FrozenRead:
+    """Elements [lo, hi) of the file tensor `key` (in `file`), read into a frozen parameter at flat offset
+    `flat` of unit `unit`; `crc`: the CRC32 of their bytes in the file (Note [pretrained references])."""
+
+    unit: int
+    flat: int
+    file: str
+    key: str
+    lo: int
+    hi: int
+    crc: int
+
+
 @dataclass
 class WeightsPlan:
     """Which file key fills each slot and persistent buffer; read unit by unit."""
@@ -248,10 +274,13 @@ class WeightsPlan:
     source: object  # SafetensorsFiles | TorchStateDict
     slot_keys: dict[int, str] = field(default_factory=dict)  # id(slot) -> key
     buffer_keys: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # (module, attr, key)
+    frozen_reads: list[FrozenRead] = field(default_factory=list)  # what a checkpoint may reference
 
-    def read_shard(self, slots: list[ParamSlot], start: int, end: int, master: torch.Tensor) -> set[int]:
+    def read_shard(self, slots: list[ParamSlot], start: int, end: int, master: torch.Tensor,
+                   unit: int = -1) -> set[int]:
         """Fill `master` (elements [start, end) of the unit's flat buffer) from the file for every slot
-        the file holds; returns those slots' ids (the others are the caller's to initialize)."""
+        the file holds; returns those slots' ids (the others are the caller's to initialize). The reads of
+        frozen parameters from safetensors files are kept, with their checksums, in `frozen_reads`."""
         done = set()
         for slot in slots:
             key = self.slot_keys.get(id(slot))
@@ -262,8 +291,21 @@ class WeightsPlan:
             if span is not None:
                 lo, hi = span
                 at = slot.offset + lo - start
-                self.source.read(key, lo, hi, master.narrow(0, at, hi - lo))
+                if not self.source.referable or slot.requires_grad:
+                    self.source.read(key, lo, hi, master.narrow(0, at, hi - lo))
+                    continue
+                for a in range(lo, hi, REF_PIECE):  # pieces of bounded size, each with its checksum
+                    b = min(a + REF_PIECE, hi)
+                    crc = self.source.read(key, a, b, master.narrow(0, at + a - lo, b - a), checksum=True)
+                    self.frozen_reads.append(FrozenRead(unit, slot.offset + a, self.source.file_of[key], key,
+                                                        a, b, crc))
         return done
+
+    def holds_every_frozen(self, units: list[Unit]) -> bool:
+        """Whether a checkpoint can refer to this source for every frozen parameter (Note [pretrained
+        references]): a safetensors source that holds them all."""
+        return self.source.referable and all(id(s) in self.slot_keys for u in units for s in u.slots
+                                             if not s.requires_grad)
 
     def load_buffers(self) -> None:
         """Persistent buffers are not sharded: every rank reads them whole, in the buffer's dtype."""

@@ -148,6 +148,34 @@ def test_resume_continues_a_lora_run_and_refuses_another_model(pretrained, corpu
     assert (run / "export" / "adapter_config.json").exists()
 
 
+def test_a_lora_runs_checkpoint_refers_to_the_pretrained_directory_and_resume_refuses_it_changed(
+        pretrained, corpus, tmp_path):
+    """Note [pretrained references]: the job's LoRA checkpoint holds no frozen weight; --resume with the
+    pretrained directory gone, or one byte of it flipped, exits with the file named and the fix."""
+    import shutil
+
+    from infinity.state.checkpoint import CheckpointError
+    base = tmp_path / "base"
+    shutil.copytree(pretrained, base)
+    job = _job(base, corpus, tmp_path, "run.steps=2", "model.lora.r=2", "run.export=false")
+    train(job, verbose=False)
+    ckpt = tmp_path / "r" / "checkpoint"
+    index = json.loads((ckpt / "rank00000.json").read_text())
+    assert not any(rec["kind"] == "params" for rec in index["records"]), "frozen weights referenced, not copied"
+    shutil.move(base, tmp_path / "moved")
+    with pytest.raises(CheckpointError, match=f"{base / 'model.safetensors'} is missing.*restore the pretrained"):
+        load_resume(tmp_path / "r", None, ["run.steps=3"])
+    shutil.move(tmp_path / "moved", base)
+    with open(base / "model.safetensors", "r+b") as f:
+        f.seek(-3, 2)  # the last tensor's data
+        byte = f.read(1)[0]
+        f.seek(-3, 2)
+        f.write(bytes([byte ^ 1]))
+    again, resume = load_resume(tmp_path / "r", None, ["run.steps=3"])  # same sizes: found as the load reads it
+    with pytest.raises(CheckpointError, match="differ from those it was saved with"):
+        train(again, verbose=False, resume=resume)
+
+
 def test_bad_fine_tune_settings_name_the_key_and_the_fix(pretrained, tmp_path):
     small = tmp_path / "small"
     transformers.LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

@@ -158,9 +158,9 @@ def load_on_rank(rank, world, path, swap):
     read = [0]
     original = weights.SafetensorsFiles.read
 
-    def counting(self, key, lo, hi, out):
+    def counting(self, key, lo, hi, out, checksum=False):
         read[0] += hi - lo
-        return original(self, key, lo, hi, out)
+        return original(self, key, lo, hi, out, checksum)
 
     weights.SafetensorsFiles.read = counting
     with infinity.initialize(on_meta("llama"), nvme(swap), weights=path) as engine:
