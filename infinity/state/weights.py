@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from infinity.units.tiling import Tiling
+
 if TYPE_CHECKING:
     from infinity.units.sharded_param import ParamSlot
     from infinity.units.unit import Unit
@@ -246,7 +248,7 @@ class WeightsPlan:
     """Which file key fills each slot and persistent buffer; read unit by unit."""
 
     source: object  # SafetensorsFiles | TorchStateDict
-    slot_keys: dict[int, str] = field(default_factory=dict)  # id(slot) -> key
+    slot_keys: dict[int, tuple[str, int]] = field(default_factory=dict)  # id(slot) -> (key, element offset in it)
     buffer_keys: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # (module, attr, key)
 
     def read_shard(self, slots: list[ParamSlot], start: int, end: int, master: torch.Tensor) -> set[int]:
@@ -254,7 +256,7 @@ class WeightsPlan:
         the file holds; returns those slots' ids (the others are the caller's to initialize)."""
         done = set()
         for slot in slots:
-            key = self.slot_keys.get(id(slot))
+            key, base = self.slot_keys.get(id(slot), (None, 0))
             if key is None:
                 continue
             done.add(id(slot))
@@ -262,7 +264,7 @@ class WeightsPlan:
             if span is not None:
                 lo, hi = span
                 at = slot.offset + lo - start
-                self.source.read(key, lo, hi, master.narrow(0, at, hi - lo))
+                self.source.read(key, base + lo, base + hi, master.narrow(0, at, hi - lo))  # (a tile: its rows)
         return done
 
     def load_buffers(self) -> None:
@@ -291,8 +293,11 @@ def _ignored_unexpected(model: nn.Module) -> list[re.Pattern]:
     return [re.compile(p) for p in found]
 
 
-def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = True) -> WeightsPlan:
+def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = True,
+                  tiling: Tiling | None = None) -> WeightsPlan:
     """Pair the model's parameters and persistent buffers with the file's keys; check before any write.
+
+    A tile's parameter reads its rows of the untiled parameter's key (Note [tiles are units] in units/tiling.py).
 
     Raises WeightsError naming the missing, unexpected and mis-shaped keys (strict); with
     strict=False warns with the same lists, and what is missing or mis-shaped keeps its init.
@@ -301,19 +306,23 @@ def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = Tr
     infos = source.infos
     used: set[str] = set()
     missing, mismatched = [], []
+    tiling = tiling or Tiling()
     for unit in units:
         for slot in unit.slots:
-            keys = [k for k in _candidates(slot.names) if k in infos]
+            part = tiling.parts.get(slot.name)
+            names = [part.origin] if part is not None else slot.names
+            keys = [k for k in _candidates(names) if k in infos]
             if not keys:
-                if not all(is_adapter(n) for n in slot.names):
-                    missing.append(slot.name)
+                if not all(is_adapter(n) for n in names):
+                    missing.append(names[0])
                 continue
             used.update(keys)
             key = keys[0]
-            if infos[key].shape != tuple(slot.shape):
-                mismatched.append(f"{key} (file {list(infos[key].shape)}, model {list(slot.shape)})")
+            shape = tuple(slot.shape) if part is None else tiling.origins[part.origin][0]
+            if infos[key].shape != shape:
+                mismatched.append(f"{key} (file {list(infos[key].shape)}, model {list(shape)})")
                 continue
-            plan.slot_keys[id(slot)] = key
+            plan.slot_keys[id(slot)] = (key, part.start if part is not None else 0)
     for mname, module in model.named_modules(remove_duplicate=False):
         for attr, buf in module._buffers.items():
             if buf is None or attr in module._non_persistent_buffers_set:
@@ -330,7 +339,7 @@ def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = Tr
             plan.buffer_keys.append((module, attr, key))
     ignore = _ignored_unexpected(model)
     unexpected = [k for k in infos if k not in used and not any(p.search(k) for p in ignore)]
-    missing = list(dict.fromkeys(missing))
+    missing, mismatched = list(dict.fromkeys(missing)), list(dict.fromkeys(mismatched))  # (a layer's tiles: once)
     if missing or unexpected or mismatched:
         parts = []
         if missing:
@@ -351,6 +360,7 @@ def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = Tr
     return plan
 
 
-def plan_weights(path, model: nn.Module, units: list[Unit], strict: bool = True) -> WeightsPlan:
+def plan_weights(path, model: nn.Module, units: list[Unit], strict: bool = True,
+                 tiling: Tiling | None = None) -> WeightsPlan:
     """Open `path` and match it against the model (see `match_weights`)."""
-    return match_weights(model, units, open_weights(path), strict)
+    return match_weights(model, units, open_weights(path), strict, tiling)
