@@ -198,11 +198,6 @@ class MemoryConfig(Section):
     host_budget: int | str = option("auto", 'Host RAM for training state: a size ("100GiB") or "auto" '
                                      "(available RAM detected at initialize).", "size_or_auto", gt=0,
                                      example="100GiB")
-    release_heap: bool = option(False, "Give the C heap's free pages back to the OS once per optimizer step (glibc "
-                                "malloc_trim): without a GPU the peak RSS stays at one step's, as `infinity estimate` "
-                                "predicts, instead of creeping up as freed activations fragment the heap; costs the "
-                                "next step faulting its pages in again (~15% of a small CPU-only step). `infinity "
-                                "train` sets it (Note [heap release]).", "bool")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,6 +339,13 @@ class UnitsConfig(Section):
     classes: tuple[str, ...] = option((), 'Class names of modules that form units, e.g. ["Block"]; empty = '
                                        "the children of each nn.ModuleList.", "strs", unique=True,
                                        example=["Block"])
+    tile_bytes: int = option(0, "Memory-centric tiling: every nn.Linear (not tied to another module) whose weight "
+                                "and bias take more than this many bytes in the compute dtype runs as tiles of "
+                                "its output rows, each at most this size and each its own unit, fetched, used and "
+                                "released in turn, so a unit's device working memory is bounded by the tile, not "
+                                "the layer (Note [tiles are units] in units/tiling.py); 0 = off. State dicts, "
+                                "checkpoints' exports and weights= keep the untiled names.", "size", ge=0,
+                             example="256MiB")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -249,10 +249,13 @@ def estimate_stages(make_model: Callable, config: Config, cluster: Cluster, *, h
     accum = config.train.grad_accum_steps
     traced = Trace()
     if trace:
-        from infinity.units.unit import find_unit_modules
+        from infinity.device.dtypes import dtype_of
+        from infinity.units.tiling import tile_linears
+        from infinity.units.unit import activation_modules
         copy = make_model()  # tracing moves its buffers to the meta device
-        traced = trace_step(copy.model, copy.loss, batch_size, seq_len,
-                            [m for _, m in find_unit_modules(copy.model, list(config.units.classes))])
+        tile_linears(copy.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize)
+        traced = trace_step(copy.model, copy.loss, batch_size, seq_len,  # (a split block's activations: whole)
+                            [m for _, m in activation_modules(copy.model, list(config.units.classes))])
     from infinity.job.estimate import activation_terms
     acts = activation_terms(traced, config.activation)
     activations = {"device": acts["saved"] + acts["recompute"] + traced.largest_saved_bytes, "host": acts["host"]}

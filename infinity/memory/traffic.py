@@ -17,7 +17,8 @@ Note [working memory]: the buffers a step needs beyond the state, per tier, term
 (`working_terms`; the plan carries them and the planner fits their sum with the state):
 
     DEVICE unsharded       the root unit and up to `units_ahead + 1` of the largest other units gathered
-                           (the one running and the prefetched ones), compute dtype
+                           (the one running and the prefetched ones; one more while a block checkpointed
+                           whole recomputes: Note [tiles are units]), compute dtype
            flat_grad       one fp32 flat gradient of the largest unit and its reduce-scattered shard
     HOST   update_staging  the update pipeline's staging pool: a replay of two optimizer steps' buffer
                            requests (OffloadedOptimizer reads UPDATE_READS_AHEAD tasks ahead and keeps at
@@ -49,8 +50,7 @@ named terms:
                   units' inputs, the root's saves and one unit's recompute instead, and with offload =
                   "host" the inputs as `activations_host` in host memory (Note [activation estimate])
     allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
-                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux
-                  within a step; across steps only with `[memory] release_heap`, Note [heap release])
+                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
     init          while a unit is materialized: its full fp32 values, its shard and their casts
                   (replaces working + activations + allocator when larger)
 
@@ -58,7 +58,8 @@ Note [traffic per step]: what one optimizer step with `accum` micro-batches move
 (P, G, O = the bytes this rank stores of its params, gradients and optimizer state, each by its
 own layout; W = the trainable part of P, what an update rewrites); `unit_traffic`, by phase:
 
-    params     fetched before forward and again before backward: 2 * accum fetches
+    params     fetched before forward and again before backward: 2 * accum fetches (3 * accum for the units
+               of a block checkpointed whole, fetched for its recomputation too: Note [tiles are units])
                (the root unit stays gathered from forward to the end of backward: accum).
                nvme: read P each fetch (+ h2d P with a GPU); host: h2d P with a GPU.
                After the optimizer step the new params are written: nvme: write W (none when they
@@ -112,6 +113,7 @@ class UnitSizes:
     name: str
     layout: UnitLayout
     trainable_numel: int  # elements of the unit's flat buffer [0, T) with gradients and optimizer state
+    fetches: int = 2  # parameter fetches per micro-batch: forward, backward (3: a whole-block recomputation's too)
 
     @classmethod
     def uniform(cls, name: str, shard_numel: int, unsharded_numel: int | None = None,
@@ -299,7 +301,8 @@ def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     root, rest = units[0], sorted((u.unsharded_numel for u in units[1:]), reverse=True)
     largest = max(u.unsharded_numel for u in units)
     largest_shard = max(u.shard_numel for u in units)  # the parameters a rank stores (stage 3: its partition)
-    device = {"unsharded": (root.unsharded_numel + sum(rest[: units_ahead + 1])) * csize,
+    held = units_ahead + 1 + any(u.fetches > 2 for u in units[1:])  # (+ a recomputation's unit: Note [tiles are units])
+    device = {"unsharded": (root.unsharded_numel + sum(rest[:held])) * csize,
               "flat_grad": largest * 4 + largest_shard * 4}
     on_nvme = lambda u, k: tiers_of[k.group] is Tier.NVME  # noqa: E731
     staging = update_staging_bytes(units, compute_dtype, on_nvme,
@@ -443,7 +446,7 @@ def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_dtype: tor
     W, O = sizes.written_params * compute_bytes, sizes.numel(Kind.MASTER)
     master_bytes, optimizer_bytes = itemsize(Kind.MASTER, state_dtype), optimizer_bytes_per_element(state_dtype)
     alias = aliased(sizes, tiers, compute_dtype, state_dtype)
-    fetches = accum * (1 if is_root else 2)
+    fetches = accum * (1 if is_root else sizes.fetches)
     params, grads, optim = tiers["params"], tiers["grads"], tiers["optimizer"]
     opt_on_gpu = cuda and optim is Tier.DEVICE
     # params: fetched for compute, written back after the step (as the master when aliased)

@@ -18,7 +18,8 @@ triggers the recomputation, and the prefetcher issued that unshard one unit ahea
 recomputation never records a forward order nor reshards (Note [recomputed forward] covers a model that
 checkpoints its own blocks, whose recomputation does fire the hooks). Positional tensor arguments are the
 checkpoint's saved inputs; keyword arguments (masks, rotary tables, shared by every unit) stay referenced as
-they are.
+they are. A block split into units by tiling is checkpointed whole instead of unit by unit, so its
+recomputation does fire its units' hooks (Note [tiles are units] in units/tiling.py).
 
 Note [activation offload]: with `offload = "host"` the checkpoint's saved inputs (the tensors it saves
 outside its own saved-tensor hooks: exactly the positional inputs) go through a `saved_tensors_hooks` pair
@@ -207,18 +208,25 @@ class HostInputs:
 class Activations:
     """Counts saved activations; with checkpoint = "units", checkpoints every unit but the root."""
 
-    def __init__(self, units: list[Unit], checkpointing: bool, inputs: KeepInputs | HostInputs, meter: SavedBytes):
+    def __init__(self, units: list[Unit], checkpointing: bool, inputs: KeepInputs | HostInputs, meter: SavedBytes,
+                 regions: list[tuple[nn.Module, list[Unit]]] = ()):
         self.units, self.checkpointing, self.inputs, self.meter = units, checkpointing, inputs, meter
+        self.regions = list(regions)  # split blocks and their units (Note [tiles are units] in units/tiling.py)
 
     def install(self) -> list:
         """Hooks and wrapped forwards of every unit module but the root's; returns removable handles."""
         handles = []
+        in_region = {u.index for _, units in self.regions for u in units}
         for unit in self.units[1:]:
             handles += _UnitMarks.install(unit, self.meter)
-            if self.checkpointing:
+            if self.checkpointing and unit.index not in in_region:
                 for module in unit.modules:
                     module.forward = self._checkpointed(unit, module.forward)
                     handles.append(_RestoreForward(module))
+        for block, units in self.regions if self.checkpointing else ():
+            # a split block is checkpointed whole, its inputs kept under its last unit, the first of its backward
+            block.forward = self._checkpointed(units[-1], block.forward)
+            handles.append(_RestoreForward(block))
         return handles
 
     def _checkpointed(self, unit: Unit, forward):
@@ -250,8 +258,10 @@ class Activations:
                 "activation_unit_max_bytes": max(blocks, default=0), "activation_late_fetches": self.inputs.late}
 
 
-def activations_for(config, units: list[Unit], streams: Streams, device: torch.device) -> Activations:
-    """The `[activation]` section's types: where checkpoint inputs stay, whether units are checkpointed."""
+def activations_for(config, units: list[Unit], streams: Streams, device: torch.device,
+                    regions: list[tuple[nn.Module, list[Unit]]] = ()) -> Activations:
+    """The `[activation]` section's types: where checkpoint inputs stay, whether units (and split blocks,
+    `regions`) are checkpointed."""
     meter = SavedBytes()
     inputs = HostInputs(streams, device, meter) if config.offload == "host" else KeepInputs()
-    return Activations(units, config.checkpoint == "units", inputs, meter)
+    return Activations(units, config.checkpoint == "units", inputs, meter, regions)

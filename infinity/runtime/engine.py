@@ -26,7 +26,6 @@ from infinity.device.collectives import all_reduce_sum, broadcast_object
 from infinity.device.dtypes import DTYPES
 from infinity.device.streams import Streams, host_value
 from infinity.machine.environment import resolve, resolve_budgets
-from infinity.machine.heap import heap_policy
 from infinity.machine.link_rates import link_peaks
 from infinity.memory.buffers import UnshardedMemory
 from infinity.memory.fresh import fresh_budget
@@ -55,7 +54,8 @@ from infinity.state.checkpoint import load as load_checkpoint
 from infinity.state.references import PretrainedRefs
 from infinity.state.state_dict import full_state_dict
 from infinity.state.weights import plan_weights
-from infinity.units.unit import Comm, Unit, build_units, unit_sizes
+from infinity.units.tiling import tile_linears
+from infinity.units.unit import Comm, Unit, UnitState, build_units, recomputed_units, split_regions, unit_sizes
 from io_engine import IOEngine, SwapSpace
 
 __all__ = ["Engine", "NonFiniteGradError", "initialize"]
@@ -74,17 +74,22 @@ class Engine:
         self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=link_peaks(config, self.env.device))
                          if config.profile.enabled else NullProfiler(rank=self.env.rank))
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
-        self.heap = heap_policy(config.memory.release_heap)  # Note [heap release]
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
                     sub_group_size=config.optimizer.sub_group_size)
         self.forward_fn = loss_forward(config.activation, model)  # the model, or its chunked loss (checked first)
+        # Note [tiles are units] (units/tiling.py): after the groups, which name the untiled parameters
+        self.tiling = tile_linears(model, config.units.tile_bytes, self.compute_dtype.itemsize,
+                                   keep=tuple(filter(None, [getattr(self.forward_fn, "head", None)])))
         self.units = build_units(model, list(config.units.classes), comm)
+        self.regions = split_regions(model, list(config.units.classes), self.units)  # checkpointed whole
+        group_of = self.tiling.by_tile(self.groups.group_of)
         for unit in self.units:
-            unit.set_groups(self.groups.group_of)  # Note [groups ride on ranges] (optim/groups.py)
+            unit.set_groups(group_of)  # Note [groups ride on ranges] (optim/groups.py)
         self.lrs = LearningRates(self.groups, config.optimizer, lr_schedule)  # Note [who sets the lr]
-        loaded = plan_weights(weights, model, self.units, strict) if weights is not None else None  # checked first
+        loaded = (plan_weights(weights, model, self.units, strict, self.tiling) if weights is not None
+                  else None)  # checked first
         self.plan = self._plan(loaded)
         self.io, self.swap = self._open_swap()
         self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
@@ -104,7 +109,8 @@ class Engine:
         self.optimizer = EngineOptimizer(self.groups, config.optimizer, self.step)  # for a user's LR scheduler
         self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
-        self.activations = activations_for(config.activation, self.units, self.streams, self.env.device)
+        self.activations = activations_for(config.activation, self.units, self.streams, self.env.device,
+                                           self.regions)
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
                                      config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace,
                                      fetch_inputs=self.activations.fetch)
@@ -113,7 +119,9 @@ class Engine:
         self._handles, self._counters = [], []
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
                                   pre_backward=self._pre_backward, grads_ready=self._grads_ready,
-                                  in_backward=lambda: self._in_backward, backward_done=self._backward_done)
+                                  in_backward=lambda: self._in_backward, backward_done=self._backward_done,
+                                  pre_recompute=self._pre_recompute, post_recompute=self._post_recompute)
+        self._recompute_fetched: set[int] = set()  # units a recomputed forward fetched (released after it)
         for unit in self.units:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
@@ -146,7 +154,8 @@ class Engine:
         from infinity.machine.link_rates import rates_for_plan
         from infinity.machine.preflight import check_nvme_paths, preflight, require
         cfg = self.config
-        sizes = unit_sizes(self.units, cfg.optimizer.sub_group_size)
+        sizes = unit_sizes(self.units, cfg.optimizer.sub_group_size,
+                           recomputed_units(self.regions, cfg.activation.checkpoint, cfg.prefetch.units_ahead))
         nvme_free = check_nvme_paths(list(cfg.nvme.paths)) if cfg.nvme.paths else 0
         budgets = resolve_budgets(cfg.memory, self.env.device, self.env.local_world_size, nvme_free)
         auto = cfg.placement.policy == "auto"  # the swap disk's rates measured once per machine, then cached
@@ -188,6 +197,28 @@ class Engine:
 
     def _post_forward(self, unit: Unit) -> None:
         unit.reshard()
+
+    def _pre_recompute(self, unit: Unit) -> None:
+        """Before a recomputed forward (Note [recomputed forward]): wait for the unit's parameters, issuing no
+        prefetch (a recomputation runs in forward order: prefetching along the backward's from here would
+        hold a whole block). A unit not already there (a tile of a block checkpointed whole: Note [tiles are
+        units] in units/tiling.py) is fetched for the recomputation alone and released after it."""
+        if unit.index == 0:
+            return  # the root stays unsharded until the backward ends
+        if unit.state is UnitState.SHARDED and not unit.aliased:
+            self._recompute_fetched.add(unit.index)
+        self.clock.compute_end(f"recompute before {unit.name}")
+        self.prefetcher.wait_for(unit)
+        self.clock.compute_begin()
+
+    def _post_recompute(self, unit: Unit) -> bool:
+        """After a recomputed forward: release what only the recomputation fetched (its backward fetches it
+        again), so a recomputed block holds one tile at a time. Returns whether it was released."""
+        if unit.index not in self._recompute_fetched:
+            return False
+        self._recompute_fetched.discard(unit.index)
+        unit.reshard()
+        return True
 
     def _grads_ready(self, unit: Unit) -> None:
         self.reducer.issue(unit, final=self.window.ends_now())
@@ -250,6 +281,7 @@ class Engine:
         self.prefetcher.release_unused()
         for unit in self.units:
             unit.reshard()
+        self._recompute_fetched.clear()
         self._backward_pending = False
         self.micro_step += 1
         self.window.taken()
@@ -265,7 +297,6 @@ class Engine:
             return False
         self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
         self.window.stepped()
-        self.heap.release()  # the step's activations are freed; the update is not issued yet
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)
@@ -379,7 +410,7 @@ class Engine:
         self._check_open()
         with self.updates.settled():
             self.wait_for_checkpoint()  # a background save may be reading the same master extents
-            return full_state_dict(self.module, self.units, self.manager, self.env.rank)
+            return full_state_dict(self.module, self.units, self.manager, self.env.rank, self.tiling)
 
     @property
     def rank(self) -> int:

@@ -36,6 +36,8 @@ class UnitCallbacks:
     grads_ready: Callable[[Unit], None]
     in_backward: Callable[[], bool] = lambda: False  # a backward is running (Note [recomputed forward])
     backward_done: Callable[[Unit], None] = lambda unit: None  # the gradients of the unit's inputs are computed
+    pre_recompute: Callable[[Unit], None] | None = None  # before a recomputed forward (None: pre_backward)
+    post_recompute: Callable[[Unit], bool] = lambda unit: False  # after it: True if the unit was released
 
 
 def tensors_needing_grad(output) -> list[torch.Tensor]:
@@ -89,11 +91,15 @@ def install_unit_hooks(
     # unit's forward again inside backward, just before that unit's backward needs its activations. That is
     # not a forward of the step: recording it would append the reverse order to the forward order (which then
     # never replays, so prefetch stops), and resharding after it would free the parameters that the unit's
-    # backward is about to read. So inside a backward the pre-hook is the unit's pre-backward (unshard, and
-    # prefetch along the backward order) and the post-hook does nothing: the unit is resharded once its
-    # gradients are ready, or at the end of the backward, as without recomputation. This is for a model that
+    # backward is about to read. So inside a backward the pre-hook waits for the unit's parameters (the engine's
+    # `_pre_recompute`: no prefetch, the unit's own pre-backward issued them) and the post-hook does nothing:
+    # the unit is resharded once its gradients are ready, or at the end of the backward, as without
+    # recomputation. This is for a model that
     # checkpoints its own blocks (Hugging Face's gradient checkpointing); the engine's `[activation] checkpoint`
-    # runs inside these hooks, so its recomputation fires none of them (Note [unit checkpoints]).
+    # runs inside these hooks, so its recomputation fires none of them (Note [unit checkpoints]). A unit that
+    # the recomputation itself had to fetch (a tile of a block checkpointed whole: Note [tiles are units] in
+    # units/tiling.py) is released after its recomputed forward, and its backward fetches it again, so a
+    # recomputation holds one tile at a time, not the block.
     # Note [unit backward done]: a unit whose parameters are not all trainable (LoRA, frozen layers) gets no
     # "all gradients taken" signal that its backward is over, since frozen weights have no gradient: it used
     # to stay unsharded until the whole backward ended, so fine-tuning with parameters on NVMe held every
@@ -105,7 +111,7 @@ def install_unit_hooks(
     for module in unit.modules if with_module_hooks else ():
         def pre(_module, args, u=unit):
             if callbacks.in_backward():
-                callbacks.pre_backward(u)
+                (callbacks.pre_recompute or callbacks.pre_backward)(u)
                 return None
             callbacks.pre_forward(u)
             inputs = tensors_needing_grad(args)
@@ -116,8 +122,12 @@ def install_unit_hooks(
         handles.append(module.register_forward_pre_hook(pre))
 
         def post(_module, _args, output, u=unit):
-            if callbacks.in_backward():
-                return None  # a recomputed forward: its backward follows at once (Note [recomputed forward])
+            if callbacks.in_backward():  # a recomputed forward (Note [recomputed forward])
+                if callbacks.post_recompute(u):  # released: fetched again before its backward (reentrant: on
+                    needing = tensors_needing_grad(output)  # these outputs; non-reentrant: the forward's)
+                    if needing:
+                        register_multi_grad_hook(needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any")
+                return None
             callbacks.post_forward(u)
             needing = tensors_needing_grad(output)
             if needing:

@@ -392,7 +392,8 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         "loss_scale": {"scale": engine.scaler.scale, "clean_steps": engine.scaler._clean_steps,
                        "skipped_steps": engine.scaler.skipped_steps},
         "user_state": user_state, "run_id": engine.run_id,
-        "state_dict_keys": list(engine.module.state_dict(keep_vars=True).keys()),
+        "state_dict_keys": engine.tiling.state_dict_keys(engine.module),  # untiled (Note [tiles are units])
+        "tiles": engine.tiling.record(),
         "buffers": BUFFERS if buffers else None,
         "pretrained": writer.refs.manifest_entry(),  # the source the references point into (None: no source)
     }
@@ -466,6 +467,19 @@ def check_layout(manifest: dict, units, path: str) -> None:
                     "parameters, differ)"]
     raise CheckpointError(f"checkpoint {path} is from another model: " + "; ".join(problems)
                           + ". Load it into the model (and [units] config) it was saved from")
+
+
+def check_tiles(manifest: dict, tiling, path: str) -> None:
+    """The checkpoint's units must be tiled as this run's are (Note [tiles are units] in units/tiling.py)."""
+    saved = manifest.get("tiles") or {"tile_bytes": 0, "origins": {}}
+    ours = tiling.record()
+    if saved["origins"] == ours["origins"]:
+        return
+    raise CheckpointError(
+        f"checkpoint {path} was saved with [units] tile_bytes = {saved['tile_bytes']} ({len(saved['origins'])} "
+        f"tiled parameters), this run has tile_bytes = {ours['tile_bytes']} ({len(ours['origins'])}): its units "
+        f"differ. Resume with tile_bytes = {saved['tile_bytes']}; to change the tiling, start a new run from its "
+        f"weights (engine.export_state_dict, then initialize(..., weights=) with the new tile_bytes)")
 
 
 def check_groups(manifest: dict, groups, path: str) -> None:
@@ -571,6 +585,7 @@ def load(engine, path: str) -> dict:
     """Restore `engine` from `path`; returns the user state saved with it."""
     path = os.path.abspath(os.fspath(path))
     manifest = read_manifest(path)
+    check_tiles(manifest, engine.tiling, path)
     check_layout(manifest, engine.units, path)
     check_groups(manifest, engine.groups, path)
     saved_world = manifest["world_size"]

@@ -44,10 +44,13 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
 
 
 class _Entry:
-    """One key of the consolidated state dict: a parameter slot or a buffer."""
+    """One key of the consolidated state dict: a parameter slot, a tiled parameter (its tiles' slots, in row
+    order: Note [tiles are units] in units/tiling.py) or a buffer."""
 
-    def __init__(self, key: str, shape: tuple, dtype: torch.dtype, slot=None, unit: int = -1, buffer=None):
+    def __init__(self, key: str, shape: tuple, dtype: torch.dtype, slot=None, unit: int = -1, buffer=None,
+                 parts: list[tuple[int, dict]] | None = None):
         self.key, self.shape, self.dtype, self.slot, self.unit, self.buffer = key, shape, dtype, slot, unit, buffer
+        self.parts = parts if parts is not None else ([(unit, slot)] if slot is not None else [])
 
     @property
     def num_bytes(self) -> int:
@@ -64,9 +67,13 @@ def _entries(path: str, manifest: dict, dtype: torch.dtype | None) -> list[_Entr
             for name in slot["names"]:
                 by_name[name] = (u, slot)
     buffers = load_buffers(path, manifest)
+    tiled = (manifest.get("tiles") or {}).get("origins", {})
     out = []
     for key in manifest.get("state_dict_keys") or list(by_name):
-        if key in by_name:
+        if key in tiled:
+            out.append(_Entry(key, tuple(tiled[key]["shape"]), dtype or torch.float32,
+                              parts=[by_name[t] for t in tiled[key]["tiles"]]))
+        elif key in by_name:
             u, slot = by_name[key]
             out.append(_Entry(key, tuple(slot["shape"]), dtype or torch.float32, slot=slot, unit=u))
         elif key in buffers:
@@ -91,12 +98,15 @@ class _Reader:
     def tensor(self, entry: _Entry) -> torch.Tensor:
         if entry.buffer is not None:
             return entry.buffer
-        flat_numel = self.manifest["units"][entry.unit]["flat_numel"]
-        saved_shard = -(-flat_numel // self.manifest["world_size"])
-        numel = entry.num_bytes // entry.dtype.itemsize
-        full = torch.empty(numel, dtype=torch.float32)
-        offset = entry.slot["offset"]
-        self.shards.read_range(entry.unit, VALUE_KINDS, saved_shard, offset, offset + numel, full)
+        full = torch.empty(entry.num_bytes // entry.dtype.itemsize, dtype=torch.float32)
+        at = 0
+        for unit, slot in entry.parts:  # one slot, or a tiled parameter's tiles in row order
+            flat_numel = self.manifest["units"][unit]["flat_numel"]
+            saved_shard = -(-flat_numel // self.manifest["world_size"])
+            numel, offset = math.prod(slot["shape"]), slot["offset"]
+            self.shards.read_range(unit, VALUE_KINDS, saved_shard, offset, offset + numel, full.narrow(0, at, numel))
+            at += numel
+        assert at == full.numel(), (entry.key, at, full.numel())
         return full.view(entry.shape).to(entry.dtype)
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ import torch.nn as nn
 from infinity.device import collectives
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind
+from infinity.units.tiling import Tiling
 from infinity.units.unit import Unit
 
 
@@ -43,8 +44,10 @@ def gather_unit_master(unit: Unit, manager: TieredMemoryManager) -> torch.Tensor
     return full.cpu() if comm.rank == 0 else None
 
 
-def full_state_dict(model: nn.Module, units: list[Unit], manager: TieredMemoryManager, rank: int) -> dict:
-    """Keys and order as `model.state_dict()`; parameters from the fp32 masters (frozen ones from their
+def full_state_dict(model: nn.Module, units: list[Unit], manager: TieredMemoryManager, rank: int,
+                    tiling: Tiling | None = None) -> dict:
+    """Keys and order as `model.state_dict()` before tiling (a tiled parameter is its tiles concatenated: Note
+    [tiles are units] in units/tiling.py); parameters from the fp32 masters (frozen ones from their
     parameters); rank 0 only."""
     values: dict[str, torch.Tensor] = {}
     for unit in units:
@@ -62,4 +65,4 @@ def full_state_dict(model: nn.Module, units: list[Unit], manager: TieredMemoryMa
     out = {}
     for key, tensor in model.state_dict(keep_vars=True).items():
         out[key] = values[key] if key in values else tensor.detach().cpu().clone()
-    return out
+    return tiling.untile(out) if tiling is not None else out

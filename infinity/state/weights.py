@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from infinity.units.tiling import Tiling
+
 if TYPE_CHECKING:
     from infinity.units.sharded_param import ParamSlot
     from infinity.units.unit import Unit
@@ -272,7 +274,7 @@ class WeightsPlan:
     """Which file key fills each slot and persistent buffer; read unit by unit."""
 
     source: object  # SafetensorsFiles | TorchStateDict
-    slot_keys: dict[int, str] = field(default_factory=dict)  # id(slot) -> key
+    slot_keys: dict[int, tuple[str, int]] = field(default_factory=dict)  # id(slot) -> (key, element offset in it)
     buffer_keys: list[tuple[nn.Module, str, str]] = field(default_factory=list)  # (module, attr, key)
     frozen_reads: list[FrozenRead] = field(default_factory=list)  # what a checkpoint may reference
 
@@ -283,7 +285,7 @@ class WeightsPlan:
         frozen parameters from safetensors files are kept, with their checksums, in `frozen_reads`."""
         done = set()
         for slot in slots:
-            key = self.slot_keys.get(id(slot))
+            key, base = self.slot_keys.get(id(slot), (None, 0))
             if key is None:
                 continue
             done.add(id(slot))
@@ -292,13 +294,13 @@ class WeightsPlan:
                 lo, hi = span
                 at = slot.offset + lo - start
                 if not self.source.referable or slot.requires_grad:
-                    self.source.read(key, lo, hi, master.narrow(0, at, hi - lo))
+                    self.source.read(key, base + lo, base + hi, master.narrow(0, at, hi - lo))  # (a tile: its rows)
                     continue
                 for a in range(lo, hi, REF_PIECE):  # pieces of bounded size, each with its checksum
                     b = min(a + REF_PIECE, hi)
-                    crc = self.source.read(key, a, b, master.narrow(0, at + a - lo, b - a), checksum=True)
+                    crc = self.source.read(key, base + a, base + b, master.narrow(0, at + a - lo, b - a), checksum=True)
                     self.frozen_reads.append(FrozenRead(unit, slot.offset + a, self.source.file_of[key], key,
-                                                        a, b, crc))
+                                                        base + a, base + b, crc))
         return done
 
     def holds_every_frozen(self, units: list[Unit]) -> bool:
@@ -333,8 +335,11 @@ def _ignored_unexpected(model: nn.Module) -> list[re.Pattern]:
     return [re.compile(p) for p in found]
 
 
-def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = True) -> WeightsPlan:
+def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = True,
+                  tiling: Tiling | None = None) -> WeightsPlan:
     """Pair the model's parameters and persistent buffers with the file's keys; check before any write.
+
+    A tile's parameter reads its rows of the untiled parameter's key (Note [tiles are units] in units/tiling.py).
 
     Raises WeightsError naming the missing, unexpected and mis-shaped keys (strict); with
     strict=False warns with the same lists, and what is missing or mis-shaped keeps its init.
@@ -343,19 +348,23 @@ def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = Tr
     infos = source.infos
     used: set[str] = set()
     missing, mismatched = [], []
+    tiling = tiling or Tiling()
     for unit in units:
         for slot in unit.slots:
-            keys = [k for k in _candidates(slot.names) if k in infos]
+            part = tiling.parts.get(slot.name)
+            names = [part.origin] if part is not None else slot.names
+            keys = [k for k in _candidates(names) if k in infos]
             if not keys:
-                if not all(is_adapter(n) for n in slot.names):
-                    missing.append(slot.name)
+                if not all(is_adapter(n) for n in names):
+                    missing.append(names[0])
                 continue
             used.update(keys)
             key = keys[0]
-            if infos[key].shape != tuple(slot.shape):
-                mismatched.append(f"{key} (file {list(infos[key].shape)}, model {list(slot.shape)})")
+            shape = tuple(slot.shape) if part is None else tiling.origins[part.origin][0]
+            if infos[key].shape != shape:
+                mismatched.append(f"{key} (file {list(infos[key].shape)}, model {list(shape)})")
                 continue
-            plan.slot_keys[id(slot)] = key
+            plan.slot_keys[id(slot)] = (key, part.start if part is not None else 0)
     for mname, module in model.named_modules(remove_duplicate=False):
         for attr, buf in module._buffers.items():
             if buf is None or attr in module._non_persistent_buffers_set:
@@ -372,7 +381,7 @@ def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = Tr
             plan.buffer_keys.append((module, attr, key))
     ignore = _ignored_unexpected(model)
     unexpected = [k for k in infos if k not in used and not any(p.search(k) for p in ignore)]
-    missing = list(dict.fromkeys(missing))
+    missing, mismatched = list(dict.fromkeys(missing)), list(dict.fromkeys(mismatched))  # (a layer's tiles: once)
     if missing or unexpected or mismatched:
         parts = []
         if missing:
@@ -393,6 +402,7 @@ def match_weights(model: nn.Module, units: list[Unit], source, strict: bool = Tr
     return plan
 
 
-def plan_weights(path, model: nn.Module, units: list[Unit], strict: bool = True) -> WeightsPlan:
+def plan_weights(path, model: nn.Module, units: list[Unit], strict: bool = True,
+                 tiling: Tiling | None = None) -> WeightsPlan:
     """Open `path` and match it against the model (see `match_weights`)."""
-    return match_weights(model, units, open_weights(path), strict)
+    return match_weights(model, units, open_weights(path), strict, tiling)

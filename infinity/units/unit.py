@@ -46,6 +46,7 @@ from infinity.memory.stages import Stage, UnitLayout, padded_numel, stage_for
 from infinity.memory.tier import Kind, Tier
 from infinity.profile import Link
 from infinity.units.sharded_param import ParamSlot, collect_slots, install, layout
+from infinity.units.tiling import TiledLinear, contains_tiles
 
 
 class UnitState(enum.Enum):
@@ -363,28 +364,64 @@ def find_unit_modules(model: nn.Module, classes: list[str]) -> list[tuple[str, n
 
     With `classes` (from `[units] classes`): every module whose class name is listed
     (not descending into one once found). Otherwise: the children of each
-    `nn.ModuleList` that hold parameters (the repeated blocks).
+    `nn.ModuleList` that hold parameters (the repeated blocks). Every tile of a TiledLinear is a unit, and
+    a block holding one is split into its children that hold parameters, recursively, so that units do not
+    nest (Note [tiles are units] in tiling.py).
     """
-    found: list[tuple[str, nn.Module]] = []
+    return _walk(model, classes)[0]
 
-    def walk(prefix: str, module: nn.Module) -> None:
+
+def split_blocks(model: nn.Module, classes: list[str]) -> list[tuple[str, nn.Module]]:
+    """The blocks that would be units but hold a TiledLinear, so their children are (outermost only)."""
+    return _walk(model, classes)[1]
+
+
+def activation_modules(model: nn.Module, classes: list[str]) -> list[tuple[str, nn.Module]]:
+    """What `[activation] checkpoint = "units"` checkpoints, in module order: each split block whole, and every
+    unit outside one (Note [tiles are units] in tiling.py)."""
+    units, split = _walk(model, classes)
+    inside = {id(m) for _, block in split for m in block.modules()}
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(split + [(n, m) for n, m in units if id(m) not in inside], key=lambda nm: order[id(nm[1])])
+
+
+def split_regions(model: nn.Module, classes: list[str], units: list[Unit]) -> list[tuple[nn.Module, list[Unit]]]:
+    """Each split block with the units inside it, in forward (module) order."""
+    regions = []
+    for _, block in split_blocks(model, classes):
+        inside = {id(m) for m in block.modules()}
+        regions.append((block, [u for u in units[1:] if id(u.modules[0]) in inside]))
+    return regions
+
+
+def _walk(model: nn.Module, classes: list[str]) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    found: list[tuple[str, nn.Module]] = []
+    split_found: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, module: nn.Module, split: bool = False) -> None:
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, TiledLinear):
+                found.extend((f"{path}.tiles.{i}", tile) for i, tile in enumerate(child.tiles))
+                continue
+            holds = any(True for _ in child.parameters())
             if classes:
-                if type(child).__name__ in classes:
-                    found.append((path, child))
-                    continue
-            elif isinstance(module, nn.ModuleList) and any(True for _ in child.parameters()):
+                block = type(child).__name__ in classes
+            else:
+                block = isinstance(module, nn.ModuleList) and holds
+            if (block or (split and holds)) and not contains_tiles(child):
                 found.append((path, child))
                 continue
-            walk(path, child)
+            if block and not split:
+                split_found.append((path, child))
+            walk(path, child, split or block)
 
     walk("", model)
     if classes and not found:
         present = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(f"units.classes = {classes} matches no module of the model; its module classes are "
                          f"{present}: list the class of the repeated block (e.g. the transformer layer)")
-    return found
+    return found, split_found
 
 
 def assign_parameters(model: nn.Module, unit_modules: list[nn.Module]) -> list[list[tuple]]:
@@ -427,9 +464,22 @@ def build_units(model: nn.Module, classes: list[str], comm: Comm) -> list[Unit]:
     return units
 
 
-def unit_sizes(units: list[Unit], sub_group_size: int | None = None) -> tuple[UnitSizes, ...]:
+def unit_sizes(units: list[Unit], sub_group_size: int | None = None,
+               recomputed: frozenset[int] = frozenset()) -> tuple[UnitSizes, ...]:
     """What placement needs to know of each unit on this rank: its layout (chunked by `Comm.sub_group_size`,
-    which `sub_group_size`, when given, must equal)."""
+    which `sub_group_size`, when given, must equal), and its fetches per micro-batch (`recomputed`: the units of
+    the blocks checkpointed whole, `recomputed_units`)."""
     assert all(sub_group_size in (None, u.comm.sub_group_size) for u in units), (
         sub_group_size, {u.comm.sub_group_size for u in units})
-    return tuple(UnitSizes(name=u.name, layout=u.layout, trainable_numel=u.stored_trainable) for u in units)
+    return tuple(UnitSizes(name=u.name, layout=u.layout, trainable_numel=u.stored_trainable,
+                           fetches=3 if u.index in recomputed else 2) for u in units)
+
+
+def recomputed_units(regions: list[tuple[nn.Module, list[Unit]]], checkpoint: str,
+                     units_ahead: int) -> frozenset[int]:
+    """The units a whole-block recomputation fetches once more per micro-batch (Note [tiles are units]): all
+    of a split block's but its last `units_ahead + 1`, which its backward fetched (and prefetched) before the
+    recomputation starts."""
+    if checkpoint != "units":
+        return frozenset()
+    return frozenset(u.index for _, units in regions for u in units[:max(0, len(units) - units_ahead - 1)])

@@ -1,0 +1,181 @@
+"""Memory-centric tiling: a Linear larger than `[units] tile_bytes` runs as tiles of its output rows.
+
+Note [tiles are units]: a unit is the engine's unit of fetch and release, so a layer larger than the
+device can hold cannot be one. Before units are formed, `tile_linears` replaces every nn.Linear whose
+parameters (weight and bias, in the compute dtype) exceed `tile_bytes` by a `TiledLinear`: k plain
+nn.Linear tiles over consecutive output rows, each at most `tile_bytes`, whose outputs are concatenated
+on the last dimension (the bias is split with its rows). Row i of the output reads row i of the weight
+alone, so the concatenation equals the untiled layer bit for bit on the CPU (the same dot products), and
+the gradients are the untiled ones' row ranges. Each tile is its own unit (`find_unit_modules`), and a
+block that holds a tiled layer is not one unit but split into its children (the units that do not nest),
+so the existing hooks fetch a tile before its forward, release it after, fetch it again before its
+backward and release it once its gradient is taken and reduced: a unit's device working memory is about
+two tiles (one computing, one prefetched), whatever the layer. The tiles' row ranges are contiguous element
+ranges of the untiled weight (row-major) and bias, so `Tiling` maps each tile parameter to (origin name,
+element offset): state dicts, checkpoint exports and `weights=` speak the untiled names; a checkpoint
+records the tiling and refuses a run tiled otherwise. A Linear tied to another module (an output head
+sharing the embedding) is never tiled: its parameter is one value under two names.
+
+With `[activation] checkpoint = "units"` a split block is checkpointed whole (`split_regions`; activations.py),
+not unit by unit: otherwise what runs between its units (attention, the activation function on the
+concatenated output, residual adds) would be checkpointed by nothing and keep its saved tensors (a 1T
+model's block kept 4.3 GiB that way). Its recomputation in backward fires its units' hooks (Note
+[recomputed forward] in runtime/hooks.py): a unit it has to fetch (SHARDED) is fetched without prefetching
+and released after its recomputed forward, and its backward fetches it again, so a recomputation also holds
+one tile at a time; each tile's parameters are fetched three times per micro-batch instead of two, but for the
+block's last `units_ahead + 1`, which its backward holds or prefetched when the recomputation starts
+(`recomputed_units`; the byte model's `UnitSizes.fetches`, and one more unit gathered in its working memory).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from infinity.config.options import ConfigError
+
+
+class TiledLinear(nn.Module):
+    """An nn.Linear as consecutive row tiles (`tiles[i]` computes output features [start_i, end_i))."""
+
+    def __init__(self, tiles: list[nn.Linear], in_features: int, out_features: int):
+        super().__init__()
+        self.tiles = nn.ModuleList(tiles)
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([tile(x) for tile in self.tiles], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, tiles={len(self.tiles)}"
+
+
+@dataclass(frozen=True)
+class TilePart:
+    """What a tile's parameter is of its untiled parameter: elements [start, start + numel) of it, flattened."""
+
+    origin: str
+    start: int
+    numel: int
+
+
+@dataclass
+class Tiling:
+    """The tiles of one model: each tile parameter's part of its untiled parameter, and the untiled names."""
+
+    tile_bytes: int = 0
+    parts: dict[str, TilePart] = field(default_factory=dict)  # tile parameter name -> its part
+    origins: dict[str, tuple[tuple[int, ...], list[str]]] = field(default_factory=dict)  # name -> (shape, tiles)
+    keys: list[str] = field(default_factory=list)  # the untiled model's state_dict keys, in order
+
+    def origin_name(self, name: str) -> str:
+        part = self.parts.get(name)
+        return part.origin if part is not None else name
+
+    def by_tile(self, of_origin: dict[str, int]) -> dict[str, int]:
+        """`of_origin` (keyed by untiled parameter names) with each tile parameter given its origin's value."""
+        return of_origin | {t: of_origin[p.origin] for t, p in self.parts.items() if p.origin in of_origin}
+
+    def state_dict_keys(self, model: nn.Module) -> list[str]:
+        """The untiled model's `state_dict()` keys, in its order."""
+        return list(self.keys) if self.parts else list(model.state_dict(keep_vars=True).keys())
+
+    def untile(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict with tiles' keys (`values`, in any order) as the untiled model's, in its key order: each
+        tiled parameter is its tiles' values concatenated (rows, in order)."""
+        if not self.parts:
+            return values
+        out = {}
+        for key in self.keys:
+            if key in self.origins:
+                shape, tiles = self.origins[key]
+                out[key] = torch.cat([values[t].reshape(-1) for t in tiles]).view(shape)
+            else:
+                out[key] = values[key]
+        return out
+
+    def record(self) -> dict:
+        """What a checkpoint keeps of the tiling: the size and each tiled parameter's shape and tiles."""
+        origins = {k: {"shape": list(shape), "tiles": list(tiles)} for k, (shape, tiles) in self.origins.items()}
+        return {"tile_bytes": self.tile_bytes, "origins": origins}
+
+
+def _tied_linears(model: nn.Module) -> set[int]:
+    """ids of the Linears whose weight or bias another module also holds (never tiled)."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                holders[id(p)] = holders.get(id(p), 0) + 1
+    return {id(m) for m in model.modules() if isinstance(m, nn.Linear)
+            and any(holders[id(p)] > 1 for p in m._parameters.values() if p is not None)}
+
+
+def _split(linear: nn.Linear, rows: int) -> list[nn.Linear]:
+    """Row tiles of `linear` (same device and dtype; real values are copied, meta ones stay meta)."""
+    w, b = linear.weight, linear.bias
+    tiles = []
+    for start in range(0, linear.out_features, rows):
+        end = min(start + rows, linear.out_features)
+        tile = nn.Linear(linear.in_features, end - start, bias=b is not None, device="meta")
+        for attr, value in (("weight", w), ("bias", b)):
+            if value is None:
+                continue
+            part = value.detach()[start:end] if value.device.type != "meta" else \
+                torch.empty((end - start,) + tuple(value.shape[1:]), dtype=value.dtype, device="meta")
+            tile._parameters[attr] = nn.Parameter(part.clone() if part.device.type != "meta" else part,
+                                                  requires_grad=value.requires_grad)
+        tiles.append(tile)
+    return tiles
+
+
+def tile_linears(model: nn.Module, tile_bytes: int, itemsize: int, keep: tuple[nn.Module, ...] = ()) -> Tiling:
+    """Replace, in place, every untied nn.Linear of `model` whose parameters exceed `tile_bytes` (at `itemsize`
+    bytes per element) by a TiledLinear of tiles of at most `tile_bytes` (Note [tiles are units]), except
+    the modules in `keep` (a head the chunked loss reads whole). Returns the map from tile parameters to the
+    untiled ones; nothing happens with tile_bytes = 0."""
+    tiling = Tiling(tile_bytes=tile_bytes)
+    if tile_bytes <= 0:
+        return tiling
+    keys = list(model.state_dict(keep_vars=True).keys())
+    tied = _tied_linears(model) | {id(m) for m in keep}
+    targets = [(name, m) for name, m in model.named_modules()  # (a PEFT layer's base_layer is its own to read)
+               if type(m) is nn.Linear and id(m) not in tied and not name.endswith("base_layer")]
+    for name, linear in targets:
+        row_bytes = (linear.in_features + (linear.bias is not None)) * itemsize
+        if row_bytes * linear.out_features <= tile_bytes:
+            continue
+        if row_bytes > tile_bytes:
+            raise ConfigError(f"[units] tile_bytes = {tile_bytes} is less than one row of {name} "
+                             f"({linear.in_features} inputs: {row_bytes} bytes), the smallest tile: set tile_bytes "
+                             f"to at least {row_bytes} (or 0 to turn tiling off)")
+        rows = tile_bytes // row_bytes
+        k = math.ceil(linear.out_features / rows)
+        rows = math.ceil(linear.out_features / k)  # k tiles of (nearly) equal rows, each within tile_bytes
+        tiles = _split(linear, rows)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, TiledLinear(tiles, linear.in_features, linear.out_features))
+        for pattr in ("weight", "bias"):
+            origin = f"{name}.{pattr}"
+            value = getattr(linear, pattr)
+            if value is None:
+                continue
+            per_row = value[0].numel() if value.dim() > 1 else 1
+            names = []
+            for i, tile in enumerate(tiles):
+                tile_name = f"{name}.tiles.{i}.{pattr}"
+                part = getattr(tile, pattr)
+                tiling.parts[tile_name] = TilePart(origin, i * rows * per_row, part.numel())
+                names.append(tile_name)
+            tiling.origins[origin] = (tuple(value.shape), names)
+    if tiling.parts:
+        tiling.keys = keys
+    return tiling
+
+
+def contains_tiles(module: nn.Module) -> bool:
+    return any(isinstance(m, TiledLinear) for m in module.modules())

@@ -1,0 +1,289 @@
+"""Memory-centric tiling (Note [tiles are units] in infinity/units/tiling.py): a model whose largest layer
+exceeds the device budget trains as tiles, at parity with plain torch AdamW on the untiled model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import infinity
+from infinity.state.checkpoint import CheckpointError
+from infinity.units.tiling import TiledLinear, tile_linears
+
+VOCAB, D, HIDDEN = 64, 16, 2048
+TILE = 16 * 1024  # bytes: the up projection (16 x 2048 + 2048 fp32 = 136 KiB) runs as 9 tiles, the down as 16
+WIDE_BYTES = (D * HIDDEN + HIDDEN) * 4
+
+
+class Mlp(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, hidden)
+        self.down = nn.Linear(hidden, D)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class Wide(nn.Module):
+    """Embedding, a block with a layer wider than the device budget, a narrow block, an untied head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Mlp(HIDDEN), Mlp(32)])
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def build() -> Wide:
+    torch.manual_seed(0)
+    return Wide()
+
+
+def batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, VOCAB, (4, 9), generator=g) for _ in range(n)]
+    return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in ids]
+
+
+def config(tmp_path, tile_bytes: int, device_budget: str | None = "96KiB", params: str = "nvme") -> dict:
+    cfg = {"optimizer": {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 0.0},
+           "precision": {"compute_dtype": "fp32"},
+           "placement": {"params": params, "grads": "host", "optimizer": "host"},
+           "units": {"tile_bytes": tile_bytes}, "nvme": {"paths": [str(tmp_path)]},
+           "prefetch": {"units_ahead": 1}}
+    if device_budget is not None:
+        cfg["memory"] = {"device_budget": device_budget, "host_budget": "64MiB"}
+    return cfg
+
+
+def loss_of(model, batch):
+    return model(*batch)
+
+
+def test_tiled_linear_equals_the_linear_bitwise():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 1000))
+    x = torch.randn(3, 5, 16)
+    expected = model(x)
+    tiling = tile_linears(model, 4096, 4)
+    assert isinstance(model[0], TiledLinear) and len(model[0].tiles) == 17  # 17 x 59 rows of 68 bytes <= 4 KiB
+    assert all(sum(p.numel() for p in t.parameters()) * 4 <= 4096 for t in model[0].tiles)
+    assert torch.equal(model(x), expected)
+    assert list(tiling.untile({k: v for k, v in model.state_dict().items()})) == ["0.weight", "0.bias"]
+
+
+def groups_of(model: nn.Module) -> list[dict]:
+    """Two parameter groups of `model`'s own parameters: no decay on biases and norms (named by the untiled
+    model: the engine resolves them before tiling)."""
+    flat = [p for n, p in model.named_parameters() if n.endswith("bias") or ".norm." in n]
+    return [{"params": [p for p in model.parameters() if all(p is not q for q in flat)], "weight_decay": 0.1},
+            {"params": flat, "weight_decay": 0.0}]
+
+
+def reference(model: nn.Module, data) -> tuple[list[float], dict]:
+    """Plain torch AdamW on the untiled model, with `groups_of` its parameter groups."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(groups_of(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for batch in data:
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def train(engine, data) -> list[float]:
+    losses = []
+    for batch in data:
+        loss = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_tile_smaller_than_a_row_is_refused_naming_the_least_size():
+    with pytest.raises(infinity.ConfigError, match=r"tile_bytes = 50 is less than one row of 0 .*at least 68"):
+        tile_linears(nn.Sequential(nn.Linear(16, 1000)), 50, 4)
+
+
+@pytest.mark.parametrize("params", ["nvme", "host"])
+def test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, params):
+    model, data = build(), batches(4)
+    ref_losses, ref_state = reference(model, data)
+    # Untiled, the wide layer's unit does not fit the device budget: the planner says so.
+    with pytest.raises(infinity.PlacementError, match="device_budget"):
+        infinity.initialize(copy.deepcopy(model), config(tmp_path, 0, params=params))
+    tiled = copy.deepcopy(model)
+    engine = infinity.initialize(tiled, config(tmp_path, TILE, params=params), param_groups=groups_of(tiled))
+    try:
+        losses = train(engine, data)
+        names = [u.name for u in engine.units]  # the wide block split into its children, each tile a unit
+        assert names == (["<root>", "blocks.0.norm"] + [f"blocks.0.up.tiles.{i}" for i in range(9)]
+                         + [f"blocks.0.down.tiles.{i}" for i in range(16)] + ["blocks.1"])
+        # Each unit's device working memory is bounded by a tile, not by the wide layer.
+        assert max(u.peak_unsharded for u in engine.units[1:]) <= TILE < WIDE_BYTES
+        state = engine.full_state_dict()
+    finally:
+        engine.close()
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    assert list(state) == list(ref_state)  # the untiled names, in the untiled order
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+class LiveUnsharded:
+    """The most unsharded bytes alive at once (wraps the engine's UnshardedMemory)."""
+
+    def __init__(self, engine):
+        self.live, self.peak, memory = {}, 0, engine.unsharded
+        grow, shrink = memory.grow, memory.shrink
+
+        def grown(key, storage, nbytes):
+            grow(key, storage, nbytes)
+            self.live[key] = nbytes
+            self.peak = max(self.peak, sum(self.live.values()))
+
+        def shrunk(key, storage):
+            shrink(key, storage)
+            self.live.pop(key, None)
+        memory.grow, memory.shrink = grown, shrunk
+
+
+@pytest.mark.parametrize("offload", ["none", "host"])
+def test_a_tiled_block_checkpointed_whole_recomputes_one_tile_at_a_time(tmp_path, offload):
+    model, data = build(), batches(3)
+    ref_losses, ref_state = reference(model, data)
+    saved = {}
+    for checkpoint in ("none", "units"):
+        tiled = copy.deepcopy(model)
+        cfg = config(tmp_path, TILE, params="nvme") | {"activation": {"checkpoint": checkpoint, "offload": offload
+                                                                      if checkpoint == "units" else "none"}}
+        engine = infinity.initialize(tiled, cfg, param_groups=groups_of(tiled))
+        live = LiveUnsharded(engine)
+        try:
+            losses = train(engine, data)
+            saved[checkpoint] = engine.memory_report()["activation_saved_bytes"]
+            state = engine.full_state_dict()
+        finally:
+            engine.close()
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+        for key, value in ref_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        # the root (8 KiB), the unit computing, one prefetched and one the recomputation holds: never the block
+        assert live.peak <= 8 * 1024 + 3 * TILE < WIDE_BYTES, (checkpoint, live.peak)
+    # the wide block whole: only its input is kept, not what runs between its tiles (the GELU's input, ...)
+    rows, hidden_bytes = 4 * 8, HIDDEN * 4
+    assert saved["none"] - saved["units"] >= rows * hidden_bytes, saved
+
+
+def test_the_disk_reads_of_a_recomputed_tiled_block_are_the_plans(tmp_path):
+    """Each tile is read three times per micro-batch (forward, recomputation, backward): the byte model says so."""
+    from infinity.memory.traffic import bytes_per_step
+    from infinity.profile import Link, SpanKind
+    cfg = config(tmp_path, TILE, device_budget=None) | {"activation": {"checkpoint": "units"},
+                                                        "profile": {"enabled": True, "trace_dir": str(tmp_path / "t")}}
+    engine = infinity.initialize(build(), cfg)
+    engine.profiler.clear()  # initialization's writes are not a step's
+    data = batches(3)
+    train(engine, data)
+    engine.close()
+    read = sum(s.num_bytes for s in engine.profiler.spans() if s.kind is SpanKind.WORK and s.link is Link.NVME_READ)
+    predicted = sum(bytes_per_step(engine.plan, grad_accum_steps=1, first_step=step == 0, cuda=False,
+                                   kept=engine.kept_params)["nvme_read"] for step in range(len(data)))
+    assert read == predicted > 0
+    tile = next(s for s in engine.plan.units if ".tiles." in s.name)
+    assert tile.fetches == 3
+
+
+def test_checkpoints_exports_and_weights_speak_the_untiled_names(tmp_path):
+    data = batches(3)
+    cfg = config(tmp_path, TILE, device_budget=None, params="host")
+    with infinity.initialize(build(), cfg) as engine:
+        train(engine, data[:2])
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        engine.export_state_dict(str(tmp_path / "export.safetensors"))
+        state = engine.full_state_dict()
+        after = train(engine, data[2:])
+    from safetensors.torch import load_file
+    exported = load_file(str(tmp_path / "export.safetensors"))
+    assert sorted(exported) == sorted(build().state_dict())
+    for key in state:
+        assert torch.equal(exported[key], state[key]), key
+    # weights= from the export: the same values, untiled or tiled
+    for tile_bytes in (0, TILE):
+        with infinity.initialize(build(), config(tmp_path, tile_bytes, device_budget=None, params="host"),
+                                 weights=str(tmp_path / "export.safetensors")) as engine:
+            loaded = engine.full_state_dict()
+        assert all(torch.equal(loaded[k], state[k]) for k in state), tile_bytes
+    # a checkpoint resumes with its tiling, and refuses another
+    with infinity.initialize(build(), cfg) as engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        assert train(engine, data[2:]) == after
+    with infinity.initialize(build(), config(tmp_path, 0, device_budget=None, params="host")) as engine:
+        with pytest.raises(CheckpointError, match=r"tile_bytes = 16384 .*Resume with tile_bytes = 16384"):
+            engine.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_the_estimate_plans_the_tiles():
+    from infinity.job.estimate import unit_sizes_of
+    from infinity.memory.placement import Budgets, plan_for_config
+    from infinity.memory.tier import Kind, Tier
+    budgets = Budgets(device=2**30, host=2**30, nvme=2**30)
+    device = {}
+    for tile_bytes in (0, TILE):
+        cfg = infinity.Config.from_dict(config("/tmp", tile_bytes, device_budget=None))
+        sizes = unit_sizes_of(build(), cfg, world_size=1)
+        largest = max(s.numel(Kind.PARAMS) * 4 for s in sizes[1:])
+        assert (largest <= TILE) == (tile_bytes > 0), (tile_bytes, largest)
+        device[tile_bytes] = plan_for_config(sizes, cfg, budgets).tier_totals()[Tier.DEVICE]
+    # the device working set (root + 2 units gathered + a unit's fp32 gradient and shard) is the engine's
+    assert device[TILE] <= 96 * 1024 < WIDE_BYTES < device[0]
+
+
+def tiled_on_rank(rank: int, world: int, stage: int, swap: str):
+    """One rank of a tiled run (params on NVMe) on its rows of each batch; the rank-mean losses and the state."""
+    import os
+
+    import torch.distributed as dist
+    os.makedirs(f"{swap}/r{rank}", exist_ok=True)
+    model = build()
+    cfg = config(f"{swap}/r{rank}", TILE, device_budget=None) | {"zero": {"stage": stage}}
+    engine = infinity.initialize(model, cfg, param_groups=groups_of(model))
+    losses = []
+    for x, y in batches(4):
+        rows = slice(rank * 4 // world, (rank + 1) * 4 // world)
+        loss = engine(x[rows], y[rows])
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append((mean / world).item())
+    state = engine.full_state_dict()
+    engine.close()
+    return losses, state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [3, 1])
+def test_tiles_at_world_2_match_torch_adamw(tmp_path, stage):
+    from dist_utils import run_distributed
+    ref_losses, ref_state = reference(build(), batches(4))
+    losses, state = run_distributed(tiled_on_rank, 2, stage, str(tmp_path))[0]
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
