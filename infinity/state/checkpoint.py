@@ -4,8 +4,9 @@ Layout of a checkpoint directory::
 
     manifest.json        format, world size, model layout, resolved config, counters, user state,
                          and the checksum of every rank's index (written last, by rank 0)
-    rank00000.bin        this rank's part of the fp32 master, exp_avg, exp_avg_sq, and of frozen parameters
-                         (in the compute dtype), one record per stored chunk, each at a 4 KiB-aligned offset
+    rank00000.bin        this rank's part of the master, exp_avg, exp_avg_sq (fp32 at any state_dtype), and of
+                         frozen parameters (in the compute dtype), one record per stored chunk, each at a 4 KiB-
+                         aligned offset
                          (one smaller than 4 KiB: 64-byte aligned, so a small model's records are not mostly holes)
     rank00000.json       the records: unit, kind, chunk, element range in the flat buffer, dtype, offset, crc32;
                          and the references to pretrained files that stand for frozen parameters
@@ -180,7 +181,7 @@ class ShardWriter:
                 frozen = kind is Kind.PARAMS
                 lo = max(own_lo, unit.stored_trainable) if frozen else own_lo
                 hi = min(own_hi, unit.flat_numel) if frozen else own_hi
-                dtype = name_of(kind.dtype(compute))
+                dtype = name_of(compute if frozen else torch.float32)  # optimizer kinds: fp32 at any state_dtype
                 for chunk in range(m.num_chunks(unit.index, kind)):
                     start, numel = m.chunk_span(unit.index, chunk, kind)
                     a, b = max(stored.start + start, lo), min(stored.start + start + numel, hi)
@@ -228,7 +229,7 @@ class ShardWriter:
                     kind = Kind(rec.kind)
                     buf = m.fetch(rec.unit, kind, rec.chunk, torch.device("cpu")).wait()  # bytes to write
                     chunk_start = m.chunk_span(rec.unit, rec.chunk, kind)[0]
-                    data = buf.narrow(0, rec.start - chunk_start, rec.numel)  # in the kind's own dtype
+                    data = buf.narrow(0, rec.start - chunk_start, rec.numel).to(dtype_of(rec.dtype))  # (moments: fp32)
                     rec.crc = crc32(data)
                     in_flight.append((io.submit_write(data, path, rec.offset), buf, data))
                     while len(in_flight) > WRITES_IN_FLIGHT:
