@@ -198,6 +198,11 @@ class MemoryConfig(Section):
     host_budget: int | str = option("auto", 'Host RAM for training state: a size ("100GiB") or "auto" '
                                      "(available RAM detected at initialize).", "size_or_auto", gt=0,
                                      example="100GiB")
+    release_heap: bool = option(False, "Give the C heap's free pages back to the OS once per optimizer step (glibc "
+                                "malloc_trim): without a GPU the peak RSS stays at one step's, as `infinity estimate` "
+                                "predicts, instead of creeping up as freed activations fragment the heap; costs the "
+                                "next step faulting its pages in again (~15% of a small CPU-only step). `infinity "
+                                "train` sets it (Note [heap release]).", "bool")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -172,6 +172,7 @@ TRAIN_DEFAULTS = {
     "optimizer": {"lr": 2e-3, "weight_decay": 0.1, "grad_clip": 1.0},
     "placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"},
     "profile": {"enabled": True},  # the overlap efficiency on the progress line, profile/ in the run directory
+    "memory": {"release_heap": True},  # the peak RSS summary.json reports is the estimate's (Note [heap release])
 }
 DECAY_DEFAULTS = {"schedule": "cosine", "min_lr_ratio": 0.1}  # applied when the user sets no schedule
 EXPORT = "export"  # <run>/export: the fine-tuned model as a Hugging Face directory (Note [fine-tuning job])

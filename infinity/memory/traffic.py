@@ -50,7 +50,8 @@ named terms:
                   units' inputs, the root's saves and one unit's recompute instead, and with offload =
                   "host" the inputs as `activations_host` in host memory (Note [activation estimate])
     allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
-                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux)
+                  the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux
+                  within a step; across steps only with `[memory] release_heap`, Note [heap release])
     init          while a unit is materialized: its full fp32 values, its shard and their casts
                   (replaces working + activations + allocator when larger)
 

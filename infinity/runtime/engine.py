@@ -25,17 +25,15 @@ from infinity.config.sections import Config
 from infinity.device.collectives import all_reduce_sum, broadcast_object
 from infinity.device.dtypes import DTYPES
 from infinity.device.streams import Streams, host_value
-from infinity.machine.environment import resolve, resolve_budgets
+from infinity.machine.environment import resolve
+from infinity.machine.heap import heap_policy
 from infinity.machine.link_rates import link_peaks
 from infinity.memory.buffers import UnshardedMemory
 from infinity.memory.fresh import fresh_budget
 from infinity.memory.manager import TieredMemoryManager
-from infinity.memory.placement import plan_for_config
 from infinity.memory.stages import stage_for
-from infinity.memory.tier import Tier
 from infinity.memory.traffic import plan_report
 from infinity.optim.groups import resolve_groups
-from infinity.optim.read_ahead import resolve_read_ahead
 from infinity.profile import NullProfiler, Profiler
 from infinity.profile.clock import TrainingClock
 from infinity.runtime.accumulation import AccumulationWindow
@@ -47,7 +45,9 @@ from infinity.runtime.inference import InferenceForwards
 from infinity.runtime.loss_scale import LossScaler
 from infinity.runtime.materialize import buffers_to, materialize_units
 from infinity.runtime.optimizer_surface import EngineOptimizer, LearningRates
+from infinity.runtime.planning import open_swap, plan_units
 from infinity.runtime.prefetch import OrderTrace, Prefetcher
+from infinity.runtime.recompute import Recomputation
 from infinity.runtime.update_modes import NonFiniteGradError, update_mode
 from infinity.state.checkpoint import apply_retention, begin_save
 from infinity.state.checkpoint import load as load_checkpoint
@@ -55,8 +55,7 @@ from infinity.state.references import PretrainedRefs
 from infinity.state.state_dict import full_state_dict
 from infinity.state.weights import plan_weights
 from infinity.units.tiling import tile_linears
-from infinity.units.unit import Comm, Unit, UnitState, build_units, recomputed_units, split_regions, unit_sizes
-from io_engine import IOEngine, SwapSpace
+from infinity.units.unit import Comm, Unit, build_units, split_regions
 
 __all__ = ["Engine", "NonFiniteGradError", "initialize"]
 
@@ -74,6 +73,7 @@ class Engine:
         self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=link_peaks(config, self.env.device))
                          if config.profile.enabled else NullProfiler(rank=self.env.rank))
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
+        self.heap = heap_policy(config.memory.release_heap)  # Note [heap release]
         comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
                     device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
                     profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
@@ -90,8 +90,8 @@ class Engine:
         self.lrs = LearningRates(self.groups, config.optimizer, lr_schedule)  # Note [who sets the lr]
         loaded = (plan_weights(weights, model, self.units, strict, self.tiling) if weights is not None
                   else None)  # checked first
-        self.plan = self._plan(loaded)
-        self.io, self.swap = self._open_swap()
+        self.plan, self.read_ahead_bytes = plan_units(self.units, self.regions, config, self.env, loaded)
+        self.io, self.swap = open_swap(self.plan, config, self.env.rank, len(self.units))
         self.manager = TieredMemoryManager(self.plan, self.env.device, self.streams, self.swap,
                                            pin_host=self.env.device.type == "cuda", profiler=self.profiler,
                                            fresh_budget=fresh_budget(self.plan, config.prefetch))
@@ -117,11 +117,12 @@ class Engine:
         self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
         self.window = AccumulationWindow(config.train.grad_accum_steps)  # Note [accumulation windows]
         self._handles, self._counters = [], []
+        self.recompute = Recomputation(frozenset(u.index for _, us in self.regions for u in us), self._pre_backward,
+                                       self.prefetcher, self.clock)  # Note [recomputed forward]
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
                                   pre_backward=self._pre_backward, grads_ready=self._grads_ready,
                                   in_backward=lambda: self._in_backward, backward_done=self._backward_done,
-                                  pre_recompute=self._pre_recompute, post_recompute=self._post_recompute)
-        self._recompute_fetched: set[int] = set()  # units a recomputed forward fetched (released after it)
+                                  pre_recompute=self.recompute.pre, post_recompute=self.recompute.post)
         for unit in self.units:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
@@ -148,37 +149,6 @@ class Engine:
             sys.setswitchinterval(config.io.switch_interval_us * 1e-6)
 
     # ----------------------------------------------------------------- construction
-    def _plan(self, weights):
-        """The placement, planned exactly as `infinity estimate` plans it, then the same preflight checks (the
-        checkpoint space without the frozen weights when `weights` will be referenced: Note [pretrained references])."""
-        from infinity.machine.link_rates import rates_for_plan
-        from infinity.machine.preflight import check_nvme_paths, preflight, require
-        cfg = self.config
-        sizes = unit_sizes(self.units, cfg.optimizer.sub_group_size,
-                           recomputed_units(self.regions, cfg.activation.checkpoint, cfg.prefetch.units_ahead))
-        nvme_free = check_nvme_paths(list(cfg.nvme.paths)) if cfg.nvme.paths else 0
-        budgets = resolve_budgets(cfg.memory, self.env.device, self.env.local_world_size, nvme_free)
-        auto = cfg.placement.policy == "auto"  # the swap disk's rates measured once per machine, then cached
-        rates = rates_for_plan(cfg, self.env.device, measure=True) if auto else None
-        plan = plan_for_config(sizes, cfg, budgets, rates=rates)
-        self.read_ahead_bytes = resolve_read_ahead(cfg, plan, budgets)
-        referenced = cfg.checkpoint.reference_pretrained and weights is not None and weights.holds_every_frozen(
-            self.units)
-        require(preflight(plan, None, cfg, local_world_size=self.env.local_world_size,
-                          cuda=self.env.device.type == "cuda", frozen_referenced=referenced))
-        return plan
-
-    def _open_swap(self):
-        if not self.plan.uses(Tier.NVME):
-            return None, None
-        io_cfg = self.config.io
-        io = IOEngine(io_cfg.engine_config())
-        swap = SwapSpace(dirs=list(self.config.nvme.paths), io=io, rank=self.env.rank, name="infinity",
-                         checksum=io_cfg.checksum)
-        nvme_bytes = sum(self.plan.state_bytes()[Tier.NVME].values())
-        swap.reserve(nvme_bytes + len(self.units) * 5 * 4096 * 2)  # plus each extent's alignment
-        return io, swap
-
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, unit: Unit) -> None:
         self.clock.compute_end(f"forward before {unit.name}")
@@ -197,28 +167,6 @@ class Engine:
 
     def _post_forward(self, unit: Unit) -> None:
         unit.reshard()
-
-    def _pre_recompute(self, unit: Unit) -> None:
-        """Before a recomputed forward (Note [recomputed forward]): wait for the unit's parameters, issuing no
-        prefetch (a recomputation runs in forward order: prefetching along the backward's from here would
-        hold a whole block). A unit not already there (a tile of a block checkpointed whole: Note [tiles are
-        units] in units/tiling.py) is fetched for the recomputation alone and released after it."""
-        if unit.index == 0:
-            return  # the root stays unsharded until the backward ends
-        if unit.state is UnitState.SHARDED and not unit.aliased:
-            self._recompute_fetched.add(unit.index)
-        self.clock.compute_end(f"recompute before {unit.name}")
-        self.prefetcher.wait_for(unit)
-        self.clock.compute_begin()
-
-    def _post_recompute(self, unit: Unit) -> bool:
-        """After a recomputed forward: release what only the recomputation fetched (its backward fetches it
-        again), so a recomputed block holds one tile at a time. Returns whether it was released."""
-        if unit.index not in self._recompute_fetched:
-            return False
-        self._recompute_fetched.discard(unit.index)
-        unit.reshard()
-        return True
 
     def _grads_ready(self, unit: Unit) -> None:
         self.reducer.issue(unit, final=self.window.ends_now())
@@ -281,7 +229,7 @@ class Engine:
         self.prefetcher.release_unused()
         for unit in self.units:
             unit.reshard()
-        self._recompute_fetched.clear()
+        self.recompute.backward_ended()
         self._backward_pending = False
         self.micro_step += 1
         self.window.taken()
@@ -297,6 +245,7 @@ class Engine:
             return False
         self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
         self.window.stepped()
+        self.heap.release()  # the step's activations are freed; the update is not issued yet
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)

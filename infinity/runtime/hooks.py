@@ -91,14 +91,14 @@ def install_unit_hooks(
     # unit's forward again inside backward, just before that unit's backward needs its activations. That is
     # not a forward of the step: recording it would append the reverse order to the forward order (which then
     # never replays, so prefetch stops), and resharding after it would free the parameters that the unit's
-    # backward is about to read. So inside a backward the pre-hook waits for the unit's parameters (the engine's
-    # `_pre_recompute`: no prefetch, the unit's own pre-backward issued them) and the post-hook does nothing:
-    # the unit is resharded once its gradients are ready, or at the end of the backward, as without
-    # recomputation. This is for a model that
-    # checkpoints its own blocks (Hugging Face's gradient checkpointing); the engine's `[activation] checkpoint`
-    # runs inside these hooks, so its recomputation fires none of them (Note [unit checkpoints]). A unit that
-    # the recomputation itself had to fetch (a tile of a block checkpointed whole: Note [tiles are units] in
-    # units/tiling.py) is released after its recomputed forward, and its backward fetches it again, so a
+    # backward is about to read. So inside a backward the hooks are `Recomputation`'s (runtime/recompute.py): for
+    # a model that checkpoints its own blocks (Hugging Face's gradient checkpointing) the pre-hook is the unit's
+    # pre-backward (unshard, prefetch along the backward order) and the post-hook does nothing: the unit is
+    # resharded once its gradients are ready, or at the end of the backward, as without recomputation. The
+    # engine's `[activation] checkpoint` runs inside these hooks, so its recomputation fires none of them (Note
+    # [unit checkpoints]), except in a block split into tiles and checkpointed whole (Note [tiles are units] in
+    # units/tiling.py): there the pre-hook waits for the tile with no prefetch, and a tile the recomputation
+    # itself had to fetch is released after its recomputed forward (its backward fetches it again), so a
     # recomputation holds one tile at a time, not the block.
     # Note [unit backward done]: a unit whose parameters are not all trainable (LoRA, frozen layers) gets no
     # "all gradients taken" signal that its backward is over, since frozen weights have no gradient: it used

@@ -37,6 +37,7 @@ def test_defaults_put_params_and_optimizer_state_on_nvme_under_the_run_directory
     assert (config.placement.params, config.placement.grads, config.placement.optimizer) == ("nvme", "host", "nvme")
     assert config.nvme.paths == ("runs/x/swap",)
     assert config.profile.enabled and config.profile.trace_dir == "runs/x/profile"
+    assert config.memory.release_heap  # Note [heap release]: the peak summary.json reports is the estimate's
     assert config.optimizer.schedule == "cosine" and config.optimizer.total_steps == job.run.steps
     assert config.optimizer.lr == TRAIN_DEFAULTS["optimizer"]["lr"]
 
@@ -246,3 +247,6 @@ def test_default_train_finishes_in_5_minutes_with_the_loss_falling(tmp_path):
     assert elapsed < 300, elapsed
     losses = [r["loss"] for r in _metrics(tmp_path / "default")]
     assert sum(losses[-10:]) / 10 < 0.6 * sum(losses[:10]) / 10
+    summary = json.loads((tmp_path / "default" / "summary.json").read_text())
+    measured, predicted = summary["peak_rss_bytes"], summary["predicted"]["peak_rss_bytes"]
+    assert abs(predicted - measured) <= 0.15 * measured, (predicted >> 20, measured >> 20)  # Note [heap release]
