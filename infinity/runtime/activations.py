@@ -53,7 +53,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from infinity.device.streams import Streams
-from infinity.units.unit import Unit
+from infinity.units.unit import Unit, units_in
 
 
 class SavedBytes:
@@ -216,7 +216,7 @@ class Activations:
     def install(self) -> list:
         """Hooks and wrapped forwards of every unit module but the root's; returns removable handles."""
         handles = []
-        in_region = {u.index for _, units in self.regions for u in units}
+        in_region = units_in(self.regions)
         for unit in self.units[1:]:
             handles += _UnitMarks.install(unit, self.meter)
             if self.checkpointing and unit.index not in in_region:

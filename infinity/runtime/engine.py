@@ -55,7 +55,7 @@ from infinity.state.references import PretrainedRefs
 from infinity.state.state_dict import full_state_dict
 from infinity.state.weights import plan_weights
 from infinity.units.tiling import tile_linears
-from infinity.units.unit import Comm, Unit, build_units, split_regions
+from infinity.units.unit import Comm, Unit, build_units, split_regions, units_in
 
 __all__ = ["Engine", "NonFiniteGradError", "initialize"]
 
@@ -117,7 +117,7 @@ class Engine:
         self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
         self.window = AccumulationWindow(config.train.grad_accum_steps)  # Note [accumulation windows]
         self._handles, self._counters = [], []
-        self.recompute = Recomputation(frozenset(u.index for _, us in self.regions for u in us), self._pre_backward,
+        self.recompute = Recomputation(units_in(self.regions), self._pre_backward,
                                        self.prefetcher, self.clock)  # Note [recomputed forward]
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
                                   pre_backward=self._pre_backward, grads_ready=self._grads_ready,

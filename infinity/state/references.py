@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from infinity.state.checkpoint_files import CheckpointError
-from infinity.state.weights import SafetensorsFiles, WeightsError, WeightsPlan
+from infinity.state.weights import FrozenRead, SafetensorsFiles, WeightsError, WeightsPlan
 
 REF_KIND = "pretrained"  # the kind of a reference record in a rank's index
 FIX = ("restore the pretrained directory as it was when the run started (the job's model.pretrained), or load "
@@ -53,17 +53,9 @@ FIX = ("restore the pretrained directory as it was when the run started (the job
 
 
 @dataclass(frozen=True)
-class Reference:
-    """Flat elements [flat, flat + hi - lo) of unit `unit` are elements [lo, hi) of tensor `key` in `file`
-    (a name under the source directory), whose bytes have CRC32 `crc`."""
-
-    unit: int
-    flat: int
-    file: str
-    key: str
-    lo: int
-    hi: int
-    crc: int
+class Reference(FrozenRead):
+    """A FrozenRead as a checkpoint keeps it: flat elements [flat, flat + hi - lo) of unit `unit` are elements
+    [lo, hi) of tensor `key` in `file`, now a name under the source directory, whose bytes have CRC32 `crc`."""
 
     @property
     def end(self) -> int:

@@ -475,6 +475,11 @@ def unit_sizes(units: list[Unit], sub_group_size: int | None = None,
                            fetches=3 if u.index in recomputed else 2) for u in units)
 
 
+def units_in(regions: list[tuple[nn.Module, list[Unit]]]) -> frozenset[int]:
+    """The indices of the units inside the split blocks."""
+    return frozenset(u.index for _, units in regions for u in units)
+
+
 def recomputed_units(regions: list[tuple[nn.Module, list[Unit]]], checkpoint: str,
                      units_ahead: int) -> frozenset[int]:
     """The units a whole-block recomputation fetches once more per micro-batch (Note [tiles are units]): all
