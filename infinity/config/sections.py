@@ -135,7 +135,7 @@ class OptimizerConfig(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionConfig(Section):
-    """Compute precision; master weights and gradient reduction are always fp32."""
+    """Compute precision (gradients reduced in fp32; master weights fp32 unless state_dtype = "bf16_master")."""
 
     SECTION: ClassVar[str] = "precision"
 
