@@ -79,10 +79,12 @@ def test_rounding_bits_depend_on_every_key_and_not_on_how_a_range_is_cut():
         assert (rounding_bits(1000, **keys, device=cpu) != whole).float().mean() > 0.99, other
 
 
-def test_the_update_types_equal_fp32_adamw_with_rounded_state():
-    """One update of each 16-bit type against torch's fused AdamW on fp32 copies, rounded as the Note says."""
+@pytest.mark.parametrize("n", [4096 + 37, 2 * (1 << 18) + 4133], ids=["one-chunk", "three-chunks"])
+def test_the_update_types_equal_fp32_adamw_with_rounded_state(n):
+    """One update of each 16-bit type against torch's fused AdamW on fp32 copies, rounded as the Note says; a run
+    longer than a chunk (Note [chunked upcast]) gives the bits of one whole-run update."""
     g = torch.Generator().manual_seed(1)
-    n, hyper = 4096 + 37, AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True)
+    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True)
     master32 = torch.randn(n, generator=g)
     grad = torch.randn(n, generator=g)
     m, v = (torch.randn(n, generator=g) * 0.1).bfloat16(), (torch.rand(n, generator=g) * 0.01).bfloat16()
