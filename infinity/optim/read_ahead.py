@@ -186,7 +186,8 @@ class StateReadAhead:
         kinds = state_read_ahead_kinds(self.manager, unit)
         versions = {k: self.manager.versions(unit, k, chunk) for k in kinds}
         disk = sum(
-            self.manager.chunk_span(unit, chunk)[1] * 4 for k in kinds if not self.manager.is_zero(unit, k, chunk)
+            self.manager.chunk_span(unit, chunk)[1] * self.manager.plan.dtype(k).itemsize for k in kinds
+            if not self.manager.is_zero(unit, k, chunk)
         )
         fetches = {k: self.manager.fetch(unit, k, chunk, _CPU) for k in kinds}
         with self._lock:

@@ -25,8 +25,18 @@ PLACEMENTS = [
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlap"])
 @pytest.mark.parametrize("placement", PLACEMENTS, ids="-".join)
 def test_profiled_bytes_equal_the_plan(placement, overlap, tmp_path):
+    _check_profiled_bytes(placement, overlap, tmp_path)
+
+
+def test_profiled_bytes_equal_the_plan_with_bf16_state(tmp_path):
+    """The read-ahead's unused bytes count each kind at its stored width (2 bytes for bf16 moments)."""
+    _check_profiled_bytes(("nvme", "host", "nvme"), True, tmp_path, state_dtype="bf16")
+
+
+def _check_profiled_bytes(placement, overlap, tmp_path, state_dtype="fp32"):
     recipe = Recipe(steps=3, accum=2)
     cfg = recipe.config(params=placement[0], grads=placement[1], optimizer=placement[2])
+    cfg.setdefault("optimizer", {})["state_dtype"] = state_dtype
     cfg["nvme"] = {"paths": [str(tmp_path)]}
     cfg["profile"] = {"enabled": True, "trace_dir": str(tmp_path / "trace")}
     cfg["overlap"] = {"optimizer_with_backward": overlap}
