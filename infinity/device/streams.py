@@ -76,34 +76,11 @@ def count_host_syncs():
 
 
 def bind_thread(device: torch.device) -> None:
-    """Every helper thread that runs kernels for the compute device starts here (the optimizer worker, the
-    background checkpoint writer). On CUDA: the current device is per thread and starts as cuda:0, so
-    without this such a thread would create a context on GPU 0 and order its work against GPU 0's streams,
-    not its rank's GPU. On the CPU: the thread's kernels run on one core (Note [helper threads on a CPU
-    device])."""
+    """Every thread that queues CUDA work starts here (the optimizer worker, the background checkpoint
+    writer): the current device is per thread and starts as cuda:0, so without this such a thread would
+    create a context on GPU 0 and order its work against GPU 0's streams, not its rank's GPU."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        _one_kernel_thread()
-
-
-def _one_kernel_thread() -> None:
-    """Note [helper threads on a CPU device]: with the CPU as the compute device, the forward and backward
-    already run torch's intra-op team on every core torch was given; a helper thread's kernels (the
-    overlapped Adam update, its bf16 conversions, checkpoint copies) with a team of their own would
-    oversubscribe those cores, and OpenMP and MKL teams spin (sched_yield) while a member waits for a core:
-    py-spy showed the sgemm teams of the main thread yielding 6.5% of its samples and the update worker
-    mostly in libgomp. So such a thread runs its kernels single-threaded: on the 311M bench model (2
-    threads) the all-on-device step went 2.40 -> 2.19 s and the NVMe step with bf16 state 3.11 -> 3.02 s
-    (benchmarks/RESULTS.md). torch's thread count is per thread for the OpenMP team, but
-    `torch.set_num_threads` also sets the default that threads started later begin with: that default is
-    put back from a short-lived thread, so only this thread runs single-threaded."""
-    process_default = torch.get_num_threads()  # a new thread starts at the process's setting
-    torch.set_num_threads(1)
-    if process_default != 1:
-        restore = threading.Thread(target=torch.set_num_threads, args=(process_default,), name="infinity-threads")
-        restore.start()
-        restore.join()
 
 
 @dataclass
