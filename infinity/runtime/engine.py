@@ -185,8 +185,12 @@ class Engine:
         self.clock.forward_begins()
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
-        with self.activations.forward(), self.inference.engine_call():  # (Note [activation bytes])
-            output = self.forward_fn(*args, **kwargs)
+        try:
+            with self.activations.forward(), self.inference.engine_call():  # (Note [activation bytes])
+                output = self.forward_fn(*args, **kwargs)
+        except BaseException:
+            self._forward_failed(root)
+            raise
         self.clock.compute_end("forward")
         needs_grad = bool(tensors_needing_grad(output))
         self.prefetcher.end_forward(backward_follows=needs_grad)
@@ -196,6 +200,17 @@ class Engine:
             self.prefetcher.release_unused()
             root.reshard()
         return output
+
+    def _forward_failed(self, root: Unit) -> None:
+        """Note [failed forward]: a forward that raises (a bad batch; a user's bug caught in a notebook) leaves
+        the engine as before the call: its order is not recorded, its prefetches and every unit it fetched are
+        released (the root too, unless an earlier forward's backward still needs it), and its graph dies with
+        the exception, so training goes on as if the call had not happened."""
+        self.clock.compute_end("forward")
+        self.prefetcher.abandon_forward()
+        for unit in self.units:
+            if unit is not root or not self._backward_pending:
+                unit.reshard()
 
     def generate(self, *args, **kwargs):
         """A Hugging Face model's own `generate`, at every placement (Note [inference forwards])."""

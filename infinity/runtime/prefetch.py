@@ -78,6 +78,11 @@ class OrderTrace:
             self.state = TraceState.REPLAYING
         return order
 
+    def abandon_forward(self) -> None:
+        """This forward raised partway (Note [failed forward]): forget its order; the next one replays as before."""
+        self.current = []
+        self.state = TraceState.REPLAYING if self.recorded else TraceState.RECORDING
+
     def invalidate(self) -> None:
         self.recorded, self.current, self.state = [], [], TraceState.RECORDING
 
@@ -170,6 +175,13 @@ class Prefetcher:
         index, self._next = self._next, None
         if index is not None and self.units[index].gathers() and self.units[index].state is UnitState.UNSHARDING:
             self.units[index].issue_gather(self.manager)
+
+    def abandon_forward(self) -> None:
+        """The forward raised partway (Note [failed forward]): its order is forgotten and what it prefetched
+        is released; no backward follows it."""
+        self.trace.abandon_forward()
+        self._updating.clear()
+        self.release_unused()
 
     def release_unused(self) -> None:
         """Drop prefetched units that were not used (order changed, or no backward came)."""
