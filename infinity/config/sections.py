@@ -344,9 +344,10 @@ class UnitsConfig(Section):
     classes: tuple[str, ...] = option((), 'Class names of modules that form units, e.g. ["Block"]; empty = '
                                        "the children of each nn.ModuleList.", "strs", unique=True,
                                        example=["Block"])
-    tile_bytes: int = option(0, "Memory-centric tiling: every nn.Linear (not tied to another module) whose weight "
-                                "and bias take more than this many bytes in the compute dtype runs as tiles of "
-                                "its output rows, each at most this size and each its own unit, fetched, used and "
+    tile_bytes: int = option(0, "Memory-centric tiling: every nn.Linear and nn.Embedding (not tied to another "
+                                "module) whose parameters take more than this many bytes in the compute dtype runs "
+                                "as tiles of its rows (a Linear's outputs, an Embedding's table), each at most this "
+                                "size and each its own unit, fetched, used and "
                                 "released in turn, so a unit's device working memory is bounded by the tile, not "
                                 "the layer (Note [tiles are units] in units/tiling.py); 0 = off. State dicts, "
                                 "checkpoints' exports and weights= keep the untiled names.", "size", ge=0,

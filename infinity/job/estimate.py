@@ -138,12 +138,12 @@ def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
     """The units `initialize` would build for `model` at `world_size` (rank 0), as placement sees them."""
     from infinity.device.streams import Streams
     from infinity.memory.stages import stage_for
-    from infinity.units.tiling import tile_linears
+    from infinity.units.tiling import tile_layers
     from infinity.units.unit import Comm, build_units, recomputed_units, split_regions, unit_sizes
     compute_dtype = dtype_of(config.precision.compute_dtype)
-    from infinity.runtime.chunked_loss import loss_forward
-    head = getattr(loss_forward(config.activation, model), "head", None)  # kept whole, as initialize keeps it
-    tile_linears(model, config.units.tile_bytes, compute_dtype.itemsize, keep=tuple(filter(None, [head])))
+    from infinity.runtime.chunked_loss import kept_whole, loss_forward
+    tile_layers(model, config.units.tile_bytes, compute_dtype.itemsize,
+                keep=kept_whole(loss_forward(config.activation, model)))  # as initialize
     comm = Comm(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
                 compute_dtype=compute_dtype, streams=Streams.for_device(torch.device("cpu")),
                 stage=stage_for(config.zero.stage), sub_group_size=config.optimizer.sub_group_size)
@@ -271,12 +271,12 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         else:
             rates = link_rates.cached_link_rates(cuda)
     traced = make_model()  # a second copy: tracing moves its buffers to the meta device
-    from infinity.runtime.chunked_loss import loss_forward  # the forward the engine runs (Note [chunked loss])
-    from infinity.units.tiling import tile_linears
+    from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
+    from infinity.units.tiling import tile_layers
     from infinity.units.unit import activation_modules
     forward = loss_forward(config.activation, traced.model)
-    tile_linears(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
-                 keep=tuple(filter(None, [getattr(forward, "head", None)])))  # as initialize
+    tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
+                keep=kept_whole(forward))  # as initialize
     trace = trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch_size, seq_len,
                        [m for _, m in activation_modules(traced.model, list(config.units.classes))])
     flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)

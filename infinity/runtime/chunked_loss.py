@@ -88,6 +88,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, shift_labels: t
     y = shift_labels.reshape(-1).to(h.device)
     if y.numel() != h.shape[0]:
         raise ValueError(f"chunked loss: {h.shape[0]} hidden states but {y.numel()} labels")
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"chunked loss: the head must be a plain nn.Linear, got a {type(head).__name__} (a head "
+                         f"over [units] tile_bytes is tiled: raise tile_bytes above the head's size, or set "
+                         f"activation.loss_chunk_tokens = 0)")
     return _ChunkedCrossEntropy.apply(h, head.weight, head.bias, y, int(chunk_tokens))
 
 
@@ -169,6 +173,12 @@ def loss_forward(activation, model: nn.Module):
     raise ConfigError(f"activation.loss_chunk_tokens = {chunk}: {type(model).__name__} is not a Hugging Face "
                       f"causal LM and has no chunked_loss_parts(...) method, so its loss cannot be chunked; set "
                       f"activation.loss_chunk_tokens = 0, or give the model chunked_loss_parts (Note [chunked loss])")
+
+
+def kept_whole(forward) -> tuple[nn.Module, ...]:
+    """The modules `forward` (from `loss_forward`) reads whole, which tiling must leave as they are (Note [tiles are
+    units]): an HF chunked loss's head. None for the model itself, whatever its attributes are called."""
+    return (forward.head,) if isinstance(forward, HFChunkedLoss) else ()
 
 
 def logits_bytes_saved(batch: int, seq_len: int, vocab: int, chunk_tokens: int, dtype_bytes: int = 4) -> int:

@@ -38,7 +38,7 @@ from infinity.profile import NullProfiler, Profiler
 from infinity.profile.clock import TrainingClock
 from infinity.runtime.accumulation import AccumulationWindow
 from infinity.runtime.activations import activations_for
-from infinity.runtime.chunked_loss import loss_forward
+from infinity.runtime.chunked_loss import kept_whole, loss_forward
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from infinity.runtime.inference import InferenceForwards
@@ -54,7 +54,7 @@ from infinity.state.checkpoint import load as load_checkpoint
 from infinity.state.references import PretrainedRefs
 from infinity.state.state_dict import full_state_dict
 from infinity.state.weights import plan_weights
-from infinity.units.tiling import tile_linears
+from infinity.units.tiling import tile_layers
 from infinity.units.unit import Comm, Unit, build_units, split_regions, units_in
 
 __all__ = ["Engine", "NonFiniteGradError", "initialize"]
@@ -80,8 +80,8 @@ class Engine:
                     sub_group_size=config.optimizer.sub_group_size)
         self.forward_fn = loss_forward(config.activation, model)  # the model, or its chunked loss (checked first)
         # Note [tiles are units] (units/tiling.py): after the groups, which name the untiled parameters
-        self.tiling = tile_linears(model, config.units.tile_bytes, self.compute_dtype.itemsize,
-                                   keep=tuple(filter(None, [getattr(self.forward_fn, "head", None)])))
+        self.tiling = tile_layers(model, config.units.tile_bytes, self.compute_dtype.itemsize,
+                                  keep=kept_whole(self.forward_fn))
         self.units = build_units(model, list(config.units.classes), comm)
         self.regions = split_regions(model, list(config.units.classes), self.units)  # checkpointed whole
         group_of = self.tiling.by_tile(self.groups.group_of)

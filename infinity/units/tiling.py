@@ -1,7 +1,7 @@
-"""Memory-centric tiling: a Linear larger than `[units] tile_bytes` runs as tiles of its output rows.
+"""Memory-centric tiling: a Linear or Embedding larger than `[units] tile_bytes` runs as tiles of its rows.
 
 Note [tiles are units]: a unit is the engine's unit of fetch and release, so a layer larger than the
-device can hold cannot be one. Before units are formed, `tile_linears` replaces every nn.Linear whose
+device can hold cannot be one. Before units are formed, `tile_layers` replaces every nn.Linear whose
 parameters (weight and bias, in the compute dtype) exceed `tile_bytes` by a `TiledLinear`: k plain
 nn.Linear tiles over consecutive output rows, each at most `tile_bytes`, whose outputs are concatenated
 on the last dimension (the bias is split with its rows). Row i of the output reads row i of the weight
@@ -15,6 +15,14 @@ ranges of the untiled weight (row-major) and bias, so `Tiling` maps each tile pa
 element offset): state dicts, checkpoint exports and `weights=` speak the untiled names; a checkpoint
 records the tiling and refuses a run tiled otherwise. A Linear tied to another module (an output head
 sharing the embedding) is never tiled: its parameter is one value under two names.
+
+An nn.Embedding (a large vocabulary's input table) tiles the same way, over consecutive rows of its table:
+`TiledEmbedding` gives each tile the token ids in its row range (shifted to the tile's first row; others
+clamped into range and their looked-up rows replaced by zeros) and sums the tiles' outputs, so every output
+row is the untiled lookup exactly (one nonzero term, the rest +0.0) and each tile's gradient holds its rows'
+contributions alone; a tile holding `padding_idx` keeps it (shifted), so that row still gets no gradient.
+Embeddings with `max_norm`, `sparse` or `scale_grad_by_freq` are not tiled (they renormalize or scale over
+the whole table), nor is one tied to another module.
 
 With `[activation] checkpoint = "units"` a split block is checkpointed whole (`split_regions`; activations.py),
 not unit by unit: otherwise what runs between its units (attention, the activation function on the
@@ -51,6 +59,31 @@ class TiledLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tiles={len(self.tiles)}"
+
+
+class TiledEmbedding(nn.Module):
+    """An nn.Embedding as consecutive row tiles (`tiles[i]` holds rows [starts[i], starts[i] + its rows))."""
+
+    def __init__(self, tiles: list[nn.Embedding], num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tiles = nn.ModuleList(tiles)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.starts = [sum(t.num_embeddings for t in tiles[:i]) for i in range(len(tiles))]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = None
+        for start, tile in zip(self.starts, self.tiles):
+            local = ids - start
+            inside = ((local >= 0) & (local < tile.num_embeddings)).unsqueeze(-1)
+            rows = torch.where(inside, tile(local.clamp(0, tile.num_embeddings - 1)), 0.0)
+            out = rows if out is None else out + rows
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, tiles={len(self.tiles)}"
+
+
+TILED = (TiledLinear, TiledEmbedding)  # the tiled layers: each of their `tiles` is a unit
 
 
 @dataclass(frozen=True)
@@ -103,65 +136,99 @@ class Tiling:
         return {"tile_bytes": self.tile_bytes, "origins": origins}
 
 
-def _tied_linears(model: nn.Module) -> set[int]:
-    """ids of the Linears whose weight or bias another module also holds (never tiled)."""
+def _tied(model: nn.Module) -> set[int]:
+    """ids of the modules whose parameter another module also holds (never tiled)."""
     holders: dict[int, int] = {}
     for module in model.modules():
         for p in module._parameters.values():
             if p is not None:
                 holders[id(p)] = holders.get(id(p), 0) + 1
-    return {id(m) for m in model.modules() if isinstance(m, nn.Linear)
-            and any(holders[id(p)] > 1 for p in m._parameters.values() if p is not None)}
+    return {id(m) for m in model.modules()
+            if any(holders[id(p)] > 1 for p in m._parameters.values() if p is not None)}
+
+
+def _tile_params(layer: nn.Module, tile: nn.Module, start: int, end: int) -> nn.Module:
+    """`tile` (built on meta) given rows [start, end) of `layer`'s parameters (real values are copied, meta ones
+    stay meta; same dtype)."""
+    for attr, value in layer._parameters.items():
+        if value is None:
+            continue
+        part = value.detach()[start:end] if value.device.type != "meta" else \
+            torch.empty((end - start,) + tuple(value.shape[1:]), dtype=value.dtype, device="meta")
+        tile._parameters[attr] = nn.Parameter(part.clone() if part.device.type != "meta" else part,
+                                              requires_grad=value.requires_grad)
+    return tile
 
 
 def _split(linear: nn.Linear, rows: int) -> list[nn.Linear]:
-    """Row tiles of `linear` (same device and dtype; real values are copied, meta ones stay meta)."""
-    w, b = linear.weight, linear.bias
+    """Row tiles of `linear`."""
+    return [_tile_params(linear, nn.Linear(linear.in_features, min(rows, linear.out_features - start),
+                                           bias=linear.bias is not None, device="meta"),
+                         start, min(start + rows, linear.out_features))
+            for start in range(0, linear.out_features, rows)]
+
+
+def _split_embedding(emb: nn.Embedding, rows: int) -> list[nn.Embedding]:
+    """Row tiles of `emb`; the one holding `padding_idx` keeps it, shifted to its rows."""
     tiles = []
-    for start in range(0, linear.out_features, rows):
-        end = min(start + rows, linear.out_features)
-        tile = nn.Linear(linear.in_features, end - start, bias=b is not None, device="meta")
-        for attr, value in (("weight", w), ("bias", b)):
-            if value is None:
-                continue
-            part = value.detach()[start:end] if value.device.type != "meta" else \
-                torch.empty((end - start,) + tuple(value.shape[1:]), dtype=value.dtype, device="meta")
-            tile._parameters[attr] = nn.Parameter(part.clone() if part.device.type != "meta" else part,
-                                                  requires_grad=value.requires_grad)
-        tiles.append(tile)
+    for start in range(0, emb.num_embeddings, rows):
+        end = min(start + rows, emb.num_embeddings)
+        pad = emb.padding_idx - start if emb.padding_idx is not None and start <= emb.padding_idx < end else None
+        tiles.append(_tile_params(emb, nn.Embedding(end - start, emb.embedding_dim, padding_idx=pad, device="meta"),
+                                  start, end))
     return tiles
 
 
-def tile_linears(model: nn.Module, tile_bytes: int, itemsize: int, keep: tuple[nn.Module, ...] = ()) -> Tiling:
-    """Replace, in place, every untied nn.Linear of `model` whose parameters exceed `tile_bytes` (at `itemsize`
-    bytes per element) by a TiledLinear of tiles of at most `tile_bytes` (Note [tiles are units]), except
-    the modules in `keep` (a head the chunked loss reads whole). Returns the map from tile parameters to the
-    untiled ones; nothing happens with tile_bytes = 0."""
+def _tileable(name: str, m: nn.Module) -> bool:
+    """A layer `tile_layers` may split (a PEFT layer's base_layer is its own to read)."""
+    if name.endswith("base_layer"):
+        return False
+    if type(m) is nn.Embedding:
+        return m.max_norm is None and not m.sparse and not m.scale_grad_by_freq
+    return type(m) is nn.Linear
+
+
+def _rows(layer: nn.Module) -> tuple[int, int]:
+    """(rows, elements per row including the bias) of a Linear's outputs or an Embedding's table."""
+    if isinstance(layer, nn.Embedding):
+        return layer.num_embeddings, layer.embedding_dim
+    return layer.out_features, layer.in_features + (layer.bias is not None)
+
+
+def tile_layers(model: nn.Module, tile_bytes: int, itemsize: int, keep: tuple[nn.Module, ...] = ()) -> Tiling:
+    """Replace, in place, every untied nn.Linear and nn.Embedding of `model` whose parameters exceed `tile_bytes`
+    (at `itemsize` bytes per element) by a TiledLinear / TiledEmbedding of tiles of at most `tile_bytes` (Note
+    [tiles are units]), except the modules in `keep` (a head the chunked loss reads whole). Returns the map
+    from tile parameters to the untiled ones; nothing happens with tile_bytes = 0."""
     tiling = Tiling(tile_bytes=tile_bytes)
     if tile_bytes <= 0:
         return tiling
     keys = list(model.state_dict(keep_vars=True).keys())
-    tied = _tied_linears(model) | {id(m) for m in keep}
-    targets = [(name, m) for name, m in model.named_modules()  # (a PEFT layer's base_layer is its own to read)
-               if type(m) is nn.Linear and id(m) not in tied and not name.endswith("base_layer")]
-    for name, linear in targets:
-        row_bytes = (linear.in_features + (linear.bias is not None)) * itemsize
-        if row_bytes * linear.out_features <= tile_bytes:
+    tied = _tied(model) | {id(m) for m in keep}
+    targets = [(name, m) for name, m in model.named_modules() if _tileable(name, m) and id(m) not in tied]
+    for name, layer in targets:
+        total_rows, per_row = _rows(layer)
+        row_bytes = per_row * itemsize
+        if row_bytes * total_rows <= tile_bytes:
             continue
         if row_bytes > tile_bytes:
             raise ConfigError(f"[units] tile_bytes = {tile_bytes} is less than one row of {name} "
-                             f"({linear.in_features} inputs: {row_bytes} bytes), the smallest tile: set tile_bytes "
+                             f"({per_row} elements: {row_bytes} bytes), the smallest tile: set tile_bytes "
                              f"to at least {row_bytes} (or 0 to turn tiling off)")
         rows = tile_bytes // row_bytes
-        k = math.ceil(linear.out_features / rows)
-        rows = math.ceil(linear.out_features / k)  # k tiles of (nearly) equal rows, each within tile_bytes
-        tiles = _split(linear, rows)
+        k = math.ceil(total_rows / rows)
+        rows = math.ceil(total_rows / k)  # k tiles of (nearly) equal rows, each within tile_bytes
+        if isinstance(layer, nn.Embedding):
+            tiles = _split_embedding(layer, rows)
+            tiled = TiledEmbedding(tiles, layer.num_embeddings, layer.embedding_dim)
+        else:
+            tiles = _split(layer, rows)
+            tiled = TiledLinear(tiles, layer.in_features, layer.out_features)
         parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, attr, TiledLinear(tiles, linear.in_features, linear.out_features))
+        setattr(model.get_submodule(parent_name), attr, tiled)
         for pattr in ("weight", "bias"):
             origin = f"{name}.{pattr}"
-            value = getattr(linear, pattr)
+            value = getattr(layer, pattr, None)
             if value is None:
                 continue
             per_row = value[0].numel() if value.dim() > 1 else 1
@@ -178,4 +245,4 @@ def tile_linears(model: nn.Module, tile_bytes: int, itemsize: int, keep: tuple[n
 
 
 def contains_tiles(module: nn.Module) -> bool:
-    return any(isinstance(m, TiledLinear) for m in module.modules())
+    return any(isinstance(m, TILED) for m in module.modules())

@@ -46,7 +46,7 @@ from infinity.memory.stages import Stage, UnitLayout, padded_numel, stage_for
 from infinity.memory.tier import Kind, Tier
 from infinity.profile import Link
 from infinity.units.sharded_param import ParamSlot, collect_slots, install, layout
-from infinity.units.tiling import TiledLinear, contains_tiles
+from infinity.units.tiling import TILED, contains_tiles
 
 
 class UnitState(enum.Enum):
@@ -364,15 +364,15 @@ def find_unit_modules(model: nn.Module, classes: list[str]) -> list[tuple[str, n
 
     With `classes` (from `[units] classes`): every module whose class name is listed
     (not descending into one once found). Otherwise: the children of each
-    `nn.ModuleList` that hold parameters (the repeated blocks). Every tile of a TiledLinear is a unit, and
-    a block holding one is split into its children that hold parameters, recursively, so that units do not
-    nest (Note [tiles are units] in tiling.py).
+    `nn.ModuleList` that hold parameters (the repeated blocks). Every tile of a TiledLinear or TiledEmbedding
+    is a unit, and a block holding one is split into its children that hold parameters, recursively, so that
+    units do not nest (Note [tiles are units] in tiling.py).
     """
     return _walk(model, classes)[0]
 
 
 def split_blocks(model: nn.Module, classes: list[str]) -> list[tuple[str, nn.Module]]:
-    """The blocks that would be units but hold a TiledLinear, so their children are (outermost only)."""
+    """The blocks that would be units but hold a tiled layer, so their children are (outermost only)."""
     return _walk(model, classes)[1]
 
 
@@ -401,7 +401,7 @@ def _walk(model: nn.Module, classes: list[str]) -> tuple[list[tuple[str, nn.Modu
     def walk(prefix: str, module: nn.Module, split: bool = False) -> None:
         for name, child in module.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, TiledLinear):
+            if isinstance(child, TILED):
                 found.extend((f"{path}.tiles.{i}", tile) for i, tile in enumerate(child.tiles))
                 continue
             holds = any(True for _ in child.parameters())

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import infinity
 from infinity.state.checkpoint import CheckpointError
-from infinity.units.tiling import TiledLinear, tile_linears
+from infinity.units.tiling import TiledEmbedding, TiledLinear, tile_layers
 
 VOCAB, D, HIDDEN = 64, 16, 2048
 TILE = 16 * 1024  # bytes: the up projection (16 x 2048 + 2048 fp32 = 136 KiB) runs as 9 tiles, the down as 16
@@ -77,7 +77,7 @@ def test_tiled_linear_equals_the_linear_bitwise():
     model = nn.Sequential(nn.Linear(16, 1000))
     x = torch.randn(3, 5, 16)
     expected = model(x)
-    tiling = tile_linears(model, 4096, 4)
+    tiling = tile_layers(model, 4096, 4)
     assert isinstance(model[0], TiledLinear) and len(model[0].tiles) == 17  # 17 x 59 rows of 68 bytes <= 4 KiB
     assert all(sum(p.numel() for p in t.parameters()) * 4 <= 4096 for t in model[0].tiles)
     assert torch.equal(model(x), expected)
@@ -118,7 +118,7 @@ def train(engine, data) -> list[float]:
 
 def test_a_tile_smaller_than_a_row_is_refused_naming_the_least_size():
     with pytest.raises(infinity.ConfigError, match=r"tile_bytes = 50 is less than one row of 0 .*at least 68"):
-        tile_linears(nn.Sequential(nn.Linear(16, 1000)), 50, 4)
+        tile_layers(nn.Sequential(nn.Linear(16, 1000)), 50, 4)
 
 
 @pytest.mark.parametrize("params", ["nvme", "host"])
@@ -144,6 +144,78 @@ def test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, params
     assert list(state) == list(ref_state)  # the untiled names, in the untiled order
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+BIG_VOCAB = 2048  # the input table: 2048 x 16 fp32 = 128 KiB, over the 96 KiB device budget
+
+
+class BigVocab(nn.Module):
+    """An input embedding (with a padding row) larger than the device budget; a small head (64 classes), so the
+    embedding is the one tiled layer (a tiled Linear's input gradient sums its tiles' parts: not bitwise)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(BIG_VOCAB, D, padding_idx=3)
+        self.blocks = nn.ModuleList([Mlp(32), Mlp(32)])
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def test_tiled_embedding_equals_the_embedding_bitwise():
+    """Each output row is the untiled lookup, the table's gradient the untiled one (the padding row's zero)."""
+    torch.manual_seed(0)
+    model, ids = nn.Sequential(nn.Embedding(1000, 16, padding_idx=437)), torch.randint(0, 1000, (4, 33))
+    ids[0, :5] = 437
+    untiled = copy.deepcopy(model)
+    tiling = tile_layers(model, 4096, 4)
+    assert isinstance(model[0], TiledEmbedding) and len(model[0].tiles) == 16  # 16 x 63 rows of 64 bytes <= 4 KiB
+    assert [t.padding_idx for t in model[0].tiles].count(437 - 6 * 63) == 1
+    out, expected = model(ids), untiled(ids)
+    assert torch.equal(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    grads = tiling.untile({f"0.tiles.{i}.weight": t.weight.grad for i, t in enumerate(model[0].tiles)})
+    assert torch.equal(grads["0.weight"], untiled[0].weight.grad) and not grads["0.weight"][437].any()
+
+
+def test_an_embedding_larger_than_the_device_budget_trains_at_parity(tmp_path):
+    torch.manual_seed(0)
+    model = BigVocab()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, BIG_VOCAB, (4, 8), generator=g), torch.randint(0, VOCAB, (4, 8), generator=g))
+            for _ in range(4)]
+    data[0][0][0, :3] = 3  # the padding row
+    ref_losses, ref_state = reference(model, data)
+    tiled = copy.deepcopy(model)
+    engine = infinity.initialize(tiled, config(tmp_path, TILE), param_groups=groups_of(tiled))
+    try:
+        losses = train(engine, data)
+        names = [u.name for u in engine.units]
+        assert names == ["<root>"] + [f"emb.tiles.{i}" for i in range(8)] + ["blocks.0", "blocks.1"]
+        assert max(u.peak_unsharded for u in engine.units[1:]) <= TILE < BIG_VOCAB * D * 4
+        state = engine.full_state_dict()
+    finally:
+        engine.close()
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)  # (the lookup and its gradient are exact)
+    assert list(state) == list(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_layer_called_head_is_tiled_unless_a_chunked_loss_reads_it(tmp_path):
+    """Only a chunked loss's head is kept whole: a model's own attribute called `head` is no exception (it was:
+    the engine asked the forward for a `head` attribute, and the forward without a chunked loss is the model)."""
+    engine = infinity.initialize(BigVocab(), config(tmp_path, 2048, device_budget=None))
+    try:
+        assert "head.tiles.1" in [u.name for u in engine.units]
+    finally:
+        engine.close()
 
 
 class LiveUnsharded:
