@@ -33,10 +33,10 @@ class Mlp(nn.Module):
 class Wide(nn.Module):
     """Embedding, a block with a layer wider than the device budget, a narrow block, an untied head."""
 
-    def __init__(self):
+    def __init__(self, emb: nn.Embedding | None = None, hidden: int = HIDDEN):
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList([Mlp(HIDDEN), Mlp(32)])
+        self.emb = nn.Embedding(VOCAB, D) if emb is None else emb
+        self.blocks = nn.ModuleList([Mlp(hidden), Mlp(32)])
         self.head = nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, idx, targets):
@@ -149,21 +149,10 @@ def test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, params
 BIG_VOCAB = 2048  # the input table: 2048 x 16 fp32 = 128 KiB, over the 96 KiB device budget
 
 
-class BigVocab(nn.Module):
-    """An input embedding (with a padding row) larger than the device budget; a small head (64 classes), so the
-    embedding is the one tiled layer (a tiled Linear's input gradient sums its tiles' parts: not bitwise)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(BIG_VOCAB, D, padding_idx=3)
-        self.blocks = nn.ModuleList([Mlp(32), Mlp(32)])
-        self.head = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, idx, targets):
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return F.cross_entropy(self.head(x).reshape(-1, VOCAB), targets.reshape(-1))
+def big_vocab() -> Wide:
+    """An input embedding (with a padding row) larger than the device budget, narrow blocks and a small head (64
+    classes): the embedding is the one tiled layer (a tiled Linear's input gradient sums its tiles': not bitwise)."""
+    return Wide(nn.Embedding(BIG_VOCAB, D, padding_idx=3), hidden=32)
 
 
 def test_tiled_embedding_equals_the_embedding_bitwise():
@@ -186,7 +175,7 @@ def test_tiled_embedding_equals_the_embedding_bitwise():
 
 def test_an_embedding_larger_than_the_device_budget_trains_at_parity(tmp_path):
     torch.manual_seed(0)
-    model = BigVocab()
+    model = big_vocab()
     g = torch.Generator().manual_seed(1)
     data = [(torch.randint(0, BIG_VOCAB, (4, 8), generator=g), torch.randint(0, VOCAB, (4, 8), generator=g))
             for _ in range(4)]
@@ -211,7 +200,7 @@ def test_an_embedding_larger_than_the_device_budget_trains_at_parity(tmp_path):
 def test_a_layer_called_head_is_tiled_unless_a_chunked_loss_reads_it(tmp_path):
     """Only a chunked loss's head is kept whole: a model's own attribute called `head` is no exception (it was:
     the engine asked the forward for a `head` attribute, and the forward without a chunked loss is the model)."""
-    engine = infinity.initialize(BigVocab(), config(tmp_path, 2048, device_budget=None))
+    engine = infinity.initialize(big_vocab(), config(tmp_path, 2048, device_budget=None))
     try:
         assert "head.tiles.1" in [u.name for u in engine.units]
     finally:
