@@ -348,3 +348,21 @@ def test_tiles_at_world_2_match_torch_adamw(tmp_path, stage):
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     for key, value in ref_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_hugging_face_llama_tiled_gives_transformers_logits_and_generation(tmp_path):
+    """Its untied input embedding and projections tiled (Note [tiles are units]): the logits are transformers' own,
+    and greedy generation (which reads the input embeddings through the model) gives the same tokens."""
+    import hf_tiny  # (tests/helpers; imports transformers)
+    reference = hf_tiny.reference("llama")
+    engine = infinity.initialize(copy.deepcopy(reference), {**hf_tiny.HOST, "units": {"tile_bytes": 8192}})
+    try:
+        names = [u.name for u in engine.units]
+        assert "model.embed_tokens.tiles.2" in names and "model.layers.0.self_attn.q_proj.tiles.1" in names
+        x = hf_tiny.prompt()
+        with torch.no_grad():
+            assert torch.equal(engine(x).logits, reference(x).logits)
+        greedy = {"max_new_tokens": 3, "do_sample": False}
+        assert torch.equal(engine.generate(x[:, :4], **greedy), reference.generate(x[:, :4], **greedy))
+    finally:
+        engine.close()
