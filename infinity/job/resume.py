@@ -9,7 +9,8 @@ of (data.seed, step, micro-batch) (Note [same batches at every world size] in da
 the step *is* the data position; the LR schedule position is the engine's update counter,
 restored by `load_checkpoint`. `--resume` takes the run's config.toml (or --config) plus
 --set, refuses changes to the model or the batches (they would make the continuation differ
-from the uninterrupted run), drops the metrics of steps after the checkpoint (a run killed
+from the uninterrupted run; a pretrained directory that only moved is the same model: Note
+[moved pretrained directory]), drops the metrics of steps after the checkpoint (a run killed
 between checkpoints re-trains them), and continues in the same run directory. The final
 checkpoint replaces the old `checkpoint/` by renames; `latest_checkpoint` picks the complete
 checkpoint with the most steps, so a crash between those renames loses nothing.
@@ -18,6 +19,7 @@ checkpoint with the most steps, so a crash between those renames loses nothing.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -45,7 +47,41 @@ class Resume:
 def train_position(job: Job, config: Config, step: int, elapsed_s: float, world: int) -> dict:
     """The user state saved with every checkpoint of the job (Note [resume])."""
     return {"train": {"step": step, "elapsed_s": elapsed_s, "world_size": world,
-                      "model": job.model_identity(), "batches": _batch_keys(job, config)}}
+                      "model": job.model_identity(), "batches": _batch_keys(job, config),
+                      "pretrained_files": pretrained_fingerprint(job.model.pretrained)}}
+
+
+# What a pretrained directory's model and tokens are, besides its weights (Note [moved pretrained directory])
+PRETRAINED_IDENTITY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                             "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json",
+                             "added_tokens.json", "chat_template.jinja")
+
+
+def pretrained_fingerprint(directory: str) -> dict[str, str]:
+    """SHA-256 of each of the directory's PRETRAINED_IDENTITY_FILES that exists ({} without a directory).
+
+    Note [moved pretrained directory]: a run records `model.pretrained` as a path, and `--resume` refuses a
+    change of the model; but a directory moved or copied elsewhere (another node, another disk) is the same
+    model. So each checkpoint also records the hashes of the files that define the architecture and the
+    tokens (the batches are tokenized with them), and `--resume --set model.pretrained=NEW` is accepted when
+    NEW holds the same files, byte for byte. The weights are not hashed here: a checkpoint holds the trained
+    ones, and the frozen ones it refers to are verified as they are read (Note [pretrained references])."""
+    if not directory or not os.path.isdir(directory):
+        return {}
+    return {name: hashlib.sha256(Path(directory, name).read_bytes()).hexdigest()
+            for name in PRETRAINED_IDENTITY_FILES if os.path.isfile(os.path.join(directory, name))}
+
+
+def _moved_pretrained(position: dict, directory: str) -> str | None:
+    """None when `directory` is the run's pretrained model moved (Note [moved pretrained directory]); else why not."""
+    saved = position.get("pretrained_files")
+    if not saved:
+        return "the checkpoint records no hashes of its pretrained files (saved by an older infinity)"
+    if not os.path.isdir(directory):
+        return f"{directory} is not a directory"
+    now = pretrained_fingerprint(directory)
+    differ = sorted(name for name in set(saved) | set(now) if saved.get(name) != now.get(name))
+    return f"its {', '.join(differ)} differ from the run's" if differ else None
 
 
 def _batch_keys(job: Job, config: Config) -> dict:
@@ -137,6 +173,13 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
     config = job.engine_config(str(run_dir))
     saved_model, saved_batches = position.get("model", {}), position.get("batches", {})
     for key, value in job.model_identity().items():
+        if key == "pretrained" and value and saved_model.get(key) not in (None, value):
+            why = _moved_pretrained(position, value)
+            if why is not None:
+                raise ConfigError(f"--resume {path}: model.pretrained = {show(value)}, but the checkpoint was trained "
+                                  f"with model.pretrained = {show(saved_model[key])}, and {why}: point "
+                                  f"model.pretrained at the run's pretrained directory, or at an unchanged copy of it")
+            continue  # the same model, moved (Note [moved pretrained directory])
         if key in saved_model and saved_model[key] != value:
             raise ConfigError(f"--resume {path}: model.{key} = {show(value)}, but the checkpoint was trained with "
                               f"model.{key} = {show(saved_model[key])}: resume with the run's model (drop the "

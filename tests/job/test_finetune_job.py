@@ -235,3 +235,32 @@ def test_the_data_is_tokenized_by_the_pretrained_tokenizer_or_bytes(pretrained, 
     _tokenizer(vocab_size=400).save_pretrained(big)
     with pytest.raises(ConfigError, match="beyond the model's vocabulary of 260"):
         job_batches(_job(big, corpus, tmp_path))
+
+
+def test_resume_follows_a_moved_pretrained_directory_and_refuses_a_changed_one(pretrained, corpus, tmp_path):
+    """Note [moved pretrained directory]: `--resume --set model.pretrained=NEW` with the run's pretrained directory
+    moved to NEW continues exactly as from the old path (the LoRA checkpoint's frozen weights are referred to in
+    NEW); a copy whose tokenizer or config differs is refused, naming the file."""
+    import shutil
+    base = tmp_path / "base"
+    shutil.copytree(pretrained, base)
+    train(_job(base, corpus, tmp_path, "run.steps=2", "model.lora.r=2", "run.export=false"), verbose=False)
+    shutil.copytree(tmp_path / "r", tmp_path / "stayed" / "r")  # the same run, resumed from the old path
+    stayed, resume = load_resume(tmp_path / "stayed" / "r", None, ["run.steps=4"])
+    train(stayed, verbose=False, resume=resume)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    expected = _engine_logits(stayed, tmp_path / "stayed" / "r" / "checkpoint", x)
+
+    moved = tmp_path / "moved"
+    shutil.move(base, moved)
+    changed = tmp_path / "changed"
+    shutil.copytree(moved, changed)
+    config = json.loads((changed / "config.json").read_text())
+    (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    with pytest.raises(ConfigError, match=r"model.pretrained = .*changed.*config.json differ from the run's"):
+        load_resume(tmp_path / "r", None, ["run.steps=4", f"model.pretrained={changed}"])
+    with pytest.raises(ConfigError, match="elsewhere is not a directory"):
+        load_resume(tmp_path / "r", None, ["run.steps=4", f"model.pretrained={tmp_path / 'elsewhere'}"])
+    again, resume = load_resume(tmp_path / "r", None, ["run.steps=4", f"model.pretrained={moved}"])
+    assert train(again, verbose=False, resume=resume).steps == 4
+    assert torch.equal(_engine_logits(again, tmp_path / "r" / "checkpoint", x), expected)
