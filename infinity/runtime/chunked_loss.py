@@ -177,7 +177,7 @@ def loss_forward(activation, model: nn.Module):
 
 def kept_whole(forward) -> tuple[nn.Module, ...]:
     """The modules `forward` (from `loss_forward`) reads whole, which tiling must leave as they are (Note [tiles are
-    units]): an HF chunked loss's head. None for the model itself, whatever its attributes are called."""
+    units]): an HF chunked loss's head; nothing for the model itself, whatever its attributes are called."""
     return (forward.head,) if isinstance(forward, HFChunkedLoss) else ()
 
 

@@ -60,6 +60,24 @@ class TiledLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, tiles={len(self.tiles)}"
 
+    @staticmethod
+    def accepts(linear: nn.Linear) -> bool:
+        return True
+
+    @staticmethod
+    def rows_of(linear: nn.Linear) -> tuple[int, int]:
+        """(rows, elements per row): its outputs, each with its inputs' weights and the bias."""
+        return linear.out_features, linear.in_features + (linear.bias is not None)
+
+    @classmethod
+    def split(cls, linear: nn.Linear, rows: int) -> "TiledLinear":
+        """`linear` as tiles of `rows` output rows (the last may be fewer)."""
+        tiles = [_tile_params(linear, nn.Linear(linear.in_features, min(rows, linear.out_features - start),
+                                                bias=linear.bias is not None, device="meta"),
+                              start, min(start + rows, linear.out_features))
+                 for start in range(0, linear.out_features, rows)]
+        return cls(tiles, linear.in_features, linear.out_features)
+
 
 class TiledEmbedding(nn.Module):
     """An nn.Embedding as consecutive row tiles (`tiles[i]` holds rows [starts[i], starts[i] + its rows))."""
@@ -82,8 +100,30 @@ class TiledEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tiles={len(self.tiles)}"
 
+    @staticmethod
+    def accepts(emb: nn.Embedding) -> bool:
+        """Not one that renormalizes or scales over the whole table."""
+        return emb.max_norm is None and not emb.sparse and not emb.scale_grad_by_freq
 
-TILED = (TiledLinear, TiledEmbedding)  # the tiled layers: each of their `tiles` is a unit
+    @staticmethod
+    def rows_of(emb: nn.Embedding) -> tuple[int, int]:
+        """(rows, elements per row) of its table."""
+        return emb.num_embeddings, emb.embedding_dim
+
+    @classmethod
+    def split(cls, emb: nn.Embedding, rows: int) -> "TiledEmbedding":
+        """`emb` as tiles of `rows` table rows; the one holding `padding_idx` keeps it, shifted to its rows."""
+        tiles = []
+        for start in range(0, emb.num_embeddings, rows):
+            end = min(start + rows, emb.num_embeddings)
+            pad = emb.padding_idx - start if emb.padding_idx is not None and start <= emb.padding_idx < end else None
+            tiles.append(_tile_params(emb, nn.Embedding(end - start, emb.embedding_dim, padding_idx=pad,
+                                                        device="meta"), start, end))
+        return cls(tiles, emb.num_embeddings, emb.embedding_dim)
+
+
+_TILED_OF = {nn.Linear: TiledLinear, nn.Embedding: TiledEmbedding}  # the one answer to "how is this layer tiled"
+TILED = tuple(_TILED_OF.values())  # the tiled layers: each of their `tiles` is a unit
 
 
 @dataclass(frozen=True)
@@ -160,41 +200,6 @@ def _tile_params(layer: nn.Module, tile: nn.Module, start: int, end: int) -> nn.
     return tile
 
 
-def _split(linear: nn.Linear, rows: int) -> list[nn.Linear]:
-    """Row tiles of `linear`."""
-    return [_tile_params(linear, nn.Linear(linear.in_features, min(rows, linear.out_features - start),
-                                           bias=linear.bias is not None, device="meta"),
-                         start, min(start + rows, linear.out_features))
-            for start in range(0, linear.out_features, rows)]
-
-
-def _split_embedding(emb: nn.Embedding, rows: int) -> list[nn.Embedding]:
-    """Row tiles of `emb`; the one holding `padding_idx` keeps it, shifted to its rows."""
-    tiles = []
-    for start in range(0, emb.num_embeddings, rows):
-        end = min(start + rows, emb.num_embeddings)
-        pad = emb.padding_idx - start if emb.padding_idx is not None and start <= emb.padding_idx < end else None
-        tiles.append(_tile_params(emb, nn.Embedding(end - start, emb.embedding_dim, padding_idx=pad, device="meta"),
-                                  start, end))
-    return tiles
-
-
-def _tileable(name: str, m: nn.Module) -> bool:
-    """A layer `tile_layers` may split (a PEFT layer's base_layer is its own to read)."""
-    if name.endswith("base_layer"):
-        return False
-    if type(m) is nn.Embedding:
-        return m.max_norm is None and not m.sparse and not m.scale_grad_by_freq
-    return type(m) is nn.Linear
-
-
-def _rows(layer: nn.Module) -> tuple[int, int]:
-    """(rows, elements per row including the bias) of a Linear's outputs or an Embedding's table."""
-    if isinstance(layer, nn.Embedding):
-        return layer.num_embeddings, layer.embedding_dim
-    return layer.out_features, layer.in_features + (layer.bias is not None)
-
-
 def tile_layers(model: nn.Module, tile_bytes: int, itemsize: int, keep: tuple[nn.Module, ...] = ()) -> Tiling:
     """Replace, in place, every untied nn.Linear and nn.Embedding of `model` whose parameters exceed `tile_bytes`
     (at `itemsize` bytes per element) by a TiledLinear / TiledEmbedding of tiles of at most `tile_bytes` (Note
@@ -205,9 +210,12 @@ def tile_layers(model: nn.Module, tile_bytes: int, itemsize: int, keep: tuple[nn
         return tiling
     keys = list(model.state_dict(keep_vars=True).keys())
     tied = _tied(model) | {id(m) for m in keep}
-    targets = [(name, m) for name, m in model.named_modules() if _tileable(name, m) and id(m) not in tied]
+    targets = [(name, m) for name, m in model.named_modules()  # (a PEFT layer's base_layer is its own to read)
+               if type(m) in _TILED_OF and _TILED_OF[type(m)].accepts(m) and id(m) not in tied
+               and not name.endswith("base_layer")]
     for name, layer in targets:
-        total_rows, per_row = _rows(layer)
+        tiled_type = _TILED_OF[type(layer)]
+        total_rows, per_row = tiled_type.rows_of(layer)
         row_bytes = per_row * itemsize
         if row_bytes * total_rows <= tile_bytes:
             continue
@@ -218,12 +226,7 @@ def tile_layers(model: nn.Module, tile_bytes: int, itemsize: int, keep: tuple[nn
         rows = tile_bytes // row_bytes
         k = math.ceil(total_rows / rows)
         rows = math.ceil(total_rows / k)  # k tiles of (nearly) equal rows, each within tile_bytes
-        if isinstance(layer, nn.Embedding):
-            tiles = _split_embedding(layer, rows)
-            tiled = TiledEmbedding(tiles, layer.num_embeddings, layer.embedding_dim)
-        else:
-            tiles = _split(layer, rows)
-            tiled = TiledLinear(tiles, layer.in_features, layer.out_features)
+        tiled = tiled_type.split(layer, rows)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, tiled)
         for pattr in ("weight", "bias"):
@@ -233,7 +236,7 @@ def tile_layers(model: nn.Module, tile_bytes: int, itemsize: int, keep: tuple[nn
                 continue
             per_row = value[0].numel() if value.dim() > 1 else 1
             names = []
-            for i, tile in enumerate(tiles):
+            for i, tile in enumerate(tiled.tiles):
                 tile_name = f"{name}.tiles.{i}.{pattr}"
                 part = getattr(tile, pattr)
                 tiling.parts[tile_name] = TilePart(origin, i * rows * per_row, part.numel())
