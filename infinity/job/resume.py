@@ -80,7 +80,9 @@ def _moved_pretrained(position: dict, directory: str) -> str | None:
         return f"{directory} is not a directory"
     now = pretrained_fingerprint(directory)
     differ = sorted(name for name in set(saved) | set(now) if saved.get(name) != now.get(name))
-    return f"its {', '.join(differ)} differ from the run's" if differ else None
+    if not differ:
+        return None
+    return f"its {', '.join(differ)} {'differs' if len(differ) == 1 else 'differ'} from the run's"
 
 
 def _batch_keys(job: Job, config: Config) -> dict:

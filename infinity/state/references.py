@@ -47,8 +47,9 @@ from infinity.state.checkpoint_files import CheckpointError
 from infinity.state.weights import FrozenRead, SafetensorsFiles, WeightsError, WeightsPlan
 
 REF_KIND = "pretrained"  # the kind of a reference record in a rank's index
-FIX = ("restore the pretrained directory as it was when the run started (the job's model.pretrained), or load "
-       "with initialize(weights=...) pointing at an unchanged copy of it, or resume from a full checkpoint (one "
+FIX = ("restore the pretrained directory as it was when the run started (the job's model.pretrained), or point at "
+       "an unchanged copy of it (infinity train --resume RUN --set model.pretrained=NEW_DIR; in code, "
+       "initialize(weights=NEW_DIR)), or resume from a full checkpoint (one "
        "saved with [checkpoint] reference_pretrained = false, which holds the frozen weights itself)")
 
 

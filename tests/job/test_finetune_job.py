@@ -257,7 +257,7 @@ def test_resume_follows_a_moved_pretrained_directory_and_refuses_a_changed_one(p
     shutil.copytree(moved, changed)
     config = json.loads((changed / "config.json").read_text())
     (changed / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
-    with pytest.raises(ConfigError, match=r"model.pretrained = .*changed.*config.json differ from the run's"):
+    with pytest.raises(ConfigError, match=r"model.pretrained = .*changed.*config.json differs from the run's"):
         load_resume(tmp_path / "r", None, ["run.steps=4", f"model.pretrained={changed}"])
     with pytest.raises(ConfigError, match="elsewhere is not a directory"):
         load_resume(tmp_path / "r", None, ["run.steps=4", f"model.pretrained={tmp_path / 'elsewhere'}"])
