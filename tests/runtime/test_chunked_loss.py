@@ -168,3 +168,12 @@ def test_estimate_counts_the_logits_the_chunked_loss_does_not_keep():
     # off, autograd keeps the fp32 log-softmax of the logits [2, seq, vocab] (the head saves its input, already
     # counted); chunked, the hidden states and labels (a few bytes more than nothing)
     assert saved(0) - saved(16) == pytest.approx(2 * seq * vocab * 4, rel=0.01)
+
+
+def test_a_tiled_head_is_refused_naming_tile_bytes():
+    """An opt-in model's head over [units] tile_bytes is a TiledLinear: the chunked loss says so, not AttributeError."""
+    from infinity.units.tiling import tile_layers
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64))
+    tile_layers(model, 512, 4)
+    with pytest.raises(ValueError, match="head must be a plain nn.Linear, got a TiledLinear.*tile_bytes"):
+        chunked_cross_entropy(torch.randn(2, 3, 8), model[0], torch.zeros(2, 3, dtype=torch.long), 4)
