@@ -197,7 +197,7 @@ def run_torch(args) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     if args.world > 1:  # plain data parallelism: DDP over gloo
-        from infinity.machine.environment import init_process_group
+        from infinity.device.process_group import init_process_group
         init_process_group("gloo")
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), fused=True, **optimizer_args(args))
@@ -394,7 +394,7 @@ def run_fsdp2(args, kind: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from infinity.machine.environment import init_process_group
+    from infinity.device.process_group import init_process_group
     from infinity.models.gpt import GPT
     kind, stage = with_stage(kind, 3)
     if kind not in ("none", "cpu_both") or stage != 3:

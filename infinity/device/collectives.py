@@ -1,4 +1,5 @@
-"""Collectives as pure functions over flat tensors: all-gather, reduce-scatter, all-reduce.
+"""Collectives as pure functions over flat tensors: all-gather, reduce-scatter, all-reduce (the process group
+and the host-side agreements between ranks: process_group.py).
 
 Every function takes the process group (None = single process) and returns a
 handle with `wait()`, so a caller can issue a collective early and wait for it
@@ -10,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from infinity.device.process_group import world_size
+
 
 class _Done:
     """Handle of a collective that already completed (world size 1)."""
@@ -19,16 +22,6 @@ class _Done:
 
 
 DONE = _Done()
-
-
-def barrier(group) -> None:
-    """Wait until every rank of `group` arrives (None: a single process, nothing to wait for)."""
-    if group is not None:
-        dist.barrier(group=group)
-
-
-def world_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
 
 
 def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
@@ -73,12 +66,3 @@ def all_reduce_max(tensor: torch.Tensor, group, async_op: bool = False):
     if group is None:
         return _Done()
     return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op) or _Done()
-
-
-def broadcast_object(obj, group, src: int = 0):
-    """Rank `src`'s `obj` on every rank."""
-    if group is None:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]

@@ -130,9 +130,9 @@ def windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[t
 class RankBatches:
     """Deterministic batches for one rank (Note [same batches at every world size]): the global batch of (optimizer
     step, micro-batch) is a function of the seed alone, and each rank takes its rows of it. A subclass says how a
-    seed becomes a global batch of its source (`_batch`): windows of a token stream here, samples in records.py."""
+    seed becomes a global batch of its source (`_batch`): windows of a token stream here, samples in samples.py."""
 
-    loss = None  # the model's own next-token loss (records.SampleBatches carries a masked one)
+    loss = None  # the model's own next-token loss (samples.SampleBatches carries a masked one)
     train: object
     val: object
     seed: int

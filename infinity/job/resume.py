@@ -27,7 +27,8 @@ from pathlib import Path
 
 from infinity.config.options import ConfigError, parse_override, show
 from infinity.config.sections import Config
-from infinity.job.spec import TOKENIZER_FILES, Job, load_job
+from infinity.job.build import TOKENIZER_FILES
+from infinity.job.spec import Job, load_job
 from io_engine import atomic_write
 
 FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)

@@ -51,6 +51,15 @@ from pathlib import Path
 import torch
 
 from infinity.config.sections import Config, ConfigError
+from infinity.device.process_group import (
+    barrier,
+    broadcast_object,
+    default_group,
+    gather_object,
+    join_process_group,
+    rank_and_world,
+)
+from infinity.job.build import ModelBundle, build_model  # noqa: F401 - re-exported with the spec below
 from infinity.job.data import Batches
 from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
 from infinity.job.resume import (
@@ -72,15 +81,13 @@ from infinity.job.spec import (  # noqa: F401 - re-exported: infinity.job.train 
     TRAIN_DEFAULTS,
     Job,
     LoraConfig,
-    ModelBundle,
     ModelConfig,
     RunConfig,
-    build_model,
-    job_batches,
     job_defaults_text,
     load_job,
     to_toml,
 )
+from infinity.job.tokenized import job_batches  # noqa: F401 - re-exported
 from infinity.optim.schedule import lr_at
 from infinity.state.checkpoint import count_as_written
 from io_engine import atomic_write
@@ -90,40 +97,9 @@ from io_engine import atomic_write
 
 def setup_distributed() -> tuple[int, int, bool]:
     """(rank, world size, whether this call created the process group); joins torchrun's group."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), False
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1, False
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), dist.get_world_size(), True
-
-
-def _agree(value, world: int):
-    """Rank 0's value of a picklable object on every rank."""
-    if world == 1:
-        return value
-    import torch.distributed as dist
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(value, world: int) -> list:
-    if world == 1:
-        return [value]
-    import torch.distributed as dist
-    out = [None] * world
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        import torch.distributed as dist
-        dist.barrier()
+    owns = join_process_group()
+    rank, world = rank_and_world(default_group())
+    return rank, world, owns
 
 
 class StopFlag:
@@ -196,7 +172,7 @@ def _open_run_dir(job: Job, resume: Resume | None, rank: int, world: int) -> Run
         except (ConfigError, OSError) as e:
             error = str(e) if isinstance(e, ConfigError) else (
                 f"cannot create the run directory under run.dir = {job.run.dir!r} ({e}): choose another run.dir")
-    path, error = _agree((str(run.path) if run else None, error), world)
+    path, error = broadcast_object((str(run.path) if run else None, error), default_group())
     if error:
         raise ConfigError(error)
     return run or RunDir(Path(path), created=False, fd=None)
@@ -315,7 +291,7 @@ def _measure_links(config: Config, world: int) -> None:
     if config.placement.policy == "auto" and config.nvme.paths:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             link_rates(config.nvme.paths[0], io_config=config.io)
-        _barrier(world)
+        barrier(default_group())
 
 
 def _estimate(job: Job, config: Config, world: int, say: Progress):
@@ -337,7 +313,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
     start, run_dir = result.steps, result.run_dir
     accum = config.train.grad_accum_steps
     device = engine.device
-    loss_of = batches.loss or bundle.loss  # records carry their masked loss (Note [masked fine-tuning loss])
+    loss_of = batches.loss or bundle.loss  # samples carry their masked loss (Note [masked fine-tuning loss])
     began = time.perf_counter() - elapsed_before
     recent: list[float] = []
     overlap = None
@@ -414,11 +390,11 @@ def _save_final(job: Job, config: Config, engine, run_dir: Path, result: Result,
     takes the one with more steps (Note [resume])."""
     final = run_dir / FINAL_CHECKPOINT
     position = train_position(job, config, result.steps, result.seconds, world)
-    replace = _agree(final.exists(), world)
+    replace = broadcast_object(final.exists(), default_group())
     target = run_dir / f"{FINAL_CHECKPOINT}.new-{result.steps:08d}" if replace else final
     if rank == 0 and target.exists():
         shutil.rmtree(target)  # left by a save that crashed while replacing; `final` is newer or as new
-    _barrier(world)
+    barrier(default_group())
     engine.save_checkpoint(str(target), user_state=position)
     engine.wait_for_checkpoint()  # committed (visible, complete) before it replaces the old one
     if replace and rank == 0:
@@ -430,7 +406,7 @@ def _save_final(job: Job, config: Config, engine, run_dir: Path, result: Result,
         for stale in run_dir.iterdir():  # this one and any a crashed replacement left
             if stale.is_dir() and stale.name.startswith((f"{FINAL_CHECKPOINT}.old-", f"{FINAL_CHECKPOINT}.new-")):
                 shutil.rmtree(stale, ignore_errors=True)
-    _barrier(world)
+    barrier(default_group())
     return final
 
 
@@ -447,7 +423,7 @@ def _export(job: Job, engine, bundle: ModelBundle, run_dir: Path, checkpoint: Pa
         if rank == 0:
             export_checkpoint(str(checkpoint), str(out), dtype=dtype, merge_lora=merge, model=engine.module,
                               config=bundle.hf_config)
-        _barrier(world)
+        barrier(default_group())
     else:
         engine.export_state_dict(str(out), dtype=dtype, merge_lora=merge)  # config.json: the module's own
     if rank == 0:
@@ -476,7 +452,7 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
     if job.model.pretrained and job.run.export and result.status == "completed":
         exported = _export(job, engine, bundle, run_dir, checkpoint, world, rank)
     report = engine.memory_report()
-    peaks = _gather(peak_rss_bytes(), world)
+    peaks = gather_object(peak_rss_bytes(), default_group())
     if rank != 0:
         return
     report["peak_rss_bytes_per_rank"] = peaks

@@ -14,24 +14,9 @@ import torch
 import torch.distributed as dist
 
 from infinity.config.sections import ConfigError
+from infinity.device.process_group import join_process_group
 from infinity.memory.placement import Budgets
 from io_engine import format_size
-
-
-def init_process_group(backend: str | None = None) -> None:
-    """Create the default process group: the one place the project does (NCCL with a GPU, after making
-    LOCAL_RANK's GPU current; gloo without), unless `backend` is given."""
-    if backend is None and torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
-
-
-def join_process_group() -> bool:
-    """Under torchrun (WORLD_SIZE > 1) with no default group yet, create it; returns whether this call did."""
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return False
-    init_process_group()
-    return True
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 
 from infinity.config.sections import Config
-from infinity.device.collectives import all_reduce_sum, broadcast_object
+from infinity.device.collectives import all_reduce_sum
 from infinity.device.dtypes import DTYPES
+from infinity.device.process_group import broadcast_object
 from infinity.device.streams import Streams, host_value
 from infinity.machine.environment import resolve
 from infinity.machine.heap import heap_policy

@@ -56,9 +56,9 @@ import zlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from infinity.device.dtypes import dtype_of, name_of
+from infinity.device.process_group import any_rank, barrier, broadcast_object
 from infinity.device.streams import bind_thread
 from infinity.memory.tier import Kind
 from infinity.state.checkpoint_files import (  # noqa: F401 - CheckpointError and apply_retention are used through this module
@@ -128,11 +128,6 @@ def model_layout(units) -> list[dict]:
     return [{"name": u.name, "flat_numel": u.flat_numel, "trainable_numel": u.trainable_numel,
              "slots": [{"names": list(s.names), "shape": list(s.shape), "offset": s.offset,
                         "requires_grad": s.requires_grad} for s in u.slots]} for u in units]
-
-
-def _barrier(group) -> None:
-    if group is not None:
-        dist.barrier(group=group)
 
 
 # --------------------------------------------------------------------------------------- saving
@@ -284,16 +279,11 @@ class PendingCheckpoint:
         engine = self.engine
         group = engine.env.group
         self.writer.join()
-        failed = torch.tensor([0 if self.writer.error is None else 1], dtype=torch.int32)
-        if group is not None:
-            flag = failed.to(engine.env.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)  # every rank must agree to commit
-            failed = flag.cpu()
-        if int(failed):
+        if any_rank(self.writer.error is not None, group, engine.env.device):  # every rank must agree to commit
             if engine.rank == 0:
                 shutil.rmtree(self.tmp_dir, ignore_errors=True)
                 self._release()
-            _barrier(group)
+            barrier(group)
             err = self.writer.error
             if err is None:
                 raise CheckpointError(f"checkpoint {self.path} was not saved: another rank failed to write its "
@@ -301,7 +291,7 @@ class PendingCheckpoint:
                                       f"was touched")
             raise CheckpointError(f"checkpoint {self.path} was not saved (rank {engine.rank}): {err}. Nothing was "
                                   f"made visible and no earlier checkpoint was touched") from err
-        _barrier(group)  # all rank files are durable
+        barrier(group)  # all rank files are durable
         if engine.rank == 0:
             ranks = []
             for r in range(engine.world_size):
@@ -324,7 +314,7 @@ class PendingCheckpoint:
             fsync_path(os.path.dirname(os.path.abspath(self.path)))
             os.remove(os.path.join(self.path, PARTIAL_MARKER))  # after the rename: a dying save stays marked stale
             self._release()
-        _barrier(group)
+        barrier(group)
         return self.path
 
 
@@ -342,11 +332,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
             f"save_checkpoint at micro-step {engine.micro_step} is inside an accumulation window of "
             f"{engine.config.train.grad_accum_steps}: save right after engine.step() so no gradients are pending")
     group = engine.env.group
-    token = secrets.token_hex(4) if engine.rank == 0 else None
-    if group is not None:
-        box = [token]
-        dist.broadcast_object_list(box, src=0, group=group)
-        token = box[0]
+    token = broadcast_object(secrets.token_hex(4) if engine.rank == 0 else None, group)
     tmp_dir = f"{path}.tmp-{token}"
     parent = os.path.dirname(path)
     hold = None
@@ -366,7 +352,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
             shutil.rmtree(tmp_dir, ignore_errors=True)
             raise CheckpointError(f"checkpoint {path} was not saved: cannot create {tmp_dir} ({e}); free space "
                                   f"in {parent} or save elsewhere. No earlier checkpoint was touched") from e
-    _barrier(group)  # the partial directory exists for every rank
+    barrier(group)  # the partial directory exists for every rank
     writer = ShardWriter(engine, tmp_dir)
     last = writer.records[-1] if writer.records else None
     need = (last.offset + last.nbytes if last else 0) + (256 << 10)  # + index, RNG, manifest

@@ -64,7 +64,8 @@ def test_bad_pretrained_directory_exits_2_with_one_message(dirs, tmp_path, case,
 @pytest.mark.parametrize("targets,ok", [(("all-linear",), True), (("q_proj",), False)])
 def test_lora_targets_all_linear_and_hint_with_the_models_own_names(dirs, targets, ok):
     from infinity.config.sections import ConfigError
-    from infinity.job.spec import LoraConfig, ModelConfig, build_model
+    from infinity.job.build import build_model
+    from infinity.job.spec import LoraConfig, ModelConfig
     model = ModelConfig(pretrained=str(dirs / "gpt2"), seq_len=8)
     lora = LoraConfig(r=4, targets=targets)
     if ok:  # every Linear / Conv1D but the head, as PEFT resolves "all-linear"

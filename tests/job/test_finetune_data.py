@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 from infinity.config.options import ConfigError  # noqa: E402
 from infinity.job.data import DataConfig  # noqa: E402
-from infinity.job.records import (  # noqa: E402
+from infinity.job.samples import (  # noqa: E402
     IGNORE,
     DataError,
     Sample,

@@ -1,0 +1,158 @@
+"""The models the job builds: the built-in GPT, a transformers GPT-2 / Llama of the [model] shape, or a pretrained
+Hugging Face directory (LoRA-wrapped with [model.lora] r > 0) on the meta device, with how to initialize it and
+how to get its loss from a batch (Note [fine-tuning job] in spec.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from infinity.config.options import ConfigError, show
+from infinity.job.data import VOCAB_SIZE
+from infinity.job.spec import LoraConfig, ModelConfig
+
+
+@dataclass
+class ModelBundle:
+    """A model on the meta device, how to initialize it, and how to get its loss from a batch."""
+
+    model: nn.Module
+    init_fn: Callable[[nn.Module], None] | None
+    loss: Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]  # loss(forward, x, y)
+    description: str
+    weights: str | None = None  # initialize(weights=...): the pretrained directory
+    hf_config: Any = None  # the transformers config, saved beside an export (pretrained models)
+
+
+def _lm_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Loss of a Hugging Face causal LM: transformers' ForCausalLMLoss of its logits against the next tokens (with
+    `[activation] loss_chunk_tokens` the engine computes it chunked, without the whole logits)."""
+    if getattr(getattr(forward, "forward_fn", forward), "chunks_loss", False):  # (Note [chunked loss])
+        return forward(input_ids=x, shift_labels=y).loss  # y: already the next tokens
+    logits = forward(input_ids=x).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True) -> ModelBundle:
+    """The model of `cfg` (and `lora`), created under infinity.meta_init() (no parameter memory) unless
+    `meta=False`."""
+    import contextlib
+
+    from infinity.runtime.materialize import meta_init
+    scope = meta_init() if meta else contextlib.nullcontext()
+    if cfg.pretrained:
+        return _pretrained(cfg, lora or LoraConfig(), scope)
+    if cfg.kind == "gpt":
+        from infinity.models.gpt import GPT, GPTConfig, gpt_init
+        gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                         d_model=cfg.d_model)
+        if cfg.ffn_dim not in (0, 4 * cfg.d_model):
+            raise ConfigError(f"model.ffn_dim = {cfg.ffn_dim}: the built-in gpt uses 4 * d_model = "
+                              f"{4 * cfg.d_model}; remove it or use model.kind = \"gpt2\" / \"llama\"")
+        with scope:
+            model = GPT(gcfg)
+        return ModelBundle(model, gpt_init, lambda fwd, x, y: fwd(x, y), f"gpt {_count(model)}")
+    transformers = need_transformers(f'model.kind = "{cfg.kind}"', 'or use model.kind = "gpt"')
+    if cfg.kind == "gpt2":
+        hf_cfg = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,
+                                         n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.ffn_dim or None,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                                         eos_token_id=None)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        ffn = cfg.ffn_dim or 64 * -(-(8 * cfg.d_model // 3) // 64)  # llama's 8/3 d, rounded up to 64
+        hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn,
+                                          num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
+                                          num_key_value_heads=cfg.n_kv_head or cfg.n_head,
+                                          max_position_embeddings=cfg.seq_len, bos_token_id=None, eos_token_id=None,
+                                          pad_token_id=None)
+        cls = transformers.LlamaForCausalLM
+    with scope:
+        model = cls(hf_cfg)
+    return ModelBundle(model, model._init_weights, _lm_loss, f"{cfg.kind} (transformers) {_count(model)}")
+
+
+def _count(model: nn.Module) -> str:
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return f"{n / 1e6:.2f}M parameters"
+
+
+def need_transformers(what: str, alternative: str):
+    """transformers, or a ConfigError naming `what` needs it and the install (or `alternative`)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"{what} needs Hugging Face transformers: pip install transformers ({alternative})") from None
+    return transformers
+
+
+def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
+    """The Hugging Face model of model.pretrained on the meta device, LoRA-wrapped with [model.lora] r > 0, its
+    weights to be read from the directory (Note [fine-tuning job])."""
+    where = f"model.pretrained = {cfg.pretrained!r}"
+    transformers = need_transformers(where, "or leave model.pretrained unset")
+    if not os.path.isfile(os.path.join(cfg.pretrained, "config.json")):
+        raise ConfigError(f"{where}: no config.json in it; give a directory written by save_pretrained (config.json "
+                          f"and model.safetensors, or its index and shards)")
+    try:
+        hf_cfg = transformers.AutoConfig.from_pretrained(cfg.pretrained, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"{where}: transformers cannot read its config.json ({e}); fix the file or upgrade "
+                          f"transformers") from None
+    vocab = getattr(hf_cfg, "vocab_size", None)
+    if tokenizer_dir(cfg) is None and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
+        raise ConfigError(f"{where}: its vocabulary has {vocab} token ids, fewer than the {VOCAB_SIZE} byte values "
+                          f"the job's data uses as token ids; fine-tune a model with at least {VOCAB_SIZE} ids, or "
+                          f"save the model's tokenizer in it (tokenizer.save_pretrained) so the job tokenizes with it")
+    positions = getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None)
+    if isinstance(positions, int) and cfg.seq_len > positions:
+        raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
+                          f"set model.seq_len <= {positions}")
+    try:
+        with scope:
+            model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+    except ValueError as e:
+        raise ConfigError(f"{where}: not a causal language model transformers can build ({e})") from None
+    total = _count(model)
+    data = "its tokenizer" if tokenizer_dir(cfg) else "bytes as token ids"
+    description = f"{hf_cfg.model_type} from {cfg.pretrained}, data: {data} ({total}"
+    if lora.r:
+        model = _with_lora(model, lora)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        description += f"; LoRA r={lora.r}: {trainable / 1e6:.3f}M trainable"
+    return ModelBundle(model, None, _lm_loss, description + ")", weights=cfg.pretrained, hf_config=hf_cfg)
+
+
+def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(f"model.lora.r = {lora.r} needs PEFT: pip install peft (or remove model.lora.r)") from None
+    targets = list(lora.targets)
+    shorthand = len(targets) == 1 and targets[0] == "all-linear"  # PEFT's shorthand: a string, PEFT resolves it
+    config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                             target_modules=targets[0] if shorthand else (targets or None), task_type="CAUSAL_LM")
+    try:
+        return peft.get_peft_model(model, config)
+    except ValueError as e:  # e.g. a target that names no module, or no default for this kind of model
+        own = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if type(m).__name__ in ("Linear", "Conv1D") and not n.endswith("lm_head")})
+        raise ConfigError(f"model.lora.targets = {show(targets)}: PEFT cannot apply it ({e}); name the model's "
+                          f"own linear layers (this model's: {', '.join(own[:10])}), e.g. targets = "
+                          f"{show(own[:2])}, or [\"all-linear\"]") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one: DIR holds a tokenizer
+
+
+def tokenizer_dir(cfg: ModelConfig) -> str | None:
+    """The directory whose tokenizer tokenizes the job's data, or None for bytes (Note [fine-tuning job])."""
+    if not cfg.pretrained or cfg.tokenizer == "bytes":
+        return None
+    has = any(os.path.isfile(os.path.join(cfg.pretrained, name)) for name in TOKENIZER_FILES)
+    return cfg.pretrained if has else None
