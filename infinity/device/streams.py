@@ -85,14 +85,50 @@ def bind_thread(device: torch.device) -> None:
 
 @dataclass
 class Streams:
-    """The streams of one rank. On CPU all are None and `use` does nothing."""
+    """The streams of one rank. On CPU all are None and `use` does nothing.
+
+    The stream map (docs/architecture.md §2, "Streams and events", keeps the same table): who queues work on
+    each stream, the events it records, who waits on them, and what it overlaps. Every cross-stream edge is an
+    event recorded on the producer and waited on the consumer's stream, on the device; the host waits only at
+    the places Note [host syncs] counts.
+    """
 
     device: torch.device
+    # compute: the training thread's current stream (torch's default stream at construction). Queued by the
+    #   training thread: forward and backward kernels, the flat gradient filled parameter by parameter
+    #   (units/gradients.py), the gradient's average and accumulation (runtime/grad_reduce.py). Records: the
+    #   event a copy or collective waits for before reading what compute wrote (`record()` just before it is
+    #   issued: manager copies to the host, the all-gather's input, the gradient reduction, an activation's
+    #   offload), and each worker submission's `submitted` event (optim/worker.py). Waits on: h2d copies it
+    #   reads (a fetch's Pending, an activation's copy back), comm's gathers (units/unit.py), the update
+    #   stream's per-unit `updated` events before a unit's next forward (Note [update stream]).
     compute: object = None
+    # h2d: host-to-device copies. Queued by whichever thread fetches to the device (manager fetches: the
+    #   training thread's unshards and gradient accumulation, the optimizer worker's state and gradients for a
+    #   device-tier update) and by the activations' copy back (runtime/activations.py). Records: each copy's
+    #   `done` event (waited by the fetch's waiter on its own stream, and kept on the host chunks it read as
+    #   `device_use`, so the CPU does not rewrite them before the copy read them: manager `_settle`), an
+    #   activation's `arrived`. Waits on: earlier copies of the same host bytes (`device_use`), an activation's
+    #   d2h `copied`. Overlaps: forward and backward compute (prefetch: Note [backward prefetch]).
     h2d: object = None
+    # d2h: device-to-host copies. Queued by the training thread (gradient stores to a host or NVMe tier,
+    #   activation offload) and the optimizer worker (device-tier results written below). Records: each
+    #   copy's `done`, waited on the host by the CPU reader ("d2h fetch" / "d2h store") or by the copy-waiter
+    #   thread before the NVMe write of those bytes (Note [stores after their copy]). Waits on: compute's event
+    #   recorded at issue (the copy reads the producer's last writes). Overlaps: backward compute.
     d2h: object = None
+    # comm: collectives. Queued by the training thread: all-gathers of parameters (units/unit.py, issued a
+    #   unit ahead by the prefetcher) and gradient reductions (units/gradients.py). Records: the event compute
+    #   waits for before reading a gathered buffer. Waits on: compute's event recorded at issue (the fetched
+    #   shard, the flat gradient). The allocator is told the reduced gradient is in use there (`hold`).
+    #   Overlaps: the previous unit's compute (forward) and the next unit's backward.
     comm: object = None
-    update: object = None  # the optimizer worker's (Note [update stream] in optim/worker.py)
+    # update: the optimizer worker's current stream (Note [update stream] in optim/worker.py). Queued by the
+    #   worker: a device-tier Adam step, the parameters' cast, copies it issues. Waits on: each batch's
+    #   `submitted` event (the gradients compute produced). Records: per unit an `updated` event, waited by
+    #   compute before that unit's next use (`wait_unit`, `wait_all`). Overlaps: backward (eager mode) or the
+    #   next forward (deferred mode).
+    update: object = None
 
     @classmethod
     def for_device(cls, device: torch.device) -> "Streams":

@@ -138,16 +138,17 @@ def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
     """The units `initialize` would build for `model` at `world_size` (rank 0), as placement sees them."""
     from infinity.device.streams import Streams
     from infinity.memory.stages import stage_for
+    from infinity.units.builder import build_units, recomputed_units, split_regions, unit_sizes
+    from infinity.units.context import UnitContext
     from infinity.units.tiling import tile_layers
-    from infinity.units.unit import Comm, build_units, recomputed_units, split_regions, unit_sizes
     compute_dtype = dtype_of(config.precision.compute_dtype)
     from infinity.runtime.chunked_loss import kept_whole, loss_forward
     tile_layers(model, config.units.tile_bytes, compute_dtype.itemsize,
                 keep=kept_whole(loss_forward(config.activation, model)))  # as initialize
-    comm = Comm(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
-                compute_dtype=compute_dtype, streams=Streams.for_device(torch.device("cpu")),
-                stage=stage_for(config.zero.stage), sub_group_size=config.optimizer.sub_group_size)
-    units = build_units(model, list(config.units.classes), comm)
+    ctx = UnitContext(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
+                      compute_dtype=compute_dtype, streams=Streams.for_device(torch.device("cpu")),
+                      stage=stage_for(config.zero.stage), sub_group_size=config.optimizer.sub_group_size)
+    units = build_units(model, list(config.units.classes), ctx)
     regions = split_regions(model, list(config.units.classes), units)
     recomputed = recomputed_units(regions, config.activation.checkpoint, config.prefetch.units_ahead)
     return unit_sizes(units, config.optimizer.sub_group_size, recomputed)
@@ -272,8 +273,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
             rates = link_rates.cached_link_rates(cuda)
     traced = make_model()  # a second copy: tracing moves its buffers to the meta device
     from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
+    from infinity.units.builder import activation_modules
     from infinity.units.tiling import tile_layers
-    from infinity.units.unit import activation_modules
     forward = loss_forward(config.activation, traced.model)
     tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
                 keep=kept_whole(forward))  # as initialize

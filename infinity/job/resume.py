@@ -105,7 +105,8 @@ def _checkpoint_dirs(run_dir: Path) -> list[Path]:
 
 def _position_of(path: Path) -> dict | None:
     """The training position saved in the checkpoint at `path`; None when it is incomplete or not the job's."""
-    from infinity.state.checkpoint import CheckpointError, read_manifest
+    from infinity.state.checkpoint import CheckpointError
+    from infinity.state.checkpoint_load import read_manifest
     try:
         manifest = read_manifest(str(path))
     except (CheckpointError, OSError):
@@ -153,7 +154,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         if run_dir is None:
             raise ConfigError(f"--resume {path}: neither a run directory (no config.toml in it) nor a checkpoint "
                               f"inside one; give the directory infinity train created (runs/<name>)")
-        from infinity.state.checkpoint import read_manifest
+        from infinity.state.checkpoint_load import read_manifest
         read_manifest(str(given))  # a CheckpointError that says what is wrong with it
         checkpoint = given
     position = _position_of(checkpoint)
@@ -191,7 +192,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
             raise ConfigError(f"--resume {path}: {key} = {show(value)}, but the run trained with {key} = "
                               f"{show(saved_batches[key])}, so the batches after the checkpoint would differ from "
                               f"the run's: resume with the run's value (drop the --set or --config that changes it)")
-    from infinity.state.checkpoint import check_references
+    from infinity.state.checkpoint_load import check_references
     check_references(str(checkpoint), job.model.pretrained or None)  # Note [pretrained references]: files still there
     if job.run.steps <= position["step"]:
         raise ConfigError(f"--resume {path}: the checkpoint is at step {position['step']} and run.steps = "

@@ -251,8 +251,8 @@ def estimate_stages(make_model: Callable, config: Config, cluster: Cluster, *, h
     if trace:
         from infinity.device.dtypes import dtype_of
         from infinity.runtime.chunked_loss import kept_whole, loss_forward
+        from infinity.units.builder import activation_modules
         from infinity.units.tiling import tile_layers
-        from infinity.units.unit import activation_modules
         copy = make_model()  # tracing moves its buffers to the meta device
         tile_layers(copy.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
                     keep=kept_whole(loss_forward(config.activation, copy.model)))  # as initialize

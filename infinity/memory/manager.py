@@ -157,6 +157,19 @@ class TieredMemoryManager:
         updated = self.optimizer_chunk(unit, Kind.PARAMS, None)
         return [c for c in range(self.num_chunks(unit, Kind.PARAMS)) if c not in updated]
 
+    def store_gathered(self, unit: int, params: torch.Tensor, trainable: int) -> None:
+        """Issue: store the parameter chunks an update did not write here (the other ranks' partitions, just
+        all-gathered at stages 1-2, Note [post-update gather] in units/unit.py) from `params`, the rank's stored
+        parameters in full; frozen weights (from element `trainable` on) never change. A later fetch waits for
+        the writes."""
+        for chunk in self.params_not_updated(unit):
+            start, numel = self.chunk_span(unit, chunk, Kind.PARAMS)
+            if start >= trainable:
+                continue
+            target = self.target(unit, Kind.PARAMS, chunk, params.device)
+            target.copy_(params.narrow(0, start, numel))  # (the unsharded buffer is freed soon)
+            self.store(unit, Kind.PARAMS, chunk, target)
+
     # ----------------------------------------------------------------- state
     def _set(self, shard: _Shard, c: _Chunk, new: Residency) -> None:
         check_transition(c.state, new, f"unit {shard.unit} {shard.kind.value} chunk@{c.start}")

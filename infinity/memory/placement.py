@@ -27,7 +27,7 @@ import torch
 from infinity.device.dtypes import dtype_of
 from infinity.memory import cost_model, traffic
 from infinity.memory.tier import Kind, StateDtype, Tier
-from infinity.memory.traffic import GROUPS, KINDS_OF_GROUP, UnitSizes  # noqa: F401 - UnitSizes: placement's input, from here
+from infinity.memory.traffic import GROUPS, KINDS_OF_GROUP, UnitSizes
 from io_engine import format_size
 
 FASTEST_FIRST = (Tier.DEVICE, Tier.HOST, Tier.NVME)

@@ -7,7 +7,7 @@ trainable parameter, by its canonical name (the first of `model.named_parameters
 
 Note [groups ride on ranges]: parameters of one unit in different groups cost no copy per group.
 A unit's flat buffer holds its parameters one after the other, so a group is a set of contiguous
-element ranges of it. `Unit.active_ranges` cuts the rank's update range at parameter boundaries
+element ranges of it. `UnitSteps.active_ranges` (units/steps.py) cuts the rank's update range at parameter boundaries
 into (start, length, adam step, group) runs, merging neighbours of the same step and group, and the
 optimizer calls the fused Adam kernel once per (chunk, run) with that group's `AdamHyper`. The bytes
 stored, moved and stepped are those of one group; only the number of kernel calls grows (at most one

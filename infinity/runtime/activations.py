@@ -53,7 +53,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from infinity.device.streams import Streams
-from infinity.units.unit import Unit, units_in
+from infinity.units.builder import units_in
+from infinity.units.unit import Unit
 
 
 class SavedBytes:

@@ -51,12 +51,14 @@ from infinity.runtime.prefetch import OrderTrace, Prefetcher
 from infinity.runtime.recompute import Recomputation
 from infinity.runtime.update_modes import NonFiniteGradError, update_mode
 from infinity.state.checkpoint import apply_retention, begin_save
-from infinity.state.checkpoint import load as load_checkpoint
+from infinity.state.checkpoint_load import load as load_checkpoint
 from infinity.state.references import PretrainedRefs
 from infinity.state.state_dict import full_state_dict
 from infinity.state.weights import plan_weights
+from infinity.units.builder import build_units, split_regions, units_in
+from infinity.units.context import UnitContext
 from infinity.units.tiling import tile_layers
-from infinity.units.unit import Comm, Unit, build_units, split_regions, units_in
+from infinity.units.unit import Unit
 
 __all__ = ["Engine", "NonFiniteGradError", "initialize"]
 
@@ -75,19 +77,19 @@ class Engine:
                          if config.profile.enabled else NullProfiler(rank=self.env.rank))
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
         self.heap = heap_policy(config.memory.release_heap)  # Note [heap release]
-        comm = Comm(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
-                    device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
-                    profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
-                    sub_group_size=config.optimizer.sub_group_size)
+        ctx = UnitContext(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
+                         device=self.env.device, compute_dtype=self.compute_dtype, streams=self.streams,
+                         profiler=self.profiler, unsharded=self.unsharded, stage=stage_for(config.zero.stage),
+                         sub_group_size=config.optimizer.sub_group_size)
         self.forward_fn = loss_forward(config.activation, model)  # the model, or its chunked loss (checked first)
         # Note [tiles are units] (units/tiling.py): after the groups, which name the untiled parameters
         self.tiling = tile_layers(model, config.units.tile_bytes, self.compute_dtype.itemsize,
                                   keep=kept_whole(self.forward_fn))
-        self.units = build_units(model, list(config.units.classes), comm)
+        self.units = build_units(model, list(config.units.classes), ctx)
         self.regions = split_regions(model, list(config.units.classes), self.units)  # checkpointed whole
         group_of = self.tiling.by_tile(self.groups.group_of)
         for unit in self.units:
-            unit.set_groups(group_of)  # Note [groups ride on ranges] (optim/groups.py)
+            unit.steps.set_groups(group_of)  # Note [groups ride on ranges] (optim/groups.py)
         self.lrs = LearningRates(self.groups, config.optimizer, lr_schedule)  # Note [who sets the lr]
         loaded = (plan_weights(weights, model, self.units, strict, self.tiling) if weights is not None
                   else None)  # checked first

@@ -5,14 +5,14 @@ partition; stages 0-1 accumulate the micro-batches' gradients locally, whole, an
 reduce once, at the accumulation window's last micro-batch (stage 0 all-reduces,
 stage 1 reduce-scatters): DDP's no_sync. Which of the two is one type each
 (`EveryMicroBatch`, `OncePerWindow`), chosen once per issue from the stage; the
-collective itself is the unit's (`Unit.reduce_grads`).
+collective itself is the unit's (`UnitGradients.reduce` (units/gradients.py)).
 
 Reductions are issued from the backward hooks as soon as a unit's gradients
 are complete and completed in order, with at most `max_in_flight` outstanding
 (each holds a full fp32 flat gradient). On the last micro-batch of an
 accumulation window the squared norm of each finished gradient is kept for
 clipping, so the step never reads gradients twice: each rank counts only its
-partition (`Unit.norm_part`), so the all-reduced sum is the true norm at every
+partition (`UnitGradients.norm_part`), so the all-reduced sum is the true norm at every
 stage.
 """
 
@@ -28,7 +28,8 @@ from infinity.device import collectives
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind
 from infinity.profile import Link, NullProfiler
-from infinity.units.unit import Reduction, Unit
+from infinity.units.gradients import Reduction
+from infinity.units.unit import Unit
 
 
 class GradReducer:
@@ -47,8 +48,8 @@ class GradReducer:
 
     def issue(self, unit: Unit, final: bool) -> None:
         """Start reducing `unit`'s gradients (its `.grad`s are consumed and cleared)."""
-        when = EVERY_MICRO_BATCH if unit.comm.stage.reduce_every_micro_batch else ONCE_PER_WINDOW
-        reduction = when.issue(self, unit, unit.take_grads(), final)
+        when = EVERY_MICRO_BATCH if unit.ctx.stage.reduce_every_micro_batch else ONCE_PER_WINDOW
+        reduction = when.issue(self, unit, unit.grads.take(), final)
         if reduction is None:
             return  # accumulated locally: nothing in flight
         self._in_flight.append((unit, reduction, final, when))
@@ -75,7 +76,7 @@ class GradReducer:
         self.before(unit)
         acc, chunk = when.accumulate(self, unit, out)
         if final:
-            offset, numel = unit.norm_part()
+            offset, numel = unit.grads.norm_part()
             # fp32 norm (a reduction, no temporary copy), squared in fp64 for the global sum.
             self._sumsq[unit.index] = torch.linalg.vector_norm(acc.narrow(0, offset, numel)).double().square()
         self.store(unit, chunk, acc, release=acc is not out)
@@ -128,7 +129,7 @@ class EveryMicroBatch(_When):
     """Stages 2-3: reduce-scatter each micro-batch; the rank's partition of the sum is accumulated."""
 
     def issue(self, reducer, unit, flat, final):
-        return unit.reduce_grads(flat)
+        return unit.grads.reduce(flat)
 
     def accumulate(self, reducer, unit, out):
         if reducer.manager.is_zero(unit.index, Kind.GRADS):
@@ -148,7 +149,7 @@ class OncePerWindow(_When):
         reducer.before(unit)  # (its previous update is done with the store)
         if m.is_zero(unit.index, Kind.GRADS):
             if final:
-                return unit.reduce_grads(flat)  # one micro-batch in this window
+                return unit.grads.reduce(flat)  # one micro-batch in this window
             reducer.store(unit, None, local, release=False)  # the window's first micro-batch
             return None
         earlier = reducer.fetch(unit, flat.device)
@@ -157,7 +158,7 @@ class OncePerWindow(_When):
             return None
         local.add_(earlier)  # the window's sum on this rank
         m.release(earlier)
-        return unit.reduce_grads(flat)
+        return unit.grads.reduce(flat)
 
     def accumulate(self, reducer, unit, out):
         return out, reducer.manager.optimizer_chunk(unit.index, Kind.GRADS, None)

@@ -67,7 +67,7 @@ class GradCounter:
         self.fired = False  # grads_ready was called in this backward
 
     def on_grad(self, param: nn.Parameter) -> None:
-        self.unit.absorb_grad(self.slot_of[id(param)])
+        self.unit.grads.absorb(self.slot_of[id(param)])
         self.seen.add(id(param))
         if len(self.seen) == self.expected and not self.fired:
             self.fired = True

@@ -199,7 +199,7 @@ def store_values(unit: Unit, manager: TieredMemoryManager, values: torch.Tensor)
     pending = manager.store_master(unit.index, None, master, release=False)
     for chunk in manager.params_not_updated(unit.index):
         start, numel = manager.chunk_span(unit.index, chunk, Kind.PARAMS)
-        cast = values[start:start + numel].to(unit.comm.compute_dtype)
+        cast = values[start:start + numel].to(unit.ctx.compute_dtype)
         pending.append(manager.store(unit.index, Kind.PARAMS, chunk, cast, release=False))
     for p in pending:
         p.wait()  # the values must be stored before the caller drops its full copy

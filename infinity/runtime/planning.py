@@ -12,7 +12,8 @@ from infinity.machine.environment import ProcessEnv, resolve_budgets
 from infinity.memory.placement import Plan, plan_for_config
 from infinity.memory.tier import Tier
 from infinity.optim.read_ahead import resolve_read_ahead
-from infinity.units.unit import Unit, recomputed_units, unit_sizes
+from infinity.units.builder import recomputed_units, unit_sizes
+from infinity.units.unit import Unit
 from io_engine import IOEngine, SwapSpace
 
 

@@ -164,7 +164,7 @@ class Prefetcher:
             else:
                 self.on_demand += 1
                 now = time.perf_counter()
-                unit.comm.profiler.record(f"{ON_DEMAND} {unit.name}", Link.COMPUTE, now, now, unit=unit.name)
+                unit.ctx.profiler.record(f"{ON_DEMAND} {unit.name}", Link.COMPUTE, now, now, unit=unit.name)
             self._updating.discard(unit.index)
         unit.wait_for_unshard(self.manager)
 

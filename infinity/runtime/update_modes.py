@@ -139,7 +139,7 @@ class UpdateMode(abc.ABC):
         if not math.isfinite(norm):
             for unit in self.units:
                 self.manager.mark_zero(unit.index, Kind.GRADS)  # the window's gradients are discarded
-                unit.slots_with_grad.clear()
+                unit.grads.slots_with_grad.clear()
             if self.scaler.dynamic:
                 self.scaler.update(found_inf=True)
                 return None
@@ -151,8 +151,8 @@ class UpdateMode(abc.ABC):
         self.scaler.update(found_inf=False)
         clip_coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
         grad_scale = self.scaler.scale / clip_coef
-        flags = self.reduce_flags([u.grad_flags() for u in self.units])
-        active = {u.index: u.active_ranges(f) for u, f in zip(self.units, flags)}
+        flags = self.reduce_flags([u.grads.flags() for u in self.units])
+        active = {u.index: u.steps.active_ranges(f) for u, f in zip(self.units, flags)}
         return self.hyper(), None if grad_scale == 1.0 else grad_scale, flags, active
 
 
@@ -183,8 +183,8 @@ def after_update(flags: list[bool], unit: Unit) -> Callable[[Unit], None]:
     """What follows a unit's update: its parameters' Adam steps advance, its window's gradients are spent, and
     at stages 1-2 the other partitions are due (Note [post-update gather] in unit.py)."""
     def after(u: Unit) -> None:
-        u.commit_steps(flags)
-        u.slots_with_grad.clear()
+        u.steps.commit(flags)
+        u.grads.slots_with_grad.clear()
         u.updated()
     return after
 
@@ -282,9 +282,9 @@ class EagerUpdate(_OnWorker):
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
         """Submit `unit`'s update now; the worker reads its norm and flags (Note [host syncs]): the training
         thread does not wait for the device here, once per unit."""
-        local = unit.grad_flags()
+        local = unit.grads.flags()
         reduced = self.issue_flags([local])
-        self._predicted[unit.index] = unit.active_ranges(local)  # (the state read-ahead's guess: local flags)
+        self._predicted[unit.index] = unit.steps.active_ranges(local)  # (the state read-ahead's guess: local flags)
         flags: list[bool] = []
 
         def active() -> dict[int, list[Run]] | None:  # on the worker
@@ -293,7 +293,7 @@ class EagerUpdate(_OnWorker):
                 self._nonfinite = self._nonfinite or (unit.name, value)
                 return None
             flags.extend(reduced.wait()[0])
-            return {unit.index: unit.active_ranges(flags)}
+            return {unit.index: unit.steps.active_ranges(flags)}
 
         self.worker.submit([unit], hyper=self.hyper(), grad_scale=None, active=active,
                            after_unit=lambda u: after_update(flags, u)(u))

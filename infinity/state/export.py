@@ -34,7 +34,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from infinity.state.checkpoint import VALUE_KINDS, CheckpointError, SavedShards, load_buffers, read_manifest
+from infinity.state.checkpoint import VALUE_KINDS, CheckpointError, load_buffers
+from infinity.state.checkpoint_load import SavedShards, read_manifest
 from infinity.state.weights import base_name, is_adapter
 from io_engine import IOConfig, IOEngine, atomic_write, parse_size
 

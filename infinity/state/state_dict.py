@@ -17,7 +17,7 @@ def own_partition_fp32(unit: Unit, manager: TieredMemoryManager) -> torch.Tensor
     (every stage's update range holds them), the rest (frozen weights, padding) from the parameters, cast
     (they have no master: Note [stage layouts]). Every rank stores its own partition at every stage."""
     lay, cpu = unit.layout, torch.device("cpu")
-    start = unit.comm.rank * unit.shard_numel
+    start = unit.ctx.rank * unit.shard_numel
     own = max(0, min(unit.shard_numel, unit.stored_trainable - start))
     out = torch.empty(unit.shard_numel, dtype=torch.float32)
     if own:
@@ -34,14 +34,14 @@ def own_partition_fp32(unit: Unit, manager: TieredMemoryManager) -> torch.Tensor
 def gather_unit_master(unit: Unit, manager: TieredMemoryManager) -> torch.Tensor | None:
     """The unit's full fp32 values (the masters; frozen weights from their parameters) on rank 0 (None
     elsewhere)."""
-    comm = unit.comm
+    ctx = unit.ctx
     shard = own_partition_fp32(unit, manager)
-    if comm.group is None:
+    if ctx.group is None:
         return shard
-    on = comm.device  # NCCL gathers device tensors; gloo CPU ones
+    on = ctx.device  # NCCL gathers device tensors; gloo CPU ones
     full = torch.empty(unit.padded_numel, dtype=torch.float32, device=on)
-    collectives.all_gather_into(full, shard.to(on), comm.group).wait()  # rank 0 reads the gathered bytes next
-    return full.cpu() if comm.rank == 0 else None
+    collectives.all_gather_into(full, shard.to(on), ctx.group).wait()  # rank 0 reads the gathered bytes next
+    return full.cpu() if ctx.rank == 0 else None
 
 
 def full_state_dict(model: nn.Module, units: list[Unit], manager: TieredMemoryManager, rank: int,

@@ -176,7 +176,7 @@ def _gather_order_on_rank(rank, world, recipe):
     seam), the start of each block's forward compute (a forward pre-hook registered after the engine's) and
     the end of its backward (its gradients' reduction)."""
     import infinity.device.collectives as collectives
-    from infinity.units.unit import Unit
+    from infinity.units.gradients import UnitGradients
     events = []
     config = recipe.config(params="host", grads="host", optimizer="host")
     config["overlap"] = {"optimizer_with_backward": False}  # (else a unit still updating is fetched late)
@@ -201,13 +201,14 @@ def _gather_order_on_rank(rank, world, recipe):
         return Work(issue(out, shard, group, async_op), index)
 
     collectives.all_gather_into = recording_gather
-    reduce_grads = Unit.reduce_grads
+    reduce_grads = UnitGradients.reduce
 
-    def recording_reduce(unit, *args):
-        events.append(("reduce", unit.index))  # the unit's backward is done: its gradients are reduced
-        return reduce_grads(unit, *args)
+    def recording_reduce(grads, *args):
+        index = next(u.index for u in engine.units if u.grads is grads)
+        events.append(("reduce", index))  # the unit's backward is done: its gradients are reduced
+        return reduce_grads(grads, *args)
 
-    Unit.reduce_grads = recording_reduce
+    UnitGradients.reduce = recording_reduce
     for i, block in enumerate(engine.module.blocks, start=1):
         block.register_forward_pre_hook(lambda _m, _a, i=i: events.append(("compute", i)) if torch.is_grad_enabled()
                                         and not engine._in_backward else None)

@@ -94,7 +94,8 @@ def test_staging_is_derived_from_the_optimizer_and_the_pool(tmp_path):
     defaults = inspect.signature(OffloadedOptimizer.__init__).parameters
     assert defaults["read_ahead"].default == traffic.UPDATE_READS_AHEAD
     assert defaults["max_writes_in_flight"].default == traffic.UPDATE_WRITES_IN_FLIGHT
-    from infinity.memory.placement import UnitSizes, plan_placement
+    from infinity.memory.placement import plan_placement
+    from infinity.memory.traffic import UnitSizes
     units = tuple(UnitSizes.uniform(f"u{i}", 2 * 3000, 2 * 3000, chunk_numels=(3000, 3000))
                   for i in range(3))
     budgets = Budgets(device=1 << 30, host=64 << 20, nvme=1 << 40, shared_ram=True, ram=8 << 30)

@@ -56,7 +56,7 @@ def test_read_ahead_is_bitwise_no_read_ahead_and_is_used(clip, tmp_path):
         recipe, engine = _engine(tmp_path, f"ra{read_ahead}", read_ahead, clip=clip)
         ra = engine.updates.optimizer.state_read_ahead
         assert (ra is None) == (read_ahead == 0)
-        tasks = len(engine.updates.optimizer.task_chunks({u.index: u.active_ranges([True] * len(u.grad_flags()))
+        tasks = len(engine.updates.optimizer.task_chunks({u.index: u.steps.active_ranges([True] * len(u.grads.flags()))
                                                   for u in engine.units}, engine.units))
         losses = []
         for step in range(recipe.steps):
@@ -135,7 +135,7 @@ def test_issue_rest_issues_every_chunk_left_within_the_budget_at_once(tmp_path, 
     """Note [reads before writes]: past READS_IN_FLIGHT, in order, stopping where the budget does."""
     from infinity.optim.read_ahead import READS_IN_FLIGHT, StateReadAhead
     recipe, engine = _engine(tmp_path, "a", 0)
-    active = {u.index: u.active_ranges([True] * len(u.grad_flags())) for u in engine.units}
+    active = {u.index: u.steps.active_ranges([True] * len(u.grads.flags())) for u in engine.units}
     order = engine.updates.optimizer.task_chunks(active, engine.units)
     sizes = [StateReadAhead(engine.manager, 1).chunk_bytes(*c) for c in order]
     limit = sum(sizes) if budget == "all" else sum(sizes[:3])

@@ -180,8 +180,9 @@ def test_cuda_traffic_is_every_crossing_the_manager_counts(accum):
     a copy between host memory and the GPU, whichever tier asked for it), for all 27 placements, root and
     not. Nothing is kept (no fresh copies) and parameters are bf16, so none alias the master."""
     from infinity.memory.manager import _crossing
-    from infinity.memory.placement import Plan, UnitSizes
+    from infinity.memory.placement import Plan
     from infinity.memory.tier import Kind, Tier
+    from infinity.memory.traffic import UnitSizes
     n, csize = 1000, 2
     nbytes = {"params": n * csize, "grads": n * 4, "master": n * 4, "exp_avg": n * 4, "exp_avg_sq": n * 4}
     for combo in itertools.product(("device", "host", "nvme"), repeat=3):
@@ -209,8 +210,9 @@ def test_the_manager_counts_copies_into_resident_tiers():
     Before the manager counted them, the h2d here stayed 0."""
     from infinity.device.streams import Streams
     from infinity.memory.manager import TieredMemoryManager, _crossing
-    from infinity.memory.placement import Plan, UnitSizes
+    from infinity.memory.placement import Plan
     from infinity.memory.tier import Kind, Tier
+    from infinity.memory.traffic import UnitSizes
     assert _crossing(GPU, CPU) == "d2h" and _crossing(CPU, GPU) == "h2d"
     assert _crossing(CPU, CPU) is None and _crossing(GPU, torch.device("cuda", 0)) is None
     units = (UnitSizes.uniform("u0", 8, 8, chunk_numels=(8,)),)

@@ -100,11 +100,11 @@ def test_evaluation_and_generation_leave_training_bitwise_unchanged(overlap, sav
             for _ in range(3):
                 train(engine, steps=1)
                 if interleave:
-                    grads_before = [u._grad_flat is None for u in engine.units]
+                    grads_before = [u.grads.flat is None for u in engine.units]
                     with torch.no_grad():
                         engine.module(input_ids=x)
                     greedy(engine.generate, x)
-                    assert [u._grad_flat is None for u in engine.units] == grads_before
+                    assert [u.grads.flat is None for u in engine.units] == grads_before
             finals.append(engine.full_state_dict())
     for key, value in finals[0].items():
         assert torch.equal(value, finals[1][key]), key
@@ -148,7 +148,7 @@ def test_evaluation_loss_at_each_stage_equals_transformers_and_allocates_no_grad
         with torch.no_grad():
             for forward in (engine, engine.module):
                 torch.testing.assert_close(forward(input_ids=x, labels=x).loss, want, rtol=1e-5, atol=1e-6)
-        assert all(u._grad_flat is None and not u.slots_with_grad for u in engine.units)
+        assert all(u.grads.flat is None and not u.grads.slots_with_grad for u in engine.units)
         assert all(p.grad is None for p in engine.module.parameters())
         with pytest.raises(RuntimeError, match="needs a forward with gradients"):
             engine.backward(torch.zeros(()))

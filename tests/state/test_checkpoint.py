@@ -146,7 +146,7 @@ def test_disk_too_full_for_a_save_is_refused_up_front(tmp_path, tiny_fs):
             engine.save_checkpoint(str(tiny_fs / "too-big"))
         train_steps(engine, BIG, 0, 1, 0, 1)  # the run goes on
     assert sorted(os.listdir(tiny_fs)) == ["good"], "no partial checkpoint is left behind"
-    infinity.state.checkpoint.read_manifest(good)  # the earlier checkpoint is intact
+    infinity.state.checkpoint_load.read_manifest(good)  # the earlier checkpoint is intact
 
 
 def test_disk_filling_up_during_a_save_keeps_the_last_checkpoint(tmp_path, tiny_fs, monkeypatch):
@@ -160,4 +160,4 @@ def test_disk_filling_up_during_a_save_keeps_the_last_checkpoint(tmp_path, tiny_
         with pytest.raises(CheckpointError, match=r"small/too-big was not saved .*(No space|ENOSPC|is full)"):
             engine.save_checkpoint(str(tiny_fs / "too-big"))
     assert sorted(os.listdir(tiny_fs)) == ["good"], "no partial checkpoint is left behind"
-    infinity.state.checkpoint.read_manifest(good)
+    infinity.state.checkpoint_load.read_manifest(good)

@@ -1,0 +1,89 @@
+"""A unit's gradients: the fp32 flat gradient its backward fills parameter by parameter, which parameters got
+one in the accumulation window, and its sum over the ranks as the ZeRO stage says (reduce-scatter into the
+rank's partition, or stage 0's all-reduce), with the part of it this rank counts in the global norm. When and
+where a reduction runs is grad_reduce.py's (runtime/)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from infinity.device import collectives
+from infinity.memory.stages import UnitLayout
+from infinity.profile import Link
+from infinity.units.context import UnitContext
+from infinity.units.sharded_param import ParamSlot
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """An issued sum of a unit's gradient over the ranks: what this rank keeps of it, and the collective."""
+
+    kept: torch.Tensor
+    work: object  # the handle (collectives.DONE with one rank)
+    link: Link | None = None
+    num_bytes: int = 0  # Note [collective bytes] (profile/records.py)
+    issued: float = 0.0
+
+
+class UnitGradients:
+    """One unit's gradient on this rank: filled by its backward, handed over, reduced."""
+
+    def __init__(self, ctx: UnitContext, slots: list[ParamSlot], padded_numel: int, layout: UnitLayout,
+                 shard_start: int, shard_numel: int, stored_trainable: int):
+        self.ctx, self.slots, self.padded_numel, self.layout = ctx, slots, padded_numel, layout
+        self.shard_start, self.shard_numel, self.stored_trainable = shard_start, shard_numel, stored_trainable
+        self.flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
+        self.slots_with_grad: set[int] = set()  # ids of slots that got a gradient in this accumulation window
+
+    def absorb(self, slot: ParamSlot) -> None:
+        """Move one parameter's fresh `.grad` into the unit's fp32 flat gradient (and free it), so at
+        most one parameter's gradient exists beside the flat buffer."""
+        if self.flat is None:
+            self.flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.ctx.device)
+        self.flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.grad.reshape(-1))
+        slot.param.grad = None
+        self.slots_with_grad.add(id(slot))
+
+    def flags(self) -> list[bool]:
+        """Per trainable slot (flat order): did it get a gradient in this accumulation window?"""
+        return [id(s) in self.slots_with_grad for s in self.slots if s.requires_grad]
+
+    def take(self) -> torch.Tensor:
+        """This backward's flat fp32 gradient, handed over (zeros where parameters got no gradient)."""
+        flat, self.flat = self.flat, None
+        if flat is None:
+            flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.ctx.device)
+        return flat
+
+    def reduce(self, flat: torch.Tensor) -> Reduction:
+        """Issue: sum a flat fp32 gradient over the ranks as the stage says: reduce-scatter into this rank's
+        partition (stages 1-3), or all-reduce the whole trainable part (stage 0). The result's `kept` is
+        the sum over this rank's update range (`layout.update`), where the optimizer reads it. Parameters
+        without a gradient contribute zeros."""
+        ctx, update = self.ctx, self.layout.update
+        if ctx.group is None:
+            return Reduction(flat.narrow(0, update.start, update.numel), collectives.DONE)  # one rank: no copy
+        ctx.streams.wait_event(ctx.streams.record(), ctx.streams.comm)  # the flat gradient is written on compute
+        with ctx.streams.use(ctx.streams.comm):
+            issued = time.perf_counter()
+            if ctx.stage.optimizer_partitioned:
+                out = torch.empty(self.shard_numel, dtype=torch.float32, device=ctx.device)
+                work = collectives.reduce_scatter_sum(out, flat, ctx.group)
+                kept = out.narrow(0, update.start - self.shard_start, update.numel)
+                link, volume = Link.REDUCE_SCATTER, flat.numel()  # Note [collective bytes]
+            else:
+                kept = flat.narrow(0, update.start, update.numel)
+                work = collectives.all_reduce_sum(kept, ctx.group, async_op=True)
+                link, volume = Link.ALL_REDUCE, 2 * kept.numel()
+        ctx.streams.hold(flat, ctx.streams.comm)
+        return Reduction(kept, work, link, volume * 4, issued)
+
+    def norm_part(self) -> tuple[int, int]:
+        """(offset, numel) within a reduction's `kept` of the gradient this rank counts in the global norm:
+        its partition's trainable elements (stage 0 keeps them all, and each rank counts its partition)."""
+        start = self.shard_start
+        numel = max(0, min(self.shard_numel, self.stored_trainable - start))
+        return (start - self.layout.update.start, numel) if numel else (0, 0)  # (a frozen partition: nothing)
