@@ -31,6 +31,16 @@ class _NoEvent:
         return True
 
 
+# Note [stream-ordered memory]: CUDA's caching allocator hands a freed block to the next allocation on the
+# stream it was allocated on, in that stream's order, without asking other streams. So device memory written
+# or read on another stream than the one it was allocated on must be ordered for it: either allocated on the
+# stream that writes it (a device staging buffer a copy fills is allocated under `use(h2d)`; a reduce-scatter's
+# output under `use(comm)`; an activation's copy back under `use(h2d)`), or the writing stream first waits for
+# an event of the allocating stream recorded after the allocation (a copy into the unsharded buffer, grown on
+# the training thread's stream, waits for that stream). A reader on a third stream waits for the writer's
+# event and `hold`s the tensor (record_stream), so the block is not handed out again before the reader is done.
+# tests/device/test_cuda_paths.py checks every copy of the manager against these rules on simulated streams.
+
 # Note [host syncs]: the places where a thread blocks until the device has finished work go through
 # `host_wait` (an event), `host_value` (a scalar) and `to_host` (a small tensor the CPU reads), so they can
 # be counted (`count_host_syncs`). On the training thread a steady step has a constant number of them
@@ -160,6 +170,10 @@ class Streams:
         """Make `stream` (default: current) wait for `event` on the device, not the host."""
         if self.is_cuda:
             (stream or torch.cuda.current_stream(self.device)).wait_event(event)
+
+    def current(self):
+        """This thread's current stream of the engine's device (None on the CPU)."""
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
 
     def hold(self, tensor: torch.Tensor, stream) -> None:
         """Tell the caching allocator that `tensor` is used on `stream` (so it is not reused early)."""

@@ -259,21 +259,29 @@ class TieredMemoryManager:
             if shard.chunks[i].device_use is not None:
                 self.streams.wait_event(shard.chunks[i].device_use, stream)
 
-    def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None):
+    def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None,
+                     dst_ready=None):
         """Issue a copy of `src` to `device` (into `dst`); returns (its Pending, the copy's done event).
+        `dst_ready`: for a device `dst` the caller allocated, an event of its stream recorded after it
+        (default: now, on this thread's stream; Note [stream-ordered memory]).
 
         Waiting for a copy to the device makes the waiting thread's current stream wait for it on the
         device (no host sync: Note [host syncs]); for a copy to the host, the host waits (it reads next)."""
+        given = dst is not None
         if device.type == "cpu":
             dst = self.staging.host_buffer(src.numel(), src.dtype) if dst is None else dst
             stream, key = self.streams.d2h, "d2h"
         else:
-            dst = self.staging.device_buffer(src.numel(), src.dtype) if dst is None else dst
             stream, key = self.streams.h2d, "h2d"
+            if dst is None:
+                with self.streams.use(stream):  # Note [stream-ordered memory]: allocated for the stream writing it
+                    dst = self.staging.device_buffer(src.numel(), src.dtype)
         if src.device == dst.device:
             stream, key = None, None
-        if src.device.type != "cpu":
-            self.streams.wait_event(self.streams.record(), stream)  # the copy must see compute's last writes to src
+        if src.device.type != "cpu" or (given and dst.device.type != "cpu"):
+            # the copy must see compute's last writes to src, and may write device memory the calling thread's
+            # stream allocated or used last only after that stream is done with it (Note [stream-ordered memory])
+            self.streams.wait_event(dst_ready if dst_ready is not None else self.streams.record(), stream)
         with self.streams.use(stream), self._device_span(key, src):
             dst.copy_(src, non_blocking=stream is not None)
             done = self.streams.record(stream)
@@ -282,7 +290,13 @@ class TieredMemoryManager:
         self.bytes_moved[key] += src.numel() * src.element_size()
         if device.type == "cpu":
             return Pending(dst, after=lambda: host_wait(done, "d2h fetch")), done  # the CPU reads dst next
-        return Pending(dst, after=lambda: self.streams.wait_event(done)), done  # the waiter's stream, on the device
+        return Pending(dst, after=lambda: self._arrived(dst, done)), done
+
+    def _arrived(self, dst: torch.Tensor, done) -> None:
+        """A copy to the device is waited: the waiter's stream waits for it on the device, and the allocator
+        keeps the copy stream's buffer for that stream's use too (Note [stream-ordered memory])."""
+        self.streams.wait_event(done)
+        self.streams.hold(dst, self.streams.current())
 
     def _fetch_nvme(self, shard: _Shard, chunk, start: int, numel: int, device: torch.device,
                     into: torch.Tensor | None, urgent: bool) -> Pending:
@@ -322,6 +336,8 @@ class TieredMemoryManager:
         the waiting stream wait for the copy on the device. The host staging buffer goes back to the pool
         once the copy has read it."""
         lock, left, copy = threading.Lock(), [len(futures)], []
+        # the caller's buffer is ordered for the copy on the caller's stream, now (Note [stream-ordered memory])
+        ready = self.streams.record() if into is not None and into.device.type != "cpu" else None
 
         def issue(_future=None, landed: bool = False) -> None:
             with lock:
@@ -329,7 +345,7 @@ class TieredMemoryManager:
                 if copy or (left[0] > 0 and not landed):  # (landed: wait() saw every read done)
                     return
                 bind_thread(device)  # (an I/O thread: its current device would be cuda:0, Note in streams.py)
-                pending, done = self._copy_across(host, device, into)
+                pending, done = self._copy_across(host, device, into, ready)
                 self.staging.release_after(host, done)
                 copy.append(pending)
 

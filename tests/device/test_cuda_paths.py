@@ -290,6 +290,9 @@ class RecordingStreams(Streams):
     def wait_event(self, event, stream=None) -> None:
         self.log.append(("wait", stream or "current"))
 
+    def current(self):
+        return "current"
+
     @contextlib.contextmanager
     def use(self, stream):
         self.log.append(("use", stream))
@@ -403,9 +406,11 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path, monkeypatch
         numel = manager.chunk_span(1, None)[1]
         with count_host_syncs() as syncs:
             pending = manager.fetch(1, Kind.GRADS, None, into=torch.empty(numel, device=META))  # host tier
-            assert streams.log == [("use", "h2d"), ("record", "h2d"), ("end", "h2d")]  # (host bytes: no wait)
+            # the copy into the caller's buffer waits for the caller's stream (Note [stream-ordered memory])
+            assert streams.log == [("record", "current"), ("wait", "h2d"), ("use", "h2d"), ("record", "h2d"),
+                                   ("end", "h2d")]
             pending.wait()
-            assert streams.log[3:] == [("wait", "current")]
+            assert streams.log[5:] == [("wait", "current")]
         assert syncs == []
         streams.log.clear()
         spans, profiler = [], manager.profiler
@@ -429,9 +434,11 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path, monkeypatch
             deadline = time.monotonic() + 30
             while ("record", "h2d") not in streams.log and time.monotonic() < deadline:
                 time.sleep(0.01)  # the read lands on the I/O thread, which issues the copy
-            assert streams.log == [("use", "h2d"), ("record", "h2d"), ("end", "h2d")], streams.log
+            # the caller's stream is recorded at issue, and the copy the I/O thread issues waits for it
+            assert streams.log == [("record", "current"), ("wait", "h2d"), ("use", "h2d"), ("record", "h2d"),
+                                   ("end", "h2d")], streams.log
             pending.wait()
-            assert streams.log[3:] == [("wait", "current")]
+            assert streams.log[5:] == [("wait", "current")]
         assert syncs == []
         assert bound == [(False, META)]
         assert len(manager.staging._after) == 1  # the staging buffer waits for its copy
@@ -552,3 +559,87 @@ def test_staging_buffers_are_pinned_at_their_size_class_not_a_power_of_two(cudar
     pool.close()
     gc.collect()
     assert calls[1:] == [("unregister", calls[0][1])]
+
+
+class OrderedStreams(Streams):
+    """Streams of a pretend GPU that check Note [stream-ordered memory]: each device buffer remembers the stream
+    it was allocated on (and when); a copy that writes it on another stream must come after that stream waited
+    for an event of the allocating stream recorded at or after the allocation. `violations` lists the others."""
+
+    def __init__(self):
+        super().__init__(device=torch.device("cuda", 0), compute="compute", h2d="h2d", d2h="d2h", comm="comm")
+        self.stack, self.seq = ["compute"], 0
+        self.edges: list[tuple[str, int, str]] = []  # (waited stream, its position, waiting stream)
+        self.allocated: dict[int, tuple[str, int]] = {}  # id(buffer) -> (stream, position)
+        self.held: list[tuple[int, str]] = []
+        self.violations: list[str] = []
+        self.buffers = []  # (kept alive: ids stay unique)
+
+    def tick(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def current(self):
+        return self.stack[-1]
+
+    def record(self, stream=None):
+        return SimpleNamespace(stream=stream or self.current(), seq=self.tick(), query=lambda: True,
+                               synchronize=lambda: None)
+
+    def wait_event(self, event, stream=None) -> None:
+        self.edges.append((event.stream, event.seq, stream or self.current()))
+
+    @contextlib.contextmanager
+    def use(self, stream):
+        self.stack.append(stream or self.current())
+        yield
+        self.stack.pop()
+
+    def hold(self, tensor, stream) -> None:
+        self.held.append((id(tensor), stream))
+
+    def allocate(self, t: torch.Tensor) -> torch.Tensor:
+        self.allocated[id(t)] = (self.current(), self.tick())
+        self.buffers.append(t)
+        return t
+
+    def written(self, t: torch.Tensor) -> None:
+        if id(t) not in self.allocated:
+            return
+        home, at = self.allocated[id(t)]
+        on = self.current()
+        if on != home and not any(a == home and s >= at and b == on for a, s, b in self.edges):
+            self.violations.append(f"allocated on {home}, written on {on} with no ordering edge")
+
+
+class WatchWrites(torch.overrides.TorchFunctionMode):
+    def __init__(self, streams: OrderedStreams):
+        super().__init__()
+        self.streams = streams
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            self.streams.written(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_device_buffers_are_allocated_or_ordered_for_the_stream_that_writes_them(tmp_path, monkeypatch):
+    """Note [stream-ordered memory], the race CSAN reported on the H200: a fetch to the device fills a staging
+    buffer on the h2d stream; it must be allocated on that stream (or the copy ordered after the allocating
+    stream), and a buffer the caller allocated on its own stream (the unsharded buffer) must be written only
+    after the h2d stream waited for it. The waiter holds the buffer for its own stream."""
+    recipe = Recipe()
+    config = recipe.config(params="host", grads="host", optimizer="host")
+    with infinity.initialize(recipe.build(), config) as engine:
+        manager = engine.manager
+        streams = manager.streams = OrderedStreams()
+
+        monkeypatch.setattr(manager.staging, "device_buffer", lambda numel, dtype: streams.allocate(
+            torch.empty(numel, dtype=dtype, device=META)))
+        with WatchWrites(streams):
+            fetched = manager.fetch(1, Kind.GRADS, 0, META).wait()  # into a staging buffer
+            into = streams.allocate(torch.empty(manager.chunk_span(1, 0, Kind.PARAMS)[1], device=META))
+            manager.fetch(1, Kind.PARAMS, 0, META, into=into).wait()  # into the caller's buffer
+        assert fetched.device == META and id(fetched) in streams.allocated
+        assert streams.violations == [], streams.violations
+        assert (id(fetched), "compute") in streams.held  # the waiter's stream keeps the block from early reuse
