@@ -643,3 +643,75 @@ def test_device_buffers_are_allocated_or_ordered_for_the_stream_that_writes_them
         assert fetched.device == META and id(fetched) in streams.allocated
         assert streams.violations == [], streams.violations
         assert (id(fetched), "compute") in streams.held  # the waiter's stream keeps the block from early reuse
+
+
+def test_worker_steps_each_unit_once_the_device_has_its_gradients():
+    """Note [merge only what the device has reached], the schedule behind the H200's ZeRO-Offload profile, on a
+    simulated device: the training thread submits every unit's update long before the device has computed those
+    gradients (it runs ahead); the device then produces them one by one. Each unit must be stepped once its own
+    gradients exist, not after the last unit's: the worker never waits on the stream for an event the device
+    has not reached when an earlier unit could step."""
+    device_at = [0]  # how many units' gradients the simulated device has produced
+    log = []
+
+    class Event:
+        def __init__(self, unit):
+            self.unit = unit
+
+        def query(self):
+            return self.unit is None or self.unit < device_at[0]
+
+        def synchronize(self):
+            pass
+
+    class SimulatedStreams(Streams):
+        def __init__(self):
+            super().__init__(device=torch.device("cuda", 0), compute="compute", update="update")
+            self.submitting = None
+
+        def record(self, stream=None):
+            return Event(self.submitting)
+
+        def wait_event(self, event, stream=None):
+            # the worker's stream waits for the gradients' event, and the host reads what follows on it (the
+            # unit's norm, the gradient copied to the host) only once the device got there: modelled as a wait
+            if threading.current_thread().name == "infinity-optimizer" and event.unit is not None:
+                deadline = time.monotonic() + 3
+                while not event.query() and time.monotonic() < deadline:
+                    time.sleep(0.002)
+                log.append(("stream waits for", event.unit, device_at[0]))
+
+        @contextlib.contextmanager
+        def use(self, stream):
+            yield
+
+    class _Optimizer:
+        compute_device = torch.device("cpu")
+
+        def step(self, *, hyper, grad_scale, active, units, on_unit_done):
+            for unit in units:
+                log.append(("step", unit.index, device_at[0]))
+                on_unit_done(unit)
+
+    n = 5
+    streams = SimulatedStreams()
+    worker = OptimizerWorker(_Optimizer(), num_units=n, streams=streams)
+    try:
+        first = threading.Event()
+        for i in range(n):  # backward's hooks, far ahead of the device
+            streams.submitting = i
+            active = (lambda: first.wait(10) and {0: []}) if i == 0 else {i: []}
+            worker.submit([SimpleNamespace(index=i)], hyper=None, grad_scale=None, active=active,
+                          after_unit=lambda u: None)
+        streams.submitting = None
+        first.set()
+        for i in range(n):  # the device produces each unit's gradients in turn
+            device_at[0] = i + 1
+            deadline = time.monotonic() + 10
+            while worker.pending(i) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            assert not worker.pending(i), f"unit {i} not stepped once the device produced its gradients: {log}"
+    finally:
+        worker.close()
+    # every wait and step happened when the device had reached that unit, never while it stood before it
+    assert all(reached > unit for _, unit, reached in log), log
