@@ -115,6 +115,10 @@ class UnshardedMemory:
         """Bytes this object holds itself (free and lent out); the allocator's are not counted."""
         return 0
 
+    def release_free(self) -> None:
+        """Give the free bytes back (offloaded states: Note [offloaded states] in parked.py); the allocator's
+        cache is the caller's to empty."""
+
     @staticmethod
     def for_device(device: torch.device) -> "UnshardedMemory":
         if device.type == "cpu" and hasattr(torch.UntypedStorage, "_swap_data_ptr_"):
@@ -171,6 +175,11 @@ class PooledUnshardedMemory(UnshardedMemory):
     @property
     def pooled_bytes(self) -> int:
         return self._bytes
+
+    def release_free(self) -> None:
+        with self._lock:
+            free, self._free = self._free, {}
+            self._bytes -= sum(b.untyped_storage().nbytes() for bufs in free.values() for b in bufs)
 
 
 # Note [pinned arena]: every host-tier shard comes from one allocation, sub-allocated at page boundaries

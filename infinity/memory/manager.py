@@ -35,6 +35,7 @@ import torch
 from infinity.device.streams import Streams, bind_thread, host_wait
 from infinity.memory.buffers import HostArena, StagingBuffers, arena_bytes
 from infinity.memory.fresh import FreshCopies
+from infinity.memory.parked import Parked, park_bytes
 from infinity.memory.pending import Chained, Pending, WritesAfterCopy  # noqa: F401 - Pending: the handles' home for callers
 from infinity.memory.placement import Plan
 from infinity.memory.tier import Kind, Residency, Tier, check_transition
@@ -62,6 +63,7 @@ class _Shard:
     numel: int
     chunks: list[_Chunk] = field(default_factory=list)
     resident: torch.Tensor | None = None  # DEVICE / HOST storage of the whole shard
+    parked: "Parked | None" = None  # DEVICE shards while the engine is offloaded (Note [offloaded states])
 
     def span(self, chunk: "int | range | None") -> tuple[int, int]:
         """(start, numel) within the shard of one chunk, a run of chunks, or the whole shard (None)."""
@@ -525,12 +527,58 @@ class TieredMemoryManager:
         """Return a fetched staging buffer without writing it (clean)."""
         self.staging.release(tensor)
 
+    # ----------------------------------------------------------------- offloaded states
+    def park(self, unit: int, kind: Kind, tier: Tier, *, non_blocking: bool = False) -> int:
+        """Move a DEVICE shard's bytes to `tier` (host or NVMe) and free its device storage; views of it (the
+        parameters of an aliased unit) see zero bytes until `unpark`. Returns the bytes moved (all-zero shards:
+        none). A shard on another tier, or parked already, is left as it is (Note [offloaded states])."""
+        shard = self._shards[(unit, kind)]
+        if shard.tier is not Tier.DEVICE or shard.parked is not None:
+            return 0
+        assert all(c.state in (Residency.ZERO, Residency.RESIDENT) for c in shard.chunks), (
+            f"unit {unit} {kind.value}: parked with {[c.state.name for c in shard.chunks]}")
+        live = any(c.state is Residency.RESIDENT for c in shard.chunks)
+        shard.parked = park_bytes(shard.resident if live else None, tier, self.streams, self.swap, self.pin_host,
+                                  non_blocking=non_blocking)
+        self.bytes_moved["d2h"] += shard.parked.nbytes
+        self.streams.hold(shard.resident, self.streams.d2h)  # (its device memory is not reused before the copy)
+        shard.resident.untyped_storage().resize_(0)
+        return shard.parked.nbytes
+
+    def unpark(self, unit: int, kind: Kind) -> list:
+        """Give a parked shard its device storage back and issue the copy of its bytes into it; returns the
+        copies' events (the caller waits for them before the host copies go)."""
+        shard = self._shards[(unit, kind)]
+        parked, shard.parked = shard.parked, None
+        if parked is None:
+            return []
+        shard.resident.untyped_storage().resize_(shard.numel * shard.dtype.itemsize)
+        self.bytes_moved["h2d"] += parked.nbytes
+        return parked.restore(shard.resident, self.streams, self.swap)
+
+    def parked_bytes(self) -> dict[Tier, int]:
+        """Bytes of the parked shards per tier they were parked on."""
+        out = {t: 0 for t in Tier}
+        for shard in self._shards.values():
+            if shard.parked is not None:
+                out[shard.parked.tier] += shard.parked.nbytes
+        return out
+
+    def stores(self, unit: int, kind: Kind) -> bool:
+        """Whether a shard of `kind` was allocated for `unit`."""
+        return (unit, kind) in self._shards
+
+    def is_parked(self, unit: int, kind: Kind) -> bool:
+        return self._shards[(unit, kind)].parked is not None
+
     # ----------------------------------------------------------------- accounting
     def memory_report(self) -> dict:
         """Exact bytes of state per tier and kind, plus staging and swap reservation."""
         state = {t.value: {k.value: 0 for k in Kind} for t in Tier}
         for shard in self._shards.values():
-            if not self._aliased(shard):  # aliased parameters take no storage of their own
+            if shard.parked is not None:  # offloaded: its bytes are where they were parked (none when all zero)
+                state[shard.parked.tier.value][shard.kind.value] += shard.parked.nbytes
+            elif not self._aliased(shard):  # aliased parameters take no storage of their own
                 state[shard.tier.value][shard.kind.value] += shard.numel * shard.dtype.itemsize
         return {
             "state": state,

@@ -198,6 +198,17 @@ def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
     return out
 
 
+def offloaded_state_bytes(plan: "Plan", parked: dict[Kind, Tier]) -> dict[Tier, dict[Kind, int]]:
+    """`state_bytes` after `engine.offload_states` parked the DEVICE shards of each kind in `parked` on its tier
+    between windows (Note [offloaded states] in parked.py): the device holds none of them; gradients are all
+    zero there, so they park as nothing; the other kinds hold what they held (after the first update)."""
+    out = state_bytes(plan)
+    for kind, tier in parked.items():
+        moved, out[Tier.DEVICE][kind] = out[Tier.DEVICE][kind], 0
+        out[tier][kind] += 0 if kind is Kind.GRADS else moved
+    return out
+
+
 # ---------------------------------------------------------------- Note [working memory]
 
 
@@ -394,10 +405,12 @@ def with_read_ahead(plan: "Plan", read_ahead: int) -> "Plan":
     return dataclasses.replace(plan, working_terms=terms, working=totals(terms), read_ahead=read_ahead)
 
 
-def plan_report(plan: "Plan") -> dict:
-    """memory_report()'s plan section: state per tier and kind, working bytes per tier (total and term by
-    term), and the read-ahead's budget; the same numbers the planner fitted to the budgets."""
-    return {"plan": {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in plan.state_bytes().items()},
+def plan_report(plan: "Plan", parked: dict[Kind, Tier] | None = None) -> dict:
+    """memory_report()'s plan section: state per tier and kind (`parked`: while offloaded, Note [offloaded
+    states]), working bytes per tier (total and term by term), and the read-ahead's budget; the same numbers
+    the planner fitted to the budgets."""
+    state = offloaded_state_bytes(plan, parked) if parked else plan.state_bytes()
+    return {"plan": {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in state.items()},
             "working_planned": {t.value: v for t, v in plan.working.items()},
             "working_planned_terms": {t.value: dict(v) for t, v in plan.working_terms.items()},
             "read_ahead_planned": plan.read_ahead}

@@ -68,14 +68,14 @@ class OptimizerWorker:
                  streams: Streams | None = None):
         self.optimizer = optimizer
         self.read_ahead = read_ahead
-        # Note [merge only what the device has reached]: batches queued while the worker was busy are merged
-        # into one pipeline, but only those whose `submitted` event the device has passed. The training thread
-        # runs ahead of the GPU: during backward it queues every unit's submission long before the GPU computes
-        # those gradients, so a merge of everything queued would wait on the stream (and for each unit's norm,
-        # on the host) for the last unit's event, the end of backward, before stepping the first: the H200's
-        # ZeRO-Offload profile (a burst of updates early in backward, then none until it ends). Merging only
-        # what is ready keeps each update behind its own unit's gradient, during backward. On the CPU every
-        # event is complete: everything queued is merged, as before.
+        # Note [merge only what the device has reached]:
+        # batches queued while the worker was busy are merged into one pipeline, but only those whose
+        # `submitted` event the device has passed. The training thread runs ahead of the GPU: during backward it
+        # queues every unit's submission long before the GPU computes those gradients, so a merge of everything
+        # queued would wait on the stream (and for each unit's norm, on the host) for the last unit's event, the
+        # end of backward, before stepping the first: the H200's ZeRO-Offload profile (a burst of updates early
+        # in backward, then none until it ends). Merging only what is ready keeps each update behind its own
+        # unit's gradient, during backward. On the CPU every event is complete: everything queued is merged.
         # Note [update stream]: on a GPU the worker queues its device work (a device-tier Adam step, the
         # parameters' cast and copies) on its own stream, never the compute stream it would serialize with:
         # it waits on the device for the gradients the training thread produced (an event recorded at
@@ -188,8 +188,8 @@ class OptimizerWorker:
                 except queue.Empty:
                     break
                 if not isinstance(more, _Batch) or not more.submitted.query():
-                    # an order, a mark or the end: after these batches. Note [merge only what the device has
-                    # reached]: so is a batch whose gradients the device has not produced yet
+                    # an order, a mark or the end: after these batches; so is a batch whose gradients the device
+                    # has not produced yet (Note [merge only what the device has reached])
                     held = more
                     break
                 batches.append(more)

@@ -40,6 +40,7 @@ from infinity.profile.clock import TrainingClock
 from infinity.runtime.accumulation import AccumulationWindow
 from infinity.runtime.activations import activations_for
 from infinity.runtime.chunked_loss import kept_whole, loss_forward
+from infinity.runtime.colocate import FORWARD, Colocation, mid_step, named_full_parameters
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from infinity.runtime.inference import InferenceForwards
@@ -134,6 +135,9 @@ class Engine:
         self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device,
                                            backward_pending=lambda: self._backward_pending)
         self._handles += self.inference.handles
+        self.colocation = Colocation(model=model, units=self.units, manager=self.manager, device=self.env.device,
+                                     unsharded=self.unsharded, profiler=self.profiler, settled=self.updates.settled,
+                                     mid_step=lambda: mid_step(self.window, self._backward_pending))
         self.micro_step = 0  # backward passes since initialize
         self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
@@ -183,7 +187,7 @@ class Engine:
     # ----------------------------------------------------------------- training surface
     def __call__(self, *args, **kwargs):
         """Forward on the engine's device (tensor arguments are moved there): returns what the model returns."""
-        self._check_open()
+        self._check_open("engine(...)", FORWARD)
         args, kwargs = to_device((args, kwargs), self.env.device)
         self.clock.forward_begins()
         root = self.units[0]
@@ -217,13 +221,13 @@ class Engine:
 
     def generate(self, *args, **kwargs):
         """A Hugging Face model's own `generate`, at every placement (Note [inference forwards])."""
-        self._check_open()
+        self._check_open("engine.generate", FORWARD)
         return self.inference.generate(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, end_window: bool = False) -> None:
         """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale); `end_window=True` ends the
         accumulation window here, even a short one (Note [accumulation windows])."""
-        self._check_open()
+        self._check_open("engine.backward")
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
@@ -258,7 +262,7 @@ class Engine:
         With `[overlap] optimizer_with_backward` the update runs on a worker thread (Note
         [overlap]) and this returns once it is issued; the next forward waits per unit.
         """
-        self._check_open()
+        self._check_open("engine.step")
         if not self.window.closed:
             return False
         self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
@@ -317,7 +321,7 @@ class Engine:
         `load_checkpoint`. With `[checkpoint] background = true` the files are written
         while training goes on and the checkpoint appears at the next `step()` / `close()`.
         """
-        self._check_open()
+        self._check_open("engine.save_checkpoint")
         with self.updates.settled():
             self.wait_for_checkpoint()
             self.reducer.flush_writes()
@@ -343,7 +347,7 @@ class Engine:
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore the state saved at `path` (at this or another world size); returns its user state."""
-        self._check_open()
+        self._check_open("engine.load_checkpoint")
         with self.updates.settled():
             self.wait_for_checkpoint()
             self.manager.drain()
@@ -356,14 +360,43 @@ class Engine:
         from the model's own config; a PEFT model's adapters alone, or merged with `merge_lora`). `dtype`:
         "auto" the model config's dtype (else fp32), "fp32" / "bf16" / "fp16" or a torch dtype (Note
         [stand-alone export]). All ranks call this; a temporary checkpoint beside `path` is removed after."""
+        self._check_open("engine.export_state_dict")
         from infinity.state.export import export_engine
         return export_engine(self, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora)
+
+    # ----------------------------------------------------------------- beside an inference engine
+    def offload_states(self, kinds=None, tier: str = "host", non_blocking: bool = False) -> int:
+        """Move every byte this engine holds on the device to `tier` ("host", or "nvme" with a swap space) between
+        steps, for an inference engine sharing the device; returns the bytes moved. `kinds`: a subset of
+        "params", "grads", "optimizer" (or "master", "exp_avg", "exp_avg_sq"), "buffers" (the model's buffers,
+        the pools); None: all. Idempotent; refused in the middle of a step. `non_blocking`: return once the
+        copies to the host are issued (Note [offloaded states] in runtime/colocate.py and memory/parked.py)."""
+        self._check_open()
+        self.wait_for_checkpoint()  # a background save reads the state
+        return self.colocation.offload(kinds, tier, non_blocking)
+
+    def reload_states(self) -> int:
+        """Bring back everything `offload_states` moved (bit for bit); returns the bytes moved. Idempotent."""
+        self._check_open()
+        return self.colocation.reload()
+
+    def named_full_parameters(self, dtype: torch.dtype | str | None = None, merge_lora: bool = False):
+        """Iterate (name, full tensor on the CPU) over the model's parameters, unit by unit, in the model's own
+        names (`merge_lora`: a PEFT model's base weights merged, under the base model's names); `dtype`: the
+        compute dtype by default ("fp32" / "bf16" / "fp16" or a torch dtype). All ranks iterate it together
+        (each unit is gathered). At most one unit's full values exist at a time beside the engine's own."""
+        self._check_open("engine.named_full_parameters", ("params", "optimizer"))
+        self.wait_for_checkpoint()  # a background save may be reading the same master extents
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or self.compute_dtype)
+        return named_full_parameters(self.module, self.units, self.manager, self.tiling, dtype, merge_lora,
+                                     settled=self.updates.settled)
 
     # ----------------------------------------------------------------- reporting and state
     def memory_report(self) -> dict:
         """Bytes per tier and per state kind on this rank, and the buffers and peaks around them."""
         report = self.manager.memory_report()
-        report.update(plan_report(self.plan))  # the byte model's: what the planner fitted to the budgets
+        report.update(plan_report(self.plan, self.colocation.offloaded))  # the byte model's, as offloaded now
+        report.update(self.colocation.report())
         report["unsharded_peak_bytes"] = max((u.peak_unsharded for u in self.units), default=0)
         report["unsharded_pool_bytes"] = self.unsharded.pooled_bytes
         report.update(self.activations.report())  # the last forward's (Note [activation bytes])
@@ -374,7 +407,7 @@ class Engine:
 
     def full_state_dict(self) -> dict:
         """fp32 master weights gathered on rank 0 (empty dict elsewhere), keys as model.state_dict()."""
-        self._check_open()
+        self._check_open("engine.full_state_dict")
         with self.updates.settled():
             self.wait_for_checkpoint()  # a background save may be reading the same master extents
             return full_state_dict(self.module, self.units, self.manager, self.env.rank, self.tiling)
@@ -398,9 +431,11 @@ class Engine:
     def eval(self) -> "Engine":
         return self.train(False)
 
-    def _check_open(self) -> None:
+    def _check_open(self, what: str | None = None, needs=("params", "grads", "optimizer", "buffers")) -> None:
         if self._closed:
             raise RuntimeError("this Engine is closed; create a new one with infinity.initialize")
+        if what is not None:
+            self.colocation.require(what, needs)  # Note [offloaded states] (runtime/colocate.py)
 
     def close(self) -> None:
         """Finish a pending checkpoint, wait for in-flight I/O, remove hooks and this run's swap files."""

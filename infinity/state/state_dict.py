@@ -31,9 +31,9 @@ def own_partition_fp32(unit: Unit, manager: TieredMemoryManager) -> torch.Tensor
     return out
 
 
-def gather_unit_master(unit: Unit, manager: TieredMemoryManager) -> torch.Tensor | None:
+def gather_unit_master(unit: Unit, manager: TieredMemoryManager, every_rank: bool = False) -> torch.Tensor | None:
     """The unit's full fp32 values (the masters; frozen weights from their parameters) on rank 0 (None
-    elsewhere)."""
+    elsewhere; on every rank with `every_rank`)."""
     ctx = unit.ctx
     shard = own_partition_fp32(unit, manager)
     if ctx.group is None:
@@ -41,7 +41,7 @@ def gather_unit_master(unit: Unit, manager: TieredMemoryManager) -> torch.Tensor
     on = ctx.device  # NCCL gathers device tensors; gloo CPU ones
     full = torch.empty(unit.padded_numel, dtype=torch.float32, device=on)
     collectives.all_gather_into(full, shard.to(on), ctx.group).wait()  # rank 0 reads the gathered bytes next
-    return full.cpu() if ctx.rank == 0 else None
+    return full.cpu() if ctx.rank == 0 or every_rank else None
 
 
 def full_state_dict(model: nn.Module, units: list[Unit], manager: TieredMemoryManager, rank: int,
