@@ -175,12 +175,22 @@ def _estimate(args) -> int:
                        planned.run.batch_size // args.world_size)
     result = est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                           batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
-                          remeasure=args.remeasure, apply=apply)
+                          remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides))
     if args.json:
         print(json.dumps(result.to_json(), indent=1, default=str))
     else:
         print(est.format_estimate(result, explain=args.explain))
     return 0 if result.ok else 1
+
+
+def _lora_option(job, custom, args, overrides):
+    """For a pretrained model trained whole: the `--set` line that trains LoRA adapters instead, and its model."""
+    if custom or not job.model.pretrained or job.lora.r:
+        return None
+    from infinity.job.train import build_model, load_job
+    sets = ["model.lora.r=16"]
+    lora_job = load_job(args.config, overrides + sets)
+    return sets, lambda: build_model(lora_job.model, lora_job.lora)
 
 
 def _estimate_stages(args, make, config, job) -> int:

@@ -25,13 +25,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from infinity.config.sections import ActivationConfig, Config, ConfigError
+from infinity.config.sections import ActivationConfig, Config
 from infinity.device.dtypes import dtype_of
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
 from infinity.machine.preflight import Check, check_disks, preflight
 from infinity.memory import cost_model
-from infinity.memory.placement import Budgets, PlacementError, Plan, plan_for_config
+from infinity.memory.placement import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
 from io_engine import format_size
 
@@ -219,6 +219,35 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
                  unit_forward_flops=float(unit_flops[0]))
 
 
+def tracer(make_model: Callable, config: Config, seq_len: int) -> Callable[[int], Trace]:
+    """micro-batch -> the Trace of one forward + backward of a copy of `make_model()` (tracing moves its buffers to
+    the meta device), tiled and checkpointed as `initialize` does it."""
+    traced = make_model()
+    from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
+    from infinity.units.tiling import tile_layers
+    from infinity.units.unit import activation_modules
+    forward = loss_forward(config.activation, traced.model)
+    tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
+                keep=kept_whole(forward))  # as initialize
+    blocks = [m for _, m in activation_modules(traced.model, list(config.units.classes))]
+    return lambda batch: trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch, seq_len, blocks)
+
+
+def context_for(ctx, make_model: Callable, seq_len: int):
+    """`ctx` (estimate_table.Context) for another model of the same job (the LoRA-wrapped one): its units and trace."""
+    bundle, trace_model = make_model(), tracer(make_model, ctx.config, seq_len)
+    traces = {ctx.batch_size: trace_model(ctx.batch_size)}
+
+    def trace_at(batch: int) -> Trace:
+        if batch not in traces:
+            traces[batch] = trace_model(batch)
+        return traces[batch]
+    trace = traces[ctx.batch_size]
+    return bundle, dataclasses.replace(ctx, sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), trace=trace,
+                                       trace_at=trace_at, flops=trace.flops,
+                                       activations_of=lambda a: activation_bytes(trace, a))
+
+
 def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int,
                         check_machine: bool = True) -> Budgets:
     """Budgets exactly as `initialize` resolves them on this machine ("auto" = this rank's share of the free
@@ -256,7 +285,7 @@ def runtime_rss(remeasure: bool = False) -> int:
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
              batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
              cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None,
-             apply: Callable | None = None) -> Estimate:
+             apply: Callable | None = None, lora: tuple[list[str], Callable] | None = None) -> Estimate:
     """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
     `infinity.job.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
 
@@ -264,7 +293,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     else measured on the first NVMe path (once per machine; `remeasure` to measure again), else the cached /
     default ones. The plan itself is made exactly as `initialize` makes it (`plan_for_config`).
     `apply(sets) -> plan_search.Applied`: the job's own loading of `--set` lines over this config; given, a
-    run that does not fit gets the plans of Note [plan search] (`default_apply` for an engine config alone).
+    run that does not fit gets the plans of Note [plan search] (`default_apply` for an engine config alone);
+    `lora = (sets, make_lora_model)`: the `--set` lines that wrap a pretrained model with LoRA, and its model.
     """
     local = local_world_size or world_size
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -281,17 +311,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
             rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
         else:
             rates = link_rates.cached_link_rates(cuda)
-    traced = make_model()  # a second copy: tracing moves its buffers to the meta device
-    from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
-    from infinity.units.tiling import tile_layers
-    from infinity.units.unit import activation_modules
-    forward = loss_forward(config.activation, traced.model)
-    tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
-                keep=kept_whole(forward))  # as initialize
-    blocks = [m for _, m in activation_modules(traced.model, list(config.units.classes))]
-
-    def trace_model(batch: int) -> Trace:
-        return trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch, seq_len, blocks)
+    trace_model = tracer(make_model, config, seq_len)
     trace = trace_model(batch_size)
     flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
     compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
@@ -311,7 +331,12 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                         activations_of=lambda a: activation_bytes(trace, a), trace_at=trace_at,
                         config=config, world_size=world_size, budgets=budgets, trace=trace, rates=rates, cuda=cuda,
                         flops=trace.flops, local_world_size=local, batch_size=batch_size, budgets_of=budgets_of,
-                        runtime=runtime_rss(), plan_rates=link_rates.cached_link_rates(cuda))  # as initialize plans
+                        runtime=runtime_rss(), plan_rates=link_rates.cached_link_rates(cuda), bytes_of=activation_bytes)
+
+    def peak_of(plan: Plan, trace: Trace, activation) -> tuple[dict[str, int], dict[str, int]]:
+        terms = peak_terms(plan, trace, cuda=cuda, runtime=ctx.runtime, activation=activation)
+        return terms, peak_from_terms(terms, cuda)
+    ctx.peak_of = peak_of  # as initialize plans
     mine = plan_search.judge(ctx, plan_search.Applied(config, batch_size))
     plan, plan_error = mine.plan, mine.plan_error
     if unusable and (plan is None or plan.uses(Tier.NVME)):  # the swap paths' own failure, not "no space"
@@ -331,6 +356,13 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     me = table.configured_row(est.table)
     if me is not None and not me.fits and apply is not None:
         est.plans = plan_search.search(ctx, apply)
+        if lora is not None:  # a pretrained model fine-tuned whole: LoRA's plans too (Note [plan search])
+            lora_bundle, lora_ctx = context_for(ctx, lora[1], seq_len)
+            params = {id(p): p for p in lora_bundle.model.parameters()}.values()
+            share = sum(p.numel() for p in params if p.requires_grad) / max(1, sum(p.numel() for p in params))
+            est.plans = sorted(est.plans + plan_search.search(
+                lora_ctx, apply, extra=tuple(lora[0]), notes=(f"LoRA trains {share:.2%} of the parameters",)),
+                key=lambda p: p.row.step_s)[:3]
         if not est.plans:
             est.plans, est.budget_raised = plan_search.budget_raise(ctx, apply), True
     est.faster = table.faster_row(est.table)

@@ -90,6 +90,8 @@ class Context:
     batch_size: int = 1  # sequences per micro-batch on one rank, as traced (activations scale from it)
     budgets_of: Callable | None = None  # Config -> Budgets as initialize resolves them (None: `budgets`)
     runtime: int = 0  # Note [peak memory]'s runtime term
+    bytes_of: Callable | None = None  # (Trace, [activation]) -> activations_of's answer for that trace
+    peak_of: Callable | None = None  # (Plan, Trace, [activation]) -> (peak terms, peak) (Note [peak memory])
     trace_at: Callable | None = None  # micro-batch (sequences per rank) -> its Trace (estimate.trace_step)
     plan_rates: cost_model.LinkRates | None = None  # what the auto policy plans with (initialize's cached rates)
 

@@ -27,8 +27,7 @@ from typing import Callable
 from infinity.config.sections import Config, ConfigError
 from infinity.job.estimate_table import SHAPES, Context, Row, make_row, sizes_key
 from infinity.machine.preflight import Check, preflight
-from infinity.memory import cost_model
-from infinity.memory.placement import Budgets, PlacementError, Plan, overflows, plan_for_config
+from infinity.memory.placement import PlacementError, Plan, overflows, plan_for_config
 from infinity.memory.stages import STAGES
 from infinity.memory.tier import Tier
 from io_engine import format_size
@@ -106,7 +105,6 @@ def judge(ctx: Context, applied: Applied) -> Verdict:
     """Note [plan search]'s check, and the configured run's own estimate: the budgeted plan `initialize`
     makes, the row with the activations of `applied.batch_size` sequences, the peak and the preflight checks.
     One figure per quantity: a plan the planner refuses reports the row's bytes (activations included)."""
-    from infinity.job.estimate import peak_from_terms, peak_terms
     config = applied.config
     budgets = ctx.budgets_of(config) if ctx.budgets_of else ctx.budgets
     ctx = dataclasses.replace(at_batch(ctx, applied.batch_size, exact=True), config=config, budgets=budgets)
@@ -122,9 +120,7 @@ def judge(ctx: Context, applied: Applied) -> Verdict:
                 f" (activations included: {_fmt(row.activations['device'])} on device)")
     verdict = Verdict(plan, error, row)
     if plan is not None:
-        verdict.peak_terms = peak_terms(plan, ctx.trace, cuda=ctx.cuda, runtime=ctx.runtime,
-                                        activation=config.activation)
-        verdict.peak = peak_from_terms(verdict.peak_terms, ctx.cuda)
+        verdict.peak_terms, verdict.peak = ctx.peak_of(plan, ctx.trace, config.activation)
     verdict.checks = preflight(plan, error, config, local_world_size=ctx.local_world_size, cuda=ctx.cuda,
                                ram_per_rank=verdict.peak.get("ram", 0), device_per_rank=verdict.peak.get("device", 0))
     if row is not None and not row.fits and plan is not None:  # the planner fits the state; activations overflow
@@ -138,7 +134,6 @@ def at_batch(ctx: Context, batch: int, *, exact: bool = False) -> Context:
     """`ctx` for `batch` sequences per micro-batch on one rank: traced at it when `exact` (or already traced),
     else interpolated between the traces at 1 and at the configured micro-batch (activations and FLOPs are
     affine in the sequences: a mask or table is the same for every batch; the judge traces exactly)."""
-    from infinity.job.estimate import activation_bytes
     if batch == ctx.batch_size or ctx.trace_at is None:
         trace = ctx.trace
     elif exact or ctx.batch_size == 1:
@@ -151,7 +146,7 @@ def at_batch(ctx: Context, batch: int, *, exact: bool = False) -> Context:
         trace = dataclasses.replace(full, **{f: mix(getattr(one, f), getattr(full, f)) for f in (
             "activation_bytes", "largest_saved_bytes", "flops", "unit_forward_flops", "unit_saved", "unit_inputs")})
     return dataclasses.replace(ctx, trace=trace, flops=trace.flops, batch_size=batch,
-                               activations_of=lambda a: activation_bytes(trace, a))
+                               activations_of=lambda a: ctx.bytes_of(trace, a))
 
 
 # ---------------------------------------------------------------- the search
@@ -244,8 +239,8 @@ def _verified(ctx: Context, apply, found: list[RunPlan], limit: int) -> list[Run
         if len(shown) >= limit:
             break
         key = frozenset(plan.sets)
-        if key in seen:
-            continue
+        if key in seen or any(frozenset(p.sets) < key for p in shown):
+            continue  # the same, or a shown plan with changes that buy nothing
         seen.add(key)
         try:
             verdict = judge(ctx, apply(list(plan.sets)))
