@@ -164,14 +164,33 @@ def _estimate(args) -> int:
                           f"{args.world_size}: set run.batch_size to a multiple of it")
     if args.stages or args.nodes or args.hardware:
         return _estimate_stages(args, make, config, job)
+    def apply(sets: list[str]):
+        """The job with a plan's `--set` lines after the user's, loaded and checked as `infinity train` would."""
+        from infinity.job.plan_search import Applied
+        planned = load_job(args.config, overrides + [*sets])
+        if planned.run.batch_size % args.world_size:
+            raise ConfigError(f"run.batch_size = {planned.run.batch_size} is not divisible by --world-size "
+                              f"{args.world_size}")
+        return Applied(planned.engine_config(os.path.join(planned.run.dir, "<run>")),
+                       planned.run.batch_size // args.world_size)
     result = est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                           batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
-                          remeasure=args.remeasure)
+                          remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides))
     if args.json:
         print(json.dumps(result.to_json(), indent=1, default=str))
     else:
         print(est.format_estimate(result, explain=args.explain))
     return 0 if result.ok else 1
+
+
+def _lora_option(job, custom, args, overrides):
+    """For a pretrained model trained whole: the `--set` line that trains LoRA adapters instead, and its model."""
+    if custom or not job.model.pretrained or job.lora.r:
+        return None
+    from infinity.job.train import build_model, load_job
+    sets = ["model.lora.r=16"]
+    lora_job = load_job(args.config, overrides + sets)
+    return sets, lambda: build_model(lora_job.model, lora_job.lora)
 
 
 def _estimate_stages(args, make, config, job) -> int:

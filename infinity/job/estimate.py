@@ -25,13 +25,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from infinity.config.sections import ActivationConfig, Config, ConfigError
+from infinity.config.sections import ActivationConfig, Config
 from infinity.device.dtypes import dtype_of
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
 from infinity.machine.preflight import Check, check_disks, preflight
 from infinity.memory import cost_model
-from infinity.memory.placement import Budgets, PlacementError, Plan, plan_for_config
+from infinity.memory.placement import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
 from io_engine import format_size
 
@@ -69,6 +69,13 @@ def activation_terms(trace: Trace, activation) -> dict[str, int]:
     return {"saved": root + sum(trace.unit_inputs), "recompute": recompute, "host": 0}
 
 
+def activation_bytes(trace: Trace, activation) -> dict[str, int]:
+    """The activations by tier (Note [activation estimate]): saved + recompute + the largest saved tensor on the
+    device tier, offloaded checkpoint inputs on host."""
+    acts = activation_terms(trace, activation)
+    return {"device": acts["saved"] + acts["recompute"] + trace.largest_saved_bytes, "host": acts["host"]}
+
+
 @dataclass
 class Estimate:
     """Everything `infinity estimate` prints, for one rank of `world_size`."""
@@ -91,7 +98,8 @@ class Estimate:
     groups: list[dict] = field(default_factory=list)  # per optimizer group: tensors, elements, weight_decay, lr
     activation: ActivationConfig = field(default_factory=ActivationConfig)
     table: list = field(default_factory=list)  # estimate_table.Row: placements x stages (Note [estimate table])
-    fixes: list = field(default_factory=list)  # estimate_table.Fix when the configured run does not fit
+    plans: list = field(default_factory=list)  # plan_search.RunPlan when the configured run does not fit
+    budget_raised: bool = False  # the plans raise the memory budgets (Note [plan search]'s last resort)
     faster: object = None  # a faster fitting row when the configured one fits
 
     @property
@@ -126,7 +134,7 @@ class Estimate:
             "step_time": None if st is None else {"total_s": st.total, "forward_backward": st.fb, "optimizer": st.opt},
             "peak": self.peak, "peak_terms": self.peak_terms,
             "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok, "param_groups": self.groups,
-            "table": [r.to_json() for r in self.table], "fixes": [f.to_json() for f in self.fixes],
+            "table": [r.to_json() for r in self.table], "plans": [p.to_json() for p in self.plans],
             "faster": self.faster.to_json() if self.faster is not None else None,
         }
 
@@ -212,6 +220,35 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
                  unit_forward_flops=float(unit_flops[0]))
 
 
+def tracer(make_model: Callable, config: Config, seq_len: int) -> Callable[[int], Trace]:
+    """micro-batch -> the Trace of one forward + backward of a copy of `make_model()` (tracing moves its buffers to
+    the meta device), tiled and checkpointed as `initialize` does it."""
+    traced = make_model()
+    from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
+    from infinity.units.builder import activation_modules
+    from infinity.units.tiling import tile_layers
+    forward = loss_forward(config.activation, traced.model)
+    tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
+                keep=kept_whole(forward))  # as initialize
+    blocks = [m for _, m in activation_modules(traced.model, list(config.units.classes))]
+    return lambda batch: trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch, seq_len, blocks)
+
+
+def context_for(ctx, make_model: Callable, seq_len: int):
+    """`ctx` (estimate_table.Context) for another model of the same job (the LoRA-wrapped one): its units and trace."""
+    bundle, trace_model = make_model(), tracer(make_model, ctx.config, seq_len)
+    traces = {ctx.batch_size: trace_model(ctx.batch_size)}
+
+    def trace_at(batch: int) -> Trace:
+        if batch not in traces:
+            traces[batch] = trace_model(batch)
+        return traces[batch]
+    trace = traces[ctx.batch_size]
+    return bundle, dataclasses.replace(ctx, sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), trace=trace,
+                                       trace_at=trace_at, flops=trace.flops,
+                                       activations_of=lambda a: activation_bytes(trace, a))
+
+
 def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int,
                         check_machine: bool = True) -> Budgets:
     """Budgets exactly as `initialize` resolves them on this machine ("auto" = this rank's share of the free
@@ -248,13 +285,17 @@ def runtime_rss(remeasure: bool = False) -> int:
 
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
              batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
-             cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None) -> Estimate:
+             cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None,
+             apply: Callable | None = None, lora: tuple[list[str], Callable] | None = None) -> Estimate:
     """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
     `infinity.job.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
 
     `batch_size` is sequences per micro-batch on one rank. Link rates for the predicted step time: given,
     else measured on the first NVMe path (once per machine; `remeasure` to measure again), else the cached /
     default ones. The plan itself is made exactly as `initialize` makes it (`plan_for_config`).
+    `apply(sets) -> plan_search.Applied`: the job's own loading of `--set` lines over this config; given, a
+    run that does not fit gets the plans of Note [plan search] (`default_apply` for an engine config alone);
+    `lora = (sets, make_lora_model)`: the `--set` lines that wrap a pretrained model with LoRA, and its model.
     """
     local = local_world_size or world_size
     cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -271,54 +312,60 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
             rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
         else:
             rates = link_rates.cached_link_rates(cuda)
-    traced = make_model()  # a second copy: tracing moves its buffers to the meta device
-    from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
-    from infinity.units.builder import activation_modules
-    from infinity.units.tiling import tile_layers
-    forward = loss_forward(config.activation, traced.model)
-    tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
-                keep=kept_whole(forward))  # as initialize
-    trace = trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch_size, seq_len,
-                       [m for _, m in activation_modules(traced.model, list(config.units.classes))])
+    trace_model = tracer(make_model, config, seq_len)
+    trace = trace_model(batch_size)
     flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
     compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
-    budgets = budgets or resolve_budgets_for(config, local_world_size=local, cuda=cuda, nvme_free=nvme_free,
-                                             check_machine=world_size == 1)
-    plan, plan_error = None, None
-    try:
-        # as initialize plans: no compute time, this machine's cached rates
-        plan_rates = link_rates.cached_link_rates(cuda)
-        plan = plan_for_config(sizes, config, budgets, rates=plan_rates)
-    except (PlacementError, ConfigError) as e:
-        plan, plan_error = None, str(e)
+    budgets_of = (lambda c: budgets) if budgets else (
+        lambda c: resolve_budgets_for(c, local_world_size=local, cuda=cuda, nvme_free=nvme_free,
+                                      check_machine=world_size == 1))
+    budgets = budgets_of(config)
+    from infinity.job import estimate_table as table
+    from infinity.job import plan_search
+    traces = {batch_size: trace}
+
+    def trace_at(batch: int) -> Trace:  # the same model traced at another micro-batch (Note [plan search])
+        if batch not in traces:
+            traces[batch] = trace_model(batch)
+        return traces[batch]
+    ctx = table.Context(sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w),
+                        activations_of=lambda a: activation_bytes(trace, a), trace_at=trace_at,
+                        config=config, world_size=world_size, budgets=budgets, trace=trace, rates=rates, cuda=cuda,
+                        flops=trace.flops, local_world_size=local, batch_size=batch_size, budgets_of=budgets_of,
+                        runtime=runtime_rss(), plan_rates=link_rates.cached_link_rates(cuda), bytes_of=activation_bytes)
+
+    def peak_of(plan: Plan, trace: Trace, activation) -> tuple[dict[str, int], dict[str, int]]:
+        terms = peak_terms(plan, trace, cuda=cuda, runtime=ctx.runtime, activation=activation)
+        return terms, peak_from_terms(terms, cuda)
+    ctx.peak_of = peak_of  # as initialize plans
+    mine = plan_search.judge(ctx, plan_search.Applied(config, batch_size))
+    plan, plan_error = mine.plan, mine.plan_error
     if unusable and (plan is None or plan.uses(Tier.NVME)):  # the swap paths' own failure, not "no space"
         plan, plan_error = None, "; ".join(f"{c.detail} ({c.fix})" for c in unusable)
+        mine = plan_search.Verdict(None, plan_error, mine.row)
+        mine.checks = preflight(None, plan_error, config, local_world_size=local, cuda=cuda)
     est = Estimate(world_size=world_size, local_world_size=local, cuda=cuda, num_params=num_params, units=len(sizes),
                    budgets=budgets, plan=plan, plan_error=plan_error, rates=rates, trace=trace,
-                   activation=config.activation, groups=groups)
+                   activation=config.activation, groups=groups, peak=mine.peak, peak_terms=mine.peak_terms,
+                   checks=mine.checks)
     if plan is not None:
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
         est.traffic.add(cost_model.activation_offload_traffic(activation_terms(trace, config.activation)["host"],
                                                                cuda=cuda, accum=config.train.grad_accum_steps))
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
-        est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), activation=config.activation)
-        est.peak = peak_from_terms(est.peak_terms, cuda)
-    est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
-                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
-    from infinity.job import estimate_table as table
-    def activations_of(activation) -> dict[str, int]:
-        acts = activation_terms(trace, activation)
-        return {"device": acts["saved"] + acts["recompute"] + trace.largest_saved_bytes, "host": acts["host"]}
-    ctx = table.Context(sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), activations_of=activations_of,
-                        config=config, world_size=world_size, budgets=budgets, trace=trace,
-                        rates=rates, cuda=cuda, flops=trace.flops)
     est.table = table.build_table(ctx)
     me = table.configured_row(est.table)
-    if me is not None and not me.fits and plan is not None:  # the planner fits the state; activations overflow
-        est.checks.insert(0, Check("with activations", False, "; ".join(me.over.values()) + " (activations "
-                                   f"included: {_fmt(me.activations['device'])} on device)",
-                                   "apply one of the changes listed under the table"))
-    est.fixes = table.find_fixes(ctx, est.table, batch_size)
+    if me is not None and not me.fits and apply is not None:
+        est.plans = plan_search.search(ctx, apply)
+        if lora is not None:  # a pretrained model fine-tuned whole: LoRA's plans too (Note [plan search])
+            lora_bundle, lora_ctx = context_for(ctx, lora[1], seq_len)
+            params = {id(p): p for p in lora_bundle.model.parameters()}.values()
+            share = sum(p.numel() for p in params if p.requires_grad) / max(1, sum(p.numel() for p in params))
+            est.plans = sorted(est.plans + plan_search.search(
+                lora_ctx, apply, extra=tuple(lora[0]), notes=(f"LoRA trains {share:.2%} of the parameters",)),
+                key=lambda p: p.row.step_s)[:3]
+        if not est.plans:
+            est.plans, est.budget_raised = plan_search.budget_raise(ctx, apply), True
     est.faster = table.faster_row(est.table)
     return est
 
@@ -428,8 +475,10 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
         if est.trace.error:
             lines.append(f"  activations not traced ({est.trace.error})")
         lines.append("")
-    from infinity.job.estimate_table import format_table
-    lines += format_table(est.table, est.fixes, est.faster) + [""]
+    from infinity.job.estimate_table import configured_row, format_table
+    lines += format_table(est.table, est.faster)
+    from infinity.job.plan_search import format_plans
+    lines += format_plans(est.plans, configured_row(est.table), est.budget_raised) + [""]
     lines.append("preflight:")
     lines += [f"  {c.line()}" for c in est.checks]
     return "\n".join(lines)

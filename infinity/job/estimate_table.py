@@ -1,4 +1,4 @@
-"""`infinity estimate`'s table: placements x ZeRO stages, fit or not, and the smallest change that fits.
+"""`infinity estimate`'s table: placements x ZeRO stages, fit or not, and a faster row that fits.
 
 Note [estimate table]: every row is one placement shape (params / grads / optimizer tiers) at one ZeRO
 stage, planned by the engine's own planner (`plan_placement`, static, unbudgeted so that a row exists
@@ -12,13 +12,8 @@ all-host, host + optimizer on NVMe, ZeRO-Infinity (everything on NVMe); the auto
 configured row when `placement.policy = "auto"`. The optional state read-ahead is left out (it only
 takes memory the rest leaves free).
 
-Note [estimate fixes]: when the configured row does not fit, each kind of change is tried, smallest
-first, and the first that fits of each kind is reported as the `--set` (or `--world-size`) that applies
-it: activation checkpointing (then checkpoint inputs on host), a higher ZeRO stage, a placement shape,
-fewer micro-batch tokens (run.batch_size halved, train.grad_accum_steps doubled: the same tokens per
-step), more ranks. They are ranked by the dominant term of the binding memory: when the activations are
-larger than the state there, the activation and micro-batch changes come first, else the stage and
-placement changes. When the configured row fits but a faster row fits too, that row is offered.
+When the configured row does not fit, Note [plan search] (plan_search.py) finds the plans that do. When
+the configured row fits but a faster row fits too, that row is offered.
 """
 
 from __future__ import annotations
@@ -79,16 +74,6 @@ class Row:
 
 
 @dataclass
-class Fix:
-    kind: str  # activation | stage | placement | micro-batch | ranks
-    args: list[str]  # command-line arguments that apply it ("--set k=v", "--world-size N")
-    row: Row
-
-    def to_json(self) -> dict:
-        return {"kind": self.kind, "args": self.args, "step_s": self.row.step_s, "bytes": self.row.bytes}
-
-
-@dataclass
 class Context:
     """What a row needs beyond its placement and stage."""
 
@@ -101,6 +86,20 @@ class Context:
     rates: cost_model.LinkRates
     cuda: bool
     flops: float  # per micro-batch, traced
+    local_world_size: int = 1
+    batch_size: int = 1  # sequences per micro-batch on one rank, as traced (activations scale from it)
+    budgets_of: Callable | None = None  # Config -> Budgets as initialize resolves them (None: `budgets`)
+    runtime: int = 0  # Note [peak memory]'s runtime term
+    bytes_of: Callable | None = None  # (Trace, [activation]) -> activations_of's answer for that trace
+    peak_of: Callable | None = None  # (Plan, Trace, [activation]) -> (peak terms, peak) (Note [peak memory])
+    trace_at: Callable | None = None  # micro-batch (sequences per rank) -> its Trace (estimate.trace_step)
+    plan_rates: cost_model.LinkRates | None = None  # what the auto policy plans with (initialize's cached rates)
+
+
+def sizes_key(config: Config, world: int) -> tuple:
+    """What the units `initialize` builds depend on: one build per distinct key."""
+    return (config.zero.stage, world, config.activation.checkpoint, config.prefetch.units_ahead,
+            config.optimizer.sub_group_size, config.units.tile_bytes)
 
 
 def _activation_bytes(ctx: Context, activation, scale: float = 1.0) -> dict[str, int]:
@@ -112,7 +111,7 @@ def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int
              act_scale: float = 1.0, sizes_cache: dict | None = None) -> Row | None:
     """One row: `config` with the placement `tiers` (None: config's own policy, budgeted)."""
     world = world_size or ctx.world_size
-    key = (config.zero.stage, world)
+    key = sizes_key(config, world)
     cache = sizes_cache if sizes_cache is not None else {}
     if key not in cache:
         cache[key] = ctx.sizes_of(config, world)
@@ -172,57 +171,6 @@ def configured_row(rows: list[Row]) -> Row | None:
     return next((r for r in rows if r.configured), None)
 
 
-def find_fixes(ctx: Context, rows: list[Row], batch_size: int) -> list[Fix]:
-    """Note [estimate fixes]: the first change of each kind that makes the configured run fit, ranked."""
-    me = configured_row(rows)
-    if me is None or me.fits:
-        return []
-    config, found = ctx.config, {}
-    cache: dict = {}
-
-    def attempt(kind: str, args: list[str], sets: list[str], **kw) -> bool:
-        if kind in found:
-            return True
-        row = make_row(ctx, config.with_overrides(sets), me.shape, me.tiers, sizes_cache=cache, **kw)
-        if row is not None and row.fits:
-            found[kind] = Fix(kind, args, row)
-            return True
-        return False
-
-    a = config.activation
-    if a.checkpoint == "none":
-        attempt("activation", ["--set activation.checkpoint=units"], ["activation.checkpoint=units"])
-    if a.offload != "host":
-        attempt("activation", ["--set activation.checkpoint=units", "--set activation.offload=host"],
-                ["activation.checkpoint=units", "activation.offload=host"])
-    if ctx.world_size > 1:
-        for s in STAGES[config.zero.stage + 1:]:
-            if attempt("stage", [f"--set zero.stage={s}"], [f"zero.stage={s}"]):
-                break
-    fitting = sorted((r for r in rows if r.fits and r.stage == me.stage), key=lambda r: r.step_s)
-    if fitting:
-        found["placement"] = Fix("placement", [f"--set {s}" for s in fitting[0].sets()[:-1]], fitting[0])
-    per_rank = batch_size  # sequences per micro-batch on one rank
-    accum = config.train.grad_accum_steps
-    k = 2
-    while per_rank // k >= 1 and "micro-batch" not in found:
-        attempt("micro-batch", [f"--set run.batch_size={per_rank // k * ctx.world_size}",
-                                f"--set train.grad_accum_steps={accum * k}"],
-                [f"train.grad_accum_steps={accum * k}"], act_scale=(per_rank // k) / per_rank)
-        k *= 2
-    for world in (ctx.world_size * 2 ** i for i in range(1, 7)):
-        stage = max(config.zero.stage, 1 if me.stage < 1 else me.stage)
-        stage = 3 if stage < 3 and world > 1 else stage
-        extra = [] if stage == config.zero.stage else [f"--set zero.stage={stage}"]
-        if attempt("ranks", [f"--world-size {world}", *extra], [f"zero.stage={stage}"], world_size=world):
-            break
-    acts_dominant = any(me.activations.get("device" if b in ("device", "ram") else "host", 0) * 2
-                        > me.bytes.get("device" if b in ("device", "ram") else b, 0) for b in me.over)
-    order = (("activation", "stage", "placement", "micro-batch", "ranks") if acts_dominant
-             else ("stage", "placement", "activation", "micro-batch", "ranks"))
-    return [found[k] for k in order if k in found]
-
-
 def faster_row(rows: list[Row]) -> Row | None:
     """A fitting row at least 10% faster than the configured one (which fits), the fastest."""
     me = configured_row(rows)
@@ -243,7 +191,7 @@ def _s(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
 
 
-def format_table(rows: list[Row], fixes: list[Fix], faster: Row | None) -> list[str]:
+def format_table(rows: list[Row], faster: Row | None) -> list[str]:
     lines = ["placements x ZeRO stages, bytes per rank and tier (state + working + activations; "
              "* = the configured run):",
              f"  {'':1} {'shape':16}{'params/grads/optim':22}{'stage':>6}{'device':>11}{'host':>11}{'nvme':>11}"
@@ -259,12 +207,6 @@ def format_table(rows: list[Row], fixes: list[Fix], faster: Row | None) -> list[
         lines += ["", "the configured run does not fit: " + "; ".join(me.over.values())
                   + f" (activations: {_fmt(me.activations['device'])} on device, "
                   f"{_fmt(me.activations['host'])} on host)"]
-        if fixes:
-            lines.append("smallest changes that make it fit (ranked; the dominant term first):")
-            lines += [f"  {i}. {' '.join(f.args)}   ({f.kind}; predicted step {_s(f.row.step_s)})"
-                      for i, f in enumerate(fixes, 1)]
-        else:
-            lines.append("no single change fits: raise memory budgets, add nvme.paths, or use a larger machine")
     if faster is not None:
         lines += ["", f"a faster row fits too: {faster.shape} at stage {faster.stage}, {_s(faster.step_s)} per step "
                   f"instead of {_s(me.step_s)}: " + " ".join(f"--set {s}" for s in faster.sets())]

@@ -1,4 +1,4 @@
-"""`infinity estimate`'s table (Note [estimate table]) and fixes (Note [estimate fixes]), the budget check
+"""`infinity estimate`'s table (Note [estimate table]), the budget check
 (Note [budget check]) and --stages counting the activations."""
 
 from __future__ import annotations
@@ -80,52 +80,6 @@ def test_json_has_the_rows_and_a_state_when_nothing_fits():
     assert sum(r["configured"] for r in data["table"]) == 1
     me = next(r for r in data["table"] if r["configured"])
     assert not me["fits"] and me["binding"]
-
-
-def _apply(fix, config: dict, world: int, batch: int):
-    """The fix's command-line arguments applied to (config, world, batch) as the CLI would."""
-    overrides = []
-    for arg in fix.args:
-        flag, value = arg.split(" ", 1)
-        if flag == "--world-size":
-            world = int(value)
-        elif value.startswith("run.batch_size="):
-            batch = int(value.split("=")[1]) // world
-        else:
-            overrides.append(value)
-    return infinity.Config.from_dict(config).with_overrides(overrides).to_dict(), world, batch
-
-
-def test_activation_bound_plan_is_told_to_checkpoint_and_each_fix_fits():
-    """The plan's state fits, its activations do not: the first fix is activation checkpointing, and every
-    fix listed, applied, makes the configured row fit."""
-    config, batch = {"placement": {"params": "host", "grads": "host", "optimizer": "host"}}, 32
-    base = run(config, batch=batch)
-    me = next(r for r in base.table if r.configured)
-    state_device = me.bytes["device"] - me.activations["device"]
-    assert me.activations["device"] > 2 * state_device  # activations dominate the device tier
-    ckpt = next(r for r in run({**config, "activation": {"checkpoint": "units"}}, batch=batch).table if r.configured)
-    assert ckpt.activations["device"] < me.activations["device"]
-    budgets = Budgets(device=state_device + (ckpt.activations["device"] + me.activations["device"]) // 2,
-                      host=BIG, nvme=BIG)
-    e = run(config, batch=batch, budgets=budgets)
-    assert not next(r for r in e.table if r.configured).fits and not e.ok
-    assert e.fixes and e.fixes[0].args == ["--set activation.checkpoint=units"]
-    for fix in e.fixes:
-        cfg, world, b = _apply(fix, config, 1, batch)
-        after = run(cfg, world=world, batch=b, budgets=budgets)
-        assert next(r for r in after.table if r.configured).fits, fix.args
-    assert "activation.checkpoint=units" in est.format_estimate(e)
-
-
-def test_state_bound_plan_is_told_to_move_state_and_the_fix_fits():
-    config = {"placement": {"params": "device", "grads": "device", "optimizer": "device"}}
-    me = next(r for r in run(config).table if r.configured)
-    budgets = Budgets(device=me.bytes["device"] // 2, host=BIG, nvme=BIG)
-    e = run(config, budgets=budgets)
-    assert e.fixes and e.fixes[0].kind == "placement"
-    cfg, world, b = _apply(e.fixes[0], config, 1, 2)
-    assert next(r for r in run(cfg, world=world, batch=b, budgets=budgets).table if r.configured).fits
 
 
 def test_a_faster_fitting_row_is_offered_and_its_sets_select_it():

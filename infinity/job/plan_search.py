@@ -1,0 +1,316 @@
+"""`infinity estimate`'s plans: the fastest combinations of changes that make a run fit, each checked as the job
+would run it.
+
+Note [plan search]: when the configured run does not fit, the estimator searches combinations of the changes
+it knows, as `--set` lines over the job: the placement (the configured one, every shape of Note [estimate
+table], `placement.policy = "auto"`), the ZeRO stage (only at world size > 1: at one rank every stage stores
+the same), activation checkpointing and its host offload, `optimizer.state_dtype`, `prefetch.units_ahead = 0`,
+a smaller `optimizer.sub_group_size` (the update's staging pool) when the optimizer state is on NVMe, and the
+micro-batch (`run.batch_size` divided, `train.grad_accum_steps` multiplied: the same sequences per optimizer
+step). A "state" (everything but the activations and the micro-batch) is planned once, by the engine's planner,
+and pruned when its state and working bytes alone do not fit; its activation settings and micro-batches are then
+priced from the trace (Note [activation estimate]) without planning again, largest micro-batch first (the
+first that fits is the fastest of its state). The candidates that fit are ranked by predicted step time (then
+by fewer changes), and each is applied in turn (the job's own config loading: `apply`, which refuses what the
+job would refuse, e.g. a batch the world size does not divide) and estimated again, as the configured run is,
+with its budgets and preflight checks; only the ones that pass are shown (`limit`). When none fits, the last
+resort is the smallest raise of `memory.device_budget` / `memory.host_budget` that fits (checked the same way:
+a budget over the machine is refused, so it is offered only when the machine has it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable
+
+from infinity.config.sections import Config, ConfigError
+from infinity.job.estimate_table import SHAPES, Context, Row, make_row, sizes_key
+from infinity.machine.preflight import Check, preflight
+from infinity.memory.placement import PlacementError, Plan, overflows, plan_for_config
+from infinity.memory.stages import STAGES
+from infinity.memory.tier import Tier
+from io_engine import format_size
+
+NOTES = {"optimizer.state_dtype=bf16": "bf16 Adam moments (the master stays fp32)",
+         "optimizer.state_dtype=bf16_master": "bf16 master weights and moments (stochastic rounding)",
+         "activation.checkpoint=units": "recomputes each unit's forward in backward",
+         "activation.offload=host": "checkpoint inputs on host"}
+
+
+@dataclass
+class Applied:
+    """A candidate's `--set` lines applied as the job applies them."""
+
+    config: Config
+    batch_size: int  # sequences per micro-batch on one rank
+
+
+@dataclass
+class Verdict:
+    """The configured run of a config, estimated: its budgeted plan, its row and the preflight checks."""
+
+    plan: Plan | None
+    plan_error: str | None
+    row: Row | None
+    peak_terms: dict[str, int] = field(default_factory=dict)
+    peak: dict[str, int] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.row is not None and self.row.fits and all(c.ok or c.level != "error" for c in self.checks)
+
+    def why_not(self) -> str:
+        failed = [f"{c.name}: {c.detail}" for c in self.checks if not c.ok and c.level == "error"]
+        return "; ".join(failed) or "; ".join(self.row.over.values() if self.row else [])
+
+
+@dataclass
+class RunPlan:
+    """One plan that fits: the `--set` lines over the job, its row (bytes, step), what it costs."""
+
+    sets: tuple[str, ...]
+    row: Row
+    notes: list[str]
+    verdict: Verdict | None = None
+
+    def to_json(self) -> dict:
+        return {"set": list(self.sets), "step_s": self.row.step_s, "bytes": self.row.bytes,
+                "activations": self.row.activations, "notes": self.notes,
+                "peak": self.verdict.peak if self.verdict else {}}
+
+
+def default_apply(config: Config, world_size: int, batch_size: int) -> Callable[[list[str]], Applied]:
+    """`apply` for an engine config without a job: engine keys through `Config.with_overrides`, `run.batch_size`
+    (sequences over all ranks) refused unless the world size divides it, as the job refuses it."""
+    def apply(sets: list[str]) -> Applied:
+        batch = batch_size
+        for s in sets:
+            if s.startswith("run.batch_size="):
+                total = int(s.split("=", 1)[1])
+                if total % world_size:
+                    raise ConfigError(f"run.batch_size = {total} is not divisible by the world size {world_size}")
+                batch = total // world_size
+        return Applied(config.with_overrides([s for s in sets if not s.startswith("run.")]), batch)
+    return apply
+
+
+def _tiers_of(config: Config):
+    p = config.placement
+    return None if p.policy == "auto" else (p.params, p.grads, p.optimizer)
+
+
+def judge(ctx: Context, applied: Applied) -> Verdict:
+    """Note [plan search]'s check, and the configured run's own estimate: the budgeted plan `initialize`
+    makes, the row with the activations of `applied.batch_size` sequences, the peak and the preflight checks.
+    One figure per quantity: a plan the planner refuses reports the row's bytes (activations included)."""
+    config = applied.config
+    budgets = ctx.budgets_of(config) if ctx.budgets_of else ctx.budgets
+    ctx = dataclasses.replace(at_batch(ctx, applied.batch_size, exact=True), config=config, budgets=budgets)
+    sizes = ctx.sizes_of(config, ctx.world_size)
+    tiers = _tiers_of(config)
+    row = make_row(ctx, config, "configured", tiers, sizes_cache={sizes_key(config, ctx.world_size): sizes})
+    try:
+        plan, error = plan_for_config(sizes, config, budgets, rates=ctx.plan_rates or ctx.rates), None
+    except (PlacementError, ConfigError) as e:
+        plan, error = None, str(e)
+        if row is not None and row.over:
+            error = "the placement does not fit: " + "; ".join(row.over.values()) + (
+                f" (activations included: {_fmt(row.activations['device'])} on device)")
+    verdict = Verdict(plan, error, row)
+    if plan is not None:
+        verdict.peak_terms, verdict.peak = ctx.peak_of(plan, ctx.trace, config.activation)
+    verdict.checks = preflight(plan, error, config, local_world_size=ctx.local_world_size, cuda=ctx.cuda,
+                               ram_per_rank=verdict.peak.get("ram", 0), device_per_rank=verdict.peak.get("device", 0))
+    if row is not None and not row.fits and plan is not None:  # the planner fits the state; activations overflow
+        verdict.checks.insert(0, Check("with activations", False, "; ".join(row.over.values()) + " (activations "
+                                       f"included: {_fmt(row.activations['device'])} on device)",
+                                       "apply one of the plans listed under the table"))
+    return verdict
+
+
+def at_batch(ctx: Context, batch: int, *, exact: bool = False) -> Context:
+    """`ctx` for `batch` sequences per micro-batch on one rank: traced at it when `exact` (or already traced),
+    else interpolated between the traces at 1 and at the configured micro-batch (activations and FLOPs are
+    affine in the sequences: a mask or table is the same for every batch; the judge traces exactly)."""
+    if batch == ctx.batch_size or ctx.trace_at is None:
+        trace = ctx.trace
+    elif exact or ctx.batch_size == 1:
+        trace = ctx.trace_at(batch)
+    else:
+        one, full, w = ctx.trace_at(1), ctx.trace, (batch - 1) / (ctx.batch_size - 1)
+
+        def mix(a, b):
+            return type(a)(a + (b - a) * w) if not isinstance(a, tuple) else tuple(mix(x, y) for x, y in zip(a, b))
+        trace = dataclasses.replace(full, **{f: mix(getattr(one, f), getattr(full, f)) for f in (
+            "activation_bytes", "largest_saved_bytes", "flops", "unit_forward_flops", "unit_saved", "unit_inputs")})
+    return dataclasses.replace(ctx, trace=trace, flops=trace.flops, batch_size=batch,
+                               activations_of=lambda a: ctx.bytes_of(trace, a))
+
+
+# ---------------------------------------------------------------- the search
+
+
+def _placements(config: Config) -> list[tuple[list[str], tuple | None]]:
+    """(sets, tiers) of each placement tried: the configured one first, the shapes, the auto policy."""
+    mine = _tiers_of(config)
+    out = [([], mine)]
+    for tiers in SHAPES.values():
+        if tiers != mine:
+            out.append((["placement.policy=static"] * (mine is None)
+                        + [f"placement.{g}={t}" for g, t, now in zip(("params", "grads", "optimizer"), tiers,
+                                                                     (config.placement.params, config.placement.grads,
+                                                                      config.placement.optimizer))
+                           if t != now or mine is None], tiers))
+    if mine is not None:
+        out.append((["placement.policy=auto"], None))
+    return out
+
+
+def _choices(config: Config, key: str, values) -> list[list[str]]:
+    """The `--set` of each value of `section.key` (none for the configured value, which comes first)."""
+    section, name = key.split(".")
+    now = getattr(getattr(config, section), name)
+    return [[]] + [[f"{key}={v}"] for v in values if v != now]
+
+
+def _batches(per_rank: int) -> list[int]:
+    """Micro-batches (sequences per rank) that divide `per_rank`, largest first."""
+    return [b for b in range(per_rank, 0, -1) if per_rank % b == 0 and (b & (b - 1) == 0 or b == per_rank)]
+
+
+def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 3,
+           extra: tuple[str, ...] = (), notes: tuple[str, ...] = ()) -> list[RunPlan]:
+    """Note [plan search]: the fastest `limit` plans that fit, each applied and judged; `extra` sets (and
+    their `notes`) prefix every candidate (the LoRA search's `model.lora.r`)."""
+    config, world = ctx.config, ctx.world_size
+    stages = [[f"zero.stage={s}"] if s != config.zero.stage else [] for s in STAGES] if world > 1 else [[]]
+    states = [(p + s + d + c + u + g, tiers)
+              for p, tiers in _placements(config) for s in stages
+              for d in _choices(config, "optimizer.state_dtype", ("bf16", "bf16_master"))
+              for c in _choices(config, "activation.checkpoint", ("units",))
+              for u in _choices(config, "prefetch.units_ahead", (0,))
+              for g in _choices(config, "optimizer.sub_group_size", (max(1 << 20, config.optimizer.sub_group_size
+                                                                             // 8),))]
+    found: list[RunPlan] = []
+    cache: dict = {}
+    batched = {b: at_batch(ctx, b) for b in _batches(ctx.batch_size)}
+    for sets, tiers in states:
+        try:
+            staged = config.with_overrides(sets)
+        except ConfigError:
+            continue
+        if "optimizer.sub_group_size" in " ".join(sets) and staged.placement.optimizer != "nvme":
+            continue  # the sub-groups only size the NVMe update's staging
+        base = make_row(ctx, staged, "plan", tiers, act_scale=0.0, sizes_cache=cache)
+        if base is None or overflows({Tier(k): v for k, v in base.bytes.items()}, ctx.budgets):
+            continue  # the state and working bytes alone do not fit
+        offloads = [[]] if staged.activation.checkpoint == "none" else _choices(staged, "activation.offload", ("host",))
+        for o in offloads:
+            acted = staged.with_overrides(o) if o else staged
+            for b in _batches(ctx.batch_size):
+                k = ctx.batch_size // b
+                mb = [] if k == 1 else [f"run.batch_size={b * world}",
+                                        f"train.grad_accum_steps={config.train.grad_accum_steps * k}"]
+                final = acted.with_overrides(mb[1:]) if mb else acted
+                row = make_row(batched[b], final, "plan", tiers, sizes_cache=cache)
+                if row is not None and row.fits:
+                    all_sets = (*extra, *sets, *o, *mb)
+                    found.append(RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)]))
+                    break
+    found.sort(key=lambda p: (round(p.row.step_s, 4), len(p.sets)))
+    return _verified(ctx, apply, found, limit)
+
+
+def _notes(sets, micro: int, k: int) -> list[str]:
+    out = [NOTES[s] for s in sets if s in NOTES]
+    if k > 1:
+        out.append(f"{micro} sequence(s) per micro-batch x {k} accumulated: the same batch per step")
+    if "placement.policy=auto" in sets:
+        out.append("the auto planner places each unit")
+    return out
+
+
+def _verified(ctx: Context, apply, found: list[RunPlan], limit: int) -> list[RunPlan]:
+    shown: list[RunPlan] = []
+    seen: set = set()
+    for plan in found:
+        if len(shown) >= limit:
+            break
+        key = frozenset(plan.sets)
+        if key in seen or any(frozenset(p.sets) < key for p in shown):
+            continue  # the same, or a shown plan with changes that buy nothing
+        seen.add(key)
+        try:
+            verdict = judge(ctx, apply(list(plan.sets)))
+        except ConfigError:
+            continue  # the job refuses it (e.g. a budget over the machine)
+        if verdict.fits:
+            plan.verdict, plan.row = verdict, verdict.row
+            shown.append(plan)
+    return shown
+
+
+def budget_raise(ctx: Context, apply: Callable[[list[str]], Applied]) -> list[RunPlan]:
+    """The last resort: the smallest `memory.*_budget` raise over the smallest-footprint candidate (every
+    state, checkpointing with host offload, one sequence per micro-batch) that the job accepts and that fits."""
+    config, world = ctx.config, ctx.world_size
+    unlimited = dataclasses.replace(ctx.budgets, device=1 << 62, host=1 << 62, ram=None)
+    wide = dataclasses.replace(ctx, budgets=unlimited)
+    k = ctx.batch_size
+    mb = [] if k == 1 else [f"run.batch_size={world}", f"train.grad_accum_steps={config.train.grad_accum_steps * k}"]
+    best = []
+    for p, tiers in _placements(config):
+        if tiers is None:
+            continue
+        for d in _choices(config, "optimizer.state_dtype", ("bf16",)):
+            sets = [*p, *d, "activation.checkpoint=units", "activation.offload=host", *mb]
+            try:
+                cfg = config.with_overrides([s for s in sets if not s.startswith("run.")])
+            except ConfigError:
+                continue
+            row = make_row(at_batch(wide, 1), cfg, "plan", tiers)
+            if row is not None and row.bytes["nvme"] <= ctx.budgets.nvme:
+                best.append((row.bytes["device"] + row.bytes["host"], row.step_s, sets, row))
+    for _, _, sets, row in sorted(best, key=lambda b: (b[0], b[1]))[:3]:
+        raise_sets = [*sets, f"memory.device_budget={_mib(row.bytes['device'])}",
+                      f"memory.host_budget={_mib(row.bytes['host'])}"]
+        found = _verified(ctx, apply, [RunPlan(tuple(raise_sets), row, [*_notes(sets, 1, k),
+                                                                         "raises the memory budgets"])], 1)
+        if found:
+            return found
+    return []
+
+
+def _mib(n: int) -> str:
+    return f"{-(-int(n * 1.02) // (1 << 20)) + 1}MiB"  # 2% over the need, rounded up to MiB
+
+
+def _fmt(n: float) -> str:
+    return format_size(n, exact=False)
+
+
+def _s(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
+
+
+def format_plans(plans: list[RunPlan], me: Row | None, budget_raised: bool) -> list[str]:
+    """The plans, ranked: the `--set` lines, the predicted step and the bytes they need, what they cost."""
+    if me is None or me.fits:
+        return []
+    if not plans:
+        return ["no plan fits this machine: add nvme.paths on a larger disk, use a machine with more memory, "
+                "or train a smaller model (infinity estimate --largest)"]
+    head = ("no change of placement, precision, checkpointing or micro-batch fits: the smallest budget raise"
+            if budget_raised else "plans that fit (fastest first; each applied and estimated again):")
+    lines = [head]
+    for i, p in enumerate(plans, 1):
+        b = p.row.bytes
+        lines.append(f"  {i}. predicted step {_s(p.row.step_s)}; device {_fmt(b['device'])}, host {_fmt(b['host'])}, "
+                     f"nvme {_fmt(b['nvme'])}" + (f"; peak RSS {_fmt(p.verdict.peak['ram'])}"
+                                                  if p.verdict and p.verdict.peak.get("ram") else ""))
+        lines += [f"     --set {s}" for s in p.sets]
+        if p.notes:
+            lines.append("     (" + "; ".join(p.notes) + ")")
+    return lines

@@ -1,0 +1,91 @@
+"""Note [plan search]: every plan `infinity estimate` prints, applied as the job applies it and estimated again
+from scratch (a new trace at its micro-batch, the budgeted planner, preflight), fits; nothing the job refuses
+is offered."""
+
+from __future__ import annotations
+
+import pytest
+
+import infinity
+from infinity.job import cli
+from infinity.job import estimate as est
+from infinity.job.plan_search import default_apply
+from infinity.job.train import ModelConfig, build_model
+from infinity.memory.cost_model import LinkRates
+from infinity.memory.placement import Budgets
+
+RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
+MODEL = ModelConfig(n_layer=2, d_model=128, n_head=4, seq_len=64, vocab_size=512)
+BIG = 1 << 50
+MIB = 1 << 20
+pytestmark = pytest.mark.usefixtures("module_cache")
+
+
+def run(config: infinity.Config, *, world=1, batch=4, budgets=None):
+    return est.estimate(lambda: build_model(MODEL), config, world_size=world, batch_size=batch,
+                        seq_len=MODEL.seq_len, rates=RATES, cuda=False, budgets=budgets,
+                        apply=default_apply(config, world, batch * world))
+
+
+def configured(e):
+    return next(r for r in e.table if r.configured)
+
+
+CASES = {  # (config, world, per-rank batch, budgets as a fraction of the configured row's device/host bytes)
+    "activations over the device": ({"placement": {"params": "host", "grads": "host", "optimizer": "host"}}, 1, 8,
+                                    (0.3, 2.0)),
+    "state over the device": ({"placement": {"params": "device", "grads": "device", "optimizer": "device"}}, 1, 2,
+                              (0.4, None)),
+    "both tiers tight": ({"placement": {"params": "device", "grads": "host", "optimizer": "host"}}, 2, 4,
+                         (0.5, 0.8)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_plan_applied_fits(case, tmp_path):
+    raw, world, batch, (fd, fh) = CASES[case]
+    config = infinity.Config.from_dict({**raw, "nvme": {"paths": [str(tmp_path)]}})
+    me = configured(run(config, world=world, batch=batch))
+    budgets = Budgets(device=int(me.bytes["device"] * fd), host=int(me.bytes["host"] * fh) if fh else BIG,
+                      nvme=BIG)
+    e = run(config, world=world, batch=batch, budgets=budgets)
+    assert not configured(e).fits and not e.ok
+    assert e.plans, case
+    steps = [p.row.step_s for p in e.plans]
+    assert steps == sorted(steps)  # fastest first
+    for plan in e.plans:
+        sets = list(plan.sets)
+        total = next((int(s.split("=")[1]) for s in sets if s.startswith("run.batch_size=")), batch * world)
+        assert total % world == 0, sets  # a batch the world size divides
+        accum = next((int(s.split("=")[1]) for s in sets if s.startswith("train.grad_accum_steps=")), 1)
+        assert total * accum == batch * world  # the same sequences per optimizer step
+        applied = config.with_overrides([s for s in sets if not s.startswith("run.")])
+        again = run(applied, world=world, batch=total // world, budgets=budgets)  # traced again, from scratch
+        assert configured(again).fits and again.ok, (sets, configured(again).over, [c.line() for c in again.checks])
+        assert configured(again).bytes == plan.row.bytes  # one figure per quantity
+    text = est.format_estimate(e)
+    assert "plans that fit" in text and f"--set {e.plans[0].sets[0]}" in text
+
+
+def test_cli_plans_run_as_printed(tmp_path, capsys):
+    """The CLI's plans, pasted after the user's own `--set` lines, give a run whose estimate passes (exit 0); the
+    configured run's need is one figure in the table and in preflight."""
+    job = ["--set", "model.n_layer=2", "--set", "model.d_model=128", "--set", "model.seq_len=64",
+           "--set", "run.batch_size=8", "--set", "memory.device_budget=6MiB", "--set", "memory.host_budget=6MiB",
+           "--set", f"nvme.paths=[\"{tmp_path}\"]"]
+    assert cli.main(["estimate", *job]) == 1
+    out = capsys.readouterr().out
+    assert "plans that fit" in out
+    plans = [line.strip().split(" ", 1)[1] for line in out.splitlines() if line.strip().startswith("--set ")]
+    assert plans
+    blocks, current = [], []
+    for line in out[out.index("plans that fit"):].splitlines()[1:]:
+        if line.strip().startswith("--set "):
+            current.append(line.strip().split(" ", 1)[1])
+        elif current and not line.strip().startswith("("):
+            blocks.append(current)
+            current = []
+    for sets in blocks:
+        argv = [a for s in sets for a in ("--set", s)]
+        assert cli.main(["estimate", *job, *argv]) == 0, (sets, capsys.readouterr().out[-2000:])
+        capsys.readouterr()
