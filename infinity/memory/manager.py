@@ -160,10 +160,9 @@ class TieredMemoryManager:
         return [c for c in range(self.num_chunks(unit, Kind.PARAMS)) if c not in updated]
 
     def store_gathered(self, unit: int, params: torch.Tensor, trainable: int) -> None:
-        """Issue: store the parameter chunks an update did not write here (the other ranks' partitions, just
-        all-gathered at stages 1-2, Note [post-update gather] in units/unit.py) from `params`, the rank's stored
-        parameters in full; frozen weights (from element `trainable` on) never change. A later fetch waits for
-        the writes."""
+        """Issue: store the parameter chunks no update writes here (other ranks' partitions, just all-gathered at
+        stages 1-2: Note [post-update gather] in units/unit.py) from `params`, the rank's stored parameters in full;
+        frozen weights (from element `trainable` on) never change. A later fetch waits for the writes."""
         for chunk in self.params_not_updated(unit):
             start, numel = self.chunk_span(unit, chunk, Kind.PARAMS)
             if start >= trainable:
@@ -295,8 +294,7 @@ class TieredMemoryManager:
         return Pending(dst, after=lambda: self._arrived(dst, done)), done
 
     def _arrived(self, dst: torch.Tensor, done) -> None:
-        """A copy to the device is waited: the waiter's stream waits for it on the device, and the allocator
-        keeps the copy stream's buffer for that stream's use too (Note [stream-ordered memory])."""
+        """A copy to the device waited on the waiter's stream, which holds dst (Note [stream-ordered memory])."""
         self.streams.wait_event(done)
         self.streams.hold(dst, self.streams.current())
 
@@ -529,9 +527,8 @@ class TieredMemoryManager:
 
     # ----------------------------------------------------------------- offloaded states
     def park(self, unit: int, kind: Kind, tier: Tier, *, non_blocking: bool = False) -> int:
-        """Move a DEVICE shard's bytes to `tier` (host or NVMe) and free its device storage; views of it (the
-        parameters of an aliased unit) see zero bytes until `unpark`. Returns the bytes moved (all-zero shards:
-        none). A shard on another tier, or parked already, is left as it is (Note [offloaded states])."""
+        """Move a DEVICE shard's bytes to `tier` (host or NVMe), free its device storage (views see zero bytes until
+        `unpark`); the bytes moved (all-zero: none). Others are left as they are (Note [offloaded states])."""
         shard = self._shards[(unit, kind)]
         if shard.tier is not Tier.DEVICE or shard.parked is not None:
             return 0
@@ -556,16 +553,7 @@ class TieredMemoryManager:
         self.bytes_moved["h2d"] += parked.nbytes
         return parked.restore(shard.resident, self.streams, self.swap)
 
-    def parked_bytes(self) -> dict[Tier, int]:
-        """Bytes of the parked shards per tier they were parked on."""
-        out = {t: 0 for t in Tier}
-        for shard in self._shards.values():
-            if shard.parked is not None:
-                out[shard.parked.tier] += shard.parked.nbytes
-        return out
-
-    def stores(self, unit: int, kind: Kind) -> bool:
-        """Whether a shard of `kind` was allocated for `unit`."""
+    def stores(self, unit: int, kind: Kind) -> bool:  # a shard of `kind` was allocated for `unit`
         return (unit, kind) in self._shards
 
     def is_parked(self, unit: int, kind: Kind) -> bool:
@@ -608,6 +596,4 @@ class TieredMemoryManager:
 
 def _crossing(src: torch.device, dst: torch.device) -> str | None:
     """The link a copy from `src` to `dst` crosses: "h2d", "d2h", or None (same memory)."""
-    if (src.type == "cpu") == (dst.type == "cpu"):
-        return None
-    return "h2d" if src.type == "cpu" else "d2h"
+    return None if (src.type == "cpu") == (dst.type == "cpu") else ("h2d" if src.type == "cpu" else "d2h")
