@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import infinity  # noqa: E402
 import infinity.state.checkpoint as ckpt_mod  # noqa: E402
+import infinity.state.checkpoint_load as load_mod  # noqa: E402
 from reference import Recipe  # noqa: E402
 
 RECIPE = Recipe(steps=6)
@@ -39,7 +40,7 @@ def latest_checkpoint(root: str) -> str | None:
     for name in os.listdir(ckpts) if os.path.isdir(ckpts) else []:
         path = os.path.join(ckpts, name)
         try:
-            manifest = ckpt_mod.read_manifest(path)
+            manifest = load_mod.read_manifest(path)
         except ckpt_mod.CheckpointError:
             continue  # a partial save: never loaded
         if manifest["user_state"]["next_step"] > best_step:

@@ -17,6 +17,7 @@ import pytest
 
 import infinity.job.train as train_mod
 import infinity.state.checkpoint as ckpt_mod
+import infinity.state.checkpoint_load as load_mod
 from infinity.config.sections import ConfigError
 from infinity.job.cli import EXIT_USAGE, main
 from infinity.job.run_dir import LOCK, RunDir
@@ -150,7 +151,7 @@ def test_a_final_save_without_space_keeps_the_last_checkpoint_and_says_what_to_d
     assert summary["status"] == "failed" and summary["steps"] == 4 and "not enough space" in summary["error"]
     assert summary["checkpoint"].endswith("step-00000002")
     assert "infinity train --resume" in summary["what_to_do"] and "lost" not in summary["what_to_do"]
-    ckpt_mod.read_manifest(summary["checkpoint"])  # the previous checkpoint is whole
+    load_mod.read_manifest(summary["checkpoint"])  # the previous checkpoint is whole
     assert not [p for p in (tmp_path / "r").iterdir() if ".tmp-" in p.name]
 
 
@@ -202,7 +203,7 @@ def test_resumes_keep_checkpoint_keep_last_in_bounds(tmp_path, capsys):
     saved = sorted(p.name for p in (tmp_path / "r" / "checkpoints").iterdir())
     assert len(saved) <= 2, saved
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 8
-    ckpt_mod.read_manifest(str(tmp_path / "r" / "checkpoint"))
+    load_mod.read_manifest(str(tmp_path / "r" / "checkpoint"))
 
 
 def test_an_nvme_path_that_is_a_file_exits_2_and_leaves_nothing(tmp_path, capsys):
