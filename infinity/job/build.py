@@ -122,13 +122,13 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
     data = "its tokenizer" if tokenizer_dir(cfg) else "bytes as token ids"
     description = f"{hf_cfg.model_type} from {cfg.pretrained}, data: {data} ({total}"
     if lora.r:
-        model = _with_lora(model, lora)
+        model = _with_lora(model, lora, cfg.pretrained)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         description += f"; LoRA r={lora.r}: {trainable / 1e6:.3f}M trainable"
     return ModelBundle(model, None, _lm_loss, description + ")", weights=cfg.pretrained, hf_config=hf_cfg)
 
 
-def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
+def _with_lora(model: nn.Module, lora: LoraConfig, base: str) -> nn.Module:
     try:
         import peft
     except ImportError:
@@ -138,7 +138,9 @@ def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets[0] if shorthand else (targets or None), task_type="CAUSAL_LM")
     try:
-        return peft.get_peft_model(model, config)
+        wrapped = peft.get_peft_model(model, config)
+        wrapped.peft_config["default"].base_model_name_or_path = base  # the export's base (Note [adapter directory])
+        return wrapped
     except ValueError as e:  # e.g. a target that names no module, or no default for this kind of model
         own = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                       if type(m).__name__ in ("Linear", "Conv1D") and not n.endswith("lm_head")})

@@ -427,7 +427,7 @@ def _export(job: Job, engine, bundle: ModelBundle, run_dir: Path, checkpoint: Pa
     else:
         engine.export_state_dict(str(out), dtype=dtype, merge_lora=merge)  # config.json: the module's own
     if rank == 0:
-        copy_companions(job.model.pretrained, str(out))
+        copy_companions(job.model.pretrained, str(out), adapters=bool(job.lora.r) and not merge)
     return out
 
 

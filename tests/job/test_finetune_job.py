@@ -122,13 +122,17 @@ def test_full_fine_tune_and_adapters_only_export(pretrained, corpus, tmp_path):
     job = _job(pretrained, corpus, tmp_path, "run.name=a", "run.steps=3", "model.lora.r=2", "model.lora.merge=false")
     train(job, verbose=False)
     out = tmp_path / "a" / "export"
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert not (out / "config.json").exists(), "an adapters directory is not a whole model"
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(pretrained)
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(pretrained), out)
     x = torch.randint(0, 256, (2, 16))
+    expected = _engine_logits(job, tmp_path / "a" / "checkpoint", x)
     with torch.no_grad():
         theirs = model(input_ids=x).logits
-    torch.testing.assert_close(theirs, _engine_logits(job, tmp_path / "a" / "checkpoint", x), rtol=1e-5, atol=1e-5)
+        auto = transformers.AutoModelForCausalLM.from_pretrained(out)(input_ids=x).logits  # PEFT through transformers
+    torch.testing.assert_close(theirs, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(auto, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_resume_continues_a_lora_run_and_refuses_another_model(pretrained, corpus, tmp_path):
