@@ -105,10 +105,11 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
         raise ConfigError(f"{where}: transformers cannot read its config.json ({e}); fix the file or upgrade "
                           f"transformers") from None
     vocab = getattr(hf_cfg, "vocab_size", None)
-    if tokenizer_dir(cfg) is None and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
+    if cfg.tokenizer == "bytes" and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
         raise ConfigError(f"{where}: its vocabulary has {vocab} token ids, fewer than the {VOCAB_SIZE} byte values "
-                          f"the job's data uses as token ids; fine-tune a model with at least {VOCAB_SIZE} ids, or "
-                          f"save the model's tokenizer in it (tokenizer.save_pretrained) so the job tokenizes with it")
+                          f"the job's data uses as token ids (model.tokenizer = \"bytes\"); fine-tune a model with at "
+                          f"least {VOCAB_SIZE} ids, or save the model's tokenizer in it (tokenizer.save_pretrained) "
+                          f'and set model.tokenizer = "auto" so the job tokenizes with it')
     positions = getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None)
     if isinstance(positions, int) and cfg.seq_len > positions:
         raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
@@ -119,7 +120,7 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
     except ValueError as e:
         raise ConfigError(f"{where}: not a causal language model transformers can build ({e})") from None
     total = _count(model)
-    data = "its tokenizer" if tokenizer_dir(cfg) else "bytes as token ids"
+    data = "bytes as token ids" if cfg.tokenizer == "bytes" else "its tokenizer"
     description = f"{hf_cfg.model_type} from {cfg.pretrained}, data: {data} ({total}"
     if lora.r:
         model = _with_lora(model, lora, cfg.pretrained)
@@ -153,8 +154,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one
 
 
 def tokenizer_dir(cfg: ModelConfig) -> str | None:
-    """The directory whose tokenizer tokenizes the job's data, or None for bytes (Note [fine-tuning job])."""
+    """The directory whose tokenizer tokenizes the job's data, or None for bytes (Note [fine-tuning job]); a
+    pretrained directory without a tokenizer is refused unless model.tokenizer = "bytes" says bytes."""
     if not cfg.pretrained or cfg.tokenizer == "bytes":
         return None
-    has = any(os.path.isfile(os.path.join(cfg.pretrained, name)) for name in TOKENIZER_FILES)
-    return cfg.pretrained if has else None
+    if not any(os.path.isfile(os.path.join(cfg.pretrained, name)) for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.pretrained = {cfg.pretrained!r}: no tokenizer in it (none of "
+                          f"{', '.join(TOKENIZER_FILES)}), and the model knows only its own token ids: save its "
+                          f"tokenizer there (AutoTokenizer.from_pretrained(<its source>).save_pretrained(DIR)), or set "
+                          f'model.tokenizer = "bytes" to train on bytes as token ids (0..255) on purpose')
+    return cfg.pretrained

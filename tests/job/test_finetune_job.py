@@ -195,7 +195,7 @@ def test_bad_fine_tune_settings_name_the_key_and_the_fix(pretrained, tmp_path):
         with pytest.raises(ConfigError, match=re.escape(needle)):
             load_job(None, overrides)
     for overrides, needle in (
-        ([f"model.pretrained={small}"], "fewer than the 256 byte values"),
+        ([f"model.pretrained={small}", "model.tokenizer=bytes"], "fewer than the 256 byte values"),
         ([f"model.pretrained={tmp_path}"], "no config.json in it"),
         ([f"model.pretrained={pretrained}", "model.seq_len=128"], "set model.seq_len <= 64"),
         ([f"model.pretrained={pretrained}", "model.seq_len=32", "model.lora.r=2", 'model.lora.targets=["nope"]'],
@@ -204,6 +204,8 @@ def test_bad_fine_tune_settings_name_the_key_and_the_fix(pretrained, tmp_path):
         job = load_job(None, overrides)
         with pytest.raises(ConfigError, match=needle):
             build_model(job.model, job.lora)
+    with pytest.raises(ConfigError, match='no tokenizer in it.*model.tokenizer = "bytes"'):  # not bytes, silently
+        job_batches(load_job(None, [f"model.pretrained={small}"]))
 
 
 def test_the_toml_section_is_model_lora(tmp_path, pretrained):
