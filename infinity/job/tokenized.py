@@ -63,10 +63,24 @@ def sample_batches(job: Job, rank: int = 0, world: int = 1):
                          seed=job.data.seed, packing=job.data.packing, dtype=dtype, rank=rank, world=world)
 
 
+def resolve_data_format(job: Job) -> tuple[Job, str | None]:
+    """The job with data.format as data.path's records say, and the line saying a change (Note [data format from
+    the records] in samples.py); a mismatch it cannot resolve is a ConfigError naming data.format."""
+    import dataclasses
+
+    from infinity.job.samples import resolve_format
+    fmt, said = resolve_format(job.data)
+    if fmt == job.data.format:
+        return job, None
+    return dataclasses.replace(job, data=dataclasses.replace(job.data, format=fmt)), said
+
+
 def job_batches(job: Job, rank: int = 0, world: int = 1):
     """The job's training and validation batches for one rank (data.py's sampler over `corpus_tokens`, or
-    samples.py's over completion / chat records)."""
+    samples.py's over completion / chat records; data.format resolved by `resolve_data_format`, whose line the
+    job prints)."""
     from infinity.job.data import Batches, split
+    job, _ = resolve_data_format(job)
     if job.data.format != "text":
         return sample_batches(job, rank, world)
     train, val = split(corpus_tokens(job), job.data.val_fraction, job.model.seq_len)

@@ -87,7 +87,7 @@ from infinity.job.spec import (  # noqa: F401 - re-exported: infinity.job.train 
     load_job,
     to_toml,
 )
-from infinity.job.tokenized import job_batches  # noqa: F401 - re-exported
+from infinity.job.tokenized import job_batches, resolve_data_format
 from infinity.optim.schedule import lr_at
 from infinity.state.checkpoint import count_as_written
 from io_engine import atomic_write
@@ -188,6 +188,7 @@ def _make_dirs(config: Config, run_dir: Path) -> None:
 def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) -> Result:
     import infinity
 
+    job, format_said = resolve_data_format(job)  # Note [data format from the records]
     batches = job_batches(job, rank, world)  # bad data settings fail before any work
     run = _open_run_dir(job, resume, rank, world)
     run_dir, engine, say = run.path, None, None
@@ -223,6 +224,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                          f"{job.run.steps} to stretch the schedule instead")
         for default in job.finetune_defaults():
             say.note(default.line())
+        if format_said:
+            say.note(format_said)
         say.note(f"{bundle.description}, {len(engine.units)} units, world size {world}, device {engine.device}, "
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])

@@ -297,3 +297,31 @@ def test_validation_file_or_fraction(tmp_path, llama):
     assert tok.decode([t for t in y.flatten().tolist() if t != IGNORE]).count(" 14.</s>") == 2  # masked alike
     split = job_batches(load_job(None, common + ["data.val_fraction=0.2"]))
     assert (len(split.train), len(split.val)) == (8, 2)
+
+
+def test_records_under_the_text_format_are_read_as_what_they_are_or_refused(tmp_path, llama):
+    """Note [data format from the records]: chat / completion JSONL under the default data.format = "text" gives
+    the batches of the format said explicitly, and a line saying so; other records, or a format the records do
+    not have, are refused naming data.format (never trained on as JSON text)."""
+    from infinity.job.tokenized import job_batches, resolve_data_format
+    from infinity.job.train import load_job
+    path, _, _ = llama
+    chat = write_jsonl(tmp_path / "c.jsonl", [CHAT] * 4)
+    sums = write_jsonl(tmp_path / "s.jsonl", list(_sums(6)))
+    common = [f"model.pretrained={path}", "model.seq_len=64", "run.batch_size=2", f"run.dir={tmp_path}"]
+    for f, kind in ((chat, "chat"), (sums, "completion")):
+        job = load_job(None, common + [f"data.path={f}"])
+        resolved, said = resolve_data_format(job)
+        assert resolved.data.format == kind and f'data.format = "{kind}"' in said and str(f) in said
+        explicit = job_batches(load_job(None, common + [f"data.path={f}", f"data.format={kind}"]))
+        for got, want in zip(job_batches(job).batch(0, 0), explicit.batch(0, 0)):
+            assert torch.equal(got, want)
+    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}] * 4)
+    with pytest.raises(ConfigError, match=r'text records.*data.format = "text" would train on the JSON syntax'):
+        job_batches(load_job(None, common + [f"data.path={texts}"]))
+    with pytest.raises(ConfigError, match=r'data.format = "completion" but .*c.jsonl line 1 is a chat record.*'
+                                          r'set data.format = "chat"'):
+        job_batches(load_job(None, common + [f"data.path={chat}", "data.format=completion"]))
+    plain = tmp_path / "p.txt"
+    plain.write_text("In the beginning {was} the word.\n" * 50)
+    assert resolve_data_format(load_job(None, common + [f"data.path={plain}"]))[1] is None
