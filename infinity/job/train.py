@@ -69,6 +69,7 @@ from infinity.job.resume import (
     earlier_losses,
     earlier_tokens,
     run_checkpoints,
+    set_aside,
     stopped_summary,
     train_position,
     trim_metrics,
@@ -216,6 +217,10 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                     say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")
                 earlier = earlier_losses(run_dir / "metrics.jsonl")
                 result.tokens_before = earlier_tokens(run_dir / "metrics.jsonl")
+                set_aside(resume.damaged)  # kept, not deleted; their steps are saved again (Note [damaged checkpoint])
+            barrier(default_group())
+            if resume.damaged_note():
+                say.note(resume.damaged_note())
             say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")
             o = config.optimizer
             if o.schedule != "constant" and job.run.steps > o.total_steps:
