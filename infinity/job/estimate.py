@@ -29,7 +29,7 @@ from infinity.config.sections import ActivationConfig, Config, ConfigError
 from infinity.device.dtypes import dtype_of
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
-from infinity.machine.preflight import Check, check_disks, preflight
+from infinity.machine.preflight import Check, check_disks, checkpoint_bytes, preflight
 from infinity.memory import cost_model
 from infinity.memory.placement import Budgets, PlacementError, Plan, plan_for_config
 from infinity.memory.tier import Kind, Tier
@@ -93,6 +93,7 @@ class Estimate:
     table: list = field(default_factory=list)  # estimate_table.Row: placements x stages (Note [estimate table])
     fixes: list = field(default_factory=list)  # estimate_table.Fix when the configured run does not fit
     faster: object = None  # a faster fitting row when the configured one fits
+    checkpoint_bytes: int | None = None  # one rank's files of one checkpoint (Note [checkpoint space])
 
     @property
     def ok(self) -> bool:
@@ -128,6 +129,7 @@ class Estimate:
             "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok, "param_groups": self.groups,
             "table": [r.to_json() for r in self.table], "fixes": [f.to_json() for f in self.fixes],
             "faster": self.faster.to_json() if self.faster is not None else None,
+            "checkpoint_bytes_per_rank": self.checkpoint_bytes,
         }
 
 
@@ -302,8 +304,14 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
         est.peak_terms = peak_terms(plan, trace, cuda=cuda, runtime=runtime_rss(), activation=config.activation)
         est.peak = peak_from_terms(est.peak_terms, cuda)
+    # a pretrained model's frozen weights are all read from its safetensors files: its checkpoints refer to them
+    # (Note [pretrained references]), as initialize's own preflight counts them (runtime/planning.py)
+    referenced = config.checkpoint.reference_pretrained and getattr(bundle, "weights", None) is not None
+    if plan is not None:
+        est.checkpoint_bytes = checkpoint_bytes(plan, referenced)
     est.checks = preflight(plan, plan_error, config, local_world_size=local, cuda=cuda,
-                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0))
+                           ram_per_rank=est.peak.get("ram", 0), device_per_rank=est.peak.get("device", 0),
+                           frozen_referenced=referenced)
     from infinity.job import estimate_table as table
     def activations_of(activation) -> dict[str, int]:
         acts = activation_terms(trace, activation)

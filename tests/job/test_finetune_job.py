@@ -93,6 +93,11 @@ def test_lora_fine_tune_exports_a_merged_model_transformers_loads_with_the_engin
     assert summary["last_loss"] < summary["first_loss"], summary
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (run / "export").iterdir()}
     tokenizer = transformers.AutoTokenizer.from_pretrained(run / "export")  # the model's tokenizer came along
+    # the estimate (and preflight) count the LoRA checkpoint at its size: adapters and Adam state, the frozen base
+    # referred to (Note [checkpoint space]); its margin for the index, RNG and manifest is most of it at this size
+    written = sum(p.stat().st_size for p in (run / "checkpoint").iterdir())
+    predicted = json.loads((run / "estimate.json").read_text())["checkpoint_bytes_per_rank"]
+    assert written <= predicted < 2 * written, (written, predicted)
     assert not (run / "export.checkpoint").exists()
 
     base, merged = _weights(pretrained), _weights(run / "export")
