@@ -151,6 +151,9 @@ def _with_lora(model: nn.Module, lora: LoraConfig, base: str) -> nn.Module:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one: DIR holds a tokenizer
+# every file that decides the tokens a tokenizer gives (resume.py and the tokenized data cache hash them)
+TOKENIZER_IDENTITY_FILES = (*TOKENIZER_FILES, "tokenizer_config.json", "merges.txt", "special_tokens_map.json",
+                            "added_tokens.json", "chat_template.jinja")
 
 
 def tokenizer_dir(cfg: ModelConfig) -> str | None:

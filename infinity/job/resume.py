@@ -27,7 +27,7 @@ from pathlib import Path
 
 from infinity.config.options import ConfigError, parse_override, show
 from infinity.config.sections import Config
-from infinity.job.build import TOKENIZER_FILES
+from infinity.job.build import TOKENIZER_IDENTITY_FILES
 from infinity.job.spec import Job, load_job
 from io_engine import atomic_write
 
@@ -62,8 +62,7 @@ def train_position(job: Job, config: Config, step: int, elapsed_s: float, world:
 
 
 # What a pretrained directory's model and tokens are, besides its weights (Note [moved pretrained directory])
-PRETRAINED_IDENTITY_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "tokenizer_config.json",
-                             "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+PRETRAINED_IDENTITY_FILES = ("config.json", "generation_config.json", *TOKENIZER_IDENTITY_FILES)
 
 
 def pretrained_fingerprint(directory: str) -> dict[str, str]:
