@@ -138,8 +138,11 @@ def _with_lora(model: nn.Module, lora: LoraConfig, base: str) -> nn.Module:
     shorthand = len(targets) == 1 and targets[0] == "all-linear"  # PEFT's shorthand: a string, PEFT resolves it
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets[0] if shorthand else (targets or None), task_type="CAUSAL_LM")
+    import warnings
     try:
-        wrapped = peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # PEFT 0.21 reads the deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            wrapped = peft.get_peft_model(model, config)
         wrapped.peft_config["default"].base_model_name_or_path = base  # the export's base (Note [adapter directory])
         return wrapped
     except ValueError as e:  # e.g. a target that names no module, or no default for this kind of model
