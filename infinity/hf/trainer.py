@@ -15,7 +15,8 @@ the subclass replaces the few places where the Trainer touches parameters, gradi
 - `training_step` ends in `engine.backward` instead of `accelerator.backward`;
 - clipping is the engine's (`[optimizer] grad_clip` = max_grad_norm, applied inside `engine.step()`);
   the grad norm the Trainer logs is the engine's, filled in after the step;
-- `save_model` writes the engine's HF export; `_save_optimizer_and_scheduler` /
+- `save_model` writes the engine's HF export (a PEFT model's adapters as PEFT writes them: Note [adapter
+  directory] in state/export.py); `_save_optimizer_and_scheduler` /
   `_load_optimizer_and_scheduler` write / read an engine checkpoint (bitwise resume); `_load_from_checkpoint`
   does nothing (the weights come back with the engine checkpoint).
 Private methods overridden (`_wrap_model`, `_move_model_to_device`, `_clip_grad_norm`, `_get_grad_norm`,
@@ -74,6 +75,14 @@ class _GradNormLog(TrainerCallback):
             self.trainer._grad_norm.fill_(norm)
 
 
+def _name_the_base(model, weights) -> None:
+    """A PEFT model built under meta_init has no base name for its adapter_config.json: the directory of
+    `infinity_weights=` is its base model (Note [adapter directory] in state/export.py)."""
+    for config in (getattr(model, "peft_config", None) or {}).values():
+        if not config.base_model_name_or_path and isinstance(weights, (str, os.PathLike)) and os.path.isdir(weights):
+            config.base_model_name_or_path = os.path.abspath(weights)
+
+
 class InfinityTrainerMixin:
     """The overrides shared by InfinityTrainer and InfinitySFTTrainer (Note [trainer on the engine])."""
 
@@ -87,6 +96,7 @@ class InfinityTrainerMixin:
         if self.args.gradient_checkpointing:
             self.args.gradient_checkpointing = False  # the engine checkpoints units; HF's own would do it twice
         model = self.model
+        _name_the_base(model, infinity_weights)
         decay = set(self.get_decay_parameter_names(model))
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [n for n in trainable if n in decay], "weight_decay": self.args.weight_decay},
@@ -153,13 +163,14 @@ class InfinityTrainerMixin:
             import shutil
             shutil.rmtree(replaced)
         if self.args.should_save:
-            export_checkpoint(checkpoint, output_dir, fmt="hf", model=self.engine.module)
             module = self.engine.module
-            if getattr(module, "config", None) is not None:
-                module.config.save_pretrained(output_dir)
-            if getattr(module, "generation_config", None) is not None and hasattr(module, "can_generate") \
-                    and module.can_generate():
-                module.generation_config.save_pretrained(output_dir)
+            export_checkpoint(checkpoint, output_dir, fmt="hf", model=module)
+            if not getattr(module, "peft_config", None):  # adapters: no base config (Note [adapter directory])
+                if getattr(module, "config", None) is not None:
+                    module.config.save_pretrained(output_dir)
+                if getattr(module, "generation_config", None) is not None and hasattr(module, "can_generate") \
+                        and module.can_generate():
+                    module.generation_config.save_pretrained(output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))

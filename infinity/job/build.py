@@ -105,10 +105,11 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
         raise ConfigError(f"{where}: transformers cannot read its config.json ({e}); fix the file or upgrade "
                           f"transformers") from None
     vocab = getattr(hf_cfg, "vocab_size", None)
-    if tokenizer_dir(cfg) is None and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
+    if cfg.tokenizer == "bytes" and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
         raise ConfigError(f"{where}: its vocabulary has {vocab} token ids, fewer than the {VOCAB_SIZE} byte values "
-                          f"the job's data uses as token ids; fine-tune a model with at least {VOCAB_SIZE} ids, or "
-                          f"save the model's tokenizer in it (tokenizer.save_pretrained) so the job tokenizes with it")
+                          f"the job's data uses as token ids (model.tokenizer = \"bytes\"); fine-tune a model with at "
+                          f"least {VOCAB_SIZE} ids, or save the model's tokenizer in it (tokenizer.save_pretrained) "
+                          f'and set model.tokenizer = "auto" so the job tokenizes with it')
     positions = getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None)
     if isinstance(positions, int) and cfg.seq_len > positions:
         raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
@@ -119,16 +120,16 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
     except ValueError as e:
         raise ConfigError(f"{where}: not a causal language model transformers can build ({e})") from None
     total = _count(model)
-    data = "its tokenizer" if tokenizer_dir(cfg) else "bytes as token ids"
+    data = "bytes as token ids" if cfg.tokenizer == "bytes" else "its tokenizer"
     description = f"{hf_cfg.model_type} from {cfg.pretrained}, data: {data} ({total}"
     if lora.r:
-        model = _with_lora(model, lora)
+        model = _with_lora(model, lora, cfg.pretrained)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         description += f"; LoRA r={lora.r}: {trainable / 1e6:.3f}M trainable"
     return ModelBundle(model, None, _lm_loss, description + ")", weights=cfg.pretrained, hf_config=hf_cfg)
 
 
-def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
+def _with_lora(model: nn.Module, lora: LoraConfig, base: str) -> nn.Module:
     try:
         import peft
     except ImportError:
@@ -137,8 +138,13 @@ def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     shorthand = len(targets) == 1 and targets[0] == "all-linear"  # PEFT's shorthand: a string, PEFT resolves it
     config = peft.LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                              target_modules=targets[0] if shorthand else (targets or None), task_type="CAUSAL_LM")
+    import warnings
     try:
-        return peft.get_peft_model(model, config)
+        with warnings.catch_warnings():  # PEFT 0.21 reads the deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            wrapped = peft.get_peft_model(model, config)
+        wrapped.peft_config["default"].base_model_name_or_path = base  # the export's base (Note [adapter directory])
+        return wrapped
     except ValueError as e:  # e.g. a target that names no module, or no default for this kind of model
         own = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                       if type(m).__name__ in ("Linear", "Conv1D") and not n.endswith("lm_head")})
@@ -148,11 +154,19 @@ def _with_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one: DIR holds a tokenizer
+# every file that decides the tokens a tokenizer gives (resume.py and the tokenized data cache hash them)
+TOKENIZER_IDENTITY_FILES = (*TOKENIZER_FILES, "tokenizer_config.json", "merges.txt", "special_tokens_map.json",
+                            "added_tokens.json", "chat_template.jinja")
 
 
 def tokenizer_dir(cfg: ModelConfig) -> str | None:
-    """The directory whose tokenizer tokenizes the job's data, or None for bytes (Note [fine-tuning job])."""
+    """The directory whose tokenizer tokenizes the job's data, or None for bytes (Note [fine-tuning job]); a
+    pretrained directory without a tokenizer is refused unless model.tokenizer = "bytes" says bytes."""
     if not cfg.pretrained or cfg.tokenizer == "bytes":
         return None
-    has = any(os.path.isfile(os.path.join(cfg.pretrained, name)) for name in TOKENIZER_FILES)
-    return cfg.pretrained if has else None
+    if not any(os.path.isfile(os.path.join(cfg.pretrained, name)) for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.pretrained = {cfg.pretrained!r}: no tokenizer in it (none of "
+                          f"{', '.join(TOKENIZER_FILES)}), and the model knows only its own token ids: save its "
+                          f"tokenizer there (AutoTokenizer.from_pretrained(<its source>).save_pretrained(DIR)), or set "
+                          f'model.tokenizer = "bytes" to train on bytes as token ids (0..255) on purpose')
+    return cfg.pretrained

@@ -29,7 +29,7 @@ from infinity.config.sections import ActivationConfig, Config
 from infinity.device.dtypes import dtype_of
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
-from infinity.machine.preflight import Check, check_disks, preflight
+from infinity.machine.preflight import Check, check_disks, checkpoint_bytes, preflight
 from infinity.memory import cost_model
 from infinity.memory.placement import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
@@ -101,6 +101,7 @@ class Estimate:
     plans: list = field(default_factory=list)  # plan_search.RunPlan when the configured run does not fit
     budget_raised: bool = False  # the plans raise the memory budgets (Note [plan search]'s last resort)
     faster: object = None  # a faster fitting row when the configured one fits
+    checkpoint_bytes: int | None = None  # one rank's files of one checkpoint (Note [checkpoint space])
 
     @property
     def ok(self) -> bool:
@@ -136,6 +137,7 @@ class Estimate:
             "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok, "param_groups": self.groups,
             "table": [r.to_json() for r in self.table], "plans": [p.to_json() for p in self.plans],
             "faster": self.faster.to_json() if self.faster is not None else None,
+            "checkpoint_bytes_per_rank": self.checkpoint_bytes,
         }
 
 
@@ -328,7 +330,10 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         if batch not in traces:
             traces[batch] = trace_model(batch)
         return traces[batch]
-    ctx = table.Context(sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w),
+    # a pretrained model's frozen weights are all read from its safetensors files: its checkpoints refer to them
+    # (Note [pretrained references]), as initialize's own preflight counts them (runtime/planning.py)
+    referenced = config.checkpoint.reference_pretrained and getattr(bundle, "weights", None) is not None
+    ctx = table.Context(sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), frozen_referenced=referenced,
                         activations_of=lambda a: activation_bytes(trace, a), trace_at=trace_at,
                         config=config, world_size=world_size, budgets=budgets, trace=trace, rates=rates, cuda=cuda,
                         flops=trace.flops, local_world_size=local, batch_size=batch_size, budgets_of=budgets_of,
@@ -349,6 +354,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                    activation=config.activation, groups=groups, peak=mine.peak, peak_terms=mine.peak_terms,
                    checks=mine.checks)
     if plan is not None:
+        est.checkpoint_bytes = checkpoint_bytes(plan, referenced)
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
         est.traffic.add(cost_model.activation_offload_traffic(activation_terms(trace, config.activation)["host"],
                                                                cuda=cuda, accum=config.train.grad_accum_steps))

@@ -94,6 +94,7 @@ class Context:
     peak_of: Callable | None = None  # (Plan, Trace, [activation]) -> (peak terms, peak) (Note [peak memory])
     trace_at: Callable | None = None  # micro-batch (sequences per rank) -> its Trace (estimate.trace_step)
     plan_rates: cost_model.LinkRates | None = None  # what the auto policy plans with (initialize's cached rates)
+    frozen_referenced: bool = False  # checkpoints refer to the pretrained files for frozen weights (preflight)
 
 
 def sizes_key(config: Config, world: int) -> tuple:

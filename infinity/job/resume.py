@@ -27,7 +27,7 @@ from pathlib import Path
 
 from infinity.config.options import ConfigError, parse_override, show
 from infinity.config.sections import Config
-from infinity.job.build import TOKENIZER_FILES
+from infinity.job.build import TOKENIZER_IDENTITY_FILES
 from infinity.job.spec import Job, load_job
 from io_engine import atomic_write
 
@@ -43,6 +43,15 @@ class Resume:
     checkpoint: Path
     step: int  # training steps done: the next batch is the one of this step index
     elapsed_s: float  # training time of the run so far
+    damaged: tuple = ()  # (path, why) of newer checkpoints found damaged: set aside once the resume starts
+
+    def damaged_note(self) -> str | None:
+        """The line saying which damaged checkpoints were passed over and why (Note [damaged checkpoint])."""
+        if not self.damaged:
+            return None
+        what = "; ".join(f"{path} is damaged ({why})" for path, why in self.damaged)
+        return (f"{what}: resuming from {self.checkpoint} (step {self.step}), the newest intact checkpoint; the "
+                f"damaged one{'s' if len(self.damaged) > 1 else ''} kept as <name>{DAMAGED_SUFFIX}")
 
 
 def train_position(job: Job, config: Config, step: int, elapsed_s: float, world: int) -> dict:
@@ -53,8 +62,7 @@ def train_position(job: Job, config: Config, step: int, elapsed_s: float, world:
 
 
 # What a pretrained directory's model and tokens are, besides its weights (Note [moved pretrained directory])
-PRETRAINED_IDENTITY_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "tokenizer_config.json",
-                             "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+PRETRAINED_IDENTITY_FILES = ("config.json", "generation_config.json", *TOKENIZER_IDENTITY_FILES)
 
 
 def pretrained_fingerprint(directory: str) -> dict[str, str]:
@@ -94,13 +102,76 @@ def _batch_keys(job: Job, config: Config) -> dict:
 
 
 def _checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Every checkpoint directory the job may have written in `run_dir`, complete or not."""
+    """Every checkpoint directory the job may have written in `run_dir`, complete or not (not those set aside as
+    damaged)."""
     out = [p for p in run_dir.iterdir() if p.is_dir() and (p.name == FINAL_CHECKPOINT
                                                            or p.name.startswith(FINAL_CHECKPOINT + "."))]
     periodic = run_dir / PERIODIC_CHECKPOINTS
     if periodic.is_dir():
         out += [p for p in periodic.iterdir() if p.is_dir()]
-    return sorted(out)
+    return sorted(p for p in out if DAMAGED_SUFFIX not in p.name)
+
+
+# Note [damaged checkpoint]: a checkpoint whose manifest reads but whose files do not hold what the manifest
+# says (a rank file truncated or overwritten, an index or RNG file changed) would fail its load. `--resume RUN`
+# verifies the candidates newest first (every record's CRC32, as the load checks them) and continues from the
+# newest intact one, saying which it passed over and why; `--resume RUN/checkpoints/step-N` is not refused for
+# newer checkpoints that are damaged. The damaged ones are not deleted: once the resumed run has loaded its
+# checkpoint they are renamed to <name>.damaged (the run will save those steps again under their names).
+DAMAGED_SUFFIX = ".damaged"
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None when every file and record of the checkpoint matches the checksums its manifest and indexes hold;
+    else what does not (Note [damaged checkpoint]). References to pretrained files are checked by the load."""
+    import zlib
+
+    from infinity.device.dtypes import dtype_of
+    from infinity.state.checkpoint import CheckpointError, read_manifest
+    from infinity.state.checkpoint_files import file_crc
+    from infinity.state.references import REF_KIND
+    try:
+        manifest = read_manifest(str(path))
+        files = [(entry["rng"], entry.get("rng_crc32")) for entry in manifest["ranks"]]
+        if manifest.get("buffers"):
+            files.append((manifest["buffers"], manifest.get("buffers_crc32")))
+        for name, crc in files:
+            if crc is not None and file_crc(str(path / name)) != crc:
+                return f"{name} does not match its checksum"
+        for entry in manifest["ranks"]:
+            index = (path / entry["index"]).read_bytes()
+            if zlib.crc32(index) != entry["index_crc32"]:
+                return f"{entry['index']} does not match its checksum"
+            with open(path / entry["file"], "rb") as f:
+                for rec in json.loads(index)["records"]:
+                    if rec["kind"] == REF_KIND:
+                        continue
+                    left = rec["numel"] * dtype_of(rec.get("dtype", "fp32")).itemsize
+                    f.seek(rec["offset"])
+                    crc = 0
+                    while left:
+                        chunk = f.read(min(left, 64 << 20))
+                        if not chunk:
+                            return f"{entry['file']} ends before its record at offset {rec['offset']} (truncated)"
+                        crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+                    if crc != rec["crc"]:
+                        return f"{entry['file']} at offset {rec['offset']} does not match its checksum"
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
+def set_aside(damaged) -> list[Path]:
+    """Rename each damaged checkpoint to <name>.damaged (another suffix if that exists); returns the new paths."""
+    moved = []
+    for path, _ in damaged:
+        target, n = path.with_name(path.name + DAMAGED_SUFFIX), 1
+        while target.exists():
+            target, n = path.with_name(f"{path.name}{DAMAGED_SUFFIX}-{n}"), n + 1
+        if path.exists():
+            os.rename(path, target)
+            moved.append(target)
+    return moved
 
 
 def _position_of(path: Path) -> dict | None:
@@ -123,9 +194,23 @@ def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(run_dir: Path) -> Path:
     """The complete checkpoint with the most steps in `run_dir`, or a ConfigError saying why there is none."""
+    return newest_intact(run_dir, verify=False)[0]
+
+
+def newest_intact(run_dir: Path, verify: bool = True) -> tuple[Path, list[tuple[Path, str]]]:
+    """The complete checkpoint with the most steps in `run_dir` that verifies (Note [damaged checkpoint]), and
+    (path, why) of the newer ones that do not; a ConfigError saying why there is none."""
     found = run_checkpoints(run_dir)
-    if found:
-        return found[-1][1]
+    damaged = []
+    for _, path in reversed(found):
+        why = verify_checkpoint(path) if verify else None
+        if why is None:
+            return path, damaged
+        damaged.append((path, why))
+    if damaged:
+        listed = "; ".join(f"{p} ({why})" for p, why in damaged)
+        raise ConfigError(f"--resume {run_dir}: every checkpoint of the run is damaged: {listed}. Start the run "
+                          f"again with infinity train --config {run_dir / 'config.toml'} --set run.name=<new name>")
     others = [p.name if p.parent == run_dir else f"{p.parent.name}/{p.name}" for p in _checkpoint_dirs(run_dir)]
     why = (f"only {', '.join(others)}, which {'is' if len(others) == 1 else 'are'} incomplete (a save the run did not "
            f"finish) or not saved by infinity train" if others else
@@ -146,9 +231,10 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
     if not given.is_dir():
         raise ConfigError(f"--resume {path}: no such directory; give a run directory (runs/<name>, the one holding "
                           f"config.toml) or one of its checkpoints (runs/<name>/checkpoint)")
+    damaged: list[tuple[Path, str]] = []
     if (given / "config.toml").is_file():
         run_dir = given
-        checkpoint = latest_checkpoint(run_dir)
+        checkpoint, damaged = newest_intact(run_dir)
     else:
         run_dir = next((d for d in (given.parent, given.parent.parent) if (d / "config.toml").is_file()), None)
         if run_dir is None:
@@ -157,11 +243,20 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         from infinity.state.checkpoint_load import read_manifest
         read_manifest(str(given))  # a CheckpointError that says what is wrong with it
         checkpoint = given
+        why = verify_checkpoint(checkpoint)
+        if why is not None:
+            raise ConfigError(f"--resume {path}: the checkpoint is damaged ({why}); resume from the newest intact "
+                              f"one with: infinity train --resume {run_dir}")
     position = _position_of(checkpoint)
     if position is None:
         raise ConfigError(f"--resume {path}: the checkpoint {checkpoint} has no training position (it was not saved "
                           f"by infinity train); load it with engine.load_checkpoint in your own loop")
-    newer = [p for step, p in run_checkpoints(run_dir) if step > position["step"]]
+    newer = [p for step, p in run_checkpoints(run_dir) if step > position["step"] and p not in dict(damaged)]
+    for p in list(newer):  # a damaged newer checkpoint does not stand in the way (Note [damaged checkpoint])
+        why = verify_checkpoint(p)
+        if why is not None:
+            damaged.append((p, why))
+            newer.remove(p)
     if newer:
         raise ConfigError(f"--resume {path}: {len(newer)} checkpoint(s) of this run are newer than {checkpoint} "
                           f"(step {position['step']}), e.g. {newer[-1]}: resuming from it would overwrite them. "
@@ -199,7 +294,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
                           f"{job.run.steps}: nothing to train; --set run.steps=N with N > {position['step']} to "
                           f"train further")
     return job, Resume(run_dir=run_dir, checkpoint=checkpoint, step=position["step"],
-                       elapsed_s=float(position.get("elapsed_s", 0.0)))
+                       elapsed_s=float(position.get("elapsed_s", 0.0)), damaged=tuple(damaged))
 
 
 def _relocate(job: Job, run_dir: Path) -> Job:

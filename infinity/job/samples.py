@@ -113,6 +113,65 @@ def _field(record: dict, name: str, key: str, where: str, kind: type) -> Any:
     return value
 
 
+def record_format(record: dict, data) -> str | None:
+    """What a record is, by its fields (as TRL tells a conversational dataset by its records): "chat" (a list of
+    messages), "completion" (a prompt and a completion), "text" (a text field), or None."""
+    if isinstance(record.get(data.messages_field), list):
+        return "chat"
+    if data.prompt_field in record and data.completion_field in record:
+        return "completion"
+    if isinstance(record.get("text"), str):
+        return "text"
+    return None
+
+
+def first_record(path: str) -> tuple[str, dict] | None:
+    """(where, record) of the file's first record when it holds records (a .jsonl / .json / .parquet / .arrow
+    file, or text whose first line is a JSON object), else None (plain text)."""
+    file = Path(path)
+    if not file.is_file():
+        return None
+    if file.suffix.lower() in (".parquet", ".arrow", ".json"):
+        records = read_records(path)
+        return records[0] if records else None
+    with open(file, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    return None
+                return (f"{file} line 1", record) if isinstance(record, dict) else None
+    return None
+
+
+def resolve_format(data) -> tuple[str, str | None]:
+    """(data.format to read data.path with, the line that says a change). Note [data format from the records]:
+    a file of records under the default "text" would train on its JSON syntax: chat or completion records are
+    read as such and the start line says so; other records are refused naming data.format. A format the user
+    set that the records do not have is refused naming the one they have."""
+    found = first_record(data.path)
+    if found is None:
+        if data.format != "text":
+            return data.format, None  # read_records names what is wrong with the file
+        return "text", None
+    where, record = found
+    kind = record_format(record, data)
+    if data.format == "text":
+        if kind in ("chat", "completion"):
+            return kind, (f"data: {data.path} holds {kind} records ({where}: {', '.join(sorted(record))}); read as "
+                          f'data.format = "{kind}" (set it in the job file to say so)')
+        what = "text records (a \"text\" field)" if kind == "text" else f"JSON records with fields {sorted(record)}"
+        raise ConfigError(f'data.path = {data.path!r} holds {what}, and data.format = "text" would train on the '
+                          f'JSON syntax: set data.format = "chat" (a list of messages) or "completion" (prompt and '
+                          f"completion fields; data.*_field names them), or give a plain text file")
+    if kind is not None and kind != data.format and kind != "text":
+        fields = ", ".join(sorted(record))
+        raise ConfigError(f'data.format = "{data.format}" but {where} is a {kind} record ({fields}): set '
+                          f'data.format = "{kind}", or data.*_field to the fields that hold the {data.format}')
+    return data.format, None
+
+
 # ---------------------------------------------------------------- rendering
 
 def _limit(sample: Sample, seq_len: int, truncation: str, where: str) -> Sample:

@@ -17,9 +17,10 @@ of [model] must then stay unset (they would be silently ignored otherwise). `[mo
 r > 0` wraps the model with PEFT's LoRA (get_peft_model) before it is sharded: the base
 weights are frozen and only the adapters get gradients and Adam state. The data is the job's
 corpus (`data.path`) in the model's own vocabulary: tokenized by the tokenizer saved in DIR
-(AutoTokenizer, `model.tokenizer = "auto"`) when DIR has one, since a pretrained model knows
-its own ids only; else (or with `model.tokenizer = "bytes"`) each byte is the token id it is
-(0..255), which needs a vocabulary of at least 256 ids (a smaller one is refused). The
+(AutoTokenizer, `model.tokenizer = "auto"`), since a pretrained model knows its own ids
+only: a DIR without one is refused (training it on bytes would ruin it), unless the user says
+`model.tokenizer = "bytes"`: then each byte is the token id it is (0..255), which needs a
+vocabulary of at least 256 ids (a smaller one is refused). The
 corpus is tokenized once per run start, in chunks of lines (a fast tokenizer takes seconds
 for the shipped 4 MB). At the end the model is exported into <run>/export as a Hugging Face directory
 (merged LoRA weights by default, `model.lora.merge = false` for the adapters alone) with
@@ -104,9 +105,9 @@ class ModelConfig(Section):
     n_kv_head: int = option(0, "Key/value heads of llama (grouped-query attention); 0 = n_head.", "int", ge=0)
     ffn_dim: int = option(0, "MLP hidden size; 0 = 4 * d_model (gpt, gpt2) or the llama default.", "int", ge=0)
     tokenizer: str = option("auto", 'With model.pretrained: "auto" tokenizes data.path with the tokenizer saved in '
-                             'that directory when it has one (else bytes); "bytes": each byte is its own token id '
-                             "(0..255; the vocabulary must have at least 256 ids). Without model.pretrained the data "
-                             "is always bytes.", "enum", choices=("auto", "bytes"))
+                             'that directory (a directory without one is refused); "bytes": each byte is its own '
+                             "token id (0..255; the vocabulary must have at least 256 ids). Without model.pretrained "
+                             "the data is always bytes.", "enum", choices=("auto", "bytes"))
     seq_len: int = option(128, "Tokens (bytes, or the pretrained tokenizer's tokens) per training sequence.", "int",
                           ge=2)
     vocab_size: int = option(VOCAB_SIZE, "Vocabulary size; the data is bytes, so at least 256.", "int",

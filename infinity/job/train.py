@@ -69,6 +69,7 @@ from infinity.job.resume import (
     earlier_losses,
     earlier_tokens,
     run_checkpoints,
+    set_aside,
     stopped_summary,
     train_position,
     trim_metrics,
@@ -87,7 +88,7 @@ from infinity.job.spec import (  # noqa: F401 - re-exported: infinity.job.train 
     load_job,
     to_toml,
 )
-from infinity.job.tokenized import job_batches  # noqa: F401 - re-exported
+from infinity.job.tokenized import job_batches, resolve_data_format
 from infinity.optim.schedule import lr_at
 from infinity.state.checkpoint import count_as_written
 from io_engine import atomic_write
@@ -188,6 +189,7 @@ def _make_dirs(config: Config, run_dir: Path) -> None:
 def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) -> Result:
     import infinity
 
+    job, format_said = resolve_data_format(job)  # Note [data format from the records]
     batches = job_batches(job, rank, world)  # bad data settings fail before any work
     run = _open_run_dir(job, resume, rank, world)
     run_dir, engine, say = run.path, None, None
@@ -215,6 +217,10 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                     say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")
                 earlier = earlier_losses(run_dir / "metrics.jsonl")
                 result.tokens_before = earlier_tokens(run_dir / "metrics.jsonl")
+                set_aside(resume.damaged)  # kept, not deleted; their steps are saved again (Note [damaged checkpoint])
+            barrier(default_group())
+            if resume.damaged_note():
+                say.note(resume.damaged_note())
             say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")
             o = config.optimizer
             if o.schedule != "constant" and job.run.steps > o.total_steps:
@@ -223,6 +229,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                          f"{job.run.steps} to stretch the schedule instead")
         for default in job.finetune_defaults():
             say.note(default.line())
+        if format_said:
+            say.note(format_said)
         say.note(f"{bundle.description}, {len(engine.units)} units, world size {world}, device {engine.device}, "
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])
@@ -427,7 +435,7 @@ def _export(job: Job, engine, bundle: ModelBundle, run_dir: Path, checkpoint: Pa
     else:
         engine.export_state_dict(str(out), dtype=dtype, merge_lora=merge)  # config.json: the module's own
     if rank == 0:
-        copy_companions(job.model.pretrained, str(out))
+        copy_companions(job.model.pretrained, str(out), adapters=bool(job.lora.r) and not merge)
     return out
 
 

@@ -48,7 +48,9 @@ from infinity.state.checkpoint import SAVED_KINDS, rank_file_bytes
 from io_engine import format_size
 
 CAP_IPC_LOCK = 14  # capability bit: mlock without RLIMIT_MEMLOCK
-CHECKPOINT_METADATA = 256 << 10  # index, RNG states and manifest of one rank, at most
+# a rank's index, RNG states and (rank 0) manifest, at most: fixed parts, per unit (its slots' names and shapes
+# in the manifest) and per record (its index entry)
+METADATA_FIXED, METADATA_PER_UNIT, METADATA_PER_RECORD = 32 << 10, 4 << 10, 256
 
 
 class PreflightError(RuntimeError):
@@ -152,7 +154,13 @@ def checkpoint_bytes(plan: Plan, frozen_referenced: bool = False) -> int:
     for unit in plan.units:  # in the rank file's order: per unit, the saved kinds' sub-groups, then its frozen part
         records += [n * 4 for _ in SAVED_KINDS for n in unit.chunks(Kind.MASTER)]
         records += [n for n in [(unit.numel(Kind.PARAMS) - unit.written_params) * frozen_bytes] if n]
-    return rank_file_bytes(records) + CHECKPOINT_METADATA
+    return rank_file_bytes(records) + checkpoint_metadata(plan)
+
+
+def checkpoint_metadata(plan: Plan) -> int:
+    """Bytes of one rank's index, RNG states and manifest in one checkpoint, at most (Note [checkpoint space])."""
+    records = sum(len(SAVED_KINDS) * len(unit.chunks(Kind.MASTER)) + 1 for unit in plan.units)  # (+ frozen / refs)
+    return METADATA_FIXED + METADATA_PER_UNIT * len(plan.units) + METADATA_PER_RECORD * records
 
 
 def checkpoints_kept(config: Config) -> int:

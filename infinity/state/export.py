@@ -314,7 +314,26 @@ def _write_adapters(path: str, manifest: dict, out: str, by_key: dict, model, dt
                                 (reader.tensor(e).to(s[2]) for (_, e), s in zip(chosen, specs)), {"format": "pt"})
     finally:
         reader.close()
-    model.peft_config[adapter].save_pretrained(out)
+    save_adapter_config(model.peft_config[adapter], out)
+
+
+# Note [adapter directory]: LoRA adapters alone are saved as PEFT's save_pretrained (and so TRL's SFTTrainer)
+# saves them: adapter_config.json (inference_mode true, base_model_name_or_path naming the base model),
+# adapter_model.safetensors and the tokenizer files, and no config.json or generation_config.json of the base
+# model: transformers takes a directory with a config.json for a full model (and fails on the missing
+# model.safetensors), while without one `AutoModelForCausalLM.from_pretrained(DIR)` finds adapter_config.json,
+# loads the base model it names and the adapters through PEFT, as `PeftModel.from_pretrained(base, DIR)` does.
+def save_adapter_config(peft_config, out: str, base: str | None = None) -> None:
+    """adapter_config.json as PEFT's save_pretrained writes it: `inference_mode` true, and
+    `base_model_name_or_path` naming the base model (`base` when the config names none), which
+    transformers' `AutoModelForCausalLM.from_pretrained(out)` loads before the adapters (Note [adapter
+    directory])."""
+    import copy
+    peft_config = copy.deepcopy(peft_config)
+    peft_config.inference_mode = True
+    if not peft_config.base_model_name_or_path and base:
+        peft_config.base_model_name_or_path = base
+    peft_config.save_pretrained(out)
 
 
 def export_format(out: str) -> str:
@@ -394,11 +413,14 @@ def save_hf_config(config, out: str, dtype: torch.dtype) -> None:
     config.save_pretrained(out)
 
 
-def copy_companions(source: str, out: str) -> list[str]:
-    """Copy the pretrained directory's generation and tokenizer files into `out`; returns their names."""
+def copy_companions(source: str, out: str, *, adapters: bool = False) -> list[str]:
+    """Copy the pretrained directory's generation and tokenizer files into `out` (into an adapter directory the
+    tokenizer files only: Note [adapter directory]); returns their names."""
     import shutil
     copied = []
     for name in sorted(os.listdir(source)):
+        if adapters and name == "generation_config.json":
+            continue
         if COMPANION_PATTERN.match(name) and os.path.isfile(os.path.join(source, name)):
             shutil.copyfile(os.path.join(source, name), os.path.join(out, name))
             copied.append(name)

@@ -174,12 +174,10 @@ def test_meta_model_with_weights_trains_as_the_loaded_model(tmp_path):
     ours.engine.close()
 
 
-def test_sft_trainer_losses_equal(tmp_path):
-    trl = pytest.importorskip("trl")
+def chat_data(n=16):
+    """A word-level tokenizer with a chat template, and n chat records of its words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from infinity.hf import InfinitySFTTrainer
 
     words = ["hello", "world", "how", "are", "you", "fine", "thanks", "what", "is", "two", "plus", "four"]
     vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<unk>", "user", "assistant", ":"] + words)}
@@ -193,8 +191,14 @@ def test_sft_trainer_losses_equal(tmp_path):
     def say(n):
         return " ".join(words[i] for i in torch.randint(0, 12, (n,), generator=g))
     rows = [{"messages": [{"role": "user", "content": say(4)}, {"role": "assistant", "content": say(5)}]}
-            for _ in range(16)]
-    ds = datasets.Dataset.from_list(rows)
+            for _ in range(n)]
+    return tokenizer, datasets.Dataset.from_list(rows)
+
+
+def test_sft_trainer_losses_equal(tmp_path):
+    trl = pytest.importorskip("trl")
+    from infinity.hf import InfinitySFTTrainer
+    tokenizer, ds = chat_data()
 
     def sft(cls, out):
         cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3, weight_decay=0.1,
@@ -209,6 +213,58 @@ def test_sft_trainer_losses_equal(tmp_path):
     assert len(losses(ref)) == 8
     torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
     ours.engine.close()
+
+
+def test_sft_peft_outputs_are_what_trl_writes(tmp_path):
+    """Note [adapter directory]: with a peft_config, save_model(dir) and checkpoint-N hold what TRL's own
+    SFTTrainer writes (the adapters, their config naming the base model, the tokenizer; no base config.json),
+    with TRL's trained adapters, and both AutoModelForCausalLM and PeftModel load them."""
+    import json
+
+    peft = pytest.importorskip("peft")
+    trl = pytest.importorskip("trl")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from infinity.hf import InfinitySFTTrainer
+    tokenizer, ds = chat_data(8)
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(base)
+    tokenizer.save_pretrained(base)
+
+    def sft(cls, out):
+        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=1e-2, max_steps=2,
+                            save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, disable_tqdm=True,
+                            max_length=32, bf16=False, logging_steps=1)
+        trainer = cls(model=LlamaForCausalLM.from_pretrained(base), args=cfg, train_dataset=ds,
+                      processing_class=tokenizer,
+                      peft_config=peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+        trainer.train()
+        trainer.save_model(str(out / "final"))
+        return trainer
+
+    sft(trl.SFTTrainer, tmp_path / "r")
+    sft(InfinitySFTTrainer, tmp_path / "o").engine.close()
+    x = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    for sub in ("final", "checkpoint-2"):
+        theirs, mine = tmp_path / "r" / sub, tmp_path / "o" / sub
+        model_files = {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                       "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors"}
+        assert {p.name for p in mine.iterdir()} & model_files == {p.name for p in theirs.iterdir()} & model_files
+        config = json.loads((mine / "adapter_config.json").read_text())
+        assert config == {**json.loads((theirs / "adapter_config.json").read_text()),
+                          "target_modules": config["target_modules"]}
+        trl_weights = load_file(theirs / "adapter_model.safetensors")
+        our_weights = load_file(mine / "adapter_model.safetensors")
+        assert set(our_weights) == set(trl_weights)
+        for key in trl_weights:
+            torch.testing.assert_close(our_weights[key], trl_weights[key], rtol=1e-4, atol=1e-6)
+        with torch.no_grad():
+            auto = AutoModelForCausalLM.from_pretrained(mine)(input_ids=x).logits
+            wrapped = peft.PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), mine)(input_ids=x).logits
+            reference = AutoModelForCausalLM.from_pretrained(theirs)(input_ids=x).logits
+        torch.testing.assert_close(auto, reference, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(wrapped, reference, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow

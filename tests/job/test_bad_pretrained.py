@@ -42,6 +42,7 @@ def dirs(tmp_path_factory):
     ("noweights", ["holds none of", "model.safetensors"]),
     pytest.param("truncated", ["model.safetensors", "damaged|truncated|does not fit"], marks=pytest.mark.slow),
     ("other", ["do not fit the model", "missing from the file", "in the file but not in the model"]),
+    ("notokenizer", ["no tokenizer in it", "save its tokenizer there", 'model.tokenizer = "bytes"']),
 ])
 def test_bad_pretrained_directory_exits_2_with_one_message(dirs, tmp_path, case, words):
     import re
@@ -49,9 +50,12 @@ def test_bad_pretrained_directory_exits_2_with_one_message(dirs, tmp_path, case,
     corpus = tmp_path / "c.txt"
     corpus.write_text("hello world\n" * 200)
     cli = [sys.executable, "-m", "infinity.job.cli", "train"]
-    proc = subprocess.run([*cli, "--set", f"model.pretrained={dirs / case}",
-                           "--set", f"data.path={corpus}", "--set", "model.tokenizer=bytes", "--set", "run.steps=1",
-                           "--set", f"run.dir={tmp_path}", "--set", "model.seq_len=8", "--set", "run.batch_size=2"],
+    # a directory without a tokenizer trains on bytes only when told so (the other cases say it)
+    tokenizer = "auto" if case == "notokenizer" else "bytes"
+    proc = subprocess.run([*cli, "--set", f"model.pretrained={dirs / case.replace('notokenizer', 'good')}",
+                           "--set", f"data.path={corpus}", "--set", f"model.tokenizer={tokenizer}",
+                           "--set", "run.steps=1", "--set", f"run.dir={tmp_path}", "--set", "model.seq_len=8",
+                           "--set", "run.batch_size=2"],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]

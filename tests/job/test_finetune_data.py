@@ -297,3 +297,72 @@ def test_validation_file_or_fraction(tmp_path, llama):
     assert tok.decode([t for t in y.flatten().tolist() if t != IGNORE]).count(" 14.</s>") == 2  # masked alike
     split = job_batches(load_job(None, common + ["data.val_fraction=0.2"]))
     assert (len(split.train), len(split.val)) == (8, 2)
+
+
+def test_records_under_the_text_format_are_read_as_what_they_are_or_refused(tmp_path, llama):
+    """Note [data format from the records]: chat / completion JSONL under the default data.format = "text" gives
+    the batches of the format said explicitly, and a line saying so; other records, or a format the records do
+    not have, are refused naming data.format (never trained on as JSON text)."""
+    from infinity.job.tokenized import job_batches, resolve_data_format
+    from infinity.job.train import load_job
+    path, _, _ = llama
+    chat = write_jsonl(tmp_path / "c.jsonl", [CHAT] * 4)
+    sums = write_jsonl(tmp_path / "s.jsonl", list(_sums(6)))
+    common = [f"model.pretrained={path}", "model.seq_len=64", "run.batch_size=2", f"run.dir={tmp_path}"]
+    for f, kind in ((chat, "chat"), (sums, "completion")):
+        job = load_job(None, common + [f"data.path={f}"])
+        resolved, said = resolve_data_format(job)
+        assert resolved.data.format == kind and f'data.format = "{kind}"' in said and str(f) in said
+        explicit = job_batches(load_job(None, common + [f"data.path={f}", f"data.format={kind}"]))
+        for got, want in zip(job_batches(job).batch(0, 0), explicit.batch(0, 0)):
+            assert torch.equal(got, want)
+    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}] * 4)
+    with pytest.raises(ConfigError, match=r'text records.*data.format = "text" would train on the JSON syntax'):
+        job_batches(load_job(None, common + [f"data.path={texts}"]))
+    with pytest.raises(ConfigError, match=r'data.format = "completion" but .*c.jsonl line 1 is a chat record.*'
+                                          r'set data.format = "chat"'):
+        job_batches(load_job(None, common + [f"data.path={chat}", "data.format=completion"]))
+    plain = tmp_path / "p.txt"
+    plain.write_text("In the beginning {was} the word.\n" * 50)
+    assert resolve_data_format(load_job(None, common + [f"data.path={plain}"]))[1] is None
+
+
+def test_tokenized_data_is_cached_beside_the_data_and_made_again_when_it_changes(tmp_path, llama, monkeypatch):
+    """Note [tokenized data cache]: the second start reads the samples (and a text corpus's ids) from the cache
+    beside the data, equal to tokenizing afresh; a changed data file or tokenizer file tokenizes again."""
+    import shutil
+
+    from infinity.job import samples as samples_module
+    from infinity.job.tokenized import corpus_tokens, job_batches
+    from infinity.job.train import load_job
+    path, _, tok = llama
+    own = tmp_path / "model"
+    shutil.copytree(path, own)
+    f = write_jsonl(tmp_path / "s.jsonl", list(_sums(8)))
+    job = load_job(None, [f"model.pretrained={own}", f"data.path={f}", "data.format=completion", "model.seq_len=32",
+                          "run.batch_size=2", f"run.dir={tmp_path}"])
+    fresh = load_samples(job.data, tok, "t", 32)
+    first = job_batches(job)
+    assert list((tmp_path / ".infinity-tokens").iterdir())
+    calls = []
+    real = samples_module.load_samples
+    monkeypatch.setattr(samples_module, "load_samples", lambda *a, **k: calls.append(a) or real(*a, **k))
+    again = job_batches(job)
+    assert not calls, "the second start tokenized again"
+    assert [(s.ids, s.labels) for s in again.train + again.val] == [(s.ids, s.labels) for s in fresh] == \
+        [(s.ids, s.labels) for s in first.train + first.val]
+    write_jsonl(f, list(_sums(9)))  # the data changed
+    job_batches(job)
+    assert len(calls) == 1
+    config = json.loads((own / "tokenizer_config.json").read_text())  # the tokenizer changed
+    (own / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|user|>"}))
+    changed = job_batches(job)
+    assert len(calls) == 2 and changed.train[0].ids[-1] != again.train[0].ids[-1]  # another EOS
+    # a text corpus: the ids of the tokenizer, cached
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("two plus two is four.\n" * 40)
+    text = load_job(None, [f"model.pretrained={path}", f"data.path={corpus}", "model.seq_len=16"])
+    ids = corpus_tokens(text)
+    assert ids.tolist() == tok("two plus two is four.\n" * 40, add_special_tokens=False)["input_ids"]
+    assert any(p.name.startswith("c.txt.") for p in (tmp_path / ".infinity-tokens").iterdir())
+    assert torch.equal(corpus_tokens(text), ids)

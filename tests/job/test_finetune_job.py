@@ -93,6 +93,11 @@ def test_lora_fine_tune_exports_a_merged_model_transformers_loads_with_the_engin
     assert summary["last_loss"] < summary["first_loss"], summary
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (run / "export").iterdir()}
     tokenizer = transformers.AutoTokenizer.from_pretrained(run / "export")  # the model's tokenizer came along
+    # the estimate (and preflight) count the LoRA checkpoint at its size: adapters and Adam state, the frozen base
+    # referred to (Note [checkpoint space]); its margin for the index, RNG and manifest is most of it at this size
+    written = sum(p.stat().st_size for p in (run / "checkpoint").iterdir())
+    predicted = json.loads((run / "estimate.json").read_text())["checkpoint_bytes_per_rank"]
+    assert written <= predicted < 2 * written, (written, predicted)
     assert not (run / "export.checkpoint").exists()
 
     base, merged = _weights(pretrained), _weights(run / "export")
@@ -122,13 +127,17 @@ def test_full_fine_tune_and_adapters_only_export(pretrained, corpus, tmp_path):
     job = _job(pretrained, corpus, tmp_path, "run.name=a", "run.steps=3", "model.lora.r=2", "model.lora.merge=false")
     train(job, verbose=False)
     out = tmp_path / "a" / "export"
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert not (out / "config.json").exists(), "an adapters directory is not a whole model"
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(pretrained)
     model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(pretrained), out)
     x = torch.randint(0, 256, (2, 16))
+    expected = _engine_logits(job, tmp_path / "a" / "checkpoint", x)
     with torch.no_grad():
         theirs = model(input_ids=x).logits
-    torch.testing.assert_close(theirs, _engine_logits(job, tmp_path / "a" / "checkpoint", x), rtol=1e-5, atol=1e-5)
+        auto = transformers.AutoModelForCausalLM.from_pretrained(out)(input_ids=x).logits  # PEFT through transformers
+    torch.testing.assert_close(theirs, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(auto, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_resume_continues_a_lora_run_and_refuses_another_model(pretrained, corpus, tmp_path):
@@ -191,7 +200,7 @@ def test_bad_fine_tune_settings_name_the_key_and_the_fix(pretrained, tmp_path):
         with pytest.raises(ConfigError, match=re.escape(needle)):
             load_job(None, overrides)
     for overrides, needle in (
-        ([f"model.pretrained={small}"], "fewer than the 256 byte values"),
+        ([f"model.pretrained={small}", "model.tokenizer=bytes"], "fewer than the 256 byte values"),
         ([f"model.pretrained={tmp_path}"], "no config.json in it"),
         ([f"model.pretrained={pretrained}", "model.seq_len=128"], "set model.seq_len <= 64"),
         ([f"model.pretrained={pretrained}", "model.seq_len=32", "model.lora.r=2", 'model.lora.targets=["nope"]'],
@@ -200,6 +209,8 @@ def test_bad_fine_tune_settings_name_the_key_and_the_fix(pretrained, tmp_path):
         job = load_job(None, overrides)
         with pytest.raises(ConfigError, match=needle):
             build_model(job.model, job.lora)
+    with pytest.raises(ConfigError, match='no tokenizer in it.*model.tokenizer = "bytes"'):  # not bytes, silently
+        job_batches(load_job(None, [f"model.pretrained={small}"]))
 
 
 def test_the_toml_section_is_model_lora(tmp_path, pretrained):

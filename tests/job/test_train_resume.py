@@ -92,6 +92,40 @@ def test_crashed_run_resumes_from_its_latest_periodic_checkpoint(tmp_path):
     assert_same_training(tmp_path / "whole", run, tmp_path, from_step=0)  # steps 5 and 6 trained again, once each
 
 
+def damage(checkpoint: Path) -> bytes:
+    """Overwrite bytes in the middle of the checkpoint's rank file (its manifest still reads); the file's bytes."""
+    data = bytearray((checkpoint / "rank00000.bin").read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(64)
+    (checkpoint / "rank00000.bin").write_bytes(bytes(data))
+    return bytes(data)
+
+
+def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(tmp_path, capsys):
+    """Note [damaged checkpoint]: `--resume RUN` passes over a damaged final checkpoint to the newest intact one,
+    says so, keeps the damaged one, and trains as the uninterrupted run; `--resume RUN/checkpoints/step-N` is not
+    refused for newer damaged checkpoints."""
+    run_job(tmp_path, "r", f"run.steps={N}", "run.checkpoint_every=2")
+    run = tmp_path / "r"
+    shutil.copytree(run, tmp_path / "whole")
+    shutil.copytree(run, tmp_path / "explicit")
+    damaged = damage(run / "checkpoint")
+    code = main(["train", "--resume", str(run)])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    said = [line for line in (out.out + out.err).splitlines() if "is damaged" in line]
+    assert len(said) == 1 and str(run / "checkpoint") in said[0] and "step-00000004 (step 4)" in said[0], said
+    assert (run / "checkpoint.damaged" / "rank00000.bin").read_bytes() == damaged  # kept as it was
+    assert_same_training(tmp_path / "whole", run, tmp_path, from_step=0)  # steps 5 and 6 trained again
+
+    explicit = tmp_path / "explicit"
+    damage(explicit / "checkpoint")
+    damage(explicit / "checkpoints" / "step-00000004")
+    job, resume = load_resume(explicit / "checkpoints" / "step-00000002", None, [f"run.steps={N}"])
+    assert resume.step == 2 and {p.name for p, _ in resume.damaged} == {"checkpoint", "step-00000004"}
+    with pytest.raises(ConfigError, match=f"the checkpoint is damaged .*infinity train --resume {explicit}$"):
+        load_resume(explicit / "checkpoints" / "step-00000004", None, [f"run.steps={N}"])
+
+
 def test_ctrl_c_then_resume_matches_the_uninterrupted_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same kernels in every process, so the same sums
 

@@ -17,7 +17,7 @@ import torch
 
 import infinity
 from hf_tiny import HOST, VOCAB, on_meta, reference
-from infinity.machine.preflight import CHECKPOINT_METADATA, checkpoint_bytes
+from infinity.machine.preflight import checkpoint_bytes, checkpoint_metadata
 from infinity.state.checkpoint import CheckpointError
 from infinity.state.export import export_checkpoint
 
@@ -115,7 +115,7 @@ def test_a_lora_checkpoint_is_a_few_times_the_adapters_and_their_adam_state(base
     with lora_engine(bases / "fp32", cfg(), r=r) as engine:
         train(engine, 0, 1)
         engine.save_checkpoint(str(ckpt))
-        planned = checkpoint_bytes(engine.plan, frozen_referenced=True) - CHECKPOINT_METADATA  # preflight's
+        planned = checkpoint_bytes(engine.plan, frozen_referenced=True) - checkpoint_metadata(engine.plan)
     assert os.path.getsize(ckpt / "rank00000.bin") == planned
     n = adapter_numel(r)
     master, moments = 4 * n, 2 * 4 * n  # fp32 master of the adapters, Adam's exp_avg and exp_avg_sq
