@@ -127,7 +127,8 @@ def verify_checkpoint(path: Path) -> str | None:
     import zlib
 
     from infinity.device.dtypes import dtype_of
-    from infinity.state.checkpoint import CheckpointError, read_manifest
+    from infinity.state.checkpoint import CheckpointError
+    from infinity.state.checkpoint_load import read_manifest
     from infinity.state.checkpoint_files import file_crc
     from infinity.state.references import REF_KIND
     try:
