@@ -128,8 +128,8 @@ def verify_checkpoint(path: Path) -> str | None:
 
     from infinity.device.dtypes import dtype_of
     from infinity.state.checkpoint import CheckpointError
-    from infinity.state.checkpoint_load import read_manifest
     from infinity.state.checkpoint_files import file_crc
+    from infinity.state.checkpoint_load import read_manifest
     from infinity.state.references import REF_KIND
     try:
         manifest = read_manifest(str(path))
