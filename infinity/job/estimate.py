@@ -16,6 +16,7 @@ the checkpoints, and the locked-memory limit for the pinned / mlock'ed staging b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -224,7 +225,7 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
 
 def tracer(make_model: Callable, config: Config, seq_len: int) -> Callable[[int], Trace]:
     """micro-batch -> the Trace of one forward + backward of a copy of `make_model()` (tracing moves its buffers to
-    the meta device), tiled and checkpointed as `initialize` does it."""
+    the meta device), tiled and checkpointed as `initialize` does it; each micro-batch traced once."""
     traced = make_model()
     from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
     from infinity.units.builder import activation_modules
@@ -233,19 +234,14 @@ def tracer(make_model: Callable, config: Config, seq_len: int) -> Callable[[int]
     tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
                 keep=kept_whole(forward))  # as initialize
     blocks = [m for _, m in activation_modules(traced.model, list(config.units.classes))]
-    return lambda batch: trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch, seq_len, blocks)
+    return functools.cache(lambda batch: trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch,
+                                                    seq_len, blocks))
 
 
 def context_for(ctx, make_model: Callable, seq_len: int):
     """`ctx` (estimate_table.Context) for another model of the same job (the LoRA-wrapped one): its units and trace."""
-    bundle, trace_model = make_model(), tracer(make_model, ctx.config, seq_len)
-    traces = {ctx.batch_size: trace_model(ctx.batch_size)}
-
-    def trace_at(batch: int) -> Trace:
-        if batch not in traces:
-            traces[batch] = trace_model(batch)
-        return traces[batch]
-    trace = traces[ctx.batch_size]
+    bundle, trace_at = make_model(), tracer(make_model, ctx.config, seq_len)
+    trace = trace_at(ctx.batch_size)
     return bundle, dataclasses.replace(ctx, sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), trace=trace,
                                        trace_at=trace_at, flops=trace.flops,
                                        activations_of=lambda a: activation_bytes(trace, a))
@@ -314,8 +310,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
             rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
         else:
             rates = link_rates.cached_link_rates(cuda)
-    trace_model = tracer(make_model, config, seq_len)
-    trace = trace_model(batch_size)
+    trace_at = tracer(make_model, config, seq_len)  # the same model at any micro-batch (Note [plan search])
+    trace = trace_at(batch_size)
     flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
     compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
     budgets_of = (lambda c: budgets) if budgets else (
@@ -324,12 +320,6 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     budgets = budgets_of(config)
     from infinity.job import estimate_table as table
     from infinity.job import plan_search
-    traces = {batch_size: trace}
-
-    def trace_at(batch: int) -> Trace:  # the same model traced at another micro-batch (Note [plan search])
-        if batch not in traces:
-            traces[batch] = trace_model(batch)
-        return traces[batch]
     # a pretrained model's frozen weights are all read from its safetensors files: its checkpoints refer to them
     # (Note [pretrained references]), as initialize's own preflight counts them (runtime/planning.py)
     referenced = config.checkpoint.reference_pretrained and getattr(bundle, "weights", None) is not None

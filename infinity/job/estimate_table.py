@@ -188,7 +188,8 @@ def _fmt(n: int) -> str:
     return format_size(n, exact=False)
 
 
-def _s(s: float) -> str:
+def seconds_text(s: float) -> str:
+    """A step time as the estimate prints it."""
     return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
 
 
@@ -202,13 +203,14 @@ def format_table(rows: list[Row], faster: Row | None) -> list[str]:
         fits = "yes" if r.fits else "no: " + ",".join(r.over)
         lines.append(f"  {'*' if r.configured else ' '} {r.shape:16}{tiers:22}{r.stage:>6}"
                      + "".join(f"{_fmt(r.bytes[t.value]):>11}" for t in Tier)
-                     + f"  {fits:16}{_s(r.step_s):>11}  {r.bound[0]}, {r.bound[1]}")
+                     + f"  {fits:16}{seconds_text(r.step_s):>11}  {r.bound[0]}, {r.bound[1]}")
     me = configured_row(rows)
     if me is not None and not me.fits:
         lines += ["", "the configured run does not fit: " + "; ".join(me.over.values())
                   + f" (activations: {_fmt(me.activations['device'])} on device, "
                   f"{_fmt(me.activations['host'])} on host)"]
     if faster is not None:
-        lines += ["", f"a faster row fits too: {faster.shape} at stage {faster.stage}, {_s(faster.step_s)} per step "
-                  f"instead of {_s(me.step_s)}: " + " ".join(f"--set {s}" for s in faster.sets())]
+        lines += ["", f"a faster row fits too: {faster.shape} at stage {faster.stage}, "
+                  f"{seconds_text(faster.step_s)} per step instead of {seconds_text(me.step_s)}: "
+                  + " ".join(f"--set {s}" for s in faster.sets())]
     return lines

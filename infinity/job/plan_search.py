@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from infinity.config.sections import Config, ConfigError
-from infinity.job.estimate_table import SHAPES, Context, Row, make_row, sizes_key
+from infinity.job.estimate_table import SHAPES, Context, Row, make_row, seconds_text, sizes_key
 from infinity.machine.preflight import Check, preflight
 from infinity.memory.placement import PlacementError, Plan, overflows, plan_for_config
 from infinity.memory.stages import STAGES
@@ -177,8 +177,8 @@ def _choices(config: Config, key: str, values) -> list[list[str]]:
 
 
 def _batches(per_rank: int) -> list[int]:
-    """Micro-batches (sequences per rank) that divide `per_rank`, largest first."""
-    return [b for b in range(per_rank, 0, -1) if per_rank % b == 0 and (b & (b - 1) == 0 or b == per_rank)]
+    """Micro-batches (sequences per rank) tried, largest first: `per_rank` and the powers of two dividing it."""
+    return [b for b in range(per_rank, 0, -1) if per_rank % b == 0 and ((b & (b - 1)) == 0 or b == per_rank)]
 
 
 def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 3,
@@ -292,24 +292,20 @@ def _fmt(n: float) -> str:
     return format_size(n, exact=False)
 
 
-def _s(s: float) -> str:
-    return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.1f} s"
-
-
 def format_plans(plans: list[RunPlan], me: Row | None, budget_raised: bool) -> list[str]:
     """The plans, ranked: the `--set` lines, the predicted step and the bytes they need, what they cost."""
     if me is None or me.fits:
         return []
     if not plans:
         return ["no plan fits this machine: add nvme.paths on a larger disk, use a machine with more memory, "
-                "or train a smaller model (infinity estimate --largest)"]
+                "or train a smaller model"]
     head = ("no change of placement, precision, checkpointing or micro-batch fits: the smallest budget raise"
             if budget_raised else "plans that fit (fastest first; each applied and estimated again):")
     lines = [head]
     for i, p in enumerate(plans, 1):
         b = p.row.bytes
-        lines.append(f"  {i}. predicted step {_s(p.row.step_s)}; device {_fmt(b['device'])}, host {_fmt(b['host'])}, "
-                     f"nvme {_fmt(b['nvme'])}" + (f"; peak RSS {_fmt(p.verdict.peak['ram'])}"
+        lines.append(f"  {i}. predicted step {seconds_text(p.row.step_s)}; device {_fmt(b['device'])}, "
+                     f"host {_fmt(b['host'])}, nvme {_fmt(b['nvme'])}" + (f"; peak RSS {_fmt(p.verdict.peak['ram'])}"
                                                   if p.verdict and p.verdict.peak.get("ram") else ""))
         lines += [f"     --set {s}" for s in p.sets]
         if p.notes:

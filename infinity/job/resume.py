@@ -29,6 +29,7 @@ from infinity.config.options import ConfigError, parse_override, show
 from infinity.config.sections import Config
 from infinity.job.build import TOKENIZER_IDENTITY_FILES
 from infinity.job.spec import Job, load_job
+from infinity.state.checkpoint_load import verify
 from io_engine import atomic_write
 
 FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)
@@ -114,52 +115,12 @@ def _checkpoint_dirs(run_dir: Path) -> list[Path]:
 
 # Note [damaged checkpoint]: a checkpoint whose manifest reads but whose files do not hold what the manifest
 # says (a rank file truncated or overwritten, an index or RNG file changed) would fail its load. `--resume RUN`
-# verifies the candidates newest first (every record's CRC32, as the load checks them) and continues from the
-# newest intact one, saying which it passed over and why; `--resume RUN/checkpoints/step-N` is not refused for
-# newer checkpoints that are damaged. The damaged ones are not deleted: once the resumed run has loaded its
-# checkpoint they are renamed to <name>.damaged (the run will save those steps again under their names).
+# verifies the candidates newest first (checkpoint_load.verify: every record's CRC32, as the load checks them)
+# and continues from the newest intact one, saying which it passed over and why; `--resume
+# RUN/checkpoints/step-N` is not refused for newer checkpoints that are damaged. The damaged ones are not
+# deleted: once the resumed run has loaded its checkpoint they are renamed to <name>.damaged (the run will save
+# those steps again under their names).
 DAMAGED_SUFFIX = ".damaged"
-
-
-def verify_checkpoint(path: Path) -> str | None:
-    """None when every file and record of the checkpoint matches the checksums its manifest and indexes hold;
-    else what does not (Note [damaged checkpoint]). References to pretrained files are checked by the load."""
-    import zlib
-
-    from infinity.device.dtypes import dtype_of
-    from infinity.state.checkpoint import CheckpointError
-    from infinity.state.checkpoint_files import file_crc
-    from infinity.state.checkpoint_load import read_manifest
-    from infinity.state.references import REF_KIND
-    try:
-        manifest = read_manifest(str(path))
-        files = [(entry["rng"], entry.get("rng_crc32")) for entry in manifest["ranks"]]
-        if manifest.get("buffers"):
-            files.append((manifest["buffers"], manifest.get("buffers_crc32")))
-        for name, crc in files:
-            if crc is not None and file_crc(str(path / name)) != crc:
-                return f"{name} does not match its checksum"
-        for entry in manifest["ranks"]:
-            index = (path / entry["index"]).read_bytes()
-            if zlib.crc32(index) != entry["index_crc32"]:
-                return f"{entry['index']} does not match its checksum"
-            with open(path / entry["file"], "rb") as f:
-                for rec in json.loads(index)["records"]:
-                    if rec["kind"] == REF_KIND:
-                        continue
-                    left = rec["numel"] * dtype_of(rec.get("dtype", "fp32")).itemsize
-                    f.seek(rec["offset"])
-                    crc = 0
-                    while left:
-                        chunk = f.read(min(left, 64 << 20))
-                        if not chunk:
-                            return f"{entry['file']} ends before its record at offset {rec['offset']} (truncated)"
-                        crc, left = zlib.crc32(chunk, crc), left - len(chunk)
-                    if crc != rec["crc"]:
-                        return f"{entry['file']} at offset {rec['offset']} does not match its checksum"
-    except (CheckpointError, OSError, ValueError, KeyError) as e:
-        return str(e) or type(e).__name__
-    return None
 
 
 def set_aside(damaged) -> list[Path]:
@@ -195,16 +156,16 @@ def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(run_dir: Path) -> Path:
     """The complete checkpoint with the most steps in `run_dir`, or a ConfigError saying why there is none."""
-    return newest_intact(run_dir, verify=False)[0]
+    return newest_intact(run_dir, check=False)[0]
 
 
-def newest_intact(run_dir: Path, verify: bool = True) -> tuple[Path, list[tuple[Path, str]]]:
+def newest_intact(run_dir: Path, check: bool = True) -> tuple[Path, list[tuple[Path, str]]]:
     """The complete checkpoint with the most steps in `run_dir` that verifies (Note [damaged checkpoint]), and
     (path, why) of the newer ones that do not; a ConfigError saying why there is none."""
     found = run_checkpoints(run_dir)
     damaged = []
     for _, path in reversed(found):
-        why = verify_checkpoint(path) if verify else None
+        why = verify(str(path)) if check else None
         if why is None:
             return path, damaged
         damaged.append((path, why))
@@ -244,7 +205,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         from infinity.state.checkpoint_load import read_manifest
         read_manifest(str(given))  # a CheckpointError that says what is wrong with it
         checkpoint = given
-        why = verify_checkpoint(checkpoint)
+        why = verify(str(checkpoint))
         if why is not None:
             raise ConfigError(f"--resume {path}: the checkpoint is damaged ({why}); resume from the newest intact "
                               f"one with: infinity train --resume {run_dir}")
@@ -254,7 +215,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
                           f"by infinity train); load it with engine.load_checkpoint in your own loop")
     newer = [p for step, p in run_checkpoints(run_dir) if step > position["step"] and p not in dict(damaged)]
     for p in list(newer):  # a damaged newer checkpoint does not stand in the way (Note [damaged checkpoint])
-        why = verify_checkpoint(p)
+        why = verify(str(p))
         if why is not None:
             damaged.append((p, why))
             newer.remove(p)

@@ -88,7 +88,7 @@ class Colocation:
             for unit in self.units:
                 assert unit.state is UnitState.SHARDED or unit.aliased, (unit.name, unit.state)  # between steps
                 for kind in sorted(wanted - self.offloaded.keys(), key=lambda k: k.value):
-                    if (unit.index, kind) in self._stored(unit):
+                    if self.manager.stores(unit.index, kind):
                         moved += self.manager.park(unit.index, kind, where, non_blocking=non_blocking)
             self.offloaded |= {k: where for k in wanted if k not in self.offloaded}
             if buffers and not self.buffers_offloaded:
@@ -105,7 +105,7 @@ class Colocation:
         start, moved, copies = time.perf_counter(), 0, []
         for unit in self.units:
             for kind in sorted(self.offloaded, key=lambda k: k.value):
-                if (unit.index, kind) in self._stored(unit) and self.manager.is_parked(unit.index, kind):
+                if self.manager.stores(unit.index, kind) and self.manager.is_parked(unit.index, kind):
                     copies += self.manager.unpark(unit.index, kind)
         for event, host in copies:
             moved += host.numel() * host.element_size()
@@ -116,10 +116,6 @@ class Colocation:
             self.buffers_offloaded = False
         self.profiler.record(f"reload_states {moved} B", Link.H2D, start, time.perf_counter(), num_bytes=moved)
         return moved
-
-    def _stored(self, unit) -> set[tuple[int, Kind]]:
-        """The (unit, kind)s the manager stores of `unit`."""
-        return {(unit.index, k) for k in Kind if self.manager.stores(unit.index, k)}
 
     # ----------------------------------------------------------------- while offloaded
     def require(self, what: str, needs=ALL) -> None:

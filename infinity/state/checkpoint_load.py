@@ -37,6 +37,7 @@ from infinity.state.checkpoint import (
 from infinity.state.checkpoint_files import (
     CheckpointError,
     continue_run,
+    file_crc,
     load_buffers,
     load_verified,
     restore_buffers,
@@ -192,6 +193,43 @@ class SavedShards:
                                   f"loaded; use another checkpoint")
         self._cached = (key, buf)
         return buf
+
+
+def verify(path: str) -> str | None:
+    """None when every file and record of the checkpoint at `path` matches the checksums its manifest and indexes
+    hold (what `load` checks as it reads, read here without loading: Note [damaged checkpoint] in job/resume.py);
+    else what does not. References to pretrained files are checked by the load."""
+    path = os.path.abspath(os.fspath(path))
+    try:
+        manifest = read_manifest(path)
+        files = [(entry["rng"], entry.get("rng_crc32")) for entry in manifest["ranks"]]
+        if manifest.get("buffers"):
+            files.append((manifest["buffers"], manifest.get("buffers_crc32")))
+        for name, crc in files:
+            if crc is not None and file_crc(os.path.join(path, name)) != crc:
+                return f"{name} does not match its checksum"
+        for entry in manifest["ranks"]:
+            with open(os.path.join(path, entry["index"]), "rb") as f:
+                index = f.read()
+            if zlib.crc32(index) != entry["index_crc32"]:
+                return f"{entry['index']} does not match its checksum"
+            with open(os.path.join(path, entry["file"]), "rb") as f:
+                for rec in json.loads(index)["records"]:
+                    if rec["kind"] == REF_KIND:
+                        continue
+                    left = rec["numel"] * dtype_of(rec.get("dtype", "fp32")).itemsize
+                    f.seek(rec["offset"])
+                    crc = 0
+                    while left:
+                        chunk = f.read(min(left, 64 << 20))
+                        if not chunk:
+                            return f"{entry['file']} ends before its record at offset {rec['offset']} (truncated)"
+                        crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+                    if crc != rec["crc"]:
+                        return f"{entry['file']} at offset {rec['offset']} does not match its checksum"
+    except (CheckpointError, OSError, ValueError, KeyError) as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def check_references(path: str, pretrained_root: str | None = None) -> None:

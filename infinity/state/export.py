@@ -323,16 +323,14 @@ def _write_adapters(path: str, manifest: dict, out: str, by_key: dict, model, dt
 # model: transformers takes a directory with a config.json for a full model (and fails on the missing
 # model.safetensors), while without one `AutoModelForCausalLM.from_pretrained(DIR)` finds adapter_config.json,
 # loads the base model it names and the adapters through PEFT, as `PeftModel.from_pretrained(base, DIR)` does.
-def save_adapter_config(peft_config, out: str, base: str | None = None) -> None:
+def save_adapter_config(peft_config, out: str) -> None:
     """adapter_config.json as PEFT's save_pretrained writes it: `inference_mode` true, and
-    `base_model_name_or_path` naming the base model (`base` when the config names none), which
-    transformers' `AutoModelForCausalLM.from_pretrained(out)` loads before the adapters (Note [adapter
+    `base_model_name_or_path` as the model's config names the base model (the job and the trainers name it),
+    which transformers' `AutoModelForCausalLM.from_pretrained(out)` loads before the adapters (Note [adapter
     directory])."""
     import copy
     peft_config = copy.deepcopy(peft_config)
     peft_config.inference_mode = True
-    if not peft_config.base_model_name_or_path and base:
-        peft_config.base_model_name_or_path = base
     peft_config.save_pretrained(out)
 
 

@@ -113,29 +113,30 @@ class FakeGather:
         return Work()
 
 
-def test_two_ranks_stage_3_unshard_gathers(monkeypatch):
-    units, values = _units(world=2, rank=1, stage=3, group=object())
-    unit = units[1]
-    gather = FakeGather({unit.padded_numel: values[1]})
+def _gathering(monkeypatch, rank: int, index: int):
+    """Unit `index` of rank `rank` of two at stage 3, its manager, its all-gather and the values they hold."""
+    units, values = _units(world=2, rank=rank, stage=3, group=object())
+    unit = units[index]
+    gather = FakeGather({unit.padded_numel: values[index]})
     monkeypatch.setattr(unit_module.collectives, "all_gather_into", gather)
-    manager = FakeManager(values, rank=1, world=2, gathers=True)
+    return unit, FakeManager(values, rank=rank, world=2, gathers=True), gather, values[index]
+
+
+def test_two_ranks_stage_3_unshard_gathers(monkeypatch):
+    unit, manager, gather, values = _gathering(monkeypatch, rank=1, index=1)
     unit.unshard(manager)
     assert unit.state is UnitState.UNSHARDING and gather.calls == []
     unit.issue_gather(manager)  # the shard landed; the gather is issued, not waited
     assert unit.state is UnitState.GATHERING and manager.waits == 1 and gather.calls == ["issue"]
     unit.wait_for_unshard(manager)
     assert unit.state is UnitState.UNSHARDED and gather.calls == ["issue", "wait"]
-    assert torch.equal(_flat_params(unit), values[1][:unit.flat_numel])
+    assert torch.equal(_flat_params(unit), values[:unit.flat_numel])
     unit.reshard()
     assert unit.state is UnitState.SHARDED and unit._storage.nbytes() == 0
 
 
 def test_cancel_of_an_issued_gather_waits_for_it(monkeypatch):
-    units, values = _units(world=2, rank=0, stage=3, group=object())
-    unit = units[2]
-    gather = FakeGather({unit.padded_numel: values[2]})
-    monkeypatch.setattr(unit_module.collectives, "all_gather_into", gather)
-    manager = FakeManager(values, rank=0, world=2, gathers=True)
+    unit, manager, gather, _ = _gathering(monkeypatch, rank=0, index=2)
     unit.issue_gather(manager)  # from SHARDED: unshard, then gather
     assert unit.state is UnitState.GATHERING
     unit.cancel_unshard(manager)
