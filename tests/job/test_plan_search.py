@@ -89,3 +89,23 @@ def test_cli_plans_run_as_printed(tmp_path, capsys):
         argv = [a for s in sets for a in ("--set", s)]
         assert cli.main(["estimate", *job, *argv]) == 0, (sets, capsys.readouterr().out[-2000:])
         capsys.readouterr()
+
+
+def test_a_split_micro_batch_is_the_largest_that_fits(tmp_path):
+    """A plan that splits the micro-batch keeps the largest power of two that fits: with the same other changes,
+    twice its micro-batch (half the accumulation) does not fit (estimated again, from scratch)."""
+    raw, world, batch, (_, fh) = CASES["activations over the device"]
+    config = infinity.Config.from_dict({**raw, "nvme": {"paths": [str(tmp_path)]}})
+    me = configured(run(config, world=world, batch=batch))
+    budgets = Budgets(device=int(me.bytes["device"] * 0.7), host=int(me.bytes["host"] * fh), nvme=BIG)  # 4 of 8 fit
+    split = [p for p in run(config, world=world, batch=batch, budgets=budgets).plans
+             if any(s.startswith("run.batch_size=") for s in p.sets)]
+    assert split, "the case needs a plan that splits the micro-batch"
+    for plan in split:
+        micro = next(int(s.split("=")[1]) for s in plan.sets if s.startswith("run.batch_size=")) // world
+        if 2 * micro > batch:
+            continue
+        others = [s for s in plan.sets if not s.startswith(("run.batch_size=", "train.grad_accum_steps="))]
+        accum = [f"train.grad_accum_steps={batch // (2 * micro)}"] if 2 * micro < batch else []
+        doubled = run(config.with_overrides(others + accum), world=world, batch=2 * micro, budgets=budgets)
+        assert not configured(doubled).fits, (plan.sets, "twice the micro-batch fits too")
