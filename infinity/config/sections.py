@@ -294,6 +294,14 @@ class OverlapConfig(Section):
         "backward run (Note [state read-ahead]): a size, 0 for none, or \"auto\": all of this rank's NVMe "
         "optimizer state if it fits in half the host memory the plan leaves free, else that half. Held in "
         "page-locked staging buffers; needs optimizer_with_backward.", "size_or_auto", ge=0, example="8GiB")
+    speculation: int | str = option(
+        "auto", "Host memory for the pre-update copies that keep updates during backward when the update depends "
+        "on the global gradient norm (optimizer.grad_clip > 0 or train.on_nonfinite = \"skip\"; not with fp16 "
+        "loss scaling): each unit is updated as soon as its gradients are final, as if the clip will not fire, "
+        "and put back from its copy and updated again if it does (Note [speculative update]). A size, 0 for none "
+        "(the update waits for the norm), or \"auto\": copies of every unit if they fit in the host memory the "
+        "plan leaves free after the read-ahead, else of as many as fit. Units whose optimizer runs on a GPU "
+        "are not speculated; needs optimizer_with_backward.", "size_or_auto", ge=0, example="4GiB")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -530,6 +538,20 @@ class Config:
         return {name: getattr(self, name).to_dict() for name in SECTIONS}
 
     # -- reference
+
+    @property
+    def update_needs_norm(self) -> bool:
+        """Does a unit's update depend on the global gradient norm (clipping, fp16 loss scaling, skipping
+        non-finite steps)? Then it cannot start from its own gradients alone (Note [overlap])."""
+        return (self.optimizer.grad_clip > 0 or self.precision.compute_dtype == "fp16"
+                or self.train.on_nonfinite != "error")
+
+    @property
+    def speculates(self) -> bool:
+        """Are updates during backward speculated (Note [speculative update])? With the worker, a norm-dependent
+        update that no fp16 loss scale governs, and `overlap.speculation` not 0."""
+        return (self.overlap.optimizer_with_backward and self.update_needs_norm
+                and self.precision.compute_dtype != "fp16" and self.overlap.speculation != 0)
 
     @staticmethod
     def reference() -> list[tuple[str, str, Any, str]]:

@@ -63,6 +63,7 @@ class Plan:
     working: dict[Tier, int] = field(default_factory=dict)  # staging / unsharded buffers, bytes (the terms' sums)
     working_terms: dict[Tier, dict[str, int]] = field(default_factory=dict)  # Note [working memory] (traffic.py)
     read_ahead: int = 0  # bytes the state read-ahead may hold (Note [state read-ahead]); in working_terms
+    speculation: int = 0  # bytes of pre-update copies (Note [speculative update]); in working_terms
     reasons: tuple[str, ...] = ()
     unit_reasons: tuple[dict[str, str], ...] = ()  # per unit: group -> why it is on its tier (auto policy)
     state_dtype: StateDtype = StateDtype.FP32  # `[optimizer] state_dtype` (Note [16-bit optimizer state])
@@ -135,7 +136,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
                    static: dict[str, str], budgets: Budgets, units_ahead: int,
                    rates: cost_model.LinkRates | None = None, grad_accum_steps: int = 1,
                    compute_seconds: float = 0.0, keep_written: bool = True, read_ahead: int | str = 0,
-                   state_dtype: StateDtype = StateDtype.FP32) -> Plan:
+                   speculation: int | str = 0, state_dtype: StateDtype = StateDtype.FP32) -> Plan:
     """Decide the tier of every unit's state kinds and check it against the budgets.
 
     policy "static": every unit's params / grads / optimizer state on the tiers of
@@ -146,7 +147,8 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     backward per step (0 when unknown: transfers are then minimized outright).
     Every working buffer of Note [working memory] is fitted with the state: `keep_written` (the fresh
     copies), and `read_ahead`, the state read-ahead's setting ("auto": half of the host memory the rest
-    leaves free; bytes: refused with a ConfigError unless they fit; 0 without the optimizer worker).
+    leaves free; bytes: refused with a ConfigError unless they fit; 0 without the optimizer worker), then
+    `speculation`, the journal of speculated updates (the same rules in what is left; 0 when none is needed).
     `state_dtype`: what the optimizer state is stored in (`[optimizer] state_dtype`; its bytes per element).
     """
     settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written, "state_dtype": state_dtype}
@@ -163,6 +165,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     else:
         raise PlacementError(f"placement.policy = {policy!r} is not one of 'static', 'auto'")
     plan = traffic.with_read_ahead(plan, traffic.resolve_read_ahead(read_ahead, plan, budgets) if read_ahead else 0)
+    plan = traffic.with_speculation(plan, traffic.resolve_speculation(speculation, plan, budgets) if speculation else 0)
     assert not _fits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
     return plan
 
@@ -183,6 +186,7 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
         grad_accum_steps=config.train.grad_accum_steps,
         keep_written=config.prefetch.keep_written,
         read_ahead=config.overlap.optimizer_read_ahead if config.overlap.optimizer_with_backward else 0,
+        speculation=config.overlap.speculation if config.speculates else 0,
         state_dtype=StateDtype(config.optimizer.state_dtype),
     )
 

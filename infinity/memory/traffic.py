@@ -28,6 +28,8 @@ Note [working memory]: the buffers a step needs beyond the state, per tier, term
                            `plan.read_ahead` bytes of the next update's NVMe state, and the update's
                            write-behind of the chunks taken from it; the pool recycles one into the other
            fresh_params    parameters kept after their write (Note [fresh parameters], fresh.py)
+           speculation     the pre-update copies of speculated updates (Note [speculative update]): `plan.speculation`
+                           bytes, resolved after the read-ahead from the host memory the plan leaves free
            param_staging   with a GPU, parameters read from NVMe for compute pass through host staging:
                            `units_ahead + 1` of the largest shards (without one they land in the
                            unsharded buffers: Note [unsharded memory])
@@ -405,6 +407,52 @@ def with_read_ahead(plan: "Plan", read_ahead: int) -> "Plan":
     return dataclasses.replace(plan, working_terms=terms, working=totals(terms), read_ahead=read_ahead)
 
 
+# ---------------------------------------------------------------- the speculation's budget
+
+
+JOURNAL_KINDS = (*OPTIMIZER_KINDS, Kind.GRADS)  # what a speculated update keeps: master, moments as stored, gradient
+JOURNAL_ALIGN = 64  # each kind's copy starts at a multiple of this (a view of any dtype)
+
+
+def journal_kind_bytes(numel: int, kind: Kind, state_dtype: StateDtype) -> int:
+    """The journal's bytes for one unit's `numel` update elements of `kind` (Note [speculative update] in
+    optim/speculation.py), aligned."""
+    return -(-numel * itemsize(kind, state_dtype) // JOURNAL_ALIGN) * JOURNAL_ALIGN
+
+
+def speculated_units(plan: "Plan", cuda: bool) -> list[int]:
+    """The units an update may speculate: those whose optimizer runs on the CPU (not a GPU's device tier)."""
+    return [u for u, sizes in enumerate(plan.units)
+            if sizes.numel(Kind.MASTER) and not (cuda and plan.tier(u, Kind.MASTER) is Tier.DEVICE)]
+
+
+def resolve_speculation(setting, plan: "Plan", budgets: "Budgets") -> int:
+    """The journal's bytes for `[overlap] speculation` = `setting` (0: none; callers pass 0 when the update needs
+    no global norm or runs without the worker), given the rest of `plan` (its read-ahead included): "auto" takes
+    the copies of every speculated unit if they fit in the host memory the plan leaves free, else what fits (none
+    when not even the smallest unit's do); an explicit size must fit in it (ConfigError otherwise)."""
+    sizes = [sum(journal_kind_bytes(plan.units[u].numel(Kind.MASTER), k, plan.state_dtype) for k in JOURNAL_KINDS)
+             for u in speculated_units(plan, not budgets.shared_ram)]
+    wanted, free = sum(sizes), host_slack(plan, budgets)
+    if setting == "auto":
+        num_bytes = min(wanted, free)
+        return num_bytes if sizes and num_bytes >= min(sizes) else 0
+    num_bytes = min(int(setting), wanted)
+    if num_bytes > free:
+        raise ConfigError(
+            f"overlap.speculation = {format_size(setting)} would hold {format_size(num_bytes)} of pre-update copies, "
+            f"but the plan leaves only {format_size(free)} of host memory free under memory.host_budget: lower it, "
+            f'or set it to "auto"')
+    return num_bytes
+
+
+def with_speculation(plan: "Plan", num_bytes: int) -> "Plan":
+    """`plan` holding a speculation journal of `num_bytes` (a host working term)."""
+    terms = {t: dict(v) for t, v in plan.working_terms.items()}
+    terms.setdefault(Tier.HOST, {})["speculation"] = num_bytes
+    return dataclasses.replace(plan, working_terms=terms, working=totals(terms), speculation=num_bytes)
+
+
 def plan_report(plan: "Plan", parked: dict[Kind, Tier] | None = None) -> dict:
     """memory_report()'s plan section: state per tier and kind (`parked`: while offloaded, Note [offloaded
     states]), working bytes per tier (total and term by term), and the read-ahead's budget; the same numbers
@@ -413,7 +461,7 @@ def plan_report(plan: "Plan", parked: dict[Kind, Tier] | None = None) -> dict:
     return {"plan": {t.value: {k.value: v for k, v in kinds.items()} for t, kinds in state.items()},
             "working_planned": {t.value: v for t, v in plan.working.items()},
             "working_planned_terms": {t.value: dict(v) for t, v in plan.working_terms.items()},
-            "read_ahead_planned": plan.read_ahead}
+            "read_ahead_planned": plan.read_ahead, "speculation_planned": plan.speculation}
 
 
 # ---------------------------------------------------------------- Note [traffic per step]

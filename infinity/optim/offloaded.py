@@ -89,13 +89,15 @@ class OffloadedOptimizer:
         return [(t.unit.index, t.chunk) for t in self.plan_tasks(active, units)]
 
     def step(self, *, hyper: Hypers, grad_scale: float | None, active: dict[int, list[Run]],
-             units: list[Unit] | None = None, on_unit_done=None) -> None:
+             units: list[Unit] | None = None, on_unit_done=None, journal=None) -> None:
         """One update of the active elements of `units` (default: all), in that order.
 
         Each run carries its 1-based Adam step and its parameter group, whose hyper-parameters are
         `hyper[group]` (Note [groups ride on ranges] in groups.py: one kernel call per run).
         `on_unit_done(unit)` is called once a unit's last sub-group has been stepped and its write-backs
         issued (later reads of its shards wait for those writes); its gradients are then declared zero.
+        `journal`: a use of the speculation's journal (Note [speculative update] in speculation.py) that sees
+        each sub-group's state before it is stepped: it copies it in, or back (and may say not to step).
         """
         m = self.manager
         units = self.units if units is None else units
@@ -126,11 +128,13 @@ class OffloadedOptimizer:
             with prof.wait(Link.NVME_READ, f"optimizer state {what}") if self.blocks_compute else _NOTHING:
                 bufs = {k: p.wait() for k, p in pending.items()}  # this sub-group's state must be in memory to step it
             u, c = task.unit.index, task.chunk
-            first = task.unit.layout.update.start + m.chunk_span(u, c)[0]  # the chunk's index in the flat buffer
-            with prof.span(f"adam {what}", Link.CPU_OPTIMIZER,
+            at = m.chunk_span(u, c)[0]  # the chunk's start in the unit's update range
+            first = task.unit.layout.update.start + at  # the chunk's index in the flat buffer
+            with prof.span(f"{journal.label if journal else 'adam'} {what}", Link.CPU_OPTIMIZER,
                            num_bytes=sum(r[1] for r in task.ranges) * self.update.bytes_per_element,
                            unit=task.unit.name):
-                for a, n, step, group in task.ranges:
+                stepped = journal.before_step(u, at, task.ranges, bufs) if journal is not None else True
+                for a, n, step, group in task.ranges if stepped else ():
                     master, exp_avg, exp_avg_sq, grad = (bufs[k].narrow(0, a, n) for k in FETCHED)
                     self.update.step(master, grad, exp_avg, exp_avg_sq, step=step, hyper=hyper[group],
                                      grad_scale=grad_scale, unit=u, first=first + a)

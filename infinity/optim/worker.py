@@ -44,6 +44,13 @@ class _Batch:
     active: Active | Callable[[], Active | None]  # or resolved on the worker (it may wait for the device there)
     after_unit: Callable[[Unit], None]
     submitted: object = None  # an event after the work the submitting thread queued (the gradients)
+    journal: object = None  # how the update uses the speculation's journal (Note [speculative update])
+
+    def joins(self, other: "_Batch") -> bool:
+        """May `other` run in one pipeline with this batch: the same update, and its gradients on the device
+        (Note [merge only what the device has reached])."""
+        return (other.journal is self.journal and other.grad_scale == self.grad_scale and other.hyper == self.hyper
+                and other.submitted.query())
 
 
 _NOTHING = object()
@@ -84,22 +91,27 @@ class OptimizerWorker:
         self.streams = streams or Streams(torch.device("cpu"))
         self._updated = [self.streams.record() for _ in range(num_units)]  # per unit: after its last update
         self._queue: queue.Queue = queue.Queue()
-        self._done = [threading.Event() for _ in range(num_units)]
+        self._done = [threading.Event() for _ in range(num_units)]  # set: no update of the unit is queued or running
         for ev in self._done:
             ev.set()
+        self._queued = [0] * num_units  # per unit: submitted batches not finished (a unit may have two: a
+        self._count = threading.Lock()  # speculated update and its redo, Note [speculative update])
         self._error: BaseException | None = None
         self.error_reported = False
         self._thread = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
         self._thread.start()
 
     def submit(self, units: list[Unit], *, hyper: Hypers, grad_scale: float | None,
-               active: Active | Callable[[], Active | None], after_unit: Callable[[Unit], None]) -> None:
-        """Issue the update of `units` (all submitted batches must share hyper and grad_scale). `active` may be
-        a function the worker calls first (Note [host syncs] in streams.py); if it returns None the batch's
-        units are not stepped (their waits return; `after_unit` is not called)."""
-        for unit in units:
-            self._done[unit.index].clear()
-        self._queue.put(_Batch(list(units), hyper, grad_scale, active, after_unit, self.streams.record()))
+               active: Active | Callable[[], Active | None], after_unit: Callable[[Unit], None],
+               journal=None) -> None:
+        """Issue the update of `units`. `active` may be a function the worker calls first (Note [host syncs] in
+        streams.py); if it returns None the batch's units are not stepped (their waits return; `after_unit` is
+        not called). `journal`: how the update uses the speculation's journal (Note [speculative update])."""
+        with self._count:
+            for unit in units:
+                self._queued[unit.index] += 1
+                self._done[unit.index].clear()
+        self._queue.put(_Batch(list(units), hyper, grad_scale, active, after_unit, self.streams.record(), journal))
 
     def read_ahead_next(self, chunks: list[tuple[int, int]]) -> None:
         """After the batches submitted so far: read ahead the state of `chunks` (the next update's order)."""
@@ -187,9 +199,9 @@ class OptimizerWorker:
                     more = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if not isinstance(more, _Batch) or not more.submitted.query():
-                    # an order, a mark or the end: after these batches; so is a batch whose gradients the device
-                    # has not produced yet (Note [merge only what the device has reached])
+                if not isinstance(more, _Batch) or not item.joins(more):
+                    # an order, a mark or the end: after these batches; so is another kind of update, or a batch
+                    # whose gradients the device has not produced yet (Note [merge only what the device has reached])
                     held = more
                     break
                 batches.append(more)
@@ -201,25 +213,29 @@ class OptimizerWorker:
             units = [u for b in batches for u in b.units]
             if self._error is not None:  # sticky: no update runs on the state a failed one left
                 for unit in units:
-                    self._done[unit.index].set()  # (their waits raise the error)
+                    self._finished(unit)  # (their waits raise the error)
                 continue
             active = {k: v for b in batches for k, v in b.active.items()}
             after = {u.index: b.after_unit for b in batches for u in b.units}
 
+            finished: set[int] = set()
+
             def done(unit: Unit) -> None:
                 after[unit.index](unit)
                 self._updated[unit.index] = self.streams.record()  # users of the unit wait for this on the device
-                self._done[unit.index].set()
+                finished.add(unit.index)
+                self._finished(unit)
 
             try:
                 if self.read_ahead is not None:
                     self.read_ahead.issue_rest()  # Note [reads before writes]
                 self.optimizer.step(hyper=batch.hyper, grad_scale=batch.grad_scale, active=active, units=units,
-                                    on_unit_done=done)
+                                    on_unit_done=done, journal=batch.journal)
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
                 self._error = e
                 for unit in units:
-                    self._done[unit.index].set()
+                    if unit.index not in finished:
+                        self._finished(unit)
 
     def _resolve(self, batches: list[_Batch]) -> list[_Batch]:
         """The batches with their active ranges resolved; those that resolve to None are done, unstepped."""
@@ -232,11 +248,18 @@ class OptimizerWorker:
                 active = {}
             if active is None:
                 for unit in b.units:
-                    self._done[unit.index].set()  # not stepped (the mode knows why)
+                    self._finished(unit)  # not stepped (the mode knows why)
                 continue
             b.active = active
             out.append(b)
         return out
+
+    def _finished(self, unit: Unit) -> None:
+        """One of the unit's batches is done; its waits return once none is left."""
+        with self._count:
+            self._queued[unit.index] -= 1
+            if self._queued[unit.index] == 0:
+                self._done[unit.index].set()
 
     @property
     def failed(self) -> bool:

@@ -41,9 +41,11 @@ from infinity.device.streams import host_value, to_host
 from infinity.memory.fresh import kept_chunks
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
+from infinity.memory.traffic import speculated_units
 from infinity.optim.cpu_adam import Hypers
 from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import StateReadAhead
+from infinity.optim.speculation import Journal, journal_for
 from infinity.optim.worker import OptimizerWorker
 from infinity.profile import Link
 from infinity.runtime.loss_scale import LossScaler
@@ -339,13 +341,116 @@ class DeferredUpdate(_OnWorker):
         return self.forward_order()
 
 
+class SpeculativeUpdate(_OnWorker):
+    """Each unit is updated as soon as its gradient is final, as if the clip will not fire, its pre-update state in
+    the journal; `step()` validates with the global norm and redoes or puts back what must change (Note
+    [speculative update] in optim/speculation.py). Units the journal has no room for wait for the norm."""
+
+    updates_during_backward = True
+
+    def __init__(self, *, journal: Journal, **kwargs):
+        super().__init__(**kwargs)
+        self.journal = journal
+        self._open = False  # a window's first unit has been finalized
+        self._deferred: list[tuple[Unit, _Flags]] = []  # units left for step(), their flags' reduction issued
+        self._nonfinite: tuple[str, float] | None = None
+        self._predicted: dict[int, list[Run]] = {}  # this window's ranges by local flags (read-ahead)
+        self.fired = 0  # windows whose clip fired after speculating (redone)
+
+    def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
+        """Submit `unit`'s speculated update now (its norm and flags read on the worker: Note [host syncs]), or
+        keep it for step() when the journal has no room for it."""
+        if not self._open:  # a new window: the journal's last users (the previous window's updates) are done
+            for index in self.journal.entries:
+                self.worker.wait_unit(index)
+            self.journal.clear()
+            self._open = True
+        local = unit.grads.flags()
+        reduced = self.issue_flags([local])  # every rank, every unit, in the same place
+        self._predicted[unit.index] = unit.steps.active_ranges(local)
+        entry = self.journal.reserve(unit.index, unit.steps.counts)
+        if entry is None:
+            self._deferred.append((unit, reduced))
+            return
+        entry.hyper = self.hyper()
+        flags: list[bool] = []
+
+        def active() -> dict[int, list[Run]] | None:  # on the worker
+            value = host_value(sumsq, "unit grad norm")
+            if not math.isfinite(value):
+                self._nonfinite = self._nonfinite or (unit.name, value)
+                return None  # not stepped: the window is skipped or raises
+            flags.extend(reduced.wait()[0])
+            entry.runs = {unit.index: unit.steps.active_ranges(flags)}
+            return entry.runs
+
+        self.worker.submit([unit], hyper=entry.hyper, grad_scale=None, active=active,
+                           after_unit=lambda u: after_update(flags, u)(u), journal=self.journal.recording)
+
+    def step(self, norm: float, index: int) -> bool:
+        self._open = False
+        deferred, self._deferred = self._deferred, []
+        predicted, self._predicted = self._predicted, {}
+        speculated = self.journal.entries  # (their runs are set on the worker, before a later batch resolves)
+        if self._nonfinite is not None or not math.isfinite(norm):
+            return self._put_back(speculated, deferred, norm, index)
+        clip_coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
+        grad_scale = self.scaler.scale / clip_coef  # (as _global_update: the same update, bit for bit)
+        grad_scale = None if grad_scale == 1.0 else grad_scale
+        waiting = {u.index: reduced for u, reduced in deferred}
+        hyper = self.hyper()
+        for unit in self.forward_order():  # the next forward waits per unit
+            if unit.index in waiting:
+                flags = waiting[unit.index].wait()[0]
+                self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale,
+                                   active={unit.index: unit.steps.active_ranges(flags)},
+                                   after_unit=after_update(flags, unit))
+            elif unit.index in speculated and grad_scale is not None:  # the clip fired: again, from its copy
+                entry = speculated[unit.index]
+                self.worker.submit([unit], hyper=entry.hyper, grad_scale=grad_scale,
+                                   active=lambda e=entry: e.runs, after_unit=Unit.updated,
+                                   journal=self.journal.replaying)
+        self.fired += bool(speculated) and grad_scale is not None
+        self.worker.read_ahead_next(self.optimizer.task_chunks(predicted, self.put_order()))
+        return True
+
+    def _put_back(self, speculated: dict, deferred: list, norm: float, index: int) -> bool:
+        """A non-finite window: every speculated unit put back (state and step counts; a unit that was not
+        stepped has no runs and nothing to put back), every gradient discarded; then skipped, or
+        NonFiniteGradError."""
+        for i, entry in speculated.items():
+            def restore(u: Unit, counts=entry.counts) -> None:
+                u.steps.counts = dict(counts)
+                u.updated()
+            self.worker.submit([self.units[i]], hyper=entry.hyper, grad_scale=None, active=lambda e=entry: e.runs,
+                               after_unit=restore, journal=self.journal.restoring)
+        for _unit, reduced in deferred:
+            reduced.wait()  # (issued on every rank: completed on every rank)
+        self.wait_all()
+        bad, self._nonfinite = self._nonfinite, None
+        for unit in self.units:
+            self.manager.mark_zero(unit.index, Kind.GRADS)  # the window's gradients are discarded
+            unit.grads.slots_with_grad.clear()
+        if self.on_nonfinite == "error":
+            raise NonFiniteGradError(
+                f"gradient norm is {norm} at optimizer step {index} (unit {bad[0] if bad else '?'}): the loss or a "
+                f"gradient overflowed; the step was not applied (the units updated during backward were put back). "
+                f"Lower optimizer.lr, check the data, or set train.on_nonfinite = \"skip\" to skip such steps")
+        return False
+
+    def put_order(self) -> list[Unit]:
+        return self.forward_order()[::-1]  # as backward finalizes them (a fired clip's redo: the forward's order)
+
+
 def mode_class(config: Config) -> type[UpdateMode]:
-    """The one place that decides the update mode from the configuration (Note [overlap])."""
+    """The one place that decides the update mode from the configuration (Note [overlap], Note [speculative
+    update]). Not from the plan: every rank must run the same mode (their collectives), while the journal's
+    bytes may differ between ranks (free host memory); a journal with no room defers every unit."""
     if not config.overlap.optimizer_with_backward:
         return InlineUpdate
-    global_dependency = (config.optimizer.grad_clip > 0 or config.precision.compute_dtype == "fp16"
-                         or config.train.on_nonfinite != "error")
-    return DeferredUpdate if global_dependency else EagerUpdate
+    if config.speculates:
+        return SpeculativeUpdate
+    return DeferredUpdate if config.update_needs_norm else EagerUpdate
 
 
 def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManager, device: torch.device, group,
@@ -368,4 +473,7 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
     optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
                                    state_read_ahead=read_ahead, seed=config.train.seed)
     worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams)
+    if cls is SpeculativeUpdate:
+        shared["journal"] = journal_for(manager.plan, manager.plan.speculation,
+                                        speculated_units(manager.plan, device.type == "cuda"))
     return cls(optimizer=optimizer, worker=worker, reading_swap=reading_swap, **shared)

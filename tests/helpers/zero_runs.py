@@ -30,7 +30,7 @@ def stage_run(case: Case, root: str, rank: int, world: int) -> dict:
     and per step the bytes on each collective link (Note [collective bytes])."""
     cfg = case.recipe.config(**case.placement)
     cfg["zero"] = {"stage": case.stage}
-    cfg["overlap"] = {"optimizer_with_backward": case.overlap}
+    cfg["overlap"] = cfg.get("overlap", {}) | {"optimizer_with_backward": case.overlap}
     cfg["profile"] = {"enabled": True, "trace_dir": os.path.join(root, "trace")}
     if "nvme" in case.placement.values():
         cfg["nvme"] = {"paths": [os.path.join(root, f"swap{rank}")]}

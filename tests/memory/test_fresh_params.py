@@ -132,16 +132,17 @@ def test_kept_chunks_matches_the_copies(blocking):
             assert sum(sizes[k] for k in kept) <= 200 and kept
 
 
-@pytest.mark.parametrize("mode", ["sequential", "deferred", "eager"])
+@pytest.mark.parametrize("mode", ["sequential", "deferred", "eager", "speculative"])
 def test_training_is_bitwise_the_same_and_reads_less(mode, tmp_path):
-    recipe = Recipe(steps=4, accum=2, grad_clip=0.0 if mode == "eager" else 0.5)
+    recipe = Recipe(steps=4, accum=2, grad_clip=0.0 if mode == "eager" else 0.5)  # (0.5 clips: redone)
     placement = {"params": "nvme", "grads": "host", "optimizer": "nvme"}
     runs = {}
     for keep in (False, True):
-        extra = {"overlap": {"optimizer_with_backward": mode != "sequential"}, "prefetch": {"keep_written": keep}}
+        extra = {"overlap": {"optimizer_with_backward": mode != "sequential", "speculation": "auto"
+                             if mode == "speculative" else 0}, "prefetch": {"keep_written": keep}}
         losses, norms, state, report = engine_run(recipe, placement, str(tmp_path / f"k{keep}"), extra)
         assert report["update_mode"] == {"sequential": "InlineUpdate", "deferred": "DeferredUpdate",
-                                         "eager": "EagerUpdate"}[mode]
+                                         "eager": "EagerUpdate", "speculative": "SpeculativeUpdate"}[mode]
         runs[keep] = (losses, norms, state, report["bytes_moved"]["nvme_read"])
     assert runs[False][0] == runs[True][0] and runs[False][1] == runs[True][1]
     for name, tensor in runs[False][2].items():

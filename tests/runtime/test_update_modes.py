@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import infinity
-from infinity.runtime.update_modes import DeferredUpdate, EagerUpdate, InlineUpdate, UpdateMode, mode_class
+from infinity.runtime.update_modes import (DeferredUpdate, EagerUpdate, InlineUpdate, SpeculativeUpdate, UpdateMode,
+                                           mode_class)
 from reference import Recipe
 
 ENGINE = os.path.join(os.path.dirname(infinity.__file__), "runtime", "engine.py")
@@ -26,9 +27,11 @@ ENGINE = os.path.join(os.path.dirname(infinity.__file__), "runtime", "engine.py"
     ({"overlap": {"optimizer_with_backward": False}, "optimizer": {"grad_clip": 0.0}}, InlineUpdate),
     ({"optimizer": {"grad_clip": 0.0}}, EagerUpdate),
     ({"optimizer": {"grad_clip": 0.0}, "precision": {"compute_dtype": "bf16"}}, EagerUpdate),
-    ({"optimizer": {"grad_clip": 1.0}}, DeferredUpdate),  # the update needs the global norm
+    ({"optimizer": {"grad_clip": 1.0}}, SpeculativeUpdate),  # the update needs the global norm: speculated
+    ({"optimizer": {"grad_clip": 1.0}, "overlap": {"optimizer_with_backward": True, "speculation": 0}},
+     DeferredUpdate),  # ... unless the user says not to
     ({"optimizer": {"grad_clip": 0.0}, "precision": {"compute_dtype": "fp16"}}, DeferredUpdate),  # loss scaling
-    ({"optimizer": {"grad_clip": 0.0}, "train": {"on_nonfinite": "skip"}}, DeferredUpdate),  # a step may be skipped
+    ({"optimizer": {"grad_clip": 0.0}, "train": {"on_nonfinite": "skip"}}, SpeculativeUpdate),  # may be skipped
 ])
 def test_the_configuration_selects_one_mode(settings, expected):
     config = infinity.Config.from_dict({"overlap": {"optimizer_with_backward": True}} | settings)
@@ -36,10 +39,11 @@ def test_the_configuration_selects_one_mode(settings, expected):
 
 
 def test_every_mode_implements_the_interface():
-    for cls in (InlineUpdate, EagerUpdate, DeferredUpdate):
+    modes = (InlineUpdate, EagerUpdate, DeferredUpdate, SpeculativeUpdate)
+    for cls in modes:
         assert issubclass(cls, UpdateMode) and not inspect.isabstract(cls), cls
-    assert [cls.forward_takes_in_order for cls in (InlineUpdate, EagerUpdate, DeferredUpdate)] == [False, False, True]
-    assert [cls.updates_during_backward for cls in (InlineUpdate, EagerUpdate, DeferredUpdate)] == [False, True, False]
+    assert [cls.forward_takes_in_order for cls in modes] == [False, False, True, False]
+    assert [cls.updates_during_backward for cls in modes] == [False, True, False, True]
 
 
 def test_the_engine_never_asks_which_mode_runs():
@@ -47,9 +51,10 @@ def test_the_engine_never_asks_which_mode_runs():
     tree = ast.parse(open(ENGINE).read())
     attributes = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
     names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    deciding = {"optimizer_with_backward", "grad_clip", "on_nonfinite", "worker", "state_read_ahead", "fresh"}
+    deciding = {"optimizer_with_backward", "grad_clip", "on_nonfinite", "worker", "state_read_ahead", "fresh",
+                "speculation", "speculates", "journal"}
     assert not attributes & deciding, attributes & deciding
-    modes = {"UpdateMode", "InlineUpdate", "EagerUpdate", "DeferredUpdate", "mode_class"}
+    modes = {"UpdateMode", "InlineUpdate", "EagerUpdate", "DeferredUpdate", "SpeculativeUpdate", "mode_class"}
     assert not names & modes, names & modes
     assert len(open(ENGINE).read().splitlines()) <= 500  # (thin: colocation lives in runtime/colocate.py)
 
@@ -58,7 +63,7 @@ def _update_starts(settings: dict) -> tuple[bool, bool]:
     """Train one window; return whether the parameters changed by the end of the final backward (before
     step()), and whether step() reported an update."""
     recipe = Recipe(steps=1, accum=2, grad_clip=settings.get("grad_clip", 0.0))
-    cfg = recipe.config() | {"overlap": {"optimizer_with_backward": settings["overlap"]}}
+    cfg = recipe.config() | {"overlap": {"optimizer_with_backward": settings["overlap"]} | settings.get("more", {})}
     engine = infinity.initialize(recipe.build(), cfg)
     try:
         before = engine.full_state_dict()
@@ -77,8 +82,9 @@ def _update_starts(settings: dict) -> tuple[bool, bool]:
 
 @pytest.mark.parametrize(("settings", "expected"), [
     ({"overlap": False}, (False, "InlineUpdate")),
-    ({"overlap": True, "grad_clip": 0.5}, (False, "DeferredUpdate")),
+    ({"overlap": True, "grad_clip": 0.5, "more": {"speculation": 0}}, (False, "DeferredUpdate")),
+    ({"overlap": True, "grad_clip": 0.5}, (True, "SpeculativeUpdate")),  # (and put back: the clip fires)
     ({"overlap": True}, (True, "EagerUpdate")),
 ])
-def test_only_the_eager_mode_updates_during_backward(settings, expected):
+def test_the_eager_and_speculative_modes_update_during_backward(settings, expected):
     assert _update_starts(settings) == expected
