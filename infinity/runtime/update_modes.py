@@ -2,11 +2,14 @@
 
 Note [overlap]: with no global dependency (no clipping, no fp16 loss scaling, non-finite
 gradients are errors) a unit's update needs only its own gradients, so it runs on the
-worker as soon as they are final, during backward (`EagerUpdate`). Otherwise `step()`
+worker as soon as they are final, during backward (`EagerUpdate`). With clipping or skipped
+non-finite steps it runs then too, as if the clip will not fire, and is redone or put back
+from a journal once the norm says so (`SpeculativeUpdate`, Note [speculative update] in
+optim/speculation.py). With fp16 loss scaling (or `overlap.speculation = 0`) `step()`
 computes the global norm first and hands the units to the worker in the order the next
 forward uses them; that forward waits per unit (`DeferredUpdate`). Without
 `[overlap] optimizer_with_backward` the update runs on the training thread inside
-`step()` (`InlineUpdate`). All three are exactly the same update, bit for bit.
+`step()` (`InlineUpdate`). All four are exactly the same update, bit for bit.
 
 One type per mode, chosen once by `update_mode(config, ...)`; the engine calls the
 interface and never asks which mode runs:

@@ -15,8 +15,14 @@ import pytest
 import torch
 
 import infinity
-from infinity.runtime.update_modes import (DeferredUpdate, EagerUpdate, InlineUpdate, SpeculativeUpdate, UpdateMode,
-                                           mode_class)
+from infinity.runtime.update_modes import (
+    DeferredUpdate,
+    EagerUpdate,
+    InlineUpdate,
+    SpeculativeUpdate,
+    UpdateMode,
+    mode_class,
+)
 from reference import Recipe
 
 ENGINE = os.path.join(os.path.dirname(infinity.__file__), "runtime", "engine.py")
