@@ -14,7 +14,7 @@ from infinity.job import estimate as est
 from infinity.job.train import ModelConfig, build_model
 from infinity.memory.cost_model import LinkRates
 from infinity.memory.placement import Budgets, plan_for_config
-from infinity.memory.tier import OPTIMIZER_KINDS, Tier
+from infinity.memory.tier import OPTIMIZER_KINDS, Kind, Tier
 
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
 SMALL = ModelConfig(n_layer=3, d_model=64, n_head=4, seq_len=16, vocab_size=300)
@@ -26,12 +26,13 @@ def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _config(swap, host_budget: str, read_ahead="auto") -> infinity.Config:
+def _config(swap, host_budget: str, read_ahead="auto", speculation="auto") -> infinity.Config:
     return infinity.Config.from_dict({
         "placement": NVME, "nvme": {"paths": [str(swap)]},
         "optimizer": {"sub_group_size": 2048, "grad_clip": 1.0},
         "memory": {"device_budget": "1GiB", "host_budget": host_budget},
-        "overlap": {"optimizer_with_backward": True, "optimizer_read_ahead": read_ahead}})
+        "overlap": {"optimizer_with_backward": True, "optimizer_read_ahead": read_ahead,
+                    "speculation": speculation}})
 
 
 def test_planner_estimate_and_memory_report_agree_on_one_runs_working_bytes(tmp_path, monkeypatch):
@@ -66,20 +67,24 @@ def test_planner_estimate_and_memory_report_agree_on_one_runs_working_bytes(tmp_
 @pytest.mark.parametrize("host_mib", [1, 2, 4, 64])
 def test_the_host_budget_bounds_every_working_term_and_the_read_ahead(host_mib, tmp_path):
     """Note [working memory]: "auto" read-ahead takes half of what the rest of the plan leaves under the
-    host budget (none below one sub-group), so the plan's host bytes never exceed the budget."""
+    host budget (none below one sub-group), and the speculation's journal then takes what it needs of what is
+    left (Note [speculative update]), so the plan's host bytes never exceed the budget."""
     config = _config(tmp_path, f"{host_mib}MiB")
     sizes = est.unit_sizes_of(build_model(SMALL).model, config, 1)
     budgets = Budgets(device=1 << 30, host=host_mib << 20, nvme=1 << 40, shared_ram=True, ram=8 << 30)
     plan = plan_for_config(sizes, config, budgets)
-    without = plan_for_config(sizes, _config(tmp_path, f"{host_mib}MiB", read_ahead=0), budgets)
+    without = plan_for_config(sizes, _config(tmp_path, f"{host_mib}MiB", read_ahead=0, speculation=0), budgets)
     rest = without.tier_totals()[Tier.HOST]
     wanted = sum(plan.state_bytes()[Tier.NVME][k] for k in OPTIMIZER_KINDS)
     chunk = 2048 * 4 * 3
     expected = min(wanted, (budgets.host - rest) // 2)
     assert plan.read_ahead == (expected if expected >= chunk else 0)
+    per_unit = [4 * (-(-s.numel(Kind.MASTER) * 4 // 64) * 64) for s in sizes]  # master, moments, gradient (fp32)
+    left = budgets.host - rest - plan.working_terms[Tier.HOST]["read_ahead"]  # each aligned to 64 bytes
+    assert plan.speculation == (min(sum(per_unit), left) if min(sum(per_unit), left) >= min(per_unit) else 0)
     assert plan.tier_totals()[Tier.HOST] <= budgets.host
-    assert {t: v for t, v in plan.working_terms[Tier.HOST].items() if t != "read_ahead"} == {
-        t: v for t, v in without.working_terms[Tier.HOST].items() if t != "read_ahead"}
+    assert {t: v for t, v in plan.working_terms[Tier.HOST].items() if t not in ("read_ahead", "speculation")} == {
+        t: v for t, v in without.working_terms[Tier.HOST].items() if t not in ("read_ahead", "speculation")}
 
 
 def test_staging_is_derived_from_the_optimizer_and_the_pool(tmp_path):
