@@ -45,7 +45,7 @@ def parse_size(value: Any, key: str = "size") -> int:
 def option(default: Any, help: str, kind: str, **rules: Any) -> Any:
     """A config field: its default, its meaning (``help``), its kind and range rules.
 
-    kinds: float, int, bool, str, enum (rules: choices), size, size_or_auto,
+    kinds: float, int, int_or_auto, bool, str, enum (rules: choices), size, size_or_auto,
     path (a string, "" for none), floats / strs (lists; rules: length, unique). Range rules: ge, gt, lt, le.
     """
     if isinstance(default, list):
@@ -101,9 +101,12 @@ def coerce(key: str, value: Any, meta: dict) -> Any:
             raise ConfigError(f"{key} = {show(value)}: must be a finite number{example}")
         check_range(key, value, meta, example)
         return value
-    if kind == "int":
+    if kind == "int_or_auto" and value == "auto":
+        return value
+    if kind in ("int", "int_or_auto"):
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} = {show(value)}: expected a whole number (int), "
+            either = ' or "auto"' if kind == "int_or_auto" else ""
+            raise ConfigError(f"{key} = {show(value)}: expected a whole number (int){either}, "
                               f"e.g. {short} = {meta.get('example', 1)}")
         check_range(key, value, meta, example)
         return value
@@ -155,6 +158,7 @@ def type_name(meta: dict) -> str:
         "size": "size",
         "path": "path",
         "size_or_auto": 'size | "auto"',
+        "int_or_auto": 'int | "auto"',
         "floats": "list[float]",
         "strs": "list[str]",
     }.get(kind, kind)

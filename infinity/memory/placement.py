@@ -19,6 +19,7 @@ slower one, and why it is not on a faster one (no room, or no gain).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -136,7 +137,8 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
                    static: dict[str, str], budgets: Budgets, units_ahead: int,
                    rates: cost_model.LinkRates | None = None, grad_accum_steps: int = 1,
                    compute_seconds: float = 0.0, keep_written: bool = True, read_ahead: int | str = 0,
-                   speculation: int | str = 0, state_dtype: StateDtype = StateDtype.FP32) -> Plan:
+                   speculation: int | str = 0, tail_units: int | str = 0,
+                   state_dtype: StateDtype = StateDtype.FP32) -> Plan:
     """Decide the tier of every unit's state kinds and check it against the budgets.
 
     policy "static": every unit's params / grads / optimizer state on the tiers of
@@ -149,6 +151,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     copies), and `read_ahead`, the state read-ahead's setting ("auto": half of the host memory the rest
     leaves free; bytes: refused with a ConfigError unless they fit; 0 without the optimizer worker), then
     `speculation`, the journal of speculated updates (the same rules in what is left; 0 when none is needed).
+    Before them `tail_units` moves the first units' gradients and optimizer state to the device (Note [tail units]).
     `state_dtype`: what the optimizer state is stored in (`[optimizer] state_dtype`; its bytes per element).
     """
     settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written, "state_dtype": state_dtype}
@@ -164,10 +167,55 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
                      compute_seconds=compute_seconds)
     else:
         raise PlacementError(f"placement.policy = {policy!r} is not one of 'static', 'auto'")
+    plan = with_tail(plan, tail_units, budgets)
     plan = traffic.with_read_ahead(plan, traffic.resolve_read_ahead(read_ahead, plan, budgets) if read_ahead else 0)
     plan = traffic.with_speculation(plan, traffic.resolve_speculation(speculation, plan, budgets) if speculation else 0)
     assert not _fits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
     return plan
+
+
+# Note [tail units]: with the optimizer on the host, each unit's update runs on the CPU as its gradients arrive
+# during backward; where the CPU's Adam is slower than backward (the H200's case b: 292 ms of Adam for 220 ms of
+# backward) a backlog is left when backward ends, and it is the units the next forward uses first: the forward
+# waits for the CPU (tests/device/test_simulated_schedule.py: 1.23x the floors). Keeping the gradients and
+# optimizer state of those first units on the device makes their update a GPU kernel (it runs where the state
+# lives: optim/offloaded.py) and leaves the CPU less to do (the simulation: 6 of 24 units, 1.04x). "auto" takes
+# the forward-first units (index order: the root, then the blocks) up to a quarter of the trainable elements,
+# within half of the device memory the plan leaves free (the other half for activations, which the planner does
+# not know), on a GPU only; a count is taken as it is (a PlacementError if it does not fit), without one too.
+TAIL_SHARE = 4  # "auto": up to 1 / TAIL_SHARE of the trainable elements
+
+
+def with_tail(plan: Plan, setting, budgets: Budgets) -> Plan:
+    """`plan` with the gradients and optimizer state of its first `setting` units on the device (Note [tail
+    units]); "auto" decides how many, 0 leaves it as it is."""
+    auto = setting == "auto"
+    if setting == 0 or (auto and budgets.shared_ram):
+        return plan
+    free = budgets.device - plan.tier_totals()[Tier.DEVICE]
+    room = free // 2 if auto else free
+    share = sum(u.numel(Kind.MASTER) for u in plan.units) / TAIL_SHARE
+    tiers, taken, elements, last = list(plan.tiers), 0, 0, -1
+    for u, sizes in enumerate(plan.units):
+        if (not auto and u >= setting) or (auto and elements >= share):
+            break
+        moved = {g: Tier.DEVICE if g != "params" else tiers[u][Kind.PARAMS] for g in GROUPS}
+        cost = sum(traffic.group_bytes(sizes, g, moved, plan.compute_dtype, plan.state_dtype)
+                   for g in ("grads", "optimizer") if tiers[u][KINDS_OF_GROUP[g][0]] is not Tier.DEVICE)
+        if taken + cost > room:
+            if auto:
+                break
+            raise PlacementError(
+                f"placement.tail_units = {setting} needs {_fmt(taken + cost)} of device memory for the first "
+                f"{u + 1} units' gradients and optimizer state, but the plan leaves {_fmt(free)} under "
+                f'memory.device_budget: lower it, or set it to "auto"')
+        tiers[u] = {k: Tier.DEVICE if k is not Kind.PARAMS else t for k, t in tiers[u].items()}
+        taken, elements, last = taken + cost, elements + sizes.numel(Kind.MASTER), u
+    if last < 0 or taken == 0:
+        return plan
+    reason = (f"tail units: gradients and optimizer of units 0-{last} ({elements:,} trainable elements, "
+              f"{_fmt(taken)}) on the device: the next forward's first units are updated there (Note [tail units])")
+    return dataclasses.replace(plan, tiers=tuple(tiers), reasons=plan.reasons + (reason,))
 
 
 def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
@@ -187,6 +235,7 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
         keep_written=config.prefetch.keep_written,
         read_ahead=config.overlap.optimizer_read_ahead if config.overlap.optimizer_with_backward else 0,
         speculation=config.overlap.speculation if config.speculates else 0,
+        tail_units=p.tail_units,
         state_dtype=StateDtype(config.optimizer.state_dtype),
     )
 

@@ -75,6 +75,7 @@ class UpdateMode(abc.ABC):
         self.hyper = hyper  # per parameter group, the hyperparameters of the update issued now (its lr)
         self.trace, self.group, self.device, self.profiler = trace, group, device, profiler
         self.grad_clip, self.on_nonfinite = grad_clip, on_nonfinite
+        self._positions: tuple[list[int] | None, dict[int, int]] = (None, {})  # (the trace's order, unit -> place)
 
     # ----------------------------------------------------------------- the interface (no-ops here)
     def ready(self, index: int) -> bool:
@@ -122,6 +123,12 @@ class UpdateMode(abc.ABC):
                   for c in range(m.num_chunks(u.index))]
         nbytes = {(u, c): m.chunk_span(u, c, Kind.PARAMS)[1] * itemsize for u, c in chunks}
         return kept_chunks(nbytes, chunks, m.fresh.budget, blocking=self.forward_takes_in_order)
+
+    def position(self, unit: Unit) -> int:
+        """Where the next forward uses `unit` (Note [forward first] in optim/worker.py)."""
+        if self._positions[0] is not self.trace.recorded:  # (the trace records a new list when the order changes)
+            self._positions = (self.trace.recorded, {u.index: k for k, u in enumerate(self.forward_order())})
+        return self._positions[1][unit.index]
 
     def forward_order(self) -> list[Unit]:
         """The units in the order the next forward uses them (the recorded one; the root first)."""
@@ -301,7 +308,7 @@ class EagerUpdate(_OnWorker):
             return {unit.index: unit.steps.active_ranges(flags)}
 
         self.worker.submit([unit], hyper=self.hyper(), grad_scale=None, active=active,
-                           after_unit=lambda u: after_update(flags, u)(u))
+                           after_unit=lambda u: after_update(flags, u)(u), position=self.position(unit))
 
     def step(self, norm: float, index: int) -> bool:
         if self._nonfinite is not None or not math.isfinite(norm):
@@ -388,7 +395,8 @@ class SpeculativeUpdate(_OnWorker):
             return entry.runs
 
         self.worker.submit([unit], hyper=entry.hyper, grad_scale=None, active=active,
-                           after_unit=lambda u: after_update(flags, u)(u), journal=self.journal.recording)
+                           after_unit=lambda u: after_update(flags, u)(u), journal=self.journal.recording,
+                           position=self.position(unit))
 
     def step(self, norm: float, index: int) -> bool:
         self._open = False

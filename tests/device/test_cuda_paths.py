@@ -462,7 +462,7 @@ def test_worker_updates_on_its_own_stream_ordered_by_events():
     class _Optimizer:
         compute_device = torch.device("cpu")
 
-        def step(self, *, hyper, grad_scale, active, units, on_unit_done):
+        def step(self, *, hyper, grad_scale, active, units, on_unit_done, journal=None):
             log.append((threading.current_thread().name, "step"))
             for unit in units:
                 on_unit_done(unit)
@@ -688,7 +688,7 @@ def test_worker_steps_each_unit_once_the_device_has_its_gradients():
     class _Optimizer:
         compute_device = torch.device("cpu")
 
-        def step(self, *, hyper, grad_scale, active, units, on_unit_done):
+        def step(self, *, hyper, grad_scale, active, units, on_unit_done, journal=None):
             for unit in units:
                 log.append(("step", unit.index, device_at[0]))
                 on_unit_done(unit)
