@@ -76,6 +76,10 @@ own layout; W = the trainable part of P, what an update rewrites); `unit_traffic
                only the master: the moments are zeros, never read); the step runs on the GPU when the
                optimizer state is on the device tier of a GPU, else on the CPU.
 
+One update per step: a speculated window whose clip fires (Note [speculative update]) copies its speculated
+units' new parameters to the device a second time (their redo; their state is in memory), which no plan can
+predict; the profile counts it.
+
 On a machine without a GPU, device and host are the same memory: no copy is a link. The manager
 counts every byte it moves the same way (`TieredMemoryManager.bytes_moved`, d2h / h2d into resident
 tiers included); tests/profile/test_profile_traffic.py checks the two agree.
@@ -421,9 +425,12 @@ def journal_kind_bytes(numel: int, kind: Kind, state_dtype: StateDtype) -> int:
 
 
 def speculated_units(plan: "Plan", cuda: bool) -> list[int]:
-    """The units an update may speculate: those whose optimizer runs on the CPU (not a GPU's device tier)."""
+    """The units an update may speculate (Note [speculative update]): those whose optimizer runs on the CPU (not a
+    GPU's device tier) and whose optimizer state and parameters are in memory (a fired clip would write them to
+    NVMe twice, over the slowest link)."""
     return [u for u, sizes in enumerate(plan.units)
-            if sizes.numel(Kind.MASTER) and not (cuda and plan.tier(u, Kind.MASTER) is Tier.DEVICE)]
+            if sizes.numel(Kind.MASTER) and not (cuda and plan.tier(u, Kind.MASTER) is Tier.DEVICE)
+            and Tier.NVME not in (plan.tier(u, Kind.MASTER), plan.tier(u, Kind.PARAMS))]
 
 
 def resolve_speculation(setting, plan: "Plan", budgets: "Budgets") -> int:

@@ -21,7 +21,9 @@ CPU) may prefer `overlap.speculation = 0`.
 The journal is one host arena of `plan.speculation` bytes (a working term of the byte model, fitted to the
 host budget after the read-ahead); units are admitted in the order backward finalizes them while their copies
 fit, the rest wait for the norm as deferred updates do. Units whose optimizer runs on a GPU are never
-speculated (their update is fast; the copies would cross PCIe).
+speculated (their update is fast; the copies would cross PCIe), nor those with parameters or optimizer state on
+NVMe (a fired clip would write them twice over the slowest link; their reads are ahead of the update already:
+Note [state read-ahead]).
 
 The worker applies the journal through `OffloadedOptimizer.step(journal=...)`, one type per use:
 `Recording` (copy in, then step), `Replaying` (copy back with the gradient, then step) and `Restoring`

@@ -357,6 +357,7 @@ class SpeculativeUpdate(_OnWorker):
     [speculative update] in optim/speculation.py). Units the journal has no room for wait for the norm."""
 
     updates_during_backward = True
+    forward_takes_in_order = True  # (the units it updates from step(): those with parameters on NVMe among them)
 
     def __init__(self, *, journal: Journal, **kwargs):
         super().__init__(**kwargs)
@@ -410,7 +411,9 @@ class SpeculativeUpdate(_OnWorker):
         grad_scale = None if grad_scale == 1.0 else grad_scale
         waiting = {u.index: reduced for u, reduced in deferred}
         hyper = self.hyper()
-        for unit in self.forward_order():  # the next forward waits per unit
+        order = self.forward_order()
+        self.manager.fresh.begin_update([u.index for u in order], blocking=True)  # the forward takes in order
+        for unit in order:  # the next forward waits per unit
             if unit.index in waiting:
                 flags = waiting[unit.index].wait()[0]
                 self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale,
@@ -450,7 +453,10 @@ class SpeculativeUpdate(_OnWorker):
         return False
 
     def put_order(self) -> list[Unit]:
-        return self.forward_order()[::-1]  # as backward finalizes them (a fired clip's redo: the forward's order)
+        """The forward's order: the units that put parameters to NVMe (Note [fresh parameters]) are never speculated
+        (their writes would be repeated); they are updated from step() in this order, the forward taking them in
+        it (blocking puts, as the deferred update)."""
+        return self.forward_order()
 
 
 def mode_class(config: Config) -> type[UpdateMode]:

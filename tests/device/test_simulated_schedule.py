@@ -24,11 +24,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from engine_runs import engine_run
 from infinity.device.streams import Streams
 from infinity.memory.placement import Budgets, plan_placement
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import UnitSizes
 from infinity.optim.worker import OptimizerWorker
+from reference import Recipe
 
 CASE_B = {"units": 24, "fwd": 110.0, "bwd": 220.0, "adam": 292.0, "d2h": 95.0, "h2d": 95.0,  # ms per step
           "device_adam": 10.0}  # the fused Adam of every unit on the GPU: 21 GB of state at ~2 TB/s
@@ -171,3 +173,18 @@ def test_without_a_gpu_or_room_no_unit_is_kept_on_the_device():
         plan = plan_placement(sizes, torch.float32, policy="static", budgets=budgets, units_ahead=2, static=static,
                               tail_units="auto")
         assert all(plan.tier(u, Kind.MASTER) is Tier.HOST for u in range(8)), budgets
+
+
+def test_tail_units_train_bit_for_bit_as_without_them():
+    """A count of tail units moves the first units' gradients and optimizer state to the device tier (here RAM:
+    no GPU) and changes nothing else: the same training, bit for bit."""
+    recipe = Recipe(steps=2)
+    placement = {"params": "device", "grads": "host", "optimizer": "host"}
+    base = engine_run(recipe, placement, None, {"overlap": {"optimizer_with_backward": True}})
+    tail = engine_run(recipe, placement, None, {"overlap": {"optimizer_with_backward": True},
+                                                "placement": {"tail_units": 2}})
+    assert base[3]["state"]["device"]["master"] == 0 < tail[3]["state"]["device"]["master"]
+    assert 0 < tail[3]["state"]["host"]["master"]  # (the other units' stay on the host)
+    assert base[0] == tail[0]
+    for name, tensor in base[2].items():
+        assert torch.equal(tail[2][name], tensor), name
