@@ -224,17 +224,22 @@ class Engine:
         self._check_open("engine.generate", FORWARD)
         return self.inference.generate(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, end_window: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, end_window: bool = False, num_items_in_batch=None) -> None:
         """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale); `end_window=True` ends the
-        accumulation window here, even a short one (Note [accumulation windows])."""
+        accumulation window here, even a short one (Note [accumulation windows]). `num_items_in_batch`: the
+        window weighted by its items (Note [token-weighted windows]): `loss` is this micro-batch's summed loss
+        divided by the number of items (label tokens) of the whole window on all ranks, as transformers' models
+        return it given `num_items_in_batch`; it is then not divided by grad_accum_steps nor averaged over ranks."""
         self._check_open("engine.backward")
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
-        self.window.begin(end_window)
+        self.window.begin(end_window, weighted=num_items_in_batch is not None)
         if self.updates.updates_during_backward and self.window.ends_now():
             self.wait_for_checkpoint()  # updates start during this backward (Note [overlap])
-        scale = self.scaler.scale / self.config.train.grad_accum_steps
+        # the reducer averages over the ranks: a window's share is summed over them (times the world size)
+        share = self.world_size if num_items_in_batch is not None else 1 / self.config.train.grad_accum_steps
+        scale = self.scaler.scale * share
         self.clock.compute_begin()
         self._in_backward = True
         try:
