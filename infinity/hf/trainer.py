@@ -93,8 +93,9 @@ class InfinityTrainerMixin:
         self.engine = None
         super().__init__(*args, **kwargs)
         self.infinity_config = engine_config_for(self.args, infinity_config)
-        if self.args.gradient_checkpointing:
-            self.args.gradient_checkpointing = False  # the engine checkpoints units; HF's own would do it twice
+        for name in ("gradient_checkpointing", "activation_checkpointing"):  # (transformers 5: the new name rules)
+            if getattr(self.args, name, False):
+                setattr(self.args, name, False)  # the engine checkpoints units; HF's own would do it twice
         model = self.model
         _name_the_base(model, infinity_weights)
         decay = set(self.get_decay_parameter_names(model))
@@ -121,7 +122,11 @@ class InfinityTrainerMixin:
     # ----------------------------------------------------------------- the step
     def training_step(self, model, inputs, num_items_in_batch=None):
         """As Trainer.training_step (the same loss and the same scaling for accumulation), with the backward
-        on the engine: `engine.backward` divides by grad_accum_steps itself, so it gets the loss times that."""
+        on the engine: `engine.backward` divides by grad_accum_steps itself, so it gets the loss times that.
+        With the Trainer's `num_items_in_batch` the loss is already the window's share (its items over the
+        window's on all ranks, times the world size when averaged across devices, as DDP's average expects:
+        the engine averages over ranks as DDP does), so the window is one big batch's token mean (Note
+        [token-weighted windows])."""
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():

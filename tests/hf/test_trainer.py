@@ -121,6 +121,7 @@ def test_gradient_checkpointing_is_the_engines_units(tmp_path):
     ref = run(Trainer, tmp_path / "r", train, None, **kw)
     ours = run(InfinityTrainer, tmp_path / "o", train, None, gradient_checkpointing=True, **kw)
     assert ours.infinity_config.activation.checkpoint == "units" and not ours.args.gradient_checkpointing
+    assert not ours.model.is_activation_checkpointing  # (transformers 5's own, under its new name: not twice)
     torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
     ours.engine.close()
 
@@ -296,3 +297,73 @@ def test_torchrun_two_ranks_gloo_equals_one_process_on_the_global_batch(tmp_path
                   train_dataset=train)
     ref.train()
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+
+
+def ragged_dataset(n, seed=4):
+    """Rows of 4..16 tokens whose labels mask a prefix of random length: unequal label counts per micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length, masked = int(torch.randint(4, 17, (1,), generator=g)), int(torch.randint(0, 4, (1,), generator=g))
+        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * masked + ids[masked:]})
+    return datasets.Dataset.from_list(rows)
+
+
+def pad_collate(rows):
+    """Right padding: id 0, attention 0, label -100."""
+    width = max(len(r["input_ids"]) for r in rows)
+    pad = [width - len(r["input_ids"]) for r in rows]
+    return {"input_ids": torch.tensor([r["input_ids"] + [0] * p for r, p in zip(rows, pad)]),
+            "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * p for r, p in zip(rows, pad)]),
+            "labels": torch.tensor([r["labels"] + [-100] * p for r, p in zip(rows, pad)])}
+
+
+@pytest.mark.parametrize("chunk", [0, 5], ids=["logits", "chunked-loss"])
+def test_a_window_of_unequal_lengths_is_weighted_by_its_tokens_as_the_trainers(tmp_path, chunk):
+    """Note [token-weighted windows]: padded rows of unequal lengths with masked prefixes, accumulation 3: the
+    Trainer's num_items_in_batch makes each window one big batch's token mean; InfinityTrainer's losses, grad
+    norms and trained parameters are the Trainer's (also through the chunked loss, which takes the count)."""
+    train = ragged_dataset(18)
+    kw = dict(gradient_accumulation_steps=3, max_steps=3, eval_strategy="no", warmup_steps=0, max_grad_norm=1e9)
+
+    def trained(cls, out, **extra):
+        trainer = cls(model=tiny_llama(), args=args_for(out, **kw), train_dataset=train, data_collator=pad_collate,
+                      **extra)
+        trainer.train()
+        return trainer
+    ref = trained(Trainer, tmp_path / "ref")
+    ours = trained(InfinityTrainer, tmp_path / "ours", infinity_config={"activation": {"loss_chunk_tokens": chunk}})
+    assert len(losses(ref)) == 3
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ref_gn = [h["grad_norm"] for h in ref.state.log_history if "loss" in h]
+    assert [h["grad_norm"] for h in ours.state.log_history if "loss" in h] == pytest.approx(ref_gn, rel=1e-5)
+    got = ours.engine.full_state_dict()
+    for name, value in ref.model.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    ours.engine.close()
+
+
+def test_sft_trainer_weights_a_window_of_unequal_completions_as_trl(tmp_path):
+    """Prompt / completion records of unequal lengths (TRL masks the prompts), accumulation 3: TRL's SFTTrainer's
+    losses (Note [token-weighted windows])."""
+    trl = pytest.importorskip("trl")
+    from infinity.hf import InfinitySFTTrainer
+    tokenizer, _ = chat_data(1)
+    words = ["hello", "world", "how", "are", "you", "fine", "thanks", "what", "is", "two", "plus", "four"]
+    ds = datasets.Dataset.from_list([{"prompt": " ".join(words[i % 12:i % 12 + 1 + i % 5]),
+                                      "completion": " " + " ".join(words[(i * 7) % 12:(i * 7) % 12 + 1 + (i * 3) % 4])}
+                                     for i in range(18)])
+
+    def sft(cls, out):
+        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3,
+                            gradient_accumulation_steps=3, max_steps=3, logging_steps=1, save_strategy="no",
+                            report_to=[], seed=3, use_cpu=True, disable_tqdm=True, max_length=32, bf16=False)
+        trainer = cls(model=tiny_llama(), args=cfg, train_dataset=ds, processing_class=tokenizer)
+        trainer.train()
+        return trainer
+
+    ref, ours = sft(trl.SFTTrainer, tmp_path / "r"), sft(InfinitySFTTrainer, tmp_path / "o")
+    assert len(losses(ref)) == 3
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ours.engine.close()
