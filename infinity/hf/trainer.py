@@ -33,10 +33,11 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from infinity.config.sections import ConfigError
+from infinity.device.dtypes import name_of
 from infinity.hf.arguments import engine_config_for
 from infinity.runtime.engine import initialize
 
-__all__ = ["EngineForward", "InfinityTrainer", "InfinityTrainerMixin"]
+__all__ = ["EngineForward", "InfinityTrainer", "InfinityTrainerMixin", "run_line"]
 
 ENGINE_CHECKPOINT = "infinity"  # the engine checkpoint inside a Trainer checkpoint-N folder
 SCHEDULER_FILE = "scheduler.pt"  # (transformers' SCHEDULER_NAME)
@@ -61,6 +62,30 @@ class EngineForward(nn.Module):
     @property
     def config(self):
         return self.engine.module.config
+
+
+class _SayWhatRuns(TrainerCallback):
+    """At the start of train(), rank 0 prints one line of what the engine runs (`run_line`)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer.is_world_process_zero():
+            print(run_line(args, self.trainer.engine), flush=True)
+
+
+def run_line(args, engine) -> str:
+    """What the engine runs, read from its plan and config (the values in use), and where the Trainer decided
+    them (Note [training arguments win] in arguments.py)."""
+    plan, cfg = engine.plan, engine.config
+    clip = cfg.optimizer.grad_clip
+    auto = " (auto)" if cfg.placement.policy == "auto" else ""
+    return (f"infinity: compute {name_of(plan.compute_dtype)} (from {type(args).__name__} bf16={args.bf16}), "
+            f"placement {plan.placement_text()}{auto}, ZeRO stage {cfg.zero.stage}, grad clipping "
+            f"{f'at norm {clip:g}' if clip > 0 else 'off'} (max_grad_norm={args.max_grad_norm}), optimizer "
+            f"{cfg.optimizer.name} state {plan.state_dtype.value}, world size {engine.world_size}, "
+            f"device {engine.device}")
 
 
 class _GradNormLog(TrainerCallback):
@@ -107,6 +132,7 @@ class InfinityTrainerMixin:
         self._forward = EngineForward(self.engine)
         self._grad_norm = torch.zeros(())
         self.add_callback(_GradNormLog(self))
+        self.add_callback(_SayWhatRuns(self))
 
     # ----------------------------------------------------------------- placement and wrapping
     def _move_model_to_device(self, model, device):

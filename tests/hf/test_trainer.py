@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 import infinity  # noqa: E402
 from dist_utils import free_port  # noqa: E402
 from infinity.hf import InfinityTrainer  # noqa: E402
+from infinity.hf.trainer import run_line  # noqa: E402
 
 VOCAB = 64
 
@@ -367,3 +368,30 @@ def test_sft_trainer_weights_a_window_of_unequal_completions_as_trl(tmp_path):
     assert len(losses(ref)) == 3
     torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
     ours.engine.close()
+
+
+def test_the_trainers_say_what_they_run_once_at_start(tmp_path, capsys):
+    """One line at train()'s start, from the engine's plan and config (the values in use) and the argument that
+    decided each; SFTConfig's default bf16=True is named as the reason for bf16 compute."""
+    trl = pytest.importorskip("trl")
+    from infinity.hf import InfinitySFTTrainer
+    cfg = {"placement": {"params": "host", "grads": "device", "optimizer": "host"}, "zero": {"stage": 2},
+           "optimizer": {"state_dtype": "bf16"}}
+    trainer = InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path / "o", max_steps=3, eval_strategy="no",
+                                                                max_grad_norm=0.25),
+                              train_dataset=lm_dataset(16), infinity_config=cfg)
+    capsys.readouterr()
+    trainer.train()
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("infinity:")]
+    plan = trainer.engine.plan
+    assert plan.state_dtype.value == "bf16" and plan.compute_dtype == torch.float32
+    assert said == ["infinity: compute fp32 (from TrainingArguments bf16=False), placement params=host grads=device "
+                    "optimizer=host, ZeRO stage 2, grad clipping at norm 0.25 (max_grad_norm=0.25), optimizer adamw "
+                    "state bf16, world size 1, device cpu"]
+    trainer.engine.close()
+    tokenizer, ds = chat_data(4)
+    sft = InfinitySFTTrainer(model=tiny_llama(), train_dataset=ds, processing_class=tokenizer,
+                             args=trl.SFTConfig(output_dir=str(tmp_path / "s"), use_cpu=True, report_to=[]))
+    assert sft.engine.plan.compute_dtype == torch.bfloat16
+    assert run_line(sft.args, sft.engine).startswith("infinity: compute bf16 (from SFTConfig bf16=True), ")
+    sft.engine.close()
