@@ -65,7 +65,8 @@ class EngineForward(nn.Module):
 
 
 class _SayWhatRuns(TrainerCallback):
-    """At the start of train(), rank 0 prints one line of what the engine runs (`run_line`)."""
+    """At the start of train(), rank 0 prints one line of what the engine runs (`run_line`); at its end the
+    profile is written (output_dir/profile unless infinity_config sets profile.trace_dir)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -73,6 +74,9 @@ class _SayWhatRuns(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if self.trainer.is_world_process_zero():
             print(run_line(args, self.trainer.engine), flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.engine.write_profile()  # (with [profile] enabled: `infinity profile OUTPUT_DIR` reads it)
 
 
 def run_line(args, engine) -> str:

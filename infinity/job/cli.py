@@ -273,8 +273,21 @@ def profile_summaries(run_dir: str) -> dict[str, dict]:
             return {f"rank{data.get('rank', 0)}": data}
     if not os.path.exists(run_dir):
         raise ConfigError(f"infinity profile {run_dir}: no such directory; give a run directory (runs/<time>)")
+    if _trainer_output(run_dir):
+        raise ConfigError(f"{run_dir} has no profile (profile/rank<N>/summary.json): the trainer ran without the "
+                          f"profiler; pass infinity_config={{\"profile\": {{\"enabled\": True}}}} to InfinityTrainer / "
+                          f"InfinitySFTTrainer (or [profile] enabled = true in its TOML file): the profile is then "
+                          f"written to output_dir/profile")
     raise ConfigError(f"{run_dir} has no profile (profile/rank<N>/summary.json): the run was made without the "
                       f"profiler; train with --set profile.enabled=true")
+
+
+def _trainer_output(path: str) -> bool:
+    """A Hugging Face Trainer's output_dir (or one of its checkpoint-N folders), not a job's run directory."""
+    if os.path.isfile(os.path.join(path, "config.toml")):
+        return False  # the job's
+    return any(os.path.exists(os.path.join(path, name)) for name in ("training_args.bin", "trainer_state.json")) \
+        or any(name.startswith("checkpoint-") for name in os.listdir(path) if os.path.isdir(os.path.join(path, name)))
 
 
 def _profile(args) -> int:

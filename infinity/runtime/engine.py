@@ -139,6 +139,7 @@ class Engine:
                                      unsharded=self.unsharded, profiler=self.profiler, settled=self.updates.settled,
                                      mid_step=lambda: mid_step(self.window, self._backward_pending))
         self.micro_step = 0  # backward passes since initialize
+        self._profiled_steps = 0  # the profiled steps write_profile has written
         self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
         self._backward_pending, self._in_backward = False, False  # in backward, forward hooks are recomputation
@@ -306,9 +307,13 @@ class Engine:
         in memory (Note [fresh parameters]): for `traffic.bytes_per_step`."""
         return self.updates.kept_params(self.compute_dtype.itemsize)
 
-    def _close_profile(self) -> None:
+    def write_profile(self) -> None:
+        """The profile of the steps so far to `[profile] trace_dir`/rank<N> (close() writes it too, when steps
+        were taken since)."""
         self.clock.close()
-        if self.profiler.enabled and self.profiler.steps():
+        steps = len(self.profiler.steps()) if self.profiler.enabled else 0
+        if steps > self._profiled_steps:
+            self._profiled_steps = steps
             self.profile_files = self.profiler.write(os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"),
                                                      print_table=False)  # the caller prints format_summary if it wants
 
@@ -449,7 +454,7 @@ class Engine:
         try:
             self.updates.finish()  # an update error nobody has seen yet is raised here
             self.wait_for_checkpoint()
-            self._close_profile()
+            self.write_profile()
         finally:
             self._closed = True
             try:

@@ -395,3 +395,27 @@ def test_the_trainers_say_what_they_run_once_at_start(tmp_path, capsys):
     assert sft.engine.plan.compute_dtype == torch.bfloat16
     assert run_line(sft.args, sft.engine).startswith("infinity: compute bf16 (from SFTConfig bf16=True), ")
     sft.engine.close()
+
+
+def test_infinity_profile_reads_a_trainers_output_dir_or_names_the_trainers_switch(tmp_path, capsys, monkeypatch):
+    """With infinity_config's profiler on, train() writes output_dir/profile and `infinity profile OUTPUT_DIR` prints
+    it; without, the hint is the trainer's own switch (a script has no --set)."""
+    from infinity.job.cli import main
+    from infinity.profile import chart
+    monkeypatch.setattr(chart, "draw_timeline", lambda *a: False)  # (the PNG: not what is tested, 1 s of drawing)
+    for enabled in (True, False):
+        out = tmp_path / f"profile-{enabled}"
+        trainer = InfinityTrainer(model=tiny_llama(), args=args_for(out, max_steps=1, eval_strategy="no"),
+                                  train_dataset=lm_dataset(4), infinity_config={"profile": {"enabled": enabled}})
+        if enabled:
+            trainer.train()
+        trainer.save_state()  # (trainer_state.json: what the output_dir of a run holds)
+        capsys.readouterr()
+        assert main(["profile", str(out)]) == (0 if enabled else 2)
+        said = capsys.readouterr()
+        if enabled:
+            assert "profile rank 0: 1 step(s)" in said.out
+        else:
+            assert 'pass infinity_config={"profile": {"enabled": True}} to InfinityTrainer' in said.err
+            assert "--set" not in said.err
+        trainer.engine.close()
