@@ -145,6 +145,7 @@ def _two_ranks(rank, world, recipe, windows):
         return losses, norms, engine.full_state_dict()
 
 
+@pytest.mark.slow  # (two spawned processes: ~5 s; `infinity train` and the trainers at world 2 were checked by hand)
 def test_a_weighted_window_over_two_ranks_is_one_big_batch():
     """World 2 (gloo): each rank's shares over the window's items on both ranks; their sum is the big batch's."""
     from dist_utils import run_distributed
