@@ -287,9 +287,8 @@ class _Null:
 
 
 def _placement_text(engine) -> str:
-    cfg = engine.config.placement
-    if cfg.policy == "static":
-        return f"params={cfg.params} grads={cfg.grads} optimizer={cfg.optimizer}"
+    if engine.config.placement.policy == "static":
+        return engine.plan.placement_text()  # (as the trainers say it: the tiers planned)
     return "auto (" + "; ".join(engine.plan.reasons[:3]) + ")"
 
 
