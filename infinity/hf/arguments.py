@@ -4,13 +4,15 @@ Note [training arguments win]: the Trainer's own arguments own the optimizer hyp
 (learning_rate, adam_beta1/2, adam_epsilon, weight_decay, max_grad_norm), the accumulation
 (gradient_accumulation_steps), the compute dtype (bf16), activation checkpointing
 (gradient_checkpointing) and the seed; `infinity_config` owns what the Trainer has no words for
-(placement, budgets, NVMe paths, ZeRO stage, prefetch, io). A key both could set is taken from the
+(placement, budgets, NVMe paths, ZeRO stage, prefetch, io, the profiler: its output goes to output_dir/profile
+unless `infinity_config` sets profile.trace_dir). A key both could set is taken from the
 arguments; an `infinity_config` that sets it to something else is refused (one answer, in one
 place), and so is any argument the engine cannot honour: never ignored.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from infinity.config.sections import Config, ConfigError
@@ -18,6 +20,7 @@ from infinity.config.sections import Config, ConfigError
 __all__ = ["engine_config_for", "refuse_unsupported"]
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")  # exactly torch.optim.AdamW's update
+PROFILE_DIR = "profile"  # the profiler's output inside output_dir, unless infinity_config sets profile.trace_dir
 
 
 def _value(args, name: str):
@@ -96,6 +99,8 @@ def engine_config_for(args, infinity_config=None) -> Config:
             raise ConfigError(f"infinity_config sets {section}.{key} = {given!r} but the Trainer decides it "
                               f"({value!r} from TrainingArguments): set it in TrainingArguments and remove it "
                               f"from infinity_config")
+    if user["profile"]["trace_dir"] == default["profile"]["trace_dir"] and getattr(args, "output_dir", None):
+        user["profile"]["trace_dir"] = os.path.join(args.output_dir, PROFILE_DIR)  # (`infinity profile OUTPUT_DIR`)
     return Config.from_dict(user)
 
 

@@ -33,10 +33,11 @@ from torch import nn
 from transformers import Trainer, TrainerCallback
 
 from infinity.config.sections import ConfigError
+from infinity.device.dtypes import name_of
 from infinity.hf.arguments import engine_config_for
 from infinity.runtime.engine import initialize
 
-__all__ = ["EngineForward", "InfinityTrainer", "InfinityTrainerMixin"]
+__all__ = ["EngineForward", "InfinityTrainer", "InfinityTrainerMixin", "run_line"]
 
 ENGINE_CHECKPOINT = "infinity"  # the engine checkpoint inside a Trainer checkpoint-N folder
 SCHEDULER_FILE = "scheduler.pt"  # (transformers' SCHEDULER_NAME)
@@ -61,6 +62,34 @@ class EngineForward(nn.Module):
     @property
     def config(self):
         return self.engine.module.config
+
+
+class _SayWhatRuns(TrainerCallback):
+    """At the start of train(), rank 0 prints one line of what the engine runs (`run_line`); at its end the
+    profile is written (output_dir/profile unless infinity_config sets profile.trace_dir)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.trainer.is_world_process_zero():
+            print(run_line(args, self.trainer.engine), flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer.engine.write_profile()  # (with [profile] enabled: `infinity profile OUTPUT_DIR` reads it)
+
+
+def run_line(args, engine) -> str:
+    """What the engine runs, read from its plan and config (the values in use), and where the Trainer decided
+    them (Note [training arguments win] in arguments.py)."""
+    plan, cfg = engine.plan, engine.config
+    clip = cfg.optimizer.grad_clip
+    auto = " (auto)" if cfg.placement.policy == "auto" else ""
+    return (f"infinity: compute {name_of(plan.compute_dtype)} (from {type(args).__name__} bf16={args.bf16}), "
+            f"placement {plan.placement_text()}{auto}, ZeRO stage {cfg.zero.stage}, grad clipping "
+            f"{f'at norm {clip:g}' if clip > 0 else 'off'} (max_grad_norm={args.max_grad_norm}), optimizer "
+            f"{cfg.optimizer.name} state {plan.state_dtype.value}, world size {engine.world_size}, "
+            f"device {engine.device}")
 
 
 class _GradNormLog(TrainerCallback):
@@ -93,8 +122,9 @@ class InfinityTrainerMixin:
         self.engine = None
         super().__init__(*args, **kwargs)
         self.infinity_config = engine_config_for(self.args, infinity_config)
-        if self.args.gradient_checkpointing:
-            self.args.gradient_checkpointing = False  # the engine checkpoints units; HF's own would do it twice
+        for name in ("gradient_checkpointing", "activation_checkpointing"):  # (transformers 5: the new name rules)
+            if getattr(self.args, name, False):
+                setattr(self.args, name, False)  # the engine checkpoints units; HF's own would do it twice
         model = self.model
         _name_the_base(model, infinity_weights)
         decay = set(self.get_decay_parameter_names(model))
@@ -106,6 +136,7 @@ class InfinityTrainerMixin:
         self._forward = EngineForward(self.engine)
         self._grad_norm = torch.zeros(())
         self.add_callback(_GradNormLog(self))
+        self.add_callback(_SayWhatRuns(self))
 
     # ----------------------------------------------------------------- placement and wrapping
     def _move_model_to_device(self, model, device):
@@ -121,7 +152,11 @@ class InfinityTrainerMixin:
     # ----------------------------------------------------------------- the step
     def training_step(self, model, inputs, num_items_in_batch=None):
         """As Trainer.training_step (the same loss and the same scaling for accumulation), with the backward
-        on the engine: `engine.backward` divides by grad_accum_steps itself, so it gets the loss times that."""
+        on the engine: `engine.backward` divides by grad_accum_steps itself, so it gets the loss times that.
+        With the Trainer's `num_items_in_batch` the loss is already the window's share (its items over the
+        window's on all ranks, times the world size when averaged across devices, as DDP's average expects:
+        the engine averages over ranks as DDP does), so the window is one big batch's token mean (Note
+        [token-weighted windows])."""
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():

@@ -10,11 +10,11 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from infinity.config.options import ConfigError, show
 from infinity.job.data import VOCAB_SIZE
 from infinity.job.spec import LoraConfig, ModelConfig
+from infinity.runtime.chunked_loss import token_loss
 
 
 @dataclass
@@ -23,19 +23,24 @@ class ModelBundle:
 
     model: nn.Module
     init_fn: Callable[[nn.Module], None] | None
-    loss: Callable[[Callable, torch.Tensor, torch.Tensor], torch.Tensor]  # loss(forward, x, y)
+    loss: Callable[..., torch.Tensor]  # loss(forward, x, y, num_items=None): mean, or the sum over num_items
     description: str
     weights: str | None = None  # initialize(weights=...): the pretrained directory
     hf_config: Any = None  # the transformers config, saved beside an export (pretrained models)
 
 
-def _lm_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Loss of a Hugging Face causal LM: transformers' ForCausalLMLoss of its logits against the next tokens (with
-    `[activation] loss_chunk_tokens` the engine computes it chunked, without the whole logits)."""
+def _lm_loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
+    """Loss of a Hugging Face causal LM: transformers' ForCausalLMLoss of its logits against the next tokens, or
+    their sum over `num_items` (Note [token-weighted windows]); with `[activation] loss_chunk_tokens` the engine
+    computes it chunked, without the whole logits."""
     if getattr(getattr(forward, "forward_fn", forward), "chunks_loss", False):  # (Note [chunked loss])
-        return forward(input_ids=x, shift_labels=y).loss  # y: already the next tokens
-    logits = forward(input_ids=x).logits
-    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+        return forward(input_ids=x, shift_labels=y, num_items_in_batch=num_items).loss  # y: already the next tokens
+    return token_loss(forward(input_ids=x).logits, y, num_items)
+
+
+def _gpt_loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
+    """The built-in GPT's loss (its forward's own cross-entropy of its logits), or the sum over `num_items`."""
+    return token_loss(forward(x), y, num_items)
 
 
 def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True) -> ModelBundle:
@@ -56,7 +61,7 @@ def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool 
                               f"{4 * cfg.d_model}; remove it or use model.kind = \"gpt2\" / \"llama\"")
         with scope:
             model = GPT(gcfg)
-        return ModelBundle(model, gpt_init, lambda fwd, x, y: fwd(x, y), f"gpt {_count(model)}")
+        return ModelBundle(model, gpt_init, _gpt_loss, f"gpt {_count(model)}")
     transformers = need_transformers(f'model.kind = "{cfg.kind}"', 'or use model.kind = "gpt"')
     if cfg.kind == "gpt2":
         hf_cfg = transformers.GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model,

@@ -15,6 +15,12 @@ Several processes: `torchrun --nproc-per-node N -m infinity train ...`.
 Errors a user can fix (config, placement, preflight) print one message naming
 the key and the fix, and exit with status 2; Ctrl-C during training exits 130
 after the clean stop (see `infinity.job.train`, Note [clean stop]).
+
+Note [closed stdout]: `infinity profile RUN --json | head -1` closes the pipe while the command still writes;
+Python raises BrokenPipeError there, or at exit while flushing stdout. As a tool killed by SIGPIPE would, the
+command stops quietly with status 141 (128 + SIGPIPE): main() flushes stdout itself, and on a BrokenPipeError
+*of stdout* (the pipe's reader is gone: poll says so) points stdout at /dev/null so the exit's flush cannot
+fail again. A BrokenPipeError of anything else (a socket between ranks) is raised as before.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import sys
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_CLOSED_STDOUT = 141  # 128 + SIGPIPE, as a tool the signal ended (Note [closed stdout])
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -95,6 +102,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command; its exit status (Note [closed stdout]: a reader that went away ends it quietly)."""
+    try:
+        status = _command(argv)
+        sys.stdout.flush()  # (a closed pipe shows here, not in the interpreter's flush at exit)
+        return status
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
+        return EXIT_CLOSED_STDOUT
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # (no fileno: stdout replaced by an object; no poll)
+        return False
+
+
+def _command(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench-io"]:
         from io_engine import bench
@@ -273,8 +304,21 @@ def profile_summaries(run_dir: str) -> dict[str, dict]:
             return {f"rank{data.get('rank', 0)}": data}
     if not os.path.exists(run_dir):
         raise ConfigError(f"infinity profile {run_dir}: no such directory; give a run directory (runs/<time>)")
+    if _trainer_output(run_dir):
+        raise ConfigError(f"{run_dir} has no profile (profile/rank<N>/summary.json): the trainer ran without the "
+                          f"profiler; pass infinity_config={{\"profile\": {{\"enabled\": True}}}} to InfinityTrainer / "
+                          f"InfinitySFTTrainer (or [profile] enabled = true in its TOML file): the profile is then "
+                          f"written to output_dir/profile")
     raise ConfigError(f"{run_dir} has no profile (profile/rank<N>/summary.json): the run was made without the "
                       f"profiler; train with --set profile.enabled=true")
+
+
+def _trainer_output(path: str) -> bool:
+    """A Hugging Face Trainer's output_dir (or one of its checkpoint-N folders), not a job's run directory."""
+    if os.path.isfile(os.path.join(path, "config.toml")):
+        return False  # the job's
+    return any(os.path.exists(os.path.join(path, name)) for name in ("training_args.bin", "trainer_state.json")) \
+        or any(name.startswith("checkpoint-") for name in os.listdir(path) if os.path.isdir(os.path.join(path, name)))
 
 
 def _profile(args) -> int:

@@ -133,6 +133,7 @@ class RankBatches:
     seed becomes a global batch of its source (`_batch`): windows of a token stream here, samples in samples.py."""
 
     loss = None  # the model's own next-token loss (samples.SampleBatches carries a masked one)
+    # (a loss is loss(forward, x, y, num_items=None): the mean over y's targets, or their sum over num_items)
     train: object
     val: object
     seed: int
@@ -149,6 +150,18 @@ class RankBatches:
         """This rank's rows of the global batch of (optimizer step, micro-batch)."""
         x, y = self.global_batch_at(step, micro)
         return x[self.rows], y[self.rows]
+
+    def window(self, step: int, accum: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """This rank's rows of the `accum` micro-batches of optimizer step `step`, and the window's items: its
+        targets that count (not -100) over every micro-batch and every rank's rows (Note [token-weighted
+        windows] in runtime/accumulation.py; known here without a collective, Note [same batches at every
+        world size])."""
+        rows, items = [], 0
+        for micro in range(accum):
+            x, y = self.global_batch_at(step, micro)
+            items += int((y != -100).sum())
+            rows.append((x[self.rows], y[self.rows]))
+        return rows, items
 
     def val_batches(self, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`count` fixed validation batches (the same every call), this rank's rows."""

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from infinity.config.options import ConfigError
 from infinity.job.data import RankBatches, rank_rows
+from infinity.runtime.chunked_loss import token_loss
 
 IGNORE = -100  # transformers' ignore_index
 ROLES = ("system", "user", "assistant", "tool")
@@ -317,10 +317,10 @@ def attention_inputs(x: torch.Tensor, dtype: torch.dtype) -> dict:
 
 
 def masked_loss(dtype: torch.dtype):
-    """loss(forward, x, y) of collated rows: the mean cross-entropy over the targets that are not -100."""
-    def loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = forward(**attention_inputs(x, dtype)).logits
-        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE)
+    """loss(forward, x, y, num_items=None) of collated rows: the mean cross-entropy over the targets that are not
+    -100, or their sum over `num_items` (the window's items: Note [token-weighted windows])."""
+    def loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
+        return token_loss(forward(**attention_inputs(x, dtype)).logits, y, num_items)
     return loss
 
 

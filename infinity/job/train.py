@@ -287,9 +287,8 @@ class _Null:
 
 
 def _placement_text(engine) -> str:
-    cfg = engine.config.placement
-    if cfg.policy == "static":
-        return f"params={cfg.params} grads={cfg.grads} optimizer={cfg.optimizer}"
+    if engine.config.placement.policy == "static":
+        return engine.plan.placement_text()  # (as the trainers say it: the tiers planned)
     return "auto (" + "; ".join(engine.plan.reasons[:3]) + ")"
 
 
@@ -329,15 +328,16 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
     for step in range(start + 1, job.run.steps + 1):
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=device)
-        tokens_per_step = 0  # trained tokens: not padding, not masked (-100), over all ranks
-        for micro in range(accum):
-            x, y = (t.to(device, non_blocking=True) for t in batches.batch(step - 1, micro))
-            tokens_per_step += int((y != -100).sum()) * engine.world_size
-            loss = loss_of(engine, x, y)
-            engine.backward(loss)
+        # the window's trained tokens (not padding, not masked -100) over all ranks: each micro-batch's loss is
+        # its summed loss over them (Note [token-weighted windows]), so the ranks' shares add up to the mean
+        window, tokens_per_step = batches.window(step - 1, accum)
+        for x, y in window:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = loss_of(engine, x, y, tokens_per_step)
+            engine.backward(loss, num_items_in_batch=tokens_per_step)
             total += loss.detach().double()
         engine.step()
-        mean_loss, stopping = _reduce_step(total / accum, stop.raised, device, engine.world_size)
+        mean_loss, stopping = _reduce_step(total, stop.raised, device, engine.world_size)
         seconds = time.perf_counter() - t0
         recent = (recent + [seconds])[-10:]
         if step % job.run.log_every == 0 or step <= 2 or step == job.run.steps:
@@ -372,13 +372,13 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
 
 
 def _reduce_step(loss: torch.Tensor, stop: bool, device: torch.device, world: int) -> tuple[float, bool]:
-    """Mean loss over ranks, and whether any rank was asked to stop (Note [clean stop])."""
+    """The sum of the ranks' losses, and whether any rank was asked to stop (Note [clean stop])."""
     if world == 1:
         return float(loss), stop
     import torch.distributed as dist
     packed = torch.stack([loss.double(), torch.tensor(float(stop), dtype=torch.float64, device=device)])
     dist.all_reduce(packed)  # every rank sees the same stop decision, so all stop after the same step
-    return float(packed[0]) / world, bool(packed[1] > 0)
+    return float(packed[0]), bool(packed[1] > 0)
 
 
 @torch.no_grad()
@@ -389,7 +389,7 @@ def _validate(engine, bundle: ModelBundle, batches: Batches, count: int, device:
         total += (batches.loss or bundle.loss)(engine, x.to(device), y.to(device)).double()
     engine.train()
     value, _ = _reduce_step(total / count, False, device, engine.world_size)
-    return value
+    return value / engine.world_size  # (the mean of the ranks' batch means)
 
 
 def _save_final(job: Job, config: Config, engine, run_dir: Path, result: Result, world: int, rank: int) -> Path:

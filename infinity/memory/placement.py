@@ -92,6 +92,17 @@ class Plan:
         per = self.state_bytes()
         return {t: sum(per[t].values()) + self.working.get(t, 0) for t in Tier}
 
+    def placement_text(self) -> str:
+        """Where each `[placement]` group's state is planned, e.g. `params=device grads=host optimizer=nvme`
+        (a group over several tiers: `host+nvme`)."""
+        groups: dict[str, set[Tier]] = {}
+        for unit_tiers in self.tiers:
+            for kind, tier in unit_tiers.items():
+                groups.setdefault(kind.group, set()).add(tier)
+        order = list(Tier)
+        return " ".join(f"{g}={'+'.join(t.value for t in sorted(groups[g], key=order.index))}"
+                        for g in ("params", "grads", "optimizer") if g in groups)
+
 
 def working_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
                   units_ahead: int, **settings) -> dict[Tier, int]:

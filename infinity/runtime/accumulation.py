@@ -8,6 +8,16 @@ earlier one the caller marks with `engine.backward(loss, end_window=True)`: an e
 as Hugging Face's Trainer runs it (it scales that window's losses by its own length; the engine's
 1/grad_accum_steps scaling is unchanged, so a plain loop that ends a window early scales its losses itself).
 `step()` acts once after a window closed and is a no-op otherwise; a checkpoint is taken between windows.
+
+Note [token-weighted windows]: with micro-batches of unequal label-token counts (padding, masked prompts), the
+mean of per-micro-batch means is not the mean over the window's tokens: accumulation would change the loss
+(the 2024 gradient-accumulation bug). As transformers' `num_items_in_batch`, a caller that knows the window's
+items N (label tokens != -100 after the shift, over every micro-batch of the window on every rank) passes
+`engine.backward(loss, num_items_in_batch=N)` with `loss` = this micro-batch's summed loss / N. The engine
+then scales by the world size instead of 1/grad_accum_steps (the reducer averages over ranks): the window's
+gradient is exactly that of one big batch's mean loss over its N items. A window is weighted in all its
+backward passes or in none. The job counts N from its global batches (no collective: Note [same batches at
+every world size]); the HF trainers get it from the Trainer, which counts it the same way.
 """
 
 from __future__ import annotations
@@ -21,9 +31,16 @@ class AccumulationWindow:
         self.taken_in_window = 0  # backward passes of the open window so far
         self.closed = False  # the last backward ended a window and step() has not applied it yet
         self._end_now = False
+        self._weighted = False  # the open window's backward passes carry num_items_in_batch
 
-    def begin(self, end_window: bool) -> None:
-        """A backward starts; `end_window`: it ends the window whatever the count."""
+    def begin(self, end_window: bool, weighted: bool = False) -> None:
+        """A backward starts; `end_window`: it ends the window whatever the count; `weighted`: its loss is a share
+        of the window's items (Note [token-weighted windows])."""
+        if self.taken_in_window and weighted != self._weighted:
+            raise ValueError(f"engine.backward: num_items_in_batch {'given' if weighted else 'left out'} inside a "
+                             f"window whose first backward {'left it out' if weighted else 'gave it'}: weight every "
+                             f"micro-batch of a window by its items, or none (Note [token-weighted windows])")
+        self._weighted = weighted
         self._end_now = end_window or self.taken_in_window + 1 >= self.length
 
     def ends_now(self) -> bool:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from infinity.config.options import ConfigError
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "loss_forward", "logits_bytes_saved"]
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "loss_forward", "logits_bytes_saved", "token_loss"]
 
 IGNORE_INDEX = -100
 # config attributes of heads that are not a plain Linear (Gemma 2/3 soft-capping, Cohere and Granite scaling)
@@ -40,11 +40,12 @@ _HEAD_EXTRAS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "out
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """sum over chunks of CE(F.linear(hidden, weight, bias).float(), targets, reduction="sum") / count."""
+    """sum over chunks of CE(F.linear(hidden, weight, bias).float(), targets, reduction="sum") / count (the
+    unmasked targets, or the window's items: Note [token-weighted windows] in accumulation.py)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk: int):
-        count = (targets != IGNORE_INDEX).sum()
+    def forward(ctx, hidden, weight, bias, targets, chunk: int, num_items):
+        count = (targets != IGNORE_INDEX).sum() if num_items is None else torch.as_tensor(num_items).to(hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk):
             logits = F.linear(hidden[s:s + chunk], weight, bias).float()
@@ -77,13 +78,24 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             if need_b:
                 grad_b += next(grads)
         return (grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-                None, None)
+                None, None, None)
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, num_items=None) -> torch.Tensor:
+    """Cross-entropy of `logits` against `targets` (already the next tokens; -100: ignored) as transformers'
+    ForCausalLMLoss computes it: fp32, the mean over the unmasked targets, or with `num_items` their sum over
+    it (Note [token-weighted windows] in accumulation.py)."""
+    flat = logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1).to(logits.device)
+    if num_items is None:
+        return F.cross_entropy(*flat, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(*flat, ignore_index=IGNORE_INDEX, reduction="sum") / num_items
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, shift_labels: torch.Tensor,
-                          chunk_tokens: int) -> torch.Tensor:
+                          chunk_tokens: int, num_items=None) -> torch.Tensor:
     """Mean cross-entropy of `head(hidden)` against `shift_labels` (-100: ignored), `chunk_tokens` rows of
-    logits at a time (Note [chunked loss]). hidden: [..., hidden]; shift_labels: [...], already shifted."""
+    logits at a time (Note [chunked loss]); with `num_items` the summed cross-entropy over it, as
+    transformers' `num_items_in_batch`. hidden: [..., hidden]; shift_labels: [...], already shifted."""
     h = hidden.reshape(-1, hidden.shape[-1])
     y = shift_labels.reshape(-1).to(h.device)
     if y.numel() != h.shape[0]:
@@ -92,7 +104,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Linear, shift_labels: t
         raise ValueError(f"chunked loss: the head must be a plain nn.Linear, got a {type(head).__name__} (a head "
                          f"over [units] tile_bytes is tiled: raise tile_bytes above the head's size, or set "
                          f"activation.loss_chunk_tokens = 0)")
-    return _ChunkedCrossEntropy.apply(h, head.weight, head.bias, y, int(chunk_tokens))
+    return _ChunkedCrossEntropy.apply(h, head.weight, head.bias, y, int(chunk_tokens), num_items)
 
 
 def _shifted(labels: torch.Tensor | None, shift_labels: torch.Tensor | None) -> torch.Tensor:
@@ -136,12 +148,10 @@ class HFChunkedLoss:
     def __call__(self, *args, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs) -> Any:
         if labels is None and shift_labels is None:
             return self.model(*args, **kwargs)  # no loss asked: the model's own forward (e.g. evaluation logits)
-        if num_items_in_batch is not None:
-            raise ValueError("chunked loss: num_items_in_batch is not supported (it averages over the batch's "
-                             "unmasked tokens); leave it out, or set activation.loss_chunk_tokens = 0")
         kwargs.pop("logits_to_keep", None)
         out = self.decoder(*args, **kwargs)
-        loss = chunked_cross_entropy(out[0], self.head, _shifted(labels, shift_labels), self.chunk_tokens)
+        loss = chunked_cross_entropy(out[0], self.head, _shifted(labels, shift_labels), self.chunk_tokens,
+                                     num_items_in_batch)
         from transformers.modeling_outputs import CausalLMOutputWithPast
         return CausalLMOutputWithPast(loss=loss, logits=None)
 

@@ -139,6 +139,7 @@ class Engine:
                                      unsharded=self.unsharded, profiler=self.profiler, settled=self.updates.settled,
                                      mid_step=lambda: mid_step(self.window, self._backward_pending))
         self.micro_step = 0  # backward passes since initialize
+        self._profiled_steps = 0  # the profiled steps write_profile has written
         self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
         self._backward_pending, self._in_backward = False, False  # in backward, forward hooks are recomputation
@@ -224,17 +225,22 @@ class Engine:
         self._check_open("engine.generate", FORWARD)
         return self.inference.generate(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor, end_window: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, end_window: bool = False, num_items_in_batch=None) -> None:
         """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale); `end_window=True` ends the
-        accumulation window here, even a short one (Note [accumulation windows])."""
+        accumulation window here, even a short one (Note [accumulation windows]). `num_items_in_batch`: the
+        window weighted by its items (Note [token-weighted windows]): `loss` is this micro-batch's summed loss
+        divided by the number of items (label tokens) of the whole window on all ranks, as transformers' models
+        return it given `num_items_in_batch`; it is then not divided by grad_accum_steps nor averaged over ranks."""
         self._check_open("engine.backward")
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
-        self.window.begin(end_window)
+        self.window.begin(end_window, weighted=num_items_in_batch is not None)
         if self.updates.updates_during_backward and self.window.ends_now():
             self.wait_for_checkpoint()  # updates start during this backward (Note [overlap])
-        scale = self.scaler.scale / self.config.train.grad_accum_steps
+        # the reducer averages over the ranks: a window's share is summed over them (times the world size)
+        share = self.world_size if num_items_in_batch is not None else 1 / self.config.train.grad_accum_steps
+        scale = self.scaler.scale * share
         self.clock.compute_begin()
         self._in_backward = True
         try:
@@ -301,9 +307,13 @@ class Engine:
         in memory (Note [fresh parameters]): for `traffic.bytes_per_step`."""
         return self.updates.kept_params(self.compute_dtype.itemsize)
 
-    def _close_profile(self) -> None:
+    def write_profile(self) -> None:
+        """The profile of the steps so far to `[profile] trace_dir`/rank<N> (close() writes it too, when steps
+        were taken since)."""
         self.clock.close()
-        if self.profiler.enabled and self.profiler.steps():
+        steps = len(self.profiler.steps()) if self.profiler.enabled else 0
+        if steps > self._profiled_steps:
+            self._profiled_steps = steps
             self.profile_files = self.profiler.write(os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"),
                                                      print_table=False)  # the caller prints format_summary if it wants
 
@@ -444,7 +454,7 @@ class Engine:
         try:
             self.updates.finish()  # an update error nobody has seen yet is raised here
             self.wait_for_checkpoint()
-            self._close_profile()
+            self.write_profile()
         finally:
             self._closed = True
             try:

@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 import infinity  # noqa: E402
 from dist_utils import free_port  # noqa: E402
 from infinity.hf import InfinityTrainer  # noqa: E402
+from infinity.hf.trainer import run_line  # noqa: E402
 
 VOCAB = 64
 
@@ -121,6 +122,7 @@ def test_gradient_checkpointing_is_the_engines_units(tmp_path):
     ref = run(Trainer, tmp_path / "r", train, None, **kw)
     ours = run(InfinityTrainer, tmp_path / "o", train, None, gradient_checkpointing=True, **kw)
     assert ours.infinity_config.activation.checkpoint == "units" and not ours.args.gradient_checkpointing
+    assert not ours.model.is_activation_checkpointing  # (transformers 5's own, under its new name: not twice)
     torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
     ours.engine.close()
 
@@ -296,3 +298,124 @@ def test_torchrun_two_ranks_gloo_equals_one_process_on_the_global_batch(tmp_path
                   train_dataset=train)
     ref.train()
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+
+
+def ragged_dataset(n, seed=4):
+    """Rows of 4..16 tokens whose labels mask a prefix of random length: unequal label counts per micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        length, masked = int(torch.randint(4, 17, (1,), generator=g)), int(torch.randint(0, 4, (1,), generator=g))
+        ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * masked + ids[masked:]})
+    return datasets.Dataset.from_list(rows)
+
+
+def pad_collate(rows):
+    """Right padding: id 0, attention 0, label -100."""
+    width = max(len(r["input_ids"]) for r in rows)
+    pad = [width - len(r["input_ids"]) for r in rows]
+    return {"input_ids": torch.tensor([r["input_ids"] + [0] * p for r, p in zip(rows, pad)]),
+            "attention_mask": torch.tensor([[1] * len(r["input_ids"]) + [0] * p for r, p in zip(rows, pad)]),
+            "labels": torch.tensor([r["labels"] + [-100] * p for r, p in zip(rows, pad)])}
+
+
+@pytest.mark.parametrize("chunk", [0, 5], ids=["logits", "chunked-loss"])
+def test_a_window_of_unequal_lengths_is_weighted_by_its_tokens_as_the_trainers(tmp_path, chunk):
+    """Note [token-weighted windows]: padded rows of unequal lengths with masked prefixes, accumulation 3: the
+    Trainer's num_items_in_batch makes each window one big batch's token mean; InfinityTrainer's losses, grad
+    norms and trained parameters are the Trainer's (also through the chunked loss, which takes the count)."""
+    train = ragged_dataset(18)
+    kw = dict(gradient_accumulation_steps=3, max_steps=3, eval_strategy="no", warmup_steps=0, max_grad_norm=1e9)
+
+    def trained(cls, out, **extra):
+        trainer = cls(model=tiny_llama(), args=args_for(out, **kw), train_dataset=train, data_collator=pad_collate,
+                      **extra)
+        trainer.train()
+        return trainer
+    ref = trained(Trainer, tmp_path / "ref")
+    ours = trained(InfinityTrainer, tmp_path / "ours", infinity_config={"activation": {"loss_chunk_tokens": chunk}})
+    assert len(losses(ref)) == 3
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ref_gn = [h["grad_norm"] for h in ref.state.log_history if "loss" in h]
+    assert [h["grad_norm"] for h in ours.state.log_history if "loss" in h] == pytest.approx(ref_gn, rel=1e-5)
+    got = ours.engine.full_state_dict()
+    for name, value in ref.model.state_dict().items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    ours.engine.close()
+
+
+def test_sft_trainer_weights_a_window_of_unequal_completions_as_trl(tmp_path):
+    """Prompt / completion records of unequal lengths (TRL masks the prompts), accumulation 3: TRL's SFTTrainer's
+    losses (Note [token-weighted windows])."""
+    trl = pytest.importorskip("trl")
+    from infinity.hf import InfinitySFTTrainer
+    tokenizer, _ = chat_data(1)
+    words = ["hello", "world", "how", "are", "you", "fine", "thanks", "what", "is", "two", "plus", "four"]
+    ds = datasets.Dataset.from_list([{"prompt": " ".join(words[i % 12:i % 12 + 1 + i % 5]),
+                                      "completion": " " + " ".join(words[(i * 7) % 12:(i * 7) % 12 + 1 + (i * 3) % 4])}
+                                     for i in range(18)])
+
+    def sft(cls, out):
+        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3,
+                            gradient_accumulation_steps=3, max_steps=3, logging_steps=1, save_strategy="no",
+                            report_to=[], seed=3, use_cpu=True, disable_tqdm=True, max_length=32, bf16=False)
+        trainer = cls(model=tiny_llama(), args=cfg, train_dataset=ds, processing_class=tokenizer)
+        trainer.train()
+        return trainer
+
+    ref, ours = sft(trl.SFTTrainer, tmp_path / "r"), sft(InfinitySFTTrainer, tmp_path / "o")
+    assert len(losses(ref)) == 3
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    ours.engine.close()
+
+
+def test_the_trainers_say_what_they_run_once_at_start(tmp_path, capsys):
+    """One line at train()'s start, from the engine's plan and config (the values in use) and the argument that
+    decided each; SFTConfig's default bf16=True is named as the reason for bf16 compute."""
+    trl = pytest.importorskip("trl")
+    from infinity.hf import InfinitySFTTrainer
+    cfg = {"placement": {"params": "host", "grads": "device", "optimizer": "host"}, "zero": {"stage": 2},
+           "optimizer": {"state_dtype": "bf16"}}
+    trainer = InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path / "o", max_steps=3, eval_strategy="no",
+                                                                max_grad_norm=0.25),
+                              train_dataset=lm_dataset(16), infinity_config=cfg)
+    capsys.readouterr()
+    trainer.train()
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("infinity:")]
+    plan = trainer.engine.plan
+    assert plan.state_dtype.value == "bf16" and plan.compute_dtype == torch.float32
+    assert said == ["infinity: compute fp32 (from TrainingArguments bf16=False), placement params=host grads=device "
+                    "optimizer=host, ZeRO stage 2, grad clipping at norm 0.25 (max_grad_norm=0.25), optimizer adamw "
+                    "state bf16, world size 1, device cpu"]
+    trainer.engine.close()
+    tokenizer, ds = chat_data(4)
+    sft = InfinitySFTTrainer(model=tiny_llama(), train_dataset=ds, processing_class=tokenizer,
+                             args=trl.SFTConfig(output_dir=str(tmp_path / "s"), use_cpu=True, report_to=[]))
+    assert sft.engine.plan.compute_dtype == torch.bfloat16
+    assert run_line(sft.args, sft.engine).startswith("infinity: compute bf16 (from SFTConfig bf16=True), ")
+    sft.engine.close()
+
+
+def test_infinity_profile_reads_a_trainers_output_dir_or_names_the_trainers_switch(tmp_path, capsys, monkeypatch):
+    """With infinity_config's profiler on, train() writes output_dir/profile and `infinity profile OUTPUT_DIR` prints
+    it; without, the hint is the trainer's own switch (a script has no --set)."""
+    from infinity.job.cli import main
+    from infinity.profile import chart
+    monkeypatch.setattr(chart, "draw_timeline", lambda *a: False)  # (the PNG: not what is tested, 1 s of drawing)
+    for enabled in (True, False):
+        out = tmp_path / f"profile-{enabled}"
+        trainer = InfinityTrainer(model=tiny_llama(), args=args_for(out, max_steps=1, eval_strategy="no"),
+                                  train_dataset=lm_dataset(4), infinity_config={"profile": {"enabled": enabled}})
+        if enabled:
+            trainer.train()
+        trainer.save_state()  # (trainer_state.json: what the output_dir of a run holds)
+        capsys.readouterr()
+        assert main(["profile", str(out)]) == (0 if enabled else 2)
+        said = capsys.readouterr()
+        if enabled:
+            assert "profile rank 0: 1 step(s)" in said.out
+        else:
+            assert 'pass infinity_config={"profile": {"enabled": True}} to InfinityTrainer' in said.err
+            assert "--set" not in said.err
+        trainer.engine.close()

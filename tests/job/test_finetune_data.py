@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
@@ -366,3 +367,59 @@ def test_tokenized_data_is_cached_beside_the_data_and_made_again_when_it_changes
     assert ids.tolist() == tok("two plus two is four.\n" * 40, add_special_tokens=False)["input_ids"]
     assert any(p.name.startswith("c.txt.") for p in (tmp_path / ".infinity-tokens").iterdir())
     assert torch.equal(corpus_tokens(text), ids)
+
+
+def _varied_chats(n):
+    """Chat records of different lengths: unequal label-token counts per row and per micro-batch."""
+    words = ["two", "plus", "blue", "red", "the", "stone", "is", "grey", "sky", "green"]
+    for i in range(n):
+        say = " ".join(words[(i + k) % len(words)] for k in range(1 + 3 * (i % 4)))
+        yield {"messages": [{"role": "user", "content": words[i % 10] + "?" * (i % 3)},
+                            {"role": "assistant", "content": say}]}
+
+
+def test_the_jobs_window_is_weighted_by_its_tokens(tmp_path, llama, monkeypatch):
+    """Note [token-weighted windows]: `infinity train` on chat records of unequal lengths, accumulation 3: each
+    step's loss and grad norm are those of plain PyTorch on the window's three micro-batches as one big batch
+    (the mean over all its trained tokens), and the second step's loss follows its AdamW update; the window's
+    items over two ranks' rows are the same count."""
+    from infinity.job import train as train_module
+    from infinity.job.tokenized import job_batches
+    from infinity.job.train import load_job, train
+    from infinity.optim.schedule import lr_at
+    monkeypatch.setattr(train_module, "_estimate", lambda *a: None)  # (the estimate's RSS probe: not tested here)
+    path, _, _ = llama
+    f = write_jsonl(tmp_path / "c.jsonl", list(_varied_chats(24)))
+    job = load_job(None, [f"model.pretrained={path}", f"data.path={f}", "data.format=chat", "model.seq_len=48",
+                          "run.batch_size=2", "run.steps=2", "run.eval_every=0", "run.eval_batches=1",
+                          "run.export=false", "run.checkpoint=false", f"run.dir={tmp_path}", "run.name=r",
+                          "train.grad_accum_steps=3", "optimizer.grad_clip=0", "placement.params=device",
+                          "placement.grads=device", "placement.optimizer=device", "profile.enabled=false"])
+    metrics = [json.loads(line) for line in (train(job, verbose=False).run_dir / "metrics.jsonl").read_text()
+               .splitlines()]
+    batches, o = job_batches(job), job.engine_config("x").optimizer
+    model = transformers.LlamaForCausalLM.from_pretrained(path)
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    want_loss, want_norm, counts = [], [], []
+    for step in range(2):
+        window = [batches.global_batch_at(step, m) for m in range(3)]
+        width = max(x.shape[-1] for x, _ in window)
+        x = torch.cat([F.pad(x, (0, width - x.shape[-1])) for x, _ in window])  # pads: id 0, segment 0
+        y = torch.cat([F.pad(y, (0, width - y.shape[-1]), value=IGNORE) for _, y in window])
+        counts.append([int((y != IGNORE).sum()) for _, y in window])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, o)
+        loss = masked_loss(torch.float32)(model, x, y)  # the big batch's mean over its trained tokens
+        loss.backward()
+        want_loss.append(loss.item())
+        want_norm.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert all(len(set(c)) > 1 for c in counts)  # the micro-batches' token counts differ
+    assert [m["grad_norm"] for m in metrics] == pytest.approx(want_norm, rel=1e-4)
+    assert [m["loss"] for m in metrics] == pytest.approx(want_loss, rel=1e-5)
+    assert [m["tokens_per_step"] for m in metrics] == [sum(c) for c in counts]
+    halves = [job_batches(job, rank=r, world=2).window(1, 3) for r in range(2)]
+    assert halves[0][1] == halves[1][1] == sum(counts[1])
+    assert [torch.cat([h[0][m][1] for h in halves]).tolist() for m in range(3)] == \
+        [batches.global_batch_at(1, m)[1].tolist() for m in range(3)]

@@ -53,3 +53,43 @@ def test_profile_command_names_a_missing_profile(tmp_path):
     assert out.returncode == 2 and "profile.enabled=true" in out.stderr
     out = _cli("profile", str(tmp_path / "nope"))
     assert out.returncode == 2 and "no such directory" in out.stderr
+
+
+def _big_profile(root, count=4000):
+    """A profile summary of `count` steps (4000: its JSON is more than a pipe holds)."""
+    rank = root / "profile" / "rank0"
+    rank.mkdir(parents=True)
+    steps = [{"step": i, "step_s": 0.1, "links": {"compute": {"busy_s": 0.05}}} for i in range(count)]
+    (rank / "summary.json").write_text(json.dumps({"rank": 0, "num_steps": count, "steps": steps,
+                                                   "median": {"step_s": 0.1}}))
+    return root
+
+
+@pytest.mark.parametrize("count", [4000, 2], ids=["larger-than-the-pipe", "small"])
+def test_a_closed_stdout_ends_the_command_quietly(tmp_path, count, capsys, monkeypatch):
+    """Note [closed stdout]: stdout a pipe whose reader is gone (`| head` exited): 141, nothing on stderr, and
+    stdout pointed at /dev/null (the interpreter's own flush at exit cannot fail); a large write fails in print,
+    a small one in main's flush."""
+    import os
+
+    from infinity.job.cli import main
+    read, write = os.pipe()
+    os.close(read)
+    stdout = open(write, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert main(["profile", str(_big_profile(tmp_path, count)), "--json"]) == 141
+    assert os.path.samestat(os.fstat(write), os.stat(os.devnull))
+    monkeypatch.undo()
+    stdout.close()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow  # (a process start: ~2 s)
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """`infinity profile RUN --json | head -1` as the shell runs it: exit 141, nothing on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "infinity", "profile", str(_big_profile(tmp_path)), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"{"
+    proc.stdout.close()  # (head -1 exits)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == ""

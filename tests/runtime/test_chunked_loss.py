@@ -69,6 +69,23 @@ def test_chunked_loss_and_gradients_equal_the_models_own(build, chunk):
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_num_items_in_batch_is_transformers_sum_over_it():
+    """Note [token-weighted windows]: with num_items_in_batch the chunked loss is the model's own (the summed
+    cross-entropy over it), loss and gradients (the Trainer passes it whenever the model accepts it)."""
+    model = llama()
+    x, labels = labelled_batch()
+    ref = model(input_ids=x, labels=labels, num_items_in_batch=torch.tensor(37)).loss
+    ref.backward()
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+    out = loss_forward(ActivationConfig(loss_chunk_tokens=5), model)(input_ids=x, labels=labels,
+                                                                     num_items_in_batch=torch.tensor(37))
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref, rtol=1e-6, atol=1e-6)
+    for name, value in grads(model).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_chunked_cross_entropy_against_a_written_out_formula():
     torch.manual_seed(1)
     h = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
@@ -136,7 +153,7 @@ def test_the_training_job_with_loss_chunk_tokens_gives_the_unchunked_jobs_losses
     calls = []
 
     def counted(*args):
-        calls.append(args[-1])
+        calls.append(args[3])  # chunk_tokens
         return chunked_cross_entropy(*args)
     monkeypatch.setattr(chunked_loss, "chunked_cross_entropy", counted)
 
