@@ -5,10 +5,15 @@ thread queued between two waits (`Profiler.device_span`), not the host time it t
 
 A profiled step runs from its first forward to the next step's first forward: with overlap its
 update runs during that next forward, so it ends there (or at `close` for the last one).
+
+The rest of the thread's time is named too (Note [step attribution] in records.py): `host(part)` spans the
+engine's own host code (pausing an open compute span, so the two never overlap on the CPU), and the time
+between the return of one engine call and the start of the next is the caller's (`call_begins`/`call_ends`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from infinity.profile.spans import Link
@@ -24,8 +29,39 @@ class TrainingClock:
         self._device_span = None  # the open device span of the compute in progress (device_time)
         self._step_started: float | None = None  # the first forward of the step in progress
         self._pending: tuple[int, float | None] | None = None  # (step, start) of the step the next one ends
+        self._outside_since: float | None = None  # an engine call returned then: the caller runs since
+        self._computing = False  # a compute span is open
+
+    def call_begins(self) -> None:
+        """An engine call starts: the caller's time since the last one returned ends."""
+        if self._outside_since is not None:
+            self.profiler.record_host("caller", self._outside_since, time.perf_counter())
+            self._outside_since = None
+
+    def call_ends(self) -> None:
+        """An engine call returns to the caller (who runs until the next call)."""
+        if self.profiler.enabled:
+            self._outside_since = time.perf_counter()
+
+    @contextlib.contextmanager
+    def host(self, part: str, unit: str | None = None, during: str = "compute"):
+        """The body is host code of `part` (a HOST_PARTS key); an open compute span (of phase `during`) is
+        closed before it and opened again after it."""
+        if not self.profiler.enabled:
+            yield
+            return
+        paused = self._computing
+        if paused:
+            self.compute_end(f"{during} (until {part} {unit or ''})".replace(" )", ")"))
+        try:
+            with self.profiler.host(part, unit=unit):
+                yield
+        finally:
+            if paused:
+                self.compute_begin()
 
     def compute_begin(self) -> None:
+        self._computing = self.profiler.enabled
         if self.profiler.enabled and self.device_time:
             self._device_span = self.profiler.device_span("compute", Link.COMPUTE)
             self._device_span.__enter__()
@@ -34,6 +70,7 @@ class TrainingClock:
 
     def compute_end(self, name: str) -> None:
         """Close the current compute span (the thread is about to wait, or is done)."""
+        self._computing = False
         if self._device_span is not None:
             span, self._device_span = self._device_span, None
             span.end(name)
@@ -60,6 +97,7 @@ class TrainingClock:
 
     def close(self) -> None:
         """The last step ends now."""
+        self.call_begins()  # (the caller's time since the last call)
         if self._pending is not None and self._pending[1] is not None:
             self.profiler.record_step(*self._pending, time.perf_counter())
             self._pending = None

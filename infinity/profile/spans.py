@@ -114,6 +114,7 @@ class Profiler:
         self._steps: list[StepMark] = []
         self._open_steps: dict[int, float] = {}
         self._device = device_timing.DeviceSpans(self._append)
+        self.predicted_bytes: dict[str, int] | None = None  # the byte model's per steady step, set by the engine
 
     # ---- recording ----------------------------------------------------
 
@@ -124,6 +125,22 @@ class Profiler:
     def wait(self, link: Link, name: str) -> _SpanTimer:
         """Time the body as compute blocked on `link` (its exposed time)."""
         return _SpanTimer(self, name, link, 0, None, SpanKind.WAIT)
+
+    def host(self, part: str, *, unit: str | None = None) -> _SpanTimer:
+        """Time the body as the training thread's host code of `part` (a `HOST_PARTS` key: Note [step
+        attribution])."""
+        return _SpanTimer(self, part, Link.COMPUTE, 0, unit, SpanKind.HOST)
+
+    def record_host(self, part: str, start: float, end: float) -> None:
+        """Add an already-timed stretch of host code of `part`."""
+        if end < start:
+            raise ValueError(f"host span {part!r} ends before it starts (start={start}, end={end})")
+        self._append(Span(part, Link.COMPUTE, start, end, 0, None, SpanKind.HOST))
+
+    def record_sync(self, why: str) -> None:
+        """A host synchronization now (Note [host syncs]): counted per step."""
+        now = time.perf_counter()
+        self._append(Span(why, Link.COMPUTE, now, now, 0, None, SpanKind.SYNC))
 
     def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0, unit: str | None = None):
         """Time the work the body enqueues on a CUDA `stream` (default: current).
@@ -204,7 +221,8 @@ class Profiler:
         """Per-step and median overlap summary; see `summary.summarize`."""
         from infinity.profile.summary import summarize
 
-        return summarize(self.spans(), self.steps(), self.peaks_GBps, rank=self.rank)
+        return summarize(self.spans(), self.steps(), self.peaks_GBps, rank=self.rank,
+                         predicted_bytes=self.predicted_bytes)
 
     def write(self, out_dir: str, *, print_table: bool = True) -> dict[str, str]:
         """Write trace.json, summary.json and timeline.png under `out_dir`.
@@ -222,7 +240,7 @@ class Profiler:
         from io_engine import atomic_write
 
         spans, steps = self.spans(), self.steps()
-        summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank)
+        summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank, predicted_bytes=self.predicted_bytes)
         os.makedirs(out_dir, exist_ok=True)
         paths = {"trace": os.path.join(out_dir, "trace.json"), "summary": os.path.join(out_dir, "summary.json")}
         atomic_write(paths["trace"], json.dumps(chrome.chrome_trace(spans, steps, rank=self.rank)))
@@ -246,12 +264,22 @@ class NullProfiler:
     def __init__(self, rank: int = 0, peaks_GBps: dict | None = None):
         self.rank = rank
         self.peaks_GBps = {}
+        self.predicted_bytes = None
 
     def span(self, name: str, link: Link, *, num_bytes: int = 0, unit: str | None = None) -> _NullSpan:
         return _NULL_SPAN
 
     def wait(self, link: Link, name: str) -> _NullSpan:
         return _NULL_SPAN
+
+    def host(self, part: str, *, unit: str | None = None) -> _NullSpan:
+        return _NULL_SPAN
+
+    def record_host(self, part: str, start: float, end: float) -> None:
+        pass
+
+    def record_sync(self, why: str) -> None:
+        pass
 
     def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0,
                     unit: str | None = None) -> _NullSpan:

@@ -25,7 +25,7 @@ from infinity.config.sections import Config
 from infinity.device.collectives import all_reduce_sum
 from infinity.device.dtypes import DTYPES
 from infinity.device.process_group import broadcast_object
-from infinity.device.streams import Streams, host_value
+from infinity.device.streams import Streams, host_value, listen_host_syncs
 from infinity.machine.environment import resolve
 from infinity.machine.heap import heap_policy
 from infinity.machine.link_rates import link_peaks
@@ -33,9 +33,9 @@ from infinity.memory.buffers import UnshardedMemory
 from infinity.memory.fresh import fresh_budget
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.stages import stage_for
-from infinity.memory.traffic import plan_report
+from infinity.memory.traffic import bytes_per_step, plan_report
 from infinity.optim.groups import resolve_groups
-from infinity.profile import NullProfiler, Profiler
+from infinity.profile import Link, NullProfiler, Profiler
 from infinity.profile.clock import TrainingClock
 from infinity.runtime.accumulation import AccumulationWindow
 from infinity.runtime.activations import activations_for
@@ -76,6 +76,8 @@ class Engine:
         self.streams = Streams.for_device(self.env.device)
         self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=link_peaks(config, self.env.device))
                          if config.profile.enabled else NullProfiler(rank=self.env.rank))
+        self._stop_sync_count = listen_host_syncs(  # Note [host syncs]: counted per step in the profile
+            lambda thread, why: self.profiler.record_sync(f"{why} ({thread})")) if config.profile.enabled else None
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
         self.heap = heap_policy(config.memory.release_heap)  # Note [heap release]
         ctx = UnitContext(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
@@ -159,37 +161,44 @@ class Engine:
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, unit: Unit) -> None:
         self.clock.compute_end(f"forward before {unit.name}")
-        self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
-        self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
-        self.prefetcher.wait_for(unit)
-        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
+        with self.clock.host("hooks", unit.name):  # (Note [step attribution]: its waits are named inside)
+            self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
+            self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
+            self.prefetcher.wait_for(unit)
+            self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
 
     def _pre_backward(self, unit: Unit) -> None:
         self.clock.compute_end(f"backward before {unit.name}")
-        self.prefetcher.before_backward(unit)
-        self.prefetcher.wait_for(unit)
-        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
+        with self.clock.host("hooks", unit.name):
+            self.prefetcher.before_backward(unit)
+            self.prefetcher.wait_for(unit)
+            self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
         self.clock.compute_begin()
 
     def _post_forward(self, unit: Unit) -> None:
-        unit.reshard()
+        with self.clock.host("hooks", unit.name, during="forward"):
+            unit.reshard()
 
     def _grads_ready(self, unit: Unit) -> None:
-        self.reducer.issue(unit, final=self.window.ends_now())
-        if unit.index != 0 and unit.trainable_numel == unit.flat_numel:
-            unit.reshard()  # every parameter has its gradient, so no backward op needs them any more
+        with self.clock.host("hooks", unit.name, during="backward"):
+            self.reducer.issue(unit, final=self.window.ends_now())
+            if unit.index != 0 and unit.trainable_numel == unit.flat_numel:
+                unit.reshard()  # every parameter has its gradient, so no backward op needs them any more
 
     def _backward_done(self, unit: Unit) -> None:
         if unit.index != 0:
-            unit.reshard()  # its inputs' gradients are computed: no backward op reads its parameters now
+            with self.clock.host("hooks", unit.name, during="backward"):
+                unit.reshard()  # its inputs' gradients are computed: no backward op reads its parameters now
 
     # ----------------------------------------------------------------- training surface
     def __call__(self, *args, **kwargs):
         """Forward on the engine's device (tensor arguments are moved there): returns what the model returns."""
         self._check_open("engine(...)", FORWARD)
-        args, kwargs = to_device((args, kwargs), self.env.device)
         self.clock.forward_begins()
+        self.clock.call_begins()
+        with self.clock.host("engine"):
+            args, kwargs = to_device((args, kwargs), self.env.device)
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
         try:
@@ -199,13 +208,18 @@ class Engine:
             self._forward_failed(root)
             raise
         self.clock.compute_end("forward")
-        needs_grad = bool(tensors_needing_grad(output))
-        self.prefetcher.end_forward(backward_follows=needs_grad)
+        with self.clock.host("engine"):
+            needs_grad = bool(tensors_needing_grad(output))
+            self.prefetcher.end_forward(backward_follows=needs_grad)
+            if needs_grad:
+                self._backward_pending = True  # the root stays unsharded until backward has used it
+            else:
+                self.prefetcher.release_unused()
+                root.reshard()
         if needs_grad:
-            self._backward_pending = True  # the root stays unsharded until backward has used it
+            self.clock.compute_begin()  # the caller's loss, until backward (Note [step attribution])
         else:
-            self.prefetcher.release_unused()
-            root.reshard()
+            self.clock.call_ends()
         return output
 
     def _forward_failed(self, root: Unit) -> None:
@@ -228,6 +242,8 @@ class Engine:
         """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale); `end_window=True` ends the
         accumulation window here, even a short one (Note [accumulation windows])."""
         self._check_open("engine.backward")
+        self.clock.compute_end("forward: the caller's loss")
+        self.clock.call_begins()
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
@@ -242,6 +258,11 @@ class Engine:
         finally:
             self._in_backward = False
         self.clock.compute_end("backward")
+        with self.clock.host("engine"):
+            self._end_backward()
+        self.clock.call_ends()
+
+    def _end_backward(self) -> None:
         final = self.window.ends_now()
         for unit, counter in zip(self.units, self._counters):
             if not counter.fired and unit.trainable_numel > 0:
@@ -263,6 +284,14 @@ class Engine:
         [overlap]) and this returns once it is issued; the next forward waits per unit.
         """
         self._check_open("engine.step")
+        self.clock.call_begins()
+        try:
+            with self.clock.host("engine"):
+                return self._step()
+        finally:
+            self.clock.call_ends()
+
+    def _step(self) -> bool:
         if not self.window.closed:
             return False
         self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
@@ -303,14 +332,17 @@ class Engine:
 
     def _close_profile(self) -> None:
         self.clock.close()
-        if self.profiler.enabled and self.profiler.steps():
+        if self.profiler.enabled and self.profiler.steps():  # the byte model's steady step, beside the bytes
+            self.profiler.predicted_bytes = bytes_per_step(self.plan, grad_accum_steps=self.window.length,
+                                                           first_step=False, cuda=self.streams.is_cuda,
+                                                           kept=self.kept_params)
             self.profile_files = self.profiler.write(os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"),
                                                      print_table=False)  # the caller prints format_summary if it wants
 
     def synchronize(self) -> None:
         """Wait for all work in flight (optimizer updates, a background checkpoint); raise its errors."""
         self._check_open()
-        with self.updates.settled():
+        with self.profiler.wait(Link.CPU_OPTIMIZER, "synchronize: the update in flight"), self.updates.settled():
             self.wait_for_checkpoint()
 
     # ----------------------------------------------------------------- checkpoints
@@ -450,6 +482,8 @@ class Engine:
             try:
                 self.updates.close()  # (a read-ahead error nobody consumed is raised here)
             finally:
+                if self._stop_sync_count is not None:
+                    self._stop_sync_count()
                 for h in self._handles:
                     h.remove()
                 self.manager.close()
