@@ -41,12 +41,13 @@ class SpanKind(enum.Enum):
 
 # Note [step attribution]: the host parts of a step, in their order of precedence (summary.attribute). A HOST
 # span is named by one of these keys, and `unit` may say which unit a hook served. The engine records the first
-# two; the job names the caller's time it knows (eval, checkpoint, loss, data, log: a part nested in another is
+# three; the job names the caller's time it knows (eval, checkpoint, loss, data, log: a part nested in another is
 # named by the inner one, first in this order); `caller` is the rest of the
 # time the training thread spent outside the engine's calls, measured from one call's return to the next call.
 HOST_PARTS = {
     "hooks": "the engine's unit hooks outside their waits: issuing fetches and prefetches, resharding, "
              "issuing gradient reductions and updates",
+    "heap": "returning the step's freed memory to the OS (malloc_trim: [memory] release_heap)",
     "engine": "the engine's own bookkeeping: moving the inputs, ending a forward, the end of backward "
               "(gradients of unused parameters, drain), the step (gradient norm, update issue)",
     "eval": "the caller's validation",

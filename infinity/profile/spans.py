@@ -65,6 +65,28 @@ class _SpanTimer:
         return False
 
 
+class _IssuedOnHost:
+    """A collective's span on the CPU (`Profiler.collective`): from its issue (the end of the body) to `done()`,
+    when the wait found it complete; without a device, that host time is its time."""
+
+    __slots__ = ("_profiler", "_name", "_link", "_unit", "_issued", "num_bytes")
+
+    def __init__(self, profiler: Profiler, name: str, link: Link, num_bytes: int, unit: str | None):
+        self._profiler, self._name, self._link, self._unit, self.num_bytes = profiler, name, link, unit, num_bytes
+        self._issued = None
+
+    def __enter__(self) -> _IssuedOnHost:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._issued = time.perf_counter()
+        return False
+
+    def done(self) -> None:
+        self._profiler.record(self._name, self._link, self._issued, time.perf_counter(), num_bytes=self.num_bytes,
+                              unit=self._unit)
+
+
 class _NullSpan:
     """The shared do-nothing context manager of `NullProfiler`."""
 
@@ -78,6 +100,9 @@ class _NullSpan:
 
     def __exit__(self, *exc) -> bool:
         return False
+
+    def done(self) -> None:
+        pass
 
 
 _NULL_SPAN = _NullSpan()
@@ -131,11 +156,11 @@ class Profiler:
         attribution])."""
         return _SpanTimer(self, part, Link.COMPUTE, 0, unit, SpanKind.HOST)
 
-    def record_host(self, part: str, start: float, end: float) -> None:
+    def record_host(self, part: str, start: float, end: float, *, unit: str | None = None) -> None:
         """Add an already-timed stretch of host code of `part`."""
         if end < start:
             raise ValueError(f"host span {part!r} ends before it starts (start={start}, end={end})")
-        self._append(Span(part, Link.COMPUTE, start, end, 0, None, SpanKind.HOST))
+        self._append(Span(part, Link.COMPUTE, start, end, 0, unit, SpanKind.HOST))
 
     def record_sync(self, why: str) -> None:
         """A host synchronization now (Note [host syncs]): counted per step."""
@@ -151,6 +176,15 @@ class Profiler:
         """
         if not self._device.available:
             return self.span(name, link, num_bytes=num_bytes, unit=unit)
+        return self._device.timer(name, link, stream, num_bytes, unit)
+
+    def collective(self, name: str, link: Link, *, stream=None, num_bytes: int = 0, unit: str | None = None):
+        """The span of a collective issued in the body; call its `done()` once it was waited for. On a GPU
+        (a CUDA `stream`) it is device time: events on `stream` around the body, where the caller makes `stream`
+        wait for the collective (so the end event is its completion) and `done()` does nothing. On the CPU it
+        runs on the host from the issue to `done()` (the host span is the device time)."""
+        if not self._device.available or stream is None:
+            return _IssuedOnHost(self, name, link, num_bytes, unit)
         return self._device.timer(name, link, stream, num_bytes, unit)
 
     def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0,
@@ -275,7 +309,7 @@ class NullProfiler:
     def host(self, part: str, *, unit: str | None = None) -> _NullSpan:
         return _NULL_SPAN
 
-    def record_host(self, part: str, start: float, end: float) -> None:
+    def record_host(self, part: str, start: float, end: float, *, unit: str | None = None) -> None:
         pass
 
     def record_sync(self, why: str) -> None:
@@ -283,6 +317,10 @@ class NullProfiler:
 
     def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0,
                     unit: str | None = None) -> _NullSpan:
+        return _NULL_SPAN
+
+    def collective(self, name: str, link: Link, *, stream=None, num_bytes: int = 0,
+                   unit: str | None = None) -> _NullSpan:
         return _NULL_SPAN
 
     def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0,

@@ -5,9 +5,9 @@ The contract (every time in seconds, every byte count in bytes, GB = 1e9 B):
 - Steps: each completed `step_begin(i)` .. `step_end(i)` pair is one window;
   `step_s` = end - begin. When no step was marked but spans exist, the whole
   recording (first span start .. last span end) is one window with `step: None`.
-- Clipping: every span is clipped to the window. A span crossing a boundary
-  counts only its inside part, and its bytes in proportion to that part
-  (a zero-length span counts whole in the window holding its start).
+- Clipping: every span's time is clipped to the window: a span crossing a boundary counts only its inside
+  part. Its bytes count whole in the window holding its start (the step that issued the transfer), so a
+  step's bytes are whole transfers, comparable with the byte model's per step (`traffic.bytes_per_step`).
 - `parts` (Note [step attribution]): every instant of the step belongs to one part, the first in this
   order whose spans cover it: `compute` (the COMPUTE spans: the training thread's compute on the CPU, the
   compute stream's device time on a GPU), `exposed.<link>` (the training thread waited on that link, in
@@ -23,7 +23,7 @@ The contract (every time in seconds, every byte count in bytes, GB = 1e9 B):
 - `on_demand_fetches`: the unshards in the window that no prefetch had issued
   (spans named `ON_DEMAND ...`, Note [backward prefetch] in prefetch.py).
 - Per link other than COMPUTE, under `links[link.value]`:
-  - `bytes`: sum of the spans' `num_bytes` (rounded to an integer after clipping);
+  - `bytes`: sum of the `num_bytes` of the spans that start in the window;
   - `busy_s`: length of the union of the link's WORK spans: concurrent
     requests overlapping in time count once, not summed;
   - `GBps` = bytes / busy_s / 1e9 (0.0 with no bytes; None when bytes moved
@@ -75,15 +75,9 @@ def _clipped(spans: Iterable[Span], begin: float, end: float) -> list[tuple[floa
     return [(max(s.start, begin), min(s.end, end)) for s in spans if s.start < end and s.end > begin]
 
 
-def _bytes_inside(span: Span, begin: float, end: float) -> float:
-    """The share of the span's bytes that falls inside [begin, end)."""
-    if span.num_bytes == 0:
-        return 0.0
-    duration = span.end - span.start
-    if duration <= 0:
-        return float(span.num_bytes) if begin <= span.start < end else 0.0
-    inside = min(span.end, end) - max(span.start, begin)
-    return span.num_bytes * inside / duration if inside > 0 else 0.0
+def _bytes_inside(span: Span, begin: float, end: float) -> int:
+    """The span's bytes when it starts in [begin, end) (a transfer counts whole in the step that issued it)."""
+    return span.num_bytes if begin <= span.start < end else 0
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -91,7 +85,7 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 
 
 def _link_summary(work: list[Span], begin: float, end: float, peak: float | None, exposed_s: float) -> dict:
-    num_bytes = round(sum(_bytes_inside(s, begin, end) for s in work))
+    num_bytes = sum(_bytes_inside(s, begin, end) for s in work)
     busy_s = union_length(_clipped(work, begin, end))
     GBps = 0.0 if num_bytes == 0 else _ratio(num_bytes / GB, busy_s)
     return {

@@ -15,6 +15,7 @@ import math
 import os
 import secrets
 import sys
+import time
 from typing import Callable
 
 import psutil
@@ -159,22 +160,19 @@ class Engine:
 
     # ----------------------------------------------------------------- construction
     # ----------------------------------------------------------------- hooks
-    def _pre_forward(self, unit: Unit) -> None:
-        self.clock.compute_end(f"forward before {unit.name}")
-        with self.clock.host("hooks", unit.name):  # (Note [step attribution]: its waits are named inside)
+    def _pre_forward(self, unit: Unit, start: float | None = None) -> None:
+        # (Note [step attribution]: the hook's body is host code, its waits are named inside; compute follows)
+        with self.clock.host("hooks", unit.name, during="forward", start=start, then="compute"):
             self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
             self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
             self.prefetcher.wait_for(unit)
             self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
-        self.clock.compute_begin()
 
     def _pre_backward(self, unit: Unit) -> None:
-        self.clock.compute_end(f"backward before {unit.name}")
-        with self.clock.host("hooks", unit.name):
+        with self.clock.host("hooks", unit.name, during="backward", then="compute"):
             self.prefetcher.before_backward(unit)
             self.prefetcher.wait_for(unit)
             self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
-        self.clock.compute_begin()
 
     def _post_forward(self, unit: Unit) -> None:
         with self.clock.host("hooks", unit.name, during="forward"):
@@ -196,30 +194,25 @@ class Engine:
         """Forward on the engine's device (tensor arguments are moved there): returns what the model returns."""
         self._check_open("engine(...)", FORWARD)
         self.clock.forward_begins()
-        self.clock.call_begins()
-        with self.clock.host("engine"):
+        with self.clock.host("engine", start=self.clock.call_begins()):
             args, kwargs = to_device((args, kwargs), self.env.device)
+            moved = time.perf_counter()
         root = self.units[0]
-        self._pre_forward(root)  # (waits for the root's update first, with overlap)
+        self._pre_forward(root, start=moved)  # (waits for the root's update first, with overlap)
         try:
             with self.activations.forward(), self.inference.engine_call():  # (Note [activation bytes])
                 output = self.forward_fn(*args, **kwargs)
         except BaseException:
             self._forward_failed(root)
             raise
-        self.clock.compute_end("forward")
-        with self.clock.host("engine"):
-            needs_grad = bool(tensors_needing_grad(output))
+        needs_grad = bool(tensors_needing_grad(output))  # (then: the caller's loss, as compute, until backward)
+        with self.clock.host("engine", during="forward", then="compute" if needs_grad else "caller"):
             self.prefetcher.end_forward(backward_follows=needs_grad)
             if needs_grad:
                 self._backward_pending = True  # the root stays unsharded until backward has used it
             else:
                 self.prefetcher.release_unused()
                 root.reshard()
-        if needs_grad:
-            self.clock.compute_begin()  # the caller's loss, until backward (Note [step attribution])
-        else:
-            self.clock.call_ends()
         return output
 
     def _forward_failed(self, root: Unit) -> None:
@@ -242,7 +235,6 @@ class Engine:
         """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale); `end_window=True` ends the
         accumulation window here, even a short one (Note [accumulation windows])."""
         self._check_open("engine.backward")
-        self.clock.compute_end("forward: the caller's loss")
         self.clock.call_begins()
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
@@ -251,16 +243,14 @@ class Engine:
         if self.updates.updates_during_backward and self.window.ends_now():
             self.wait_for_checkpoint()  # updates start during this backward (Note [overlap])
         scale = self.scaler.scale / self.config.train.grad_accum_steps
-        self.clock.compute_begin()
+        self.clock.compute_begin(at=self.clock.compute_end("forward: the caller's loss"))
         self._in_backward = True
         try:
             (loss * scale).backward()
         finally:
             self._in_backward = False
-        self.clock.compute_end("backward")
-        with self.clock.host("engine"):
+        with self.clock.host("engine", during="backward", then="caller"):
             self._end_backward()
-        self.clock.call_ends()
 
     def _end_backward(self) -> None:
         final = self.window.ends_now()
@@ -284,19 +274,16 @@ class Engine:
         [overlap]) and this returns once it is issued; the next forward waits per unit.
         """
         self._check_open("engine.step")
-        self.clock.call_begins()
-        try:
-            with self.clock.host("engine"):
-                return self._step()
-        finally:
-            self.clock.call_ends()
+        with self.clock.host("engine", start=self.clock.call_begins(), then="caller"):
+            return self._step()
 
     def _step(self) -> bool:
         if not self.window.closed:
             return False
         self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
         self.window.stepped()
-        self.heap.release()  # the step's activations are freed; the update is not issued yet
+        with self.profiler.host("heap"):
+            self.heap.release()  # the step's activations are freed; the update is not issued yet
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)

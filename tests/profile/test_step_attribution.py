@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -118,11 +119,12 @@ def test_a_training_step_is_attributed(placement, tmp_path):
                 loss.item()  # a user's log
             clock.append(time.perf_counter())
             engine.synchronize()
-            predicted = bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False, cuda=False,
-                                       kept=engine.kept_params)
+            predicted, first = (bytes_per_step(engine.plan, grad_accum_steps=1, first_step=first, cuda=False,
+                                               kept=engine.kept_params) for first in (False, True))
     finally:
         stop()
     summary = engine.profiler.summary()
+    thread = f"({threading.current_thread().name})"
     steps, median = summary["steps"], summary["median"]
     assert len(steps) == recipe.steps
     marks = engine.profiler.steps()
@@ -132,18 +134,22 @@ def test_a_training_step_is_attributed(placement, tmp_path):
         step = steps[i]
         parts = step["parts"]
         assert (parts["compute"] + sum(parts["exposed"].values()) + sum(parts["host"].values())
-                + parts["unattributed"]) == pytest.approx(step["step_s"], rel=1e-9)
-        syncs = collections.Counter(why for t, why in heard if mark.begin <= t < mark.end)
-        assert step["host_syncs_by_reason"] == dict(syncs) and step["host_syncs"] == sum(syncs.values())
+                + parts["unattributed"]) == pytest.approx(step["step_s"], rel=1e-9), step
+        mine = collections.Counter(why for t, why in heard if mark.begin <= t < mark.end and why.endswith(thread))
+        assert {why: n for why, n in step["host_syncs_by_reason"].items() if why.endswith(thread)} == mine
+    # (another thread's sync may fall on either side of a boundary for the two clocks: the run's total)
+    inside = [why for t, why in heard if marks[0].begin <= t < marks[-1].end]
+    assert sum(s["host_syncs"] for s in steps) == len(inside) > 0
     assert median["attributed"] >= 0.95, format_summary(summary)
     assert median["compute_s"] > 0 and median["host_s"] > 0 and median["parts"]["host"]["hooks"] > 0
-    assert median["host_syncs_by_reason"]["grad norm (MainThread)"] == 1  # Note [host syncs]: one per step
+    assert median["host_syncs_by_reason"][f"grad norm {thread}"] == 1  # Note [host syncs]: one per step
     links = median["links"]
     assert {k: links[k]["bytes"] for k in ("h2d", "d2h")} == {"h2d": predicted["h2d"], "d2h": predicted["d2h"]}
     assert {k: links[k]["predicted_bytes"] for k in predicted if k in links} == {
         k: v for k, v in predicted.items() if k in links}
-    if placement[0] == "nvme":
-        assert links["nvme_write"]["bytes"] == predicted["nvme_write"] > 0
+    if placement[0] == "nvme":  # a write submitted after its copy may start in the next step: the run's total
+        for link in ("nvme_read", "nvme_write"):
+            assert sum(s["links"][link]["bytes"] for s in steps) == first[link] + 4 * predicted[link] > 0
         assert median["parts"]["exposed"].get("cpu_optimizer", 0.0) > 0  # the update on the training thread
 
 
