@@ -254,6 +254,11 @@ def format_summary(summary: dict, last: int | None = None) -> str:
     median = summary.get("median")
     if median is None:
         return f"profile rank {summary.get('rank', 0)}: no steps, no spans"
+    if "parts" not in median:  # written before Note [step attribution]
+        return (f"profile rank {summary['rank']}: {summary['num_steps']} step(s), median step "
+                f"{_ms(median['step_s'])} ms, compute {_ms(median['compute_s'])} ms, exposed "
+                f"{_ms(median['exposed_s'])} ms; this summary predates the step's split into parts: profile the "
+                f"run again to see where each millisecond goes")
     lines = [
         f"profile rank {summary['rank']}: {summary['num_steps']} step(s), median step {_ms(median['step_s'])} ms, "
         f"compute {_ms(median['compute_s'])} ms, exposed {_ms(median['exposed_s'])} ms, "
