@@ -162,6 +162,10 @@ class Profiler:
             raise ValueError(f"host span {part!r} ends before it starts (start={start}, end={end})")
         self._append(Span(part, Link.COMPUTE, start, end, 0, unit, SpanKind.HOST))
 
+    def heard_sync(self, thread: str, why: str) -> None:
+        """A listener of the host syncs (`streams.listen_host_syncs`): each is recorded with its thread."""
+        self.record_sync(f"{why} ({thread})")
+
     def record_sync(self, why: str) -> None:
         """A host synchronization now (Note [host syncs]): counted per step."""
         now = time.perf_counter()
@@ -310,6 +314,9 @@ class NullProfiler:
         return _NULL_SPAN
 
     def record_host(self, part: str, start: float, end: float, *, unit: str | None = None) -> None:
+        pass
+
+    def heard_sync(self, thread: str, why: str) -> None:
         pass
 
     def record_sync(self, why: str) -> None:

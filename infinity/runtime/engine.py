@@ -15,7 +15,6 @@ import math
 import os
 import secrets
 import sys
-import time
 from typing import Callable
 
 import psutil
@@ -77,8 +76,7 @@ class Engine:
         self.streams = Streams.for_device(self.env.device)
         self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=link_peaks(config, self.env.device))
                          if config.profile.enabled else NullProfiler(rank=self.env.rank))
-        self._stop_sync_count = listen_host_syncs(  # Note [host syncs]: counted per step in the profile
-            lambda thread, why: self.profiler.record_sync(f"{why} ({thread})")) if config.profile.enabled else None
+        self._stop_sync_count = listen_host_syncs(self.profiler.heard_sync)  # Note [host syncs]: counted per step
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
         self.heap = heap_policy(config.memory.release_heap)  # Note [heap release]
         ctx = UnitContext(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
@@ -160,9 +158,8 @@ class Engine:
 
     # ----------------------------------------------------------------- construction
     # ----------------------------------------------------------------- hooks
-    def _pre_forward(self, unit: Unit, start: float | None = None) -> None:
-        # (Note [step attribution]: the hook's body is host code, its waits are named inside; compute follows)
-        with self.clock.host("hooks", unit.name, during="forward", start=start, then="compute"):
+    def _pre_forward(self, unit: Unit) -> None:  # (Note [step attribution]: host code, its waits named inside)
+        with self.clock.host("hooks", unit.name, during="forward", then="compute"):
             self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
             self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
             self.prefetcher.wait_for(unit)
@@ -196,9 +193,8 @@ class Engine:
         self.clock.forward_begins()
         with self.clock.host("engine", start=self.clock.call_begins()):
             args, kwargs = to_device((args, kwargs), self.env.device)
-            moved = time.perf_counter()
         root = self.units[0]
-        self._pre_forward(root, start=moved)  # (waits for the root's update first, with overlap)
+        self._pre_forward(root)  # (waits for the root's update first, with overlap)
         try:
             with self.activations.forward(), self.inference.engine_call():  # (Note [activation bytes])
                 output = self.forward_fn(*args, **kwargs)
@@ -235,7 +231,6 @@ class Engine:
         """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale); `end_window=True` ends the
         accumulation window here, even a short one (Note [accumulation windows])."""
         self._check_open("engine.backward")
-        self.clock.call_begins()
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
                                "outside torch.no_grad() (and with the model's parameters trainable)")
@@ -250,22 +245,19 @@ class Engine:
         finally:
             self._in_backward = False
         with self.clock.host("engine", during="backward", then="caller"):
-            self._end_backward()
-
-    def _end_backward(self) -> None:
-        final = self.window.ends_now()
-        for unit, counter in zip(self.units, self._counters):
-            if not counter.fired and unit.trainable_numel > 0:
-                self.reducer.issue(unit, final=final)  # parameters that got no gradient contribute zeros
-            counter.reset()
-        self.reducer.drain()
-        self.prefetcher.release_unused()
-        for unit in self.units:
-            unit.reshard()
-        self.recompute.backward_ended()
-        self._backward_pending = False
-        self.micro_step += 1
-        self.window.taken()
+            final = self.window.ends_now()
+            for unit, counter in zip(self.units, self._counters):
+                if not counter.fired and unit.trainable_numel > 0:
+                    self.reducer.issue(unit, final=final)  # parameters that got no gradient contribute zeros
+                counter.reset()
+            self.reducer.drain()
+            self.prefetcher.release_unused()
+            for unit in self.units:
+                unit.reshard()
+            self.recompute.backward_ended()
+            self._backward_pending = False
+            self.micro_step += 1
+            self.window.taken()
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; returns whether parameters changed.
@@ -320,9 +312,9 @@ class Engine:
     def _close_profile(self) -> None:
         self.clock.close()
         if self.profiler.enabled and self.profiler.steps():  # the byte model's steady step, beside the bytes
-            self.profiler.predicted_bytes = bytes_per_step(self.plan, grad_accum_steps=self.window.length,
-                                                           first_step=False, cuda=self.streams.is_cuda,
-                                                           kept=self.kept_params)
+            self.profiler.predicted_bytes = bytes_per_step(
+                self.plan, grad_accum_steps=self.window.length, first_step=False, cuda=self.streams.is_cuda,
+                kept=self.kept_params)
             self.profile_files = self.profiler.write(os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"),
                                                      print_table=False)  # the caller prints format_summary if it wants
 
@@ -469,8 +461,7 @@ class Engine:
             try:
                 self.updates.close()  # (a read-ahead error nobody consumed is raised here)
             finally:
-                if self._stop_sync_count is not None:
-                    self._stop_sync_count()
+                self._stop_sync_count()
                 for h in self._handles:
                     h.remove()
                 self.manager.close()
