@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -47,13 +48,21 @@ class _NoEvent:
 # (the global gradient norm; with a global dependency, the flags of which parameters got gradients), never
 # one per unit: per-unit waits for the device happen on the optimizer worker, which needs the bytes anyway,
 # and compute waits for copies and collectives on the device (events), not on the host. The count is of
-# the places, on every device: on the CPU they return at once.
-_sync_records: list[list[tuple[str, str]]] = []
+# the places, on every device: on the CPU they return at once. Every listener (`listen_host_syncs`: the
+# profiler's per-step count, `count_host_syncs` in tests) hears each one, with the thread's name.
+_sync_listeners: list = []
 
 
 def _note_sync(why: str) -> None:
-    for record in _sync_records:
-        record.append((threading.current_thread().name, why))
+    thread = threading.current_thread().name
+    for listener in list(_sync_listeners):
+        listener(thread, why)
+
+
+def listen_host_syncs(listener: Callable[[str, str], None]) -> Callable[[], None]:
+    """Call `listener(thread name, why)` at every host sync from now on; returns the function that stops it."""
+    _sync_listeners.append(listener)
+    return lambda: _sync_listeners.remove(listener) if listener in _sync_listeners else None
 
 
 def host_wait(event, why: str) -> None:
@@ -78,11 +87,11 @@ def to_host(tensor: torch.Tensor, why: str) -> torch.Tensor:
 def count_host_syncs():
     """Inside: a list of (thread name, why) of every host sync, in order (for tests and the profile)."""
     record: list[tuple[str, str]] = []
-    _sync_records.append(record)
+    stop = listen_host_syncs(lambda thread, why: record.append((thread, why)))
     try:
         yield record
     finally:
-        _sync_records.remove(record)
+        stop()
 
 
 def bind_thread(device: torch.device) -> None:

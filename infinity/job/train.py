@@ -59,6 +59,7 @@ from infinity.device.process_group import (
     join_process_group,
     rank_and_world,
 )
+from infinity.device.streams import host_value, to_host
 from infinity.job.build import ModelBundle, build_model  # noqa: F401 - re-exported with the spec below
 from infinity.job.data import Batches
 from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
@@ -90,6 +91,7 @@ from infinity.job.spec import (  # noqa: F401 - re-exported: infinity.job.train 
 )
 from infinity.job.tokenized import job_batches, resolve_data_format
 from infinity.optim.schedule import lr_at
+from infinity.profile import NullProfiler
 from infinity.state.checkpoint import count_as_written
 from io_engine import atomic_write
 
@@ -325,59 +327,67 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
     recent: list[float] = []
     overlap = None
     every = job.run.checkpoint_every
+    part = getattr(engine, "profiler", None) or NullProfiler()  # the caller's parts of a step (Note [step attribution])
     for step in range(start + 1, job.run.steps + 1):
         t0 = time.perf_counter()
         total = torch.zeros((), dtype=torch.float64, device=device)
-        # the window's trained tokens (not padding, not masked -100) over all ranks: each micro-batch's loss is
-        # its summed loss over them (Note [token-weighted windows]), so the ranks' shares add up to the mean
-        window, tokens_per_step = batches.window(step - 1, accum)
+        with part.host("data"):
+            # the window's trained tokens (not padding, not masked -100) over all ranks: each micro-batch's loss is
+            # its summed loss over them (Note [token-weighted windows]), so the ranks' shares add up to the mean
+            window, tokens_per_step = batches.window(step - 1, accum)
         for x, y in window:
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = loss_of(engine, x, y, tokens_per_step)
+            with part.host("data"):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with part.host("loss"):
+                loss = loss_of(engine, x, y, tokens_per_step)
             engine.backward(loss, num_items_in_batch=tokens_per_step)
             total += loss.detach().double()
         engine.step()
-        mean_loss, stopping = _reduce_step(total, stop.raised, device, engine.world_size)
-        seconds = time.perf_counter() - t0
-        recent = (recent + [seconds])[-10:]
-        if step % job.run.log_every == 0 or step <= 2 or step == job.run.steps:
-            overlap = overlap_efficiency(engine)  # summarizing the spans costs time: not every step
-        record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
-                  "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
-                  "tokens_per_s": tokens_per_step / seconds, "tokens_per_step": tokens_per_step,
-                  "tokens": result.tokens + tokens_per_step,
-                  "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap}
-        if not math.isfinite(mean_loss):
-            raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
-                                     f"optimizer.warmup_steps")
-        last = step == job.run.steps or stopping
-        if job.run.eval_every and step % job.run.eval_every == 0 or last:
-            result.val_loss = _validate(engine, bundle, batches, job.run.eval_batches, device)
-            record["val_loss"] = result.val_loss
-            say.note(f"step {step}: validation loss {result.val_loss:.4f}")
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
-        result.steps, result.seconds = step, time.perf_counter() - began
-        result.losses.append(mean_loss)
-        result.step_tokens.append(tokens_per_step)
-        say.update(step, mean_loss, tokens_per_step * len(recent) / sum(recent), overlap)
-        if stopping:
-            result.status = "interrupted"
-            return
-        if every and step % every == 0 and not last and job.run.checkpoint:  # the last step gets the final one
-            engine.save_checkpoint(str(run_dir / PERIODIC_CHECKPOINTS / f"step-{step:08d}"),
-                                   user_state=train_position(job, config, step, time.perf_counter() - began,
-                                                             engine.world_size))
+        with part.host("log"):  # (eval and checkpoint inside are named as such: Note [step attribution])
+            mean_loss, stopping = _reduce_step(total, stop.raised, device, engine.world_size)
+            seconds = time.perf_counter() - t0
+            recent = (recent + [seconds])[-10:]
+            if step % job.run.log_every == 0 or step <= 2 or step == job.run.steps:
+                overlap = overlap_efficiency(engine)  # summarizing the spans costs time: not every step
+            record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
+                      "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
+                      "tokens_per_s": tokens_per_step / seconds, "tokens_per_step": tokens_per_step,
+                      "tokens": result.tokens + tokens_per_step,
+                      "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap}
+            if not math.isfinite(mean_loss):
+                raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
+                                         f"optimizer.warmup_steps")
+            last = step == job.run.steps or stopping
+            if job.run.eval_every and step % job.run.eval_every == 0 or last:
+                with part.host("eval"):
+                    result.val_loss = _validate(engine, bundle, batches, job.run.eval_batches, device)
+                record["val_loss"] = result.val_loss
+                say.note(f"step {step}: validation loss {result.val_loss:.4f}")
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            result.steps, result.seconds = step, time.perf_counter() - began
+            result.losses.append(mean_loss)
+            result.step_tokens.append(tokens_per_step)
+            say.update(step, mean_loss, tokens_per_step * len(recent) / sum(recent), overlap)
+            if stopping:
+                result.status = "interrupted"
+                return
+            if every and step % every == 0 and not last and job.run.checkpoint:  # the last step gets the final one
+                with part.host("checkpoint"):
+                    engine.save_checkpoint(str(run_dir / PERIODIC_CHECKPOINTS / f"step-{step:08d}"),
+                                           user_state=train_position(job, config, step, time.perf_counter() - began,
+                                                                     engine.world_size))
     result.status = "completed"
 
 
 def _reduce_step(loss: torch.Tensor, stop: bool, device: torch.device, world: int) -> tuple[float, bool]:
     """The sum of the ranks' losses, and whether any rank was asked to stop (Note [clean stop])."""
     if world == 1:
-        return float(loss), stop
+        return host_value(loss, "loss for the log"), stop
     import torch.distributed as dist
     packed = torch.stack([loss.double(), torch.tensor(float(stop), dtype=torch.float64, device=device)])
     dist.all_reduce(packed)  # every rank sees the same stop decision, so all stop after the same step
+    packed = to_host(packed, "loss for the log and the stop flag")
     return float(packed[0]), bool(packed[1] > 0)
 
 

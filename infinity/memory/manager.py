@@ -431,10 +431,10 @@ class TieredMemoryManager:
                 else:
                     if view.device.type == "cpu":
                         self._settle(shard, ids)  # these bytes are rewritten now
-                    view.copy_(tensor)  # (on the producer's stream: in order after it)
-                link = _crossing(tensor.device, view.device)
-                if link is not None:  # every byte moved is counted (Note [traffic per step] in traffic.py)
-                    self.bytes_moved[link] += numel * shard.dtype.itemsize
+                    with self._device_span(_crossing(tensor.device, view.device), tensor):  # (the update's h2d)
+                        view.copy_(tensor)  # (on the producer's stream: in order after it)
+                if (link := _crossing(tensor.device, view.device)) is not None:  # every byte moved is counted
+                    self.bytes_moved[link] += numel * shard.dtype.itemsize  # (Note [traffic per step])
             for i in shard.chunk_ids(chunk):
                 self._set(shard, shard.chunks[i], Residency.RESIDENT)
                 shard.chunks[i].version += 1

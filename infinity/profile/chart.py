@@ -1,7 +1,8 @@
 """Timeline chart: one lane per link, a bar per span, step boundaries marked.
 
 Compute is the top lane; red bars on it are the waits (compute blocked on a
-link), and a thin red strip under a link's lane marks the waits on that link.
+link), gray ones the training thread's host code, and a thin red strip under a link's lane marks the waits
+on that link.
 The title gives the median step time and overlap efficiency; each lane's
 label its median achieved bandwidth. Needs matplotlib (drawn without pyplot,
 so no global state and no display); without it nothing is drawn.
@@ -10,6 +11,7 @@ so no global state and no display); without it nothing is drawn.
 from __future__ import annotations
 
 from infinity.profile.records import Link, Span, SpanKind, StepMark
+from infinity.profile.summary import parts_text
 
 _COLORS = {
     Link.COMPUTE: "#4c72b0",
@@ -23,6 +25,8 @@ _COLORS = {
     Link.CPU_OPTIMIZER: "#937860",
 }
 _WAIT_COLOR = "#c44e52"
+_HOST_COLOR = "#9e9e9e"
+_UNATTRIBUTED_COLOR = "#222222"
 
 
 def _lane_label(link: Link, median: dict | None) -> str:
@@ -42,8 +46,8 @@ def _title(summary: dict) -> str:
     efficiency = median["overlap_efficiency"]
     efficiency_text = "-" if efficiency is None else f"{efficiency:.0%}"
     return (
-        f"rank {summary['rank']}: step {median['step_s'] * 1e3:.1f} ms (median of {summary['num_steps']}), "
-        f"overlap efficiency {efficiency_text}"
+        f"rank {summary['rank']}: median of {summary['num_steps']} steps, overlap efficiency {efficiency_text}, "
+        f"host syncs {median['host_syncs']:g}/step\n" + parts_text(median).replace(" + host", "\n+ host", 1)
     )
 
 
@@ -80,7 +84,8 @@ def draw_timeline(spans: list[Span], steps: list[StepMark], summary: dict, path:
     Note [readable timeline]: readable at any run length: (1) the last `DETAIL_STEPS` steps span by span,
     a phase band (forward / backward / optimizer / checkpoint, from the compute spans' names),
     one lane per link, step boundaries as thin lines labelled once; (2) the whole run as a per-step strip,
-    compute and exposed wait stacked per step; (3) exposed wait per unit over the run, largest first."""
+    the step's parts stacked per step (compute, exposed, host, unattributed: Note [step attribution]), the
+    exposed wait again on its own scale; (3) exposed wait per unit over the run, largest first."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -100,8 +105,11 @@ def draw_timeline(spans: list[Span], steps: list[StepMark], summary: dict, path:
 
     for lane, link in enumerate(links):
         y = len(links) - 1 - lane  # compute on top
+        if link is Link.COMPUTE:  # the training thread's host code (Note [step attribution]), under its compute
+            host = [(s.start - begin, s.end - s.start) for s in shown if s.kind is SpanKind.HOST]
+            axes.broken_barh(host, (y - 0.35, 0.7), facecolors=_HOST_COLOR, linewidth=0)
         work = [(s.start - begin, s.end - s.start) for s in shown if s.link is link and s.kind is SpanKind.WORK]
-        axes.broken_barh(work, (y - 0.35, 0.7), facecolors=_COLORS[link], alpha=0.8, linewidth=0)
+        axes.broken_barh(work, (y - 0.35, 0.7), facecolors=_COLORS[link], linewidth=0)
         lane_waits = [(s.start - begin, s.end - s.start) for s in shown
                       if s.kind is SpanKind.WAIT and (s.link is link or link is Link.COMPUTE)]
         height = 0.35 if link is Link.COMPUTE else 0.12
@@ -122,6 +130,7 @@ def draw_timeline(spans: list[Span], steps: list[StepMark], summary: dict, path:
     axes.set_xlabel(f"seconds (the last {len(detail)} step(s) in detail)")
     axes.set_title(_title(summary))
     axes.plot([], [], color=_WAIT_COLOR, linewidth=6, label="waiting on a link (exposed)")
+    axes.plot([], [], color=_HOST_COLOR, linewidth=6, label="host code (hooks, engine, caller)")
     axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
 
     strip = figure.add_subplot(grid[1])
@@ -129,19 +138,26 @@ def draw_timeline(spans: list[Span], steps: list[StepMark], summary: dict, path:
     numbers = [r["step"] for r in rows]
     compute = [(r["compute_s"] or 0.0) * 1e3 for r in rows]
     exposed = [(r["exposed_s"] or 0.0) * 1e3 for r in rows]
-    strip.bar(numbers, compute, width=1.0, color=_COLORS[Link.COMPUTE], label="compute (left, ms)", linewidth=0)
-    totals = sorted(c + e for c, e in zip(compute, exposed))
+    host = [(r["host_s"] or 0.0) * 1e3 for r in rows]
+    unattributed = [(r["unattributed_s"] or 0.0) * 1e3 for r in rows]
+    bottom = [0.0] * len(rows)  # the step's parts stacked: they add up to the step (Note [step attribution])
+    for values, color, label in ((compute, _COLORS[Link.COMPUTE], "compute"), (exposed, _WAIT_COLOR, "exposed"),
+                                 (host, _HOST_COLOR, "host"), (unattributed, _UNATTRIBUTED_COLOR, "unattributed")):
+        strip.bar(numbers, values, bottom=bottom, width=1.0, color=color, label=f"{label} (left, ms)", linewidth=0)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    totals = sorted(bottom)
     if totals:  # a slow first step (warm-up) would flatten the rest: clip at 1.5x the 95th percentile
         top = 1.5 * totals[min(len(totals) - 1, int(0.95 * len(totals)))]
         strip.set_ylim(0, max(top, 1e-3))
-    strip.set_ylabel("compute ms per step", fontsize=8)
+    strip.set_ylabel("ms per step", fontsize=8)
     wait_axis = strip.twinx()  # the exposed wait on its own scale: a few percent of the step stays visible
     wait_axis.bar(numbers, exposed, width=0.6, color=_WAIT_COLOR, label="exposed wait (right, ms)", linewidth=0)
     wait_axis.set_ylim(0, max(max(exposed, default=0.0) * 1.1, 1e-3) * 3)  # the lowest third of the strip
     wait_axis.set_ylabel("exposed wait ms", fontsize=8, color=_WAIT_COLOR)
     wait_axis.legend(loc="upper left", fontsize=8)
     strip.set_xlabel("step (the whole run)")
-    strip.set_title("every step: compute and exposed wait", fontsize=9)
+    strip.set_title("every step: compute + exposed + host + unattributed = the step; exposed again on its own "
+                    "scale", fontsize=9)
     strip.legend(loc="upper right", fontsize=8)
 
     bars = figure.add_subplot(grid[2])

@@ -111,6 +111,9 @@ class _DeviceSpanTimer:
         self._owner.add_pending(self)
         return False
 
+    def done(self) -> None:
+        """(As a collective's span: closed at its issue, its end event is its completion on the stream.)"""
+
     def resolve(self):
         """The host-clock Span; call once `end_event` has completed."""
         reference_event, reference_time = self._reference

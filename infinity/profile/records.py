@@ -35,6 +35,29 @@ class SpanKind(enum.Enum):
 
     WORK = "work"  # the link was busy (counts in busy time, bytes)
     WAIT = "wait"  # compute was blocked on the link (counts in exposed time)
+    HOST = "host"  # the training thread ran host code, neither compute nor a wait: its name is a HOST_PARTS key
+    SYNC = "sync"  # an instant: a thread blocked until the device reached a point (Note [host syncs])
+
+
+# Note [step attribution]: the host parts of a step, in their order of precedence (summary.attribute). A HOST
+# span is named by one of these keys, and `unit` may say which unit a hook served. The engine records the first
+# three; the job names the caller's time it knows (eval, checkpoint, loss, data, log: a part nested in another is
+# named by the inner one, first in this order); `caller` is the rest of the
+# time the training thread spent outside the engine's calls, measured from one call's return to the next call.
+HOST_PARTS = {
+    "hooks": "the engine's unit hooks outside their waits: issuing fetches and prefetches, resharding, "
+             "issuing gradient reductions and updates",
+    "heap": "returning the step's freed memory to the OS (malloc_trim: [memory] release_heap)",
+    "engine": "the engine's own bookkeeping: moving the inputs, ending a forward, the end of backward "
+              "(gradients of unused parameters, drain), the step (gradient norm, update issue)",
+    "eval": "the caller's validation",
+    "checkpoint": "the caller's checkpoint save",
+    "loss": "the caller's loss function outside the engine's forward: building the model's inputs (masks, "
+            "positions); the loss computed on the forward's output counts as compute",
+    "data": "the caller's next batch (read, collated, moved to the device)",
+    "log": "the caller's loss read, metrics and progress",
+    "caller": "the rest of the caller's code between engine calls (outside engine(...), backward, step)",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,4 +84,4 @@ class StepMark:
 
 ON_DEMAND = "on-demand fetch"  # name prefix of the mark of an unshard nothing prefetched (prefetch.py)
 
-__all__ = ["Link", "ON_DEMAND", "Span", "SpanKind", "StepMark"]
+__all__ = ["HOST_PARTS", "Link", "ON_DEMAND", "Span", "SpanKind", "StepMark"]

@@ -65,6 +65,28 @@ class _SpanTimer:
         return False
 
 
+class _IssuedOnHost:
+    """A collective's span on the CPU (`Profiler.collective`): from its issue (the end of the body) to `done()`,
+    when the wait found it complete; without a device, that host time is its time."""
+
+    __slots__ = ("_profiler", "_name", "_link", "_unit", "_issued", "num_bytes")
+
+    def __init__(self, profiler: Profiler, name: str, link: Link, num_bytes: int, unit: str | None):
+        self._profiler, self._name, self._link, self._unit, self.num_bytes = profiler, name, link, unit, num_bytes
+        self._issued = None
+
+    def __enter__(self) -> _IssuedOnHost:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self._issued = time.perf_counter()
+        return False
+
+    def done(self) -> None:
+        self._profiler.record(self._name, self._link, self._issued, time.perf_counter(), num_bytes=self.num_bytes,
+                              unit=self._unit)
+
+
 class _NullSpan:
     """The shared do-nothing context manager of `NullProfiler`."""
 
@@ -78,6 +100,9 @@ class _NullSpan:
 
     def __exit__(self, *exc) -> bool:
         return False
+
+    def done(self) -> None:
+        pass
 
 
 _NULL_SPAN = _NullSpan()
@@ -114,6 +139,7 @@ class Profiler:
         self._steps: list[StepMark] = []
         self._open_steps: dict[int, float] = {}
         self._device = device_timing.DeviceSpans(self._append)
+        self.predicted_bytes: dict[str, int] | None = None  # the byte model's per steady step, set by the engine
 
     # ---- recording ----------------------------------------------------
 
@@ -125,6 +151,26 @@ class Profiler:
         """Time the body as compute blocked on `link` (its exposed time)."""
         return _SpanTimer(self, name, link, 0, None, SpanKind.WAIT)
 
+    def host(self, part: str, *, unit: str | None = None) -> _SpanTimer:
+        """Time the body as the training thread's host code of `part` (a `HOST_PARTS` key: Note [step
+        attribution])."""
+        return _SpanTimer(self, part, Link.COMPUTE, 0, unit, SpanKind.HOST)
+
+    def record_host(self, part: str, start: float, end: float, *, unit: str | None = None) -> None:
+        """Add an already-timed stretch of host code of `part`."""
+        if end < start:
+            raise ValueError(f"host span {part!r} ends before it starts (start={start}, end={end})")
+        self._append(Span(part, Link.COMPUTE, start, end, 0, unit, SpanKind.HOST))
+
+    def heard_sync(self, thread: str, why: str) -> None:
+        """A listener of the host syncs (`streams.listen_host_syncs`): each is recorded with its thread."""
+        self.record_sync(f"{why} ({thread})")
+
+    def record_sync(self, why: str) -> None:
+        """A host synchronization now (Note [host syncs]): counted per step."""
+        now = time.perf_counter()
+        self._append(Span(why, Link.COMPUTE, now, now, 0, None, SpanKind.SYNC))
+
     def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0, unit: str | None = None):
         """Time the work the body enqueues on a CUDA `stream` (default: current).
 
@@ -134,6 +180,15 @@ class Profiler:
         """
         if not self._device.available:
             return self.span(name, link, num_bytes=num_bytes, unit=unit)
+        return self._device.timer(name, link, stream, num_bytes, unit)
+
+    def collective(self, name: str, link: Link, *, stream=None, num_bytes: int = 0, unit: str | None = None):
+        """The span of a collective issued in the body; call its `done()` once it was waited for. On a GPU
+        (a CUDA `stream`) it is device time: events on `stream` around the body, where the caller makes `stream`
+        wait for the collective (so the end event is its completion) and `done()` does nothing. On the CPU it
+        runs on the host from the issue to `done()` (the host span is the device time)."""
+        if not self._device.available or stream is None:
+            return _IssuedOnHost(self, name, link, num_bytes, unit)
         return self._device.timer(name, link, stream, num_bytes, unit)
 
     def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0,
@@ -204,7 +259,8 @@ class Profiler:
         """Per-step and median overlap summary; see `summary.summarize`."""
         from infinity.profile.summary import summarize
 
-        return summarize(self.spans(), self.steps(), self.peaks_GBps, rank=self.rank)
+        return summarize(self.spans(), self.steps(), self.peaks_GBps, rank=self.rank,
+                         predicted_bytes=self.predicted_bytes)
 
     def write(self, out_dir: str, *, print_table: bool = True) -> dict[str, str]:
         """Write trace.json, summary.json and timeline.png under `out_dir`.
@@ -222,7 +278,7 @@ class Profiler:
         from io_engine import atomic_write
 
         spans, steps = self.spans(), self.steps()
-        summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank)
+        summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank, predicted_bytes=self.predicted_bytes)
         os.makedirs(out_dir, exist_ok=True)
         paths = {"trace": os.path.join(out_dir, "trace.json"), "summary": os.path.join(out_dir, "summary.json")}
         atomic_write(paths["trace"], json.dumps(chrome.chrome_trace(spans, steps, rank=self.rank)))
@@ -246,6 +302,7 @@ class NullProfiler:
     def __init__(self, rank: int = 0, peaks_GBps: dict | None = None):
         self.rank = rank
         self.peaks_GBps = {}
+        self.predicted_bytes = None
 
     def span(self, name: str, link: Link, *, num_bytes: int = 0, unit: str | None = None) -> _NullSpan:
         return _NULL_SPAN
@@ -253,8 +310,24 @@ class NullProfiler:
     def wait(self, link: Link, name: str) -> _NullSpan:
         return _NULL_SPAN
 
+    def host(self, part: str, *, unit: str | None = None) -> _NullSpan:
+        return _NULL_SPAN
+
+    def record_host(self, part: str, start: float, end: float, *, unit: str | None = None) -> None:
+        pass
+
+    def heard_sync(self, thread: str, why: str) -> None:
+        pass
+
+    def record_sync(self, why: str) -> None:
+        pass
+
     def device_span(self, name: str, link: Link, *, stream=None, num_bytes: int = 0,
                     unit: str | None = None) -> _NullSpan:
+        return _NULL_SPAN
+
+    def collective(self, name: str, link: Link, *, stream=None, num_bytes: int = 0,
+                   unit: str | None = None) -> _NullSpan:
         return _NULL_SPAN
 
     def record(self, name: str, link: Link, start: float, end: float, *, num_bytes: int = 0,

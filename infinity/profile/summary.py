@@ -5,27 +5,41 @@ The contract (every time in seconds, every byte count in bytes, GB = 1e9 B):
 - Steps: each completed `step_begin(i)` .. `step_end(i)` pair is one window;
   `step_s` = end - begin. When no step was marked but spans exist, the whole
   recording (first span start .. last span end) is one window with `step: None`.
-- Clipping: every span is clipped to the window. A span crossing a boundary
-  counts only its inside part, and its bytes in proportion to that part
-  (a zero-length span counts whole in the window holding its start).
-- `compute_s`: length of the union of the COMPUTE spans.
-- `exposed_s`: length of the union of all WAIT spans (compute blocked on any link).
-- `overlap_efficiency` = compute_s / step_s (None for a zero-length step).
+- Clipping: every span's time is clipped to the window: a span crossing a boundary counts only its inside
+  part. Its bytes count whole in the window holding its start (the step that issued the transfer), so a
+  step's bytes are whole transfers, comparable with the byte model's per step (`traffic.bytes_per_step`).
+- `parts` (Note [step attribution]): every instant of the step belongs to one part, the first in this
+  order whose spans cover it: `compute` (the COMPUTE spans: the training thread's compute on the CPU, the
+  compute stream's device time on a GPU), `exposed.<link>` (the training thread waited on that link, in
+  `Link` order, and nothing computed), `host.<part>` (HOST spans: the training thread ran host code, in
+  `HOST_PARTS` order), and `unattributed` (no span covers it). So the parts add up to `step_s` exactly, and
+  `unattributed` is what no span accounts for (shown, never folded into another part).
+- `compute_s`, `exposed_s`, `host_s`, `unattributed_s`: the parts' totals; step_s is their sum.
+- `overlap_efficiency` = compute_s / step_s = 1 - (exposed_s + host_s + unattributed_s) / step_s (None for
+  a zero-length step): the share of the step the compute was busy; what it lost is in the other parts.
+- `attributed` = 1 - unattributed_s / step_s: the share of the step named by a part.
+- `host_syncs`: the host synchronizations in the window, on every thread (SYNC marks: Note [host syncs] in
+  device/streams.py), and `host_syncs_by_reason` per reason.
 - `on_demand_fetches`: the unshards in the window that no prefetch had issued
   (spans named `ON_DEMAND ...`, Note [backward prefetch] in prefetch.py).
 - Per link other than COMPUTE, under `links[link.value]`:
-  - `bytes`: sum of the spans' `num_bytes` (rounded to an integer after clipping);
+  - `bytes`: sum of the `num_bytes` of the spans that start in the window;
   - `busy_s`: length of the union of the link's WORK spans: concurrent
     requests overlapping in time count once, not summed;
   - `GBps` = bytes / busy_s / 1e9 (0.0 with no bytes; None when bytes moved
     in zero busy time);
   - `peak_GBps`: the measured peak given to the profiler, or None;
   - `fraction_of_peak` = GBps / peak_GBps, or None without both;
-  - `exposed_s`: length of the union of the WAIT spans on that link.
+  - `exposed_s`: the link's part of the step (`parts["exposed"]`).
   Reported links: those with any span or wait in the recording, plus those
-  with a peak; the same set in every step, in `Link` order.
-- `median`: the same fields, each the median over steps of that field
-  (None values left out; None when no step has one); None with no steps.
+  with a peak or a predicted byte count; the same set in every step, in `Link` order.
+  With `predicted_bytes` (the byte model's bytes per steady step, `traffic.bytes_per_step`, given by the
+  engine), the median's links carry `predicted_bytes` beside `bytes`.
+- `median`: the parts and their totals (`step`, `step_s`, `compute_s`, `exposed_s`, `host_s`,
+  `unattributed_s`, `attributed`, `overlap_efficiency`, `parts`) are those of the median step (the step
+  whose step_s is the median; the lower middle one of an even count), so they add up; the other fields
+  (`on_demand_fetches`, `host_syncs`, each link's) are each the median over steps of that field (None
+  values left out; None when no step has one). None with no steps.
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ from __future__ import annotations
 import statistics
 from typing import Iterable
 
-from infinity.profile.records import ON_DEMAND, Link, Span, SpanKind, StepMark
+from infinity.profile.records import HOST_PARTS, ON_DEMAND, Link, Span, SpanKind, StepMark
 
 GB = 1e9
 
@@ -61,23 +75,17 @@ def _clipped(spans: Iterable[Span], begin: float, end: float) -> list[tuple[floa
     return [(max(s.start, begin), min(s.end, end)) for s in spans if s.start < end and s.end > begin]
 
 
-def _bytes_inside(span: Span, begin: float, end: float) -> float:
-    """The share of the span's bytes that falls inside [begin, end)."""
-    if span.num_bytes == 0:
-        return 0.0
-    duration = span.end - span.start
-    if duration <= 0:
-        return float(span.num_bytes) if begin <= span.start < end else 0.0
-    inside = min(span.end, end) - max(span.start, begin)
-    return span.num_bytes * inside / duration if inside > 0 else 0.0
+def _bytes_inside(span: Span, begin: float, end: float) -> int:
+    """The span's bytes when it starts in [begin, end) (a transfer counts whole in the step that issued it)."""
+    return span.num_bytes if begin <= span.start < end else 0
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
 
-def _link_summary(work: list[Span], waits: list[Span], begin: float, end: float, peak: float | None) -> dict:
-    num_bytes = round(sum(_bytes_inside(s, begin, end) for s in work))
+def _link_summary(work: list[Span], begin: float, end: float, peak: float | None, exposed_s: float) -> dict:
+    num_bytes = sum(_bytes_inside(s, begin, end) for s in work)
     busy_s = union_length(_clipped(work, begin, end))
     GBps = 0.0 if num_bytes == 0 else _ratio(num_bytes / GB, busy_s)
     return {
@@ -86,32 +94,89 @@ def _link_summary(work: list[Span], waits: list[Span], begin: float, end: float,
         "GBps": GBps,
         "peak_GBps": peak,
         "fraction_of_peak": _ratio(GBps, peak) if GBps is not None and peak else None,
-        "exposed_s": union_length(_clipped(waits, begin, end)),
+        "exposed_s": exposed_s,
     }
+
+
+def _part_of(span: Span) -> tuple | None:
+    """The part a span of the training thread claims (Note [step attribution]), or None."""
+    if span.kind is SpanKind.WORK:
+        return ("compute",) if span.link is Link.COMPUTE else None
+    if span.kind is SpanKind.WAIT:
+        return ("exposed", span.link.value)
+    if span.kind is SpanKind.HOST:
+        return ("host", span.name)
+    return None
+
+
+def attribute(spans: list[Span], begin: float, end: float) -> dict:
+    """Note [step attribution]: the step [begin, end] split into parts, each instant to the first part in order
+    of precedence (compute, the waits in `Link` order, the host parts in `HOST_PARTS` order, names it does not
+    know before `caller`) whose spans cover it; what no span covers is `unattributed`. The parts add up to
+    end - begin."""
+    waits = [("exposed", link.value) for link in Link]
+    known = [("host", name) for name in HOST_PARTS if name != "caller"]
+    claims = [(part, s) for s in spans if (part := _part_of(s)) is not None and s.start < end and s.end > begin]
+    others = sorted({p for p, _ in claims if p[0] == "host" and p[1] not in HOST_PARTS})
+    order = [("compute",)] + waits + known + others + [("host", "caller")]
+    rank = {part: i for i, part in enumerate(order)}
+    events = []
+    for part, s in claims:
+        events += [(max(s.start, begin), 1, rank[part]), (min(s.end, end), -1, rank[part])]
+    events.sort()
+    active = [0] * len(order)
+    length = [0.0] * len(order)
+    last = begin
+    for time, delta, i in events:
+        top = next((j for j, n in enumerate(active) if n), None)
+        if top is not None:
+            length[top] += time - last
+        last = time
+        active[i] += delta
+    parts = {"compute": length[0], "exposed": {}, "host": {}}
+    for part, i in rank.items():
+        if part[0] != "compute" and (length[i] > 0 or part[0] == "host" and part[1] in HOST_PARTS):
+            parts[part[0]][part[1]] = length[i]
+    parts["unattributed"] = max(0.0, (end - begin) - sum(length))
+    return parts
 
 
 def summarize_window(spans: list[Span], step: int | None, begin: float, end: float, links: list[Link],
                      peaks_GBps: dict[Link, float]) -> dict:
     """The summary of one step window (see the module docstring)."""
     work = [s for s in spans if s.kind is SpanKind.WORK]
-    waits = [s for s in spans if s.kind is SpanKind.WAIT]
     step_s = end - begin
-    compute_s = union_length(_clipped((s for s in work if s.link is Link.COMPUTE), begin, end))
+    parts = attribute(spans, begin, end)
+    exposed_s, host_s = sum(parts["exposed"].values()), sum(parts["host"].values())
+    syncs: dict[str, int] = {}
+    for s in spans:
+        if s.kind is SpanKind.SYNC and begin <= s.start < end:
+            syncs[s.name] = syncs.get(s.name, 0) + 1
     return {
         "step": step,
         "step_s": step_s,
-        "compute_s": compute_s,
-        "exposed_s": union_length(_clipped(waits, begin, end)),
-        "overlap_efficiency": _ratio(compute_s, step_s),
+        "compute_s": parts["compute"],
+        "exposed_s": exposed_s,
+        "host_s": host_s,
+        "unattributed_s": parts["unattributed"],
+        "attributed": _ratio(step_s - parts["unattributed"], step_s),
+        "overlap_efficiency": overlap_efficiency(parts, step_s),
+        "parts": parts,
         "on_demand_fetches": sum(1 for s in spans if s.name.startswith(ON_DEMAND) and begin <= s.start <= end),
+        "host_syncs": sum(syncs.values()),
+        "host_syncs_by_reason": syncs,
         "links": {
-            link.value: _link_summary(
-                [s for s in work if s.link is link], [s for s in waits if s.link is link], begin, end,
-                peaks_GBps.get(link)
-            )
+            link.value: _link_summary([s for s in work if s.link is link], begin, end, peaks_GBps.get(link),
+                                      parts["exposed"].get(link.value, 0.0))
             for link in links
         },
     }
+
+
+def overlap_efficiency(parts: dict, step_s: float) -> float | None:
+    """The one formula (Note [step attribution]): the share of the step the compute was busy, compute_s /
+    step_s = 1 - (exposed_s + host_s + unattributed_s) / step_s; None for a zero-length step."""
+    return _ratio(parts["compute"], step_s)
 
 
 def _median(values: list) -> float | None:
@@ -119,29 +184,43 @@ def _median(values: list) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _median_of_steps(steps: list[dict]) -> dict | None:
+MEDIAN_STEP_FIELDS = ("step", "step_s", "compute_s", "exposed_s", "host_s", "unattributed_s", "attributed",
+                      "overlap_efficiency", "parts")
+
+
+def _median_of_steps(steps: list[dict], predicted_bytes: dict[str, int] | None) -> dict | None:
     if not steps:
         return None
-    scalar_fields = ("step_s", "compute_s", "exposed_s", "overlap_efficiency", "on_demand_fetches")
-    median = {field: _median([s[field] for s in steps]) for field in scalar_fields}
+    middle = sorted(steps, key=lambda s: s["step_s"])[(len(steps) - 1) // 2]  # the median step (lower middle)
+    median = {field: middle[field] for field in MEDIAN_STEP_FIELDS}
+    median["on_demand_fetches"] = _median([s["on_demand_fetches"] for s in steps])
+    median["host_syncs"] = _median([s["host_syncs"] for s in steps])
+    reasons = sorted({r for s in steps for r in s["host_syncs_by_reason"]})
+    median["host_syncs_by_reason"] = {r: _median([s["host_syncs_by_reason"].get(r, 0) for s in steps])
+                                      for r in reasons}
     median["links"] = {
         name: {field: _median([s["links"][name][field] for s in steps]) for field in fields}
         for name, fields in steps[0]["links"].items()
     }
+    for name, link in median["links"].items():
+        if predicted_bytes is not None and name in predicted_bytes:
+            link["predicted_bytes"] = predicted_bytes[name]
     return median
 
 
 def summarize(spans: list[Span], steps: list[StepMark], peaks_GBps: dict[Link, float] | None = None, *,
-              rank: int = 0) -> dict:
+              rank: int = 0, predicted_bytes: dict[str, int] | None = None) -> dict:
     """{"rank", "num_steps", "steps": [per-step summary], "median": {...}}."""
     peaks_GBps = peaks_GBps or {}
-    seen = {s.link for s in spans} | set(peaks_GBps)
+    seen = {s.link for s in spans if s.kind in (SpanKind.WORK, SpanKind.WAIT)} | set(peaks_GBps)
+    seen |= {Link(name) for name in predicted_bytes or {}}
     links = [link for link in Link if link in seen and link is not Link.COMPUTE]
     windows = [(m.step, m.begin, m.end) for m in steps]
     if not windows and spans:
         windows = [(None, min(s.start for s in spans), max(s.end for s in spans))]
     per_step = [summarize_window(spans, step, begin, end, links, peaks_GBps) for step, begin, end in windows]
-    return {"rank": rank, "num_steps": len(per_step), "steps": per_step, "median": _median_of_steps(per_step)}
+    return {"rank": rank, "num_steps": len(per_step), "steps": per_step,
+            "median": _median_of_steps(per_step, predicted_bytes)}
 
 
 # ---- the printed table ------------------------------------------------------
@@ -159,19 +238,41 @@ def _number(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def parts_text(row: dict) -> str:
+    """The step's split in one line: `step = compute + exposed (by link) + host (by part) + unattributed`."""
+    parts = row["parts"]
+    exposed = ", ".join(f"{k} {_ms(v)}" for k, v in parts["exposed"].items() if v > 0)
+    host = ", ".join(f"{k} {_ms(v)}" for k, v in parts["host"].items() if v > 0)
+    return (f"step {_ms(row['step_s'])} ms = compute {_ms(row['compute_s'])} + exposed {_ms(row['exposed_s'])}"
+            f"{f' ({exposed})' if exposed else ''} + host {_ms(row['host_s'])}{f' ({host})' if host else ''}"
+            f" + unattributed {_ms(row['unattributed_s'])} ({_percent(_ratio(row['unattributed_s'], row['step_s']))})")
+
+
 def format_summary(summary: dict, last: int | None = None) -> str:
-    """A human-readable table: one row per step (the `last` ones only, when given), then one row per link
-    (medians)."""
+    """A human-readable table: the median step's split, one row per step (the `last` ones only, when given),
+    then one row per link (medians)."""
     median = summary.get("median")
     if median is None:
         return f"profile rank {summary.get('rank', 0)}: no steps, no spans"
+    if "parts" not in median:  # written before Note [step attribution]
+        return (f"profile rank {summary['rank']}: {summary['num_steps']} step(s), median step "
+                f"{_ms(median['step_s'])} ms, compute {_ms(median['compute_s'])} ms, exposed "
+                f"{_ms(median['exposed_s'])} ms; this summary predates the step's split into parts: profile the "
+                f"run again to see where each millisecond goes")
     lines = [
         f"profile rank {summary['rank']}: {summary['num_steps']} step(s), median step {_ms(median['step_s'])} ms, "
         f"compute {_ms(median['compute_s'])} ms, exposed {_ms(median['exposed_s'])} ms, "
-        f"overlap efficiency {_percent(median['overlap_efficiency'])}, "
-        f"on-demand fetches {max(s['on_demand_fetches'] for s in summary['steps'])} (most in a step)",
-        f"{'step':>6} {'step_ms':>10} {'compute_ms':>11} {'exposed_ms':>11} {'overlap':>8}",
+        f"host {_ms(median['host_s'])} ms, unattributed {_ms(median['unattributed_s'])} ms, "
+        f"overlap efficiency {_percent(median['overlap_efficiency'])} (compute / step), "
+        f"on-demand fetches {max(s['on_demand_fetches'] for s in summary['steps'])} (most in a step), "
+        f"host syncs {_number(median['host_syncs'], '.0f')} per step",
+        f"median step ({median['step']}): {parts_text(median)}",
     ]
+    if median["host_syncs_by_reason"]:
+        lines.append("host syncs per step (median): " + ", ".join(
+            f"{why} {_number(n, 'g')}" for why, n in median["host_syncs_by_reason"].items()))
+    lines.append(f"{'step':>6} {'step_ms':>10} {'compute_ms':>11} {'exposed_ms':>11} {'host_ms':>9} "
+                 f"{'unattr_ms':>10} {'overlap':>8} {'syncs':>6}")
     steps = summary["steps"]
     if last is not None and len(steps) > last:
         lines.append(f"{'...':>6} ({len(steps) - last} earlier step(s) not shown; the median is over all of them)")
@@ -179,15 +280,18 @@ def format_summary(summary: dict, last: int | None = None) -> str:
     for s in steps:
         step = "all" if s["step"] is None else str(s["step"])
         lines.append(f"{step:>6} {_ms(s['step_s']):>10} {_ms(s['compute_s']):>11} {_ms(s['exposed_s']):>11} "
-                     f"{_percent(s['overlap_efficiency']):>8}")
+                     f"{_ms(s['host_s']):>9} {_ms(s['unattributed_s']):>10} {_percent(s['overlap_efficiency']):>8} "
+                     f"{s['host_syncs']:>6}")
     if median["links"]:
         lines.append("per link, median over steps:")
-        lines.append(f"{'link':<15} {'MB/step':>10} {'busy_ms':>9} {'GB/s':>7} {'peak':>7} {'of peak':>8} "
-                     f"{'exposed_ms':>11}")
+        lines.append(f"{'link':<15} {'MB/step':>10} {'predicted':>10} {'busy_ms':>9} {'GB/s':>7} {'peak':>7} "
+                     f"{'of peak':>8} {'exposed_ms':>11}")
         for name, link in median["links"].items():
             megabytes = None if link["bytes"] is None else link["bytes"] / 1e6
+            predicted = link.get("predicted_bytes")
             lines.append(
-                f"{name:<15} {_number(megabytes, '.1f'):>10} {_ms(link['busy_s']):>9} "
+                f"{name:<15} {_number(megabytes, '.1f'):>10} "
+                f"{_number(None if predicted is None else predicted / 1e6, '.1f'):>10} {_ms(link['busy_s']):>9} "
                 f"{_number(link['GBps'], '.2f'):>7} {_number(link['peak_GBps'], '.2f'):>7} "
                 f"{_percent(link['fraction_of_peak']):>8} {_ms(link['exposed_s']):>11}"
             )

@@ -43,6 +43,11 @@ class AccumulationWindow:
         self._weighted = weighted
         self._end_now = end_window or self.taken_in_window + 1 >= self.length
 
+    def share(self, world_size: int) -> float:
+        """The factor of this backward's loss: 1 / length, or for a weighted window the world size (the reducer
+        averages over the ranks, and a weighted window's shares are summed over them)."""
+        return world_size if self._weighted else 1 / self.length
+
     def ends_now(self) -> bool:
         """Whether the backward running (or about to run) ends the window."""
         return self._end_now or self.taken_in_window + 1 >= self.length

@@ -25,7 +25,7 @@ from infinity.config.sections import Config
 from infinity.device.collectives import all_reduce_sum
 from infinity.device.dtypes import DTYPES
 from infinity.device.process_group import broadcast_object
-from infinity.device.streams import Streams, host_value
+from infinity.device.streams import Streams, host_value, listen_host_syncs
 from infinity.machine.environment import resolve
 from infinity.machine.heap import heap_policy
 from infinity.machine.link_rates import link_peaks
@@ -33,9 +33,9 @@ from infinity.memory.buffers import UnshardedMemory
 from infinity.memory.fresh import fresh_budget
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.stages import stage_for
-from infinity.memory.traffic import plan_report
+from infinity.memory.traffic import bytes_per_step, plan_report
 from infinity.optim.groups import resolve_groups
-from infinity.profile import NullProfiler, Profiler
+from infinity.profile import Link, NullProfiler, Profiler
 from infinity.profile.clock import TrainingClock
 from infinity.runtime.accumulation import AccumulationWindow
 from infinity.runtime.activations import activations_for
@@ -76,6 +76,7 @@ class Engine:
         self.streams = Streams.for_device(self.env.device)
         self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=link_peaks(config, self.env.device))
                          if config.profile.enabled else NullProfiler(rank=self.env.rank))
+        self._stop_sync_count = listen_host_syncs(self.profiler.heard_sync)  # Note [host syncs]: counted per step
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
         self.heap = heap_policy(config.memory.release_heap)  # Note [heap release]
         ctx = UnitContext(group=self.env.group, rank=self.env.rank, world_size=self.env.world_size,
@@ -113,8 +114,7 @@ class Engine:
         self.optimizer = EngineOptimizer(self.groups, config.optimizer, self.step)  # for a user's LR scheduler
         self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
-        self.activations = activations_for(config.activation, self.units, self.streams, self.env.device,
-                                           self.regions)
+        self.activations = activations_for(config.activation, self.units, self.streams, self.env.device, self.regions)
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
                                      config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace,
                                      fetch_inputs=self.activations.fetch)
@@ -138,19 +138,16 @@ class Engine:
         self.colocation = Colocation(model=model, units=self.units, manager=self.manager, device=self.env.device,
                                      unsharded=self.unsharded, profiler=self.profiler, settled=self.updates.settled,
                                      mid_step=lambda: mid_step(self.window, self._backward_pending))
-        self.micro_step = 0  # backward passes since initialize
+        self.micro_step = self.optimizer_steps = 0  # backward passes since initialize; updates applied (not skipped)
         self._profiled_steps = 0  # the profiled steps write_profile has written
-        self.optimizer_steps = 0  # updates applied (skipped steps not counted)
         self.last_grad_norm: float | None = None
-        self._backward_pending, self._in_backward = False, False  # in backward, forward hooks are recomputation
-        self._closed = False
+        self._backward_pending = self._in_backward = self._closed = False  # in backward, forward hooks recompute
         self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
         self._saved_checkpoints: list[str] = []
-        # Note [switch interval]: I/O completions, the prefetcher and the optimizer worker run Python, so they need
-        # the GIL, which the training thread holds between torch ops. At the default switch interval (5 ms) a
-        # waiting thread can wait 5 ms per 1 MiB block that the disk moves in 0.3 ms; at 0.5 ms the queue still
-        # stayed full while the disk ran at half speed; at 0.1 ms the out-of-core step went from 5.0-8.4 s to
-        # 4.5-4.7 s (0.05 and 0.02 ms: no better; runs in benchmarks/history/from-notes.md). `[io]
+        # Note [switch interval]: I/O completions, the prefetcher and the optimizer worker run Python and need the
+        # GIL, which the training thread holds between torch ops. At the default 5 ms a waiting thread can wait 5 ms
+        # per 1 MiB block the disk moves in 0.3 ms (0.5 ms: the disk at half speed); at 0.1 ms the out-of-core step
+        # went from 5.0-8.4 s to 4.5-4.7 s (0.05, 0.02 ms: no better; benchmarks/history/from-notes.md). `[io]
         # switch_interval_us` sets it while the engine is open (last in __init__: a failed initialize leaves it).
         self._saved_switch_interval = sys.getswitchinterval()
         if config.io.switch_interval_us > 0:
@@ -158,39 +155,41 @@ class Engine:
 
     # ----------------------------------------------------------------- construction
     # ----------------------------------------------------------------- hooks
-    def _pre_forward(self, unit: Unit) -> None:
-        self.clock.compute_end(f"forward before {unit.name}")
-        self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
-        self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
-        self.prefetcher.wait_for(unit)
-        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
-        self.clock.compute_begin()
+    def _pre_forward(self, unit: Unit) -> None:  # (Note [step attribution]: host code, its waits named inside)
+        with self.clock.host("hooks", unit.name, during="forward", then="compute"):
+            self.updates.before_forward(unit)  # its parameters may still be updating (and a failed update raises)
+            self.prefetcher.before_forward(unit)  # (the root's: the first units of the recorded order)
+            self.prefetcher.wait_for(unit)
+            self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
 
     def _pre_backward(self, unit: Unit) -> None:
-        self.clock.compute_end(f"backward before {unit.name}")
-        self.prefetcher.before_backward(unit)
-        self.prefetcher.wait_for(unit)
-        self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
-        self.clock.compute_begin()
+        with self.clock.host("hooks", unit.name, during="backward", then="compute"):
+            self.prefetcher.before_backward(unit)
+            self.prefetcher.wait_for(unit)
+            self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
 
     def _post_forward(self, unit: Unit) -> None:
-        unit.reshard()
+        with self.clock.host("hooks", unit.name, during="forward"):
+            unit.reshard()
 
     def _grads_ready(self, unit: Unit) -> None:
-        self.reducer.issue(unit, final=self.window.ends_now())
-        if unit.index != 0 and unit.trainable_numel == unit.flat_numel:
-            unit.reshard()  # every parameter has its gradient, so no backward op needs them any more
+        with self.clock.host("hooks", unit.name, during="backward"):
+            self.reducer.issue(unit, final=self.window.ends_now())
+            if unit.index != 0 and unit.trainable_numel == unit.flat_numel:
+                unit.reshard()  # every parameter has its gradient, so no backward op needs them any more
 
     def _backward_done(self, unit: Unit) -> None:
         if unit.index != 0:
-            unit.reshard()  # its inputs' gradients are computed: no backward op reads its parameters now
+            with self.clock.host("hooks", unit.name, during="backward"):
+                unit.reshard()  # its inputs' gradients are computed: no backward op reads its parameters now
 
     # ----------------------------------------------------------------- training surface
     def __call__(self, *args, **kwargs):
         """Forward on the engine's device (tensor arguments are moved there): returns what the model returns."""
         self._check_open("engine(...)", FORWARD)
-        args, kwargs = to_device((args, kwargs), self.env.device)
         self.clock.forward_begins()
+        with self.clock.host("engine", start=self.clock.call_begins()):
+            args, kwargs = to_device((args, kwargs), self.env.device)
         root = self.units[0]
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
         try:
@@ -199,14 +198,14 @@ class Engine:
         except BaseException:
             self._forward_failed(root)
             raise
-        self.clock.compute_end("forward")
-        needs_grad = bool(tensors_needing_grad(output))
-        self.prefetcher.end_forward(backward_follows=needs_grad)
-        if needs_grad:
-            self._backward_pending = True  # the root stays unsharded until backward has used it
-        else:
-            self.prefetcher.release_unused()
-            root.reshard()
+        needs_grad = bool(tensors_needing_grad(output))  # (then: the caller's loss, as compute, until backward)
+        with self.clock.host("engine", during="forward", then="compute" if needs_grad else "caller"):
+            self.prefetcher.end_forward(backward_follows=needs_grad)
+            if needs_grad:
+                self._backward_pending = True  # the root stays unsharded until backward has used it
+            else:
+                self.prefetcher.release_unused()
+                root.reshard()
         return output
 
     def _forward_failed(self, root: Unit) -> None:
@@ -226,11 +225,9 @@ class Engine:
         return self.inference.generate(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, end_window: bool = False, num_items_in_batch=None) -> None:
-        """Backward of `loss` (scaled by 1/grad_accum_steps, and the fp16 loss scale); `end_window=True` ends the
-        accumulation window here, even a short one (Note [accumulation windows]). `num_items_in_batch`: the
-        window weighted by its items (Note [token-weighted windows]): `loss` is this micro-batch's summed loss
-        divided by the number of items (label tokens) of the whole window on all ranks, as transformers' models
-        return it given `num_items_in_batch`; it is then not divided by grad_accum_steps nor averaged over ranks."""
+        """Backward of `loss` (scaled by 1/grad_accum_steps and the fp16 loss scale); `end_window=True` ends the
+        window here (Note [accumulation windows]). `num_items_in_batch`: `loss` is this micro-batch's summed loss
+        over the window's items on all ranks, as transformers returns it (Note [token-weighted windows])."""
         self._check_open("engine.backward")
         if not self._backward_pending:
             raise RuntimeError("engine.backward(loss) needs a forward with gradients first: call engine(batch) "
@@ -238,29 +235,27 @@ class Engine:
         self.window.begin(end_window, weighted=num_items_in_batch is not None)
         if self.updates.updates_during_backward and self.window.ends_now():
             self.wait_for_checkpoint()  # updates start during this backward (Note [overlap])
-        # the reducer averages over the ranks: a window's share is summed over them (times the world size)
-        share = self.world_size if num_items_in_batch is not None else 1 / self.config.train.grad_accum_steps
-        scale = self.scaler.scale * share
-        self.clock.compute_begin()
+        scale = self.scaler.scale * self.window.share(self.world_size)
+        self.clock.compute_begin(at=self.clock.compute_end("forward: the caller's loss"))
         self._in_backward = True
         try:
             (loss * scale).backward()
         finally:
             self._in_backward = False
-        self.clock.compute_end("backward")
-        final = self.window.ends_now()
-        for unit, counter in zip(self.units, self._counters):
-            if not counter.fired and unit.trainable_numel > 0:
-                self.reducer.issue(unit, final=final)  # parameters that got no gradient contribute zeros
-            counter.reset()
-        self.reducer.drain()
-        self.prefetcher.release_unused()
-        for unit in self.units:
-            unit.reshard()
-        self.recompute.backward_ended()
-        self._backward_pending = False
-        self.micro_step += 1
-        self.window.taken()
+        with self.clock.host("engine", during="backward", then="caller"):
+            final = self.window.ends_now()
+            for unit, counter in zip(self.units, self._counters):
+                if not counter.fired and unit.trainable_numel > 0:
+                    self.reducer.issue(unit, final=final)  # parameters that got no gradient contribute zeros
+                counter.reset()
+            self.reducer.drain()
+            self.prefetcher.release_unused()
+            for unit in self.units:
+                unit.reshard()
+            self.recompute.backward_ended()
+            self._backward_pending = False
+            self.micro_step += 1
+            self.window.taken()
 
     def step(self) -> bool:
         """Apply the optimizer at an accumulation boundary; returns whether parameters changed.
@@ -269,11 +264,16 @@ class Engine:
         [overlap]) and this returns once it is issued; the next forward waits per unit.
         """
         self._check_open("engine.step")
+        with self.clock.host("engine", start=self.clock.call_begins(), then="caller"):
+            return self._step()
+
+    def _step(self) -> bool:
         if not self.window.closed:
             return False
         self.wait_for_checkpoint()  # (before the next line: after a failed save, step() again applies the update)
         self.window.stepped()
-        self.heap.release()  # the step's activations are freed; the update is not issued yet
+        with self.profiler.host("heap"):
+            self.heap.release()  # the step's activations are freed; the update is not issued yet
         self.reducer.flush_writes()
         sumsq = self.reducer.take_sumsq(self.env.device)
         all_reduce_sum(sumsq, self.env.group)
@@ -303,24 +303,25 @@ class Engine:
 
     @property
     def kept_params(self) -> frozenset[tuple[int, int]]:
-        """The (unit, chunk)s of parameters whose first fetch after an update reads the copy the update kept
-        in memory (Note [fresh parameters]): for `traffic.bytes_per_step`."""
+        """The (unit, chunk)s whose first fetch after an update reads the update's copy (Note [fresh parameters])."""
         return self.updates.kept_params(self.compute_dtype.itemsize)
 
     def write_profile(self) -> None:
-        """The profile of the steps so far to `[profile] trace_dir`/rank<N> (close() writes it too, when steps
-        were taken since)."""
+        """The profile so far to `[profile] trace_dir`/rank<N> (close() too, when steps were taken since)."""
         self.clock.close()
         steps = len(self.profiler.steps()) if self.profiler.enabled else 0
         if steps > self._profiled_steps:
             self._profiled_steps = steps
+            self.profiler.predicted_bytes = bytes_per_step(  # the byte model's steady step, beside the bytes
+                self.plan, grad_accum_steps=self.window.length, first_step=False, cuda=self.streams.is_cuda,
+                kept=self.kept_params)
             self.profile_files = self.profiler.write(os.path.join(self.config.profile.trace_dir, f"rank{self.rank}"),
                                                      print_table=False)  # the caller prints format_summary if it wants
 
     def synchronize(self) -> None:
         """Wait for all work in flight (optimizer updates, a background checkpoint); raise its errors."""
         self._check_open()
-        with self.updates.settled():
+        with self.profiler.wait(Link.CPU_OPTIMIZER, "synchronize: the update in flight"), self.updates.settled():
             self.wait_for_checkpoint()
 
     # ----------------------------------------------------------------- checkpoints
@@ -460,6 +461,7 @@ class Engine:
             try:
                 self.updates.close()  # (a read-ahead error nobody consumed is raised here)
             finally:
+                self._stop_sync_count()
                 for h in self._handles:
                     h.remove()
                 self.manager.close()

@@ -18,7 +18,6 @@ stage.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import Callable
 
@@ -68,8 +67,7 @@ class GradReducer:
             name = f"{reduction.link.value} {unit.name}"
             with prof.wait(reduction.link, name):
                 reduction.work.wait()  # the sum must be complete before it is averaged and accumulated
-            prof.record(name, reduction.link, reduction.issued, time.perf_counter(), num_bytes=reduction.num_bytes,
-                        unit=unit.name)
+            reduction.timed.done()  # its span (Profiler.collective: device time on a GPU)
         out = reduction.kept
         if self.world_size > 1:
             out.div_(self.world_size)

@@ -209,8 +209,9 @@ class InlineUpdate(UpdateMode):
         if update is None:
             return False
         hyper, grad_scale, flags, active = update
-        self.optimizer.step(hyper=hyper, grad_scale=grad_scale, active=active,
-                            on_unit_done=lambda u: after_update(flags[u.index], u)(u))
+        with self.profiler.wait(Link.CPU_OPTIMIZER, "update on the training thread"):  # (Note [step attribution])
+            self.optimizer.step(hyper=hyper, grad_scale=grad_scale, active=active,
+                                on_unit_done=lambda u: after_update(flags[u.index], u)(u))
         return True
 
     def put_order(self) -> list[Unit]:

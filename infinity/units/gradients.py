@@ -5,7 +5,6 @@ where a reduction runs is grad_reduce.py's (runtime/)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -25,15 +24,16 @@ class Reduction:
     work: object  # the handle (collectives.DONE with one rank)
     link: Link | None = None
     num_bytes: int = 0  # Note [collective bytes] (profile/records.py)
-    issued: float = 0.0
+    timed: object = None  # its profile span (Profiler.collective): `done()` once waited for
 
 
 class UnitGradients:
     """One unit's gradient on this rank: filled by its backward, handed over, reduced."""
 
     def __init__(self, ctx: UnitContext, slots: list[ParamSlot], padded_numel: int, layout: UnitLayout,
-                 shard_start: int, shard_numel: int, stored_trainable: int):
+                 shard_start: int, shard_numel: int, stored_trainable: int, unit_name: str = ""):
         self.ctx, self.slots, self.padded_numel, self.layout = ctx, slots, padded_numel, layout
+        self.unit_name = unit_name  # (its reductions' profile spans name it)
         self.shard_start, self.shard_numel, self.stored_trainable = shard_start, shard_numel, stored_trainable
         self.flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
         self.slots_with_grad: set[int] = set()  # ids of slots that got a gradient in this accumulation window
@@ -67,19 +67,23 @@ class UnitGradients:
         if ctx.group is None:
             return Reduction(flat.narrow(0, update.start, update.numel), collectives.DONE)  # one rank: no copy
         ctx.streams.wait_event(ctx.streams.record(), ctx.streams.comm)  # the flat gradient is written on compute
-        with ctx.streams.use(ctx.streams.comm):
-            issued = time.perf_counter()
-            if ctx.stage.optimizer_partitioned:
+        scatter = ctx.stage.optimizer_partitioned
+        link = Link.REDUCE_SCATTER if scatter else Link.ALL_REDUCE  # Note [collective bytes]: the volume
+        volume = flat.numel() if scatter else 2 * update.numel
+        timed = ctx.profiler.collective(f"{link.value} {self.unit_name}", link, stream=ctx.streams.comm,
+                                        num_bytes=volume * 4, unit=self.unit_name)
+        with ctx.streams.use(ctx.streams.comm), timed:
+            if scatter:
                 out = torch.empty(self.shard_numel, dtype=torch.float32, device=ctx.device)
                 work = collectives.reduce_scatter_sum(out, flat, ctx.group)
                 kept = out.narrow(0, update.start - self.shard_start, update.numel)
-                link, volume = Link.REDUCE_SCATTER, flat.numel()  # Note [collective bytes]
             else:
                 kept = flat.narrow(0, update.start, update.numel)
                 work = collectives.all_reduce_sum(kept, ctx.group, async_op=True)
-                link, volume = Link.ALL_REDUCE, 2 * kept.numel()
+            if ctx.streams.is_cuda:
+                work.wait()  # (NCCL: the comm stream waits for it, not the host) its device span ends when it does
         ctx.streams.hold(flat, ctx.streams.comm)
-        return Reduction(kept, work, link, volume * 4, issued)
+        return Reduction(kept, work, link, volume * 4, timed)
 
     def norm_part(self) -> tuple[int, int]:
         """(offset, numel) within a reduction's `kept` of the gradient this rank counts in the global norm:

@@ -34,7 +34,6 @@ gradients, bit for bit alike.
 from __future__ import annotations
 
 import enum
-import time
 
 import torch
 import torch.nn as nn
@@ -97,12 +96,12 @@ class Unit:
         self._nbytes = self.padded_numel * itemsize
         self._storage = torch.empty(0, dtype=ctx.compute_dtype, device=ctx.device).untyped_storage()
         self._pending: Pending | None = None  # the fetch of this rank's shard (UNSHARDING)
-        self._gather: tuple[object, float] | None = None  # the all-gather's handle and issue time (GATHERING)
+        self._gather: tuple[object, object] | None = None  # the all-gather's handle and profile span (GATHERING)
         self.aliased = False  # parameters view the stored shard (see alias)
         self._stored: torch.Tensor | None = None  # the stored whole parameters the views alias
         self.stale = False  # Note [post-update gather]: the other ranks' updated partitions are still to come
         self.grads = UnitGradients(ctx, slots, self.padded_numel, self.layout, ctx.rank * self.shard_numel,
-                                   self.shard_numel, trainable)  # its flat gradient and reduction (gradients.py)
+                                   self.shard_numel, trainable, self.name)  # its flat gradient, reduction
         self.steps = UnitSteps(slots, self.layout)  # its parameters' Adam step counts and groups (steps.py)
         self.peak_unsharded = 0
 
@@ -196,11 +195,16 @@ class Unit:
         self._gather = self._issue_all_gather(self._flat(), own)
         self._move(UnitState.GATHERING)
 
-    def _issue_all_gather(self, whole: torch.Tensor, own: torch.Tensor) -> tuple[object, float]:
+    def _issue_all_gather(self, whole: torch.Tensor, own: torch.Tensor) -> tuple[object, object]:
         streams = self.ctx.streams
         streams.wait_event(streams.record(), streams.comm)  # the comm stream must see the fetched shard
-        with streams.use(streams.comm):
-            return collectives.all_gather_into(whole, own, self.ctx.group), time.perf_counter()
+        timed = self.ctx.profiler.collective(f"all-gather {self.name}", Link.ALL_GATHER, stream=streams.comm,
+                                             num_bytes=self._nbytes, unit=self.name)
+        with streams.use(streams.comm), timed:
+            work = collectives.all_gather_into(whole, own, self.ctx.group)
+            if streams.is_cuda:
+                work.wait()  # (NCCL: the comm stream waits for it, not the host) its device span ends when it does
+        return work, timed
 
     def wait_for_unshard(self, manager: TieredMemoryManager) -> None:
         """Wait: the views are valid after this (compute waits for the gather on the device, not the host)."""
@@ -232,12 +236,11 @@ class Unit:
                                self.stored_trainable)
 
     def _wait_gather(self) -> None:
-        (work, issued), self._gather = self._gather, None
+        (work, timed), self._gather = self._gather, None
         prof, streams = self.ctx.profiler, self.ctx.streams
         with streams.use(streams.comm), prof.wait(Link.ALL_GATHER, f"all-gather {self.name}"):
             work.wait()  # NCCL: the comm stream waits for the collective; gloo: the host waits for the bytes
-        prof.record(f"all-gather {self.name}", Link.ALL_GATHER, issued, time.perf_counter(), num_bytes=self._nbytes,
-                    unit=self.name)
+        timed.done()  # (on the CPU its span runs from the issue to here)
 
     def cancel_unshard(self, manager: TieredMemoryManager) -> None:
         """Abandon an issued unshard that will not be used (a prefetch the order did not need)."""

@@ -84,15 +84,15 @@ def test_spans_crossing_step_boundaries_are_clipped():
     prof = Profiler()
     prof.record_step(0, 0.0, 1.0)
     prof.record_step(1, 1.0, 2.0)
-    # 1 s read crossing the boundary: 0.25 s in step 0, 0.75 s in step 1
+    # 1 s read crossing the boundary: 0.25 s in step 0, 0.75 s in step 1; its bytes in step 0, which issued it
     prof.record("read", Link.NVME_READ, 0.75, 1.75, num_bytes=400)
     prof.record("unit", Link.COMPUTE, -0.5, 0.5)  # starts before any step
     prof.record("instant", Link.NVME_WRITE, 1.0, 1.0, num_bytes=7)  # zero length: the step holding its start
     step0, step1 = prof.summary()["steps"]
     assert step0["links"]["nvme_read"]["busy_s"] == pytest.approx(0.25)
-    assert step0["links"]["nvme_read"]["bytes"] == 100
+    assert step0["links"]["nvme_read"]["bytes"] == 400
     assert step1["links"]["nvme_read"]["busy_s"] == pytest.approx(0.75)
-    assert step1["links"]["nvme_read"]["bytes"] == 300
+    assert step1["links"]["nvme_read"]["bytes"] == 0
     assert step0["compute_s"] == pytest.approx(0.5)
     assert step1["compute_s"] == 0.0
     assert step0["links"]["nvme_write"]["bytes"] == 0 and step1["links"]["nvme_write"]["bytes"] == 7

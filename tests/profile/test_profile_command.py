@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from infinity.profile import format_summary
+
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "run.batch_size=4",
         "run.eval_every=0", "run.checkpoint=false", "data.val_fraction=0.1"]
 
@@ -43,9 +45,23 @@ def test_profile_command_prints_the_summary_and_json(profiled_run):
     rows = [line.split() for line in out.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [s["step"] for s in summary["steps"][-3:]]
     assert f"{summary['median']['step_s'] * 1e3:.2f}" in out.stdout
+    median = summary["median"]  # Note [step attribution]: the printed split is the summary's, and it adds up
+    assert f"median step ({median['step']}): step {median['step_s'] * 1e3:.2f} ms = compute " in out.stdout
+    assert median["attributed"] >= 0.95 and median["host_syncs"] >= 1
+    for link in ("h2d", "d2h"):  # no copy crosses a link on the CPU, as the byte model says
+        assert median["links"][link]["bytes"] == median["links"][link]["predicted_bytes"] == 0
     as_json = json.loads(_cli("profile", str(run_dir), "--json").stdout)
     assert as_json == {"rank0": summary}
     assert _cli("profile", str(run_dir / "profile" / "rank0")).stdout == _cli("profile", str(run_dir)).stdout
+
+
+def test_a_summary_without_the_split_still_prints():
+    """A summary.json written before Note [step attribution] still prints (as `infinity profile` does), and says
+    how to get the split."""
+    step = {"step": 0, "step_s": 0.1, "compute_s": 0.05, "exposed_s": 0.01, "overlap_efficiency": 0.5,
+            "on_demand_fetches": 0, "links": {}}
+    text = format_summary({"rank": 0, "num_steps": 1, "steps": [step], "median": step})
+    assert "median step 100.00 ms" in text and "profile the run again" in text
 
 
 def test_profile_command_names_a_missing_profile(tmp_path):
