@@ -32,9 +32,17 @@ DeepSpeed's optimizer on `--dir` (its async_io op needs libaio) against case c1.
 
 Case e, `--profile DIR`: cases b and c profiled (device-time compute and every link) as
 a Chrome trace, summary and timeline PNG under DIR/case_<name>/rank0.
-Step times are medians over `--steps` timed steps after `--warmup` steps; every
-step ends with a device synchronize (and infinity's `synchronize`), so queued work
-is paid by the step that queued it.
+
+Case l, a 1.12B Llama (hidden 2048, 22 layers, GQA 16/4, vocab 32000, built from a config) in bf16 at
+`--batch` x `--seq`: infinity in the ZeRO-Offload shape (params on the GPU, gradients and optimizer in
+pinned host RAM) against torch all on the device (autocast bf16 + fused AdamW), without and with
+clipping at 1.0 (`clip_over_no_clip`, bar <= 1.1); `speed` = torch's step / infinity's (bar >= 0.55).
+
+Two step times (issue 41, item 6). `step_s`: the median over `--steps` timed steps after `--warmup`, each
+ending with a device synchronize (and infinity's `synchronize`), so queued work is paid by the step that
+queued it. `steady_s`: `--steps` steps run back to back, one synchronize at the end, over `--steps`: what a
+training loop sees, with the update overlapping the next step. Case b also runs with `grad_clip = 1.0`
+(`b_clip`: the speculated update, Note [speculative update]). Ratios against the floors use `steady_s`.
 """
 
 from __future__ import annotations
@@ -78,6 +86,21 @@ def timed(step, device: torch.device, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def steady(step, device: torch.device, warmup: int, steps: int, finish=lambda: None) -> float:
+    """Seconds per step of `steps` steps run back to back after `warmup`, one synchronize at the end (`finish`:
+    what else the last step leaves in flight, e.g. infinity's update)."""
+    for _ in range(warmup):
+        step()
+    finish()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    finish()
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
 def torch_step_times(cfg: GPTConfig, batch, device, warmup, steps, optimizer: bool) -> list[float]:
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -96,13 +119,14 @@ def torch_step_times(cfg: GPTConfig, batch, device, warmup, steps, optimizer: bo
 
 
 def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement: dict, nvme_dir: str | None = None,
-                        nvme_bytes: dict | None = None, profile_dir: str | None = None) -> list[float]:
+                        nvme_bytes: dict | None = None, profile_dir: str | None = None, grad_clip: float = 0.0,
+                        steady_out: dict | None = None) -> list[float]:
     """Step times of infinity at `placement`; with `nvme_bytes` (a dict) it receives the predicted NVMe bytes
     of a steady step; with `profile_dir` the run is profiled (Chrome trace, summary, timeline PNG there:
-    case e)."""
+    case e); with `steady_out` (a dict) its "steady_s" is the back-to-back step (`steady`)."""
     from infinity.memory.traffic import bytes_per_step
     torch.manual_seed(0)
-    config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": 0.0},
+    config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": grad_clip},
               "placement": placement}
     if nvme_dir is not None:
         config["nvme"] = {"paths": [nvme_dir]}
@@ -117,6 +141,9 @@ def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement:
         engine.synchronize()  # the overlapped update is paid by this step
     with engine:
         times = timed(step, device, warmup, steps)
+        if steady_out is not None:
+            steady_out["steady_s"] = steady(lambda: (engine.backward(engine(x, y)), engine.step()), device, 0, steps,
+                                            finish=engine.synchronize)
         if nvme_bytes is not None:
             nvme_bytes.update(bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
                                              cuda=device.type == "cuda", kept=engine.kept_params))
@@ -163,19 +190,89 @@ def case_a(cfg, batch, device, args) -> dict:
             "tflops": tflops(cfg, batch, ours)}
 
 
+OFFLOAD = {"params": "device", "grads": "host", "optimizer": "host"}  # the ZeRO-Offload shape
+
+
 def case_b(cfg, batch, device, args) -> dict:
     numel = sum(p.numel() for p in GPT(cfg).parameters())
     profile = os.path.join(args.profile, "case_b") if args.profile else None
-    ours = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps,
-                                      {"params": "device", "grads": "host", "optimizer": "host"},
-                                      profile_dir=profile))
+    runs = {}
+    for name, clip in (("no_clip", 0.0), ("clip", 1.0)):
+        runs[name] = {}
+        runs[name]["step_s"] = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps, OFFLOAD,
+                                                          profile_dir=profile if clip == 0 else None,
+                                                          grad_clip=clip, steady_out=runs[name]))
     floors = {
         "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
         "cpu_adam": cpu_adam_floor(numel),
         "pcie": pcie_floor(numel * 4, numel * 4, device),  # fp32 gradients down, fp32 parameters up
     }
-    return {"step_s": ours, "floors": floors, "ratio": ours / max(floors.values()), "bar": 1.15,
-            "tflops": tflops(cfg, batch, ours), "params": numel}
+    ours, steady_s = runs["no_clip"]["step_s"], runs["no_clip"]["steady_s"]
+    return {"step_s": ours, "steady_s": steady_s, "floors": floors, "ratio": steady_s / max(floors.values()),
+            "ratio_synchronized": ours / max(floors.values()), "bar": 1.2, "tflops": tflops(cfg, batch, steady_s),
+            "params": numel, "b_clip": {**runs["clip"], "clip_over_no_clip": runs["clip"]["steady_s"] / steady_s,
+                                         "bar": 1.1}}
+
+
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 16,
+            "num_key_value_heads": 4, "vocab_size": 32000}
+
+
+def llama_config(args):
+    from transformers import LlamaConfig
+    shape = dict(LLAMA_1B)
+    if args.tiny:
+        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=args.vocab)
+    return LlamaConfig(**shape, max_position_embeddings=args.seq, bos_token_id=None, eos_token_id=None,
+                       pad_token_id=None)
+
+
+def torch_llama_steady(lcfg, x, device, bf16: bool, args) -> tuple[float, int]:
+    """torch all on the device (autocast bf16, fused AdamW): its back-to-back step and the parameter count."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(lcfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                            fused=device.type == "cuda")
+    xd = x.to(device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = model(input_ids=xd, labels=xd).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return steady(step, device, args.warmup, args.steps), sum(p.numel() for p in model.parameters())
+
+
+def case_l(cfg, batch, device, args) -> dict:
+    """The 1.12B Llama in bf16: infinity's offload shape (no clipping and clipping at 1.0) vs torch on the device."""
+    from transformers import LlamaForCausalLM
+    lcfg = llama_config(args)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, lcfg.vocab_size, (args.batch, args.seq), generator=g)
+    bf16 = device.type == "cuda"  # (the CPU smoke test runs it in fp32)
+
+    theirs, numel = torch_llama_steady(lcfg, x, device, bf16, args)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # (torch's model and optimizer are gone)
+    out = {"params": numel, "torch_steady_s": theirs}
+    for name, clip in (("no_clip", 0.0), ("clip", 1.0)):
+        torch.manual_seed(0)
+        with infinity.meta_init():
+            model = LlamaForCausalLM(lcfg)
+        config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": clip},
+                  "placement": OFFLOAD, "precision": {"compute_dtype": "bf16" if bf16 else "fp32"}}
+        engine = infinity.initialize(model, config, init_fn=model._init_weights)
+        with engine:
+            ours = steady(lambda: (engine.backward(engine(input_ids=x, labels=x).loss), engine.step()), device,
+                          args.warmup, args.steps, finish=engine.synchronize)
+        out[name] = {"steady_s": ours, "speed": theirs / ours, "tflops": 6 * numel * x.numel() / ours / 1e12}
+    out.update(step_s=out["no_clip"]["steady_s"], floors={"torch_all_on_device": theirs},
+               ratio=out["no_clip"]["steady_s"] / theirs, speed=out["no_clip"]["speed"], bar_speed=0.55,
+               clip_over_no_clip=out["clip"]["steady_s"] / out["no_clip"]["steady_s"], bar_clip=1.1)
+    return out
 
 
 def disk_floor(nbytes: dict, directory: str, device: torch.device) -> float:
@@ -272,7 +369,7 @@ def tflops(cfg: GPTConfig, batch, step_s: float) -> float:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="a,b", help="comma-separated: a, b, c, d")
+    ap.add_argument("--cases", default="a,b", help="comma-separated: a, b, c, d, l")
     ap.add_argument("--dir", default=None, help="a directory on the disk under test (case c, d --ds-nvme)")
     ap.add_argument("--ds-nvme", action="store_true", help="case d also with DeepSpeed's optimizer on --dir")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds for DeepSpeed's child process")
@@ -309,7 +406,7 @@ def main(argv=None) -> dict:
     out = {"machine": machine(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "model": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "seq_len": cfg.seq_len, "batch": args.batch}}
     done: dict = {}
-    cases = {"a": case_a, "b": case_b, "c": case_c, "d": lambda *a: case_d(*a, done)}
+    cases = {"a": case_a, "b": case_b, "c": case_c, "d": lambda *a: case_d(*a, done), "l": case_l}
     for name in args.cases.split(","):
         out[name] = done[name] = cases[name](cfg, batch, device, args)
         print(f"case {name}: {out[name]}", flush=True)

@@ -13,12 +13,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 def test_bench_gpu_tiny_runs_and_reports_each_case(tmp_path):
     import bench_gpu
-    out = bench_gpu.main(["--tiny", "--device", "cpu", "--json", str(tmp_path / "gpu.json")])
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--cases", "a,b,l", "--json", str(tmp_path / "gpu.json")])
     assert (tmp_path / "gpu.json").exists()
-    for case in ("a", "b"):
-        assert out[case]["step_s"] > 0 and out[case]["tflops"] > 0
-        assert out[case]["ratio"] == out[case]["step_s"] / max(out[case]["floors"].values())
+    for case in ("a", "b", "l"):
+        assert out[case]["step_s"] > 0
+    assert out["a"]["ratio"] == out["a"]["step_s"] / max(out["a"]["floors"].values())
+    # case b: the ratio is the back-to-back step's (what a loop sees), beside the synchronized one
+    assert out["b"]["ratio"] == out["b"]["steady_s"] / max(out["b"]["floors"].values())
+    assert out["b"]["ratio_synchronized"] == out["b"]["step_s"] / max(out["b"]["floors"].values())
     assert set(out["b"]["floors"]) == {"gpu_compute", "cpu_adam", "pcie"}
+    assert out["b"]["b_clip"]["clip_over_no_clip"] == out["b"]["b_clip"]["steady_s"] / out["b"]["steady_s"]
+    llama = out["l"]  # the Llama case: torch all on the device vs the offload shape, without and with clipping
+    assert llama["speed"] == llama["torch_steady_s"] / llama["no_clip"]["steady_s"]
+    assert llama["clip_over_no_clip"] == llama["clip"]["steady_s"] / llama["no_clip"]["steady_s"]
 
 
 def test_bench_gpu_tiny_case_c_counts_the_disk(tmp_path):

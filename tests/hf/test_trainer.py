@@ -419,3 +419,9 @@ def test_infinity_profile_reads_a_trainers_output_dir_or_names_the_trainers_swit
             assert 'pass infinity_config={"profile": {"enabled": True}} to InfinityTrainer' in said.err
             assert "--set" not in said.err
         trainer.engine.close()
+
+
+@pytest.mark.gpu
+def test_gpu_losses_and_eval_equal_the_trainer(tmp_path):
+    """The GPU twin (issue 42): InfinityTrainer against transformers' Trainer, both on the device."""
+    test_losses_and_eval_equal_the_trainer(tmp_path)

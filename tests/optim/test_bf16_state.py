@@ -435,3 +435,11 @@ def test_world_2_stage_3_holds_its_share_and_follows_world_1(tmp_path):
         torch.testing.assert_close(torch.tensor(ranks[0][sd][0]), torch.tensor(one["losses"]), rtol=1e-4, atol=1e-4)
         worst = max(float((ranks[0][sd][2][k] - one["state"][k]).abs().max()) for k in one["state"])
         assert worst < RECIPE.lr, (sd, worst)  # within one step's update
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", ["bf16", "bf16_master"])
+def test_gpu_every_placement_and_overlap_gives_the_same_bits(state_dtype, tmp_path):
+    """The GPU twin (issue 42): the device tier in HBM (the fused CUDA Adam on 16-bit state), host and NVMe with
+    the worker and its read-ahead on CUDA streams, against the sequential nvme/host/nvme run."""
+    test_every_placement_and_overlap_gives_the_same_bits(state_dtype, tmp_path)

@@ -194,3 +194,9 @@ def test_a_tiled_head_is_refused_naming_tile_bytes():
     tile_layers(model, 512, 4)
     with pytest.raises(ValueError, match="head must be a plain nn.Linear, got a TiledLinear.*tile_bytes"):
         chunked_cross_entropy(torch.randn(2, 3, 8), model[0], torch.zeros(2, 3, dtype=torch.long), 4)
+
+
+@pytest.mark.gpu
+def test_gpu_chunked_loss_through_the_engine_equals_unchunked_training(tmp_path):
+    """The GPU twin (issue 42): the chunked loss of a Llama with its parameters on NVMe, on the device."""
+    test_through_the_engine_with_params_on_nvme_equals_unchunked_training(llama, tmp_path)

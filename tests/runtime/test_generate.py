@@ -190,3 +190,10 @@ def test_world_2_stage_3_generation_equals_transformers(saved, tmp_path):
         want = greedy(ref.generate, prompt())
     for got in run_distributed(_generate_on_rank, 2, path, str(tmp_path)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_generation_with_parameters_on_nvme(saved, tmp_path):
+    """The GPU twin (issue 42): engine.generate with the parameters on NVMe, on the device, against the plain
+    model's greedy tokens."""
+    test_greedy_generation_equals_the_plain_model("llama", "nvme", saved, tmp_path)

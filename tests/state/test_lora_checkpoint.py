@@ -272,3 +272,14 @@ def test_references_saved_at_world_two_load_at_world_one_and_are_saved_again(bas
         assert list(state) == list(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
     index = json.loads((tmp_path / "w1" / "rank00000.json").read_text())
     assert sum(rec["numel"] for rec in index["records"] if rec["kind"] == "pretrained") == frozen_numel()
+
+
+@pytest.mark.gpu
+def test_gpu_lora_with_pretrained_references_resumes_and_exports(bases, tmp_path):
+    """The GPU twin (issue 42): a LoRA run on the device whose checkpoint refers to the pretrained files
+    resumes bit for bit, and its export holds the complete weights."""
+    for sub in ("resume", "export"):
+        (tmp_path / sub).mkdir()
+    test_resume_from_a_reference_checkpoint_is_bitwise_the_uninterrupted_run(bases, tmp_path / "resume", "bf16",
+                                                                             "pretrained")
+    test_the_export_of_a_reference_checkpoint_holds_the_complete_weights(bases, tmp_path / "export")

@@ -366,3 +366,9 @@ def test_a_hugging_face_llama_tiled_gives_transformers_logits_and_generation(tmp
         assert torch.equal(engine.generate(x[:, :4], **greedy), reference.generate(x[:, :4], **greedy))
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+def test_gpu_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path):
+    """The GPU twin (issue 42): tiles fetched to HBM one at a time, against the same torch reference."""
+    test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, "nvme")

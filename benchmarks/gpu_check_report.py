@@ -1,0 +1,114 @@
+"""The GPU check's report (benchmarks/gpu_check.sh): its logs and case JSONs into one JSON, and each bar of the
+offload-floor issue (41) and the GPU-truth issue (42) printed as measured / bar.
+
+    python benchmarks/gpu_check_report.py --logs $OUT --elapsed 412 --json $OUT/gpu_2026-11-27.json
+
+Reads from `--logs`: gpu_tests.log and sanitizer.log (pytest's last line; the sanitizer's "possible data race"
+reports), env.log (the device's name), case_<name>.json (bench_gpu.py --json of one case each), largest.json
+(`infinity estimate --largest --json`, and the 3 trained steps when they ran). A case that did not finish (cut by
+its timeout) is reported as missing, never as passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import write_json  # noqa: E402
+
+RACE = "CSAN detected a possible data race"
+CHECK_LIMIT_S = 8 * 60
+
+
+def pytest_counts(text: str) -> dict:
+    """passed / failed / skipped (errors count as failed) from pytest's summary line; {} when there is none."""
+    lines = [line for line in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
+    if not lines:
+        return {}
+    counts = {k: 0 for k in ("passed", "failed", "skipped")}
+    for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", lines[-1]):
+        key = "failed" if word.startswith("error") else word
+        if key in counts:
+            counts[key] += int(n)
+    return counts
+
+
+def _read(path: str) -> str:
+    return open(path, errors="replace").read() if os.path.exists(path) else ""
+
+
+def _case(logs: str, name: str) -> dict | None:
+    path = os.path.join(logs, f"case_{name}.json")
+    return json.load(open(path)).get(name) if os.path.exists(path) else None
+
+
+def bars(report: dict) -> list[dict]:
+    """Each bar: what, measured, bar, met (None: not measured)."""
+    cases, out = report["cases"], []
+
+    def bar(what, measured, limit, ok):
+        out.append({"what": what, "measured": measured, "bar": limit,
+                    "met": None if measured is None else bool(ok(measured, limit))})
+    b, llama, d = cases.get("b"), cases.get("l"), cases.get("d")
+    bar("41: case b steady step / max(floors)", b and b["ratio"], 1.2, lambda m, x: m <= x)
+    bar("41: Llama 1.12B bf16 offload shape, share of torch's speed", llama and llama["speed"], 0.55,
+        lambda m, x: m >= x)
+    bar("41: case b with grad_clip 1.0 / without", b and b["b_clip"]["clip_over_no_clip"], 1.1, lambda m, x: m <= x)
+    bar("41: Llama with grad_clip 1.0 / without", llama and llama["clip_over_no_clip"], 1.1, lambda m, x: m <= x)
+    bar("41: case b / DeepSpeed ZeRO-3 offload_optimizer cpu", d and d["ratio"], 0.5, lambda m, x: m <= x)
+    tests = report["gpu_tests"]
+    bar("42: gpu tests failed + skipped", tests and tests["failed"] + tests["skipped"], 0, lambda m, x: m <= x)
+    bar("42: sanitizer races", report["sanitizer_races"], 0, lambda m, x: m <= x)
+    bar("42: the check's seconds", report["elapsed_s"], CHECK_LIMIT_S, lambda m, x: m <= x)
+    largest = report.get("largest") or {}
+    bar("42: largest model trained (parameters)", largest.get("trained_params"), None, lambda m, x: m > 0)
+    return out
+
+
+def report(logs: str, elapsed_s: float | None) -> dict:
+    env = _read(os.path.join(logs, "env.log"))
+    device = next((line.split("device:", 1)[1].strip() for line in env.splitlines() if line.startswith("device:")),
+                  None)
+    sanitizer = _read(os.path.join(logs, "sanitizer.log"))
+    out = {
+        "device": device,
+        "gpu_tests": pytest_counts(_read(os.path.join(logs, "gpu_tests.log"))) or None,
+        "sanitizer_races": sanitizer.count(RACE) if pytest_counts(sanitizer) else None,
+        "cases": {name: case for name in ("a", "b", "c", "d", "l") if (case := _case(logs, name)) is not None},
+        "elapsed_s": elapsed_s,
+    }
+    largest = os.path.join(logs, "largest.json")
+    out["largest"] = json.load(open(largest)) if os.path.exists(largest) else None
+    out["bars"] = bars(out)
+    return out
+
+
+def table(rep: dict) -> str:
+    lines = [f"device: {rep['device']}", "bar | measured | limit | met"]
+    for b in rep["bars"]:
+        measured = "not measured" if b["measured"] is None else (
+            f"{b['measured']:.3f}" if isinstance(b["measured"], float) else str(b["measured"]))
+        met = {None: "-", True: "yes", False: "NO"}[b["met"]]
+        lines.append(f"{b['what']} | {measured} | {b['bar']} | {met}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--logs", required=True)
+    ap.add_argument("--elapsed", type=float, default=None, help="the check's seconds so far")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rep = report(args.logs, args.elapsed)
+    print(table(rep))
+    write_json(args.json, rep)
+    return rep
+
+
+if __name__ == "__main__":
+    main()

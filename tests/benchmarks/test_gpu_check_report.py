@@ -1,0 +1,39 @@
+"""benchmarks/gpu_check_report.py: the GPU check's logs and case JSONs into one report, each bar measured / bar;
+a part the check cut (no log line, no JSON) is not measured, never met."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import gpu_check_report  # noqa: E402
+
+
+def test_pytest_counts_read_the_summary_line():
+    assert gpu_check_report.pytest_counts("....\n41 passed, 1 skipped, 900 deselected in 24.1s\n") == {
+        "passed": 41, "failed": 0, "skipped": 1}
+    assert gpu_check_report.pytest_counts("FAILED x\n2 failed, 39 passed, 1 error in 3s") == {
+        "passed": 39, "failed": 3, "skipped": 0}
+    assert gpu_check_report.pytest_counts("Terminated\n") == {}
+
+
+def test_the_report_measures_what_ran_and_marks_the_rest_unmeasured(tmp_path):
+    (tmp_path / "env.log").write_text("device: NVIDIA H200\ntorch 2.11\n")
+    (tmp_path / "gpu_tests.log").write_text("...\n52 passed, 950 deselected in 40.0s\n")
+    (tmp_path / "sanitizer.log").write_text(f"{gpu_check_report.RACE} at ...\n1 failed, 51 passed in 90s\n")
+    b = {"step_s": 0.5, "steady_s": 0.36, "floors": {"gpu_compute": 0.33}, "ratio": 0.36 / 0.33,
+         "b_clip": {"steady_s": 0.40, "clip_over_no_clip": 0.40 / 0.36}}
+    (tmp_path / "case_b.json").write_text(json.dumps({"b": b}))
+    rep = gpu_check_report.report(str(tmp_path), elapsed_s=431.0)
+    assert rep["device"] == "NVIDIA H200" and rep["sanitizer_races"] == 1
+    assert rep["gpu_tests"] == {"passed": 52, "failed": 0, "skipped": 0}
+    met = {b["what"]: b["met"] for b in rep["bars"]}
+    assert met["41: case b steady step / max(floors)"] is True  # 1.09 <= 1.2
+    assert met["41: case b with grad_clip 1.0 / without"] is False  # 1.11 > 1.1
+    assert met["42: sanitizer races"] is False and met["42: gpu tests failed + skipped"] is True
+    assert met["41: Llama 1.12B bf16 offload shape, share of torch's speed"] is None  # case l was cut
+    assert met["42: the check's seconds"] is True
+    assert "not measured" in gpu_check_report.table(rep)
