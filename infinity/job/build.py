@@ -38,15 +38,20 @@ def _lm_loss(forward, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True) -> ModelBundle:
+def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True,
+                layers: int | None = None) -> ModelBundle:
     """The model of `cfg` (and `lora`), created under infinity.meta_init() (no parameter memory) unless
-    `meta=False`."""
+    `meta=False`; `layers`: that many blocks instead of the config's (the estimator's shallow copies,
+    Note [deepened estimate])."""
     import contextlib
+    import dataclasses
 
     from infinity.runtime.materialize import meta_init
     scope = meta_init() if meta else contextlib.nullcontext()
     if cfg.pretrained:
-        return _pretrained(cfg, lora or LoraConfig(), scope)
+        return _pretrained(cfg, lora or LoraConfig(), scope, layers)
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, n_layer=layers)
     if cfg.kind == "gpt":
         from infinity.models.gpt import GPT, GPTConfig, gpt_init
         gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
@@ -91,7 +96,7 @@ def need_transformers(what: str, alternative: str):
     return transformers
 
 
-def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
+def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope, layers: int | None = None) -> ModelBundle:
     """The Hugging Face model of model.pretrained on the meta device, LoRA-wrapped with [model.lora] r > 0, its
     weights to be read from the directory (Note [fine-tuning job])."""
     where = f"model.pretrained = {cfg.pretrained!r}"
@@ -114,6 +119,8 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
     if isinstance(positions, int) and cfg.seq_len > positions:
         raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
                           f"set model.seq_len <= {positions}")
+    if layers is not None:
+        hf_cfg.num_hidden_layers = layers
     try:
         with scope:
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg)

@@ -173,9 +173,11 @@ def _estimate(args) -> int:
                               f"{args.world_size}")
         return Applied(planned.engine_config(os.path.join(planned.run.dir, "<run>")),
                        planned.run.batch_size // args.world_size)
+    from infinity.job.estimate_model import job_depth
     result = est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                           batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
-                          remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides))
+                          remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides),
+                          depth=None if custom else job_depth(job.model, job.lora))
     if args.json:
         print(json.dumps(result.to_json(), indent=1, default=str))
     else:
@@ -187,10 +189,11 @@ def _lora_option(job, custom, args, overrides):
     """For a pretrained model trained whole: the `--set` line that trains LoRA adapters instead, and its model."""
     if custom or not job.model.pretrained or job.lora.r:
         return None
+    from infinity.job.estimate_model import job_depth
     from infinity.job.train import build_model, load_job
     sets = ["model.lora.r=16"]
     lora_job = load_job(args.config, overrides + sets)
-    return sets, lambda: build_model(lora_job.model, lora_job.lora)
+    return sets, lambda: build_model(lora_job.model, lora_job.lora), job_depth(lora_job.model, lora_job.lora)
 
 
 def _estimate_stages(args, make, config, job) -> int:

@@ -48,6 +48,7 @@ class Trace:
     unit_saved: tuple[int, ...] = ()  # per unit but the root: the bytes its own forward saves
     unit_inputs: tuple[int, ...] = ()  # per unit but the root: its positional tensor inputs (a checkpoint's)
     unit_forward_flops: float = 0.0  # the units' forwards (what checkpoint = "units" computes again)
+    unit_names: tuple[str, ...] = ()  # the units of unit_saved / unit_inputs (their modules' names)
 
 
 def activation_terms(trace: Trace, activation) -> dict[str, int]:
@@ -233,18 +234,19 @@ def tracer(make_model: Callable, config: Config, seq_len: int) -> Callable[[int]
     forward = loss_forward(config.activation, traced.model)
     tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
                 keep=kept_whole(forward))  # as initialize
-    blocks = [m for _, m in activation_modules(traced.model, list(config.units.classes))]
-    return functools.cache(lambda batch: trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch,
-                                                    seq_len, blocks))
+    named = activation_modules(traced.model, list(config.units.classes))
+    blocks, names = [m for _, m in named], tuple(n for n, _ in named)
+    return functools.cache(lambda batch: dataclasses.replace(trace_step(
+        traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch, seq_len, blocks), unit_names=names))
 
 
-def context_for(ctx, make_model: Callable, seq_len: int):
-    """`ctx` (estimate_table.Context) for another model of the same job (the LoRA-wrapped one): its units and trace."""
-    bundle, trace_at = make_model(), tracer(make_model, ctx.config, seq_len)
+def context_for(ctx, facts, seq_len: int):
+    """`ctx` (estimate_table.Context) for another model of the same job (the LoRA-wrapped one, its
+    estimate_model facts): its units and trace."""
+    trace_at = facts.tracer(ctx.config, seq_len)
     trace = trace_at(ctx.batch_size)
-    return bundle, dataclasses.replace(ctx, sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), trace=trace,
-                                       trace_at=trace_at, flops=trace.flops,
-                                       activations_of=lambda a: activation_bytes(trace, a))
+    return dataclasses.replace(ctx, sizes_of=facts.sizes_of, trace=trace, trace_at=trace_at, flops=trace.flops,
+                               activations_of=lambda a: activation_bytes(trace, a))
 
 
 def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int,
@@ -284,7 +286,7 @@ def runtime_rss(remeasure: bool = False) -> int:
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
              batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
              cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None,
-             apply: Callable | None = None, lora: tuple[list[str], Callable] | None = None) -> Estimate:
+             apply: Callable | None = None, lora: tuple | None = None, depth=None) -> Estimate:
     """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
     `infinity.job.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
 
@@ -293,14 +295,18 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     default ones. The plan itself is made exactly as `initialize` makes it (`plan_for_config`).
     `apply(sets) -> plan_search.Applied`: the job's own loading of `--set` lines over this config; given, a
     run that does not fit gets the plans of Note [plan search] (`default_apply` for an engine config alone);
-    `lora = (sets, make_lora_model)`: the `--set` lines that wrap a pretrained model with LoRA, and its model.
+    `lora = (sets, make_lora_model[, lora_depth])`: the `--set` lines that wrap a pretrained model with LoRA,
+    and its model. `depth` (estimate_model.Depth): the model's blocks repeat; it is estimated from shallow
+    copies (Note [deepened estimate]).
     """
+    from infinity.job.estimate_model import model_facts
     local = local_world_size or world_size
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    bundle = make_model()
-    sizes = unit_sizes_of(bundle.model, config, world_size)
-    num_params = sum(p.numel() for p in {id(p): p for p in bundle.model.parameters()}.values())
-    groups = group_counts(bundle.model, config)
+    facts = model_facts(make_model, depth)
+    bundle = facts.bundle
+    sizes = facts.sizes_of(config, world_size)
+    num_params = facts.num_params
+    groups = facts.groups(config)
     paths = list(config.nvme.paths)
     path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
     unusable = [c for c in path_checks if not c.ok]
@@ -310,7 +316,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
             rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
         else:
             rates = link_rates.cached_link_rates(cuda)
-    trace_at = tracer(make_model, config, seq_len)  # the same model at any micro-batch (Note [plan search])
+    trace_at = facts.tracer(config, seq_len)  # the same model at any micro-batch (Note [plan search])
     trace = trace_at(batch_size)
     flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
     compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
@@ -323,7 +329,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     # a pretrained model's frozen weights are all read from its safetensors files: its checkpoints refer to them
     # (Note [pretrained references]), as initialize's own preflight counts them (runtime/planning.py)
     referenced = config.checkpoint.reference_pretrained and getattr(bundle, "weights", None) is not None
-    ctx = table.Context(sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), frozen_referenced=referenced,
+    ctx = table.Context(sizes_of=facts.sizes_of, frozen_referenced=referenced,
                         activations_of=lambda a: activation_bytes(trace, a), trace_at=trace_at,
                         config=config, world_size=world_size, budgets=budgets, trace=trace, rates=rates, cuda=cuda,
                         flops=trace.flops, local_world_size=local, batch_size=batch_size, budgets_of=budgets_of,
@@ -354,9 +360,9 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     if me is not None and not me.fits and apply is not None:
         est.plans = plan_search.search(ctx, apply)
         if lora is not None:  # a pretrained model fine-tuned whole: LoRA's plans too (Note [plan search])
-            lora_bundle, lora_ctx = context_for(ctx, lora[1], seq_len)
-            params = {id(p): p for p in lora_bundle.model.parameters()}.values()
-            share = sum(p.numel() for p in params if p.requires_grad) / max(1, sum(p.numel() for p in params))
+            lora_facts = model_facts(lora[1], lora[2] if len(lora) > 2 else None)
+            lora_ctx = context_for(ctx, lora_facts, seq_len)
+            share = sum(g["elements"] for g in lora_facts.groups(config)) / max(1, lora_facts.num_params)
             est.plans = sorted(est.plans + plan_search.search(
                 lora_ctx, apply, extra=tuple(lora[0]), notes=(f"LoRA trains {share:.2%} of the parameters",)),
                 key=lambda p: p.row.step_s)[:3]
