@@ -102,6 +102,7 @@ class Estimate:
     table: list = field(default_factory=list)  # estimate_table.Row: placements x stages (Note [estimate table])
     plans: list = field(default_factory=list)  # plan_search.RunPlan when the configured run does not fit
     budget_raised: bool = False  # the plans raise the memory budgets (Note [plan search]'s last resort)
+    searched: bool = False  # the configured run does not fit: the plans were searched (Note [plan search])
     faster: object = None  # a faster fitting row when the configured one fits
     checkpoint_bytes: int | None = None  # one rank's files of one checkpoint (Note [checkpoint space])
 
@@ -356,8 +357,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                                                                cuda=cuda, accum=config.train.grad_accum_steps))
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
     est.table = table.build_table(ctx)
-    me = table.configured_row(est.table)
-    if me is not None and not me.fits and apply is not None:
+    if not mine.fits and not unusable and apply is not None:  # over a budget, or the RAM / disk checks fail
+        est.searched = True
         est.plans = plan_search.search(ctx, apply)
         if lora is not None:  # a pretrained model fine-tuned whole: LoRA's plans too (Note [plan search])
             lora_facts = model_facts(lora[1], lora[2] if len(lora) > 2 else None)
@@ -477,10 +478,10 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
         if est.trace.error:
             lines.append(f"  activations not traced ({est.trace.error})")
         lines.append("")
-    from infinity.job.estimate_table import configured_row, format_table
+    from infinity.job.estimate_table import format_table
     lines += format_table(est.table, est.faster)
     from infinity.job.plan_search import format_plans
-    lines += format_plans(est.plans, configured_row(est.table), est.budget_raised) + [""]
+    lines += format_plans(est.plans, est.searched, est.budget_raised) + [""]
     lines.append("preflight:")
     lines += [f"  {c.line()}" for c in est.checks]
     return "\n".join(lines)

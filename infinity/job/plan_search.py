@@ -292,13 +292,13 @@ def _fmt(n: float) -> str:
     return format_size(n, exact=False)
 
 
-def format_plans(plans: list[RunPlan], me: Row | None, budget_raised: bool) -> list[str]:
+def format_plans(plans: list[RunPlan], searched: bool, budget_raised: bool) -> list[str]:
     """The plans, ranked: the `--set` lines, the predicted step and the bytes they need, what they cost."""
-    if me is None or me.fits:
+    if not searched:
         return []
     if not plans:
         return ["no plan fits this machine: add nvme.paths on a larger disk, use a machine with more memory, "
-                "or train a smaller model"]
+                "or train a smaller model (`infinity estimate --largest llama` names the largest that fits)"]
     head = ("no change of placement, precision, checkpointing or micro-batch fits: the smallest budget raise"
             if budget_raised else "plans that fit (fastest first; each applied and estimated again):")
     lines = [head]
