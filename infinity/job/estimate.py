@@ -366,7 +366,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
             share = sum(g["elements"] for g in lora_facts.groups(config)) / max(1, lora_facts.num_params)
             est.plans = sorted(est.plans + plan_search.search(
                 lora_ctx, apply, extra=tuple(lora[0]), notes=(f"LoRA trains {share:.2%} of the parameters",)),
-                key=lambda p: p.row.step_s)[:3]
+                key=plan_search.rank)[:3]
         if not est.plans:
             est.plans, est.budget_raised = plan_search.budget_raise(ctx, apply), True
     est.faster = table.faster_row(est.table)
