@@ -232,14 +232,20 @@ def update_staging_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtyp
 
 def update_tasks(pattern: tuple, reads_ahead: int, writes_in_flight: int) -> list[tuple]:
     """The update's tasks (one per chunk: its elements, which kinds are on NVMe, aliased), in order, each run of
-    identical tasks cut to `2 * window` (Note [working memory]: once the replay's window, the tasks read ahead
-    and those whose stores are pending, holds only tasks of one run, every further task of it leaves the pool's
-    counts as the one before did: the cut run replays to the same peak; a 70B model's 70,000 chunks replay as
-    a few thousand)."""
+    identical units and then each run of identical tasks cut to `2 * window` (Note [working memory]: once the
+    replay's window, the tasks read ahead and those whose stores are pending, holds only tasks of one run, every
+    further task (unit) of it leaves the pool's counts as the one before did: the cut run replays to the same
+    peak; a 70B model's 70,000 chunks replay as a few hundred)."""
     window = reads_ahead + 1 + writes_in_flight + 1
+    units: list[tuple] = []  # the same for a run of identical units (a model's blocks): the tasks repeat with
+    repeats = 0  # the unit's period, and once the window holds only them the counts repeat each period too
+    for unit in pattern:
+        repeats = repeats + 1 if units and units[-1] == unit else 1
+        if repeats <= 2 * window:
+            units.append(unit)
     tasks: list[tuple] = []
     run = 0
-    for chunks, nvme, alias in pattern:
+    for chunks, nvme, alias in units:
         for n in chunks:
             task = (n, nvme, alias)
             run = run + 1 if tasks and tasks[-1] == task else 1
