@@ -1,5 +1,6 @@
-"""What `infinity estimate` knows of a model: its units at any config and world size, its parameter count and
-optimizer groups, and the trace of one micro-batch; from the model itself, or from two shallow copies of it.
+"""What `infinity estimate` knows of a model: its units at any config and world size (`unit_sizes_of`), its
+parameter count and optimizer groups, and the trace of one micro-batch on meta tensors (`trace_step`, `tracer`);
+from the model itself, or from two shallow copies of it.
 
 Note [deepened estimate]: a model whose blocks repeat (a job's gpt / gpt2 / llama, a pretrained Llama or GPT-2)
 is not built at its depth L: the estimator builds it with 2 and with 3 blocks (on the meta device, as always)
@@ -21,11 +22,121 @@ import functools
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.nn as nn
 
 from infinity.config.sections import Config
-from infinity.job.estimate import Trace, group_counts, tracer, unit_sizes_of
+from infinity.device.dtypes import dtype_of
 from infinity.job.estimate_table import sizes_key
+
+
+@dataclass
+class Trace:
+    """One traced forward + backward on meta tensors."""
+
+    activation_bytes: int = 0  # saved for backward, parameters excluded
+    largest_saved_bytes: int = 0
+    flops: float = 0.0
+    error: str | None = None
+    unit_saved: tuple[int, ...] = ()  # per unit but the root: the bytes its own forward saves
+    unit_inputs: tuple[int, ...] = ()  # per unit but the root: its positional tensor inputs (a checkpoint's)
+    unit_forward_flops: float = 0.0  # the units' forwards (what checkpoint = "units" computes again)
+    unit_names: tuple[str, ...] = ()  # the units of unit_saved / unit_inputs (their modules' names)
+
+
+
+def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
+    """The units `initialize` would build for `model` at `world_size` (rank 0), as placement sees them."""
+    from infinity.device.streams import Streams
+    from infinity.memory.stages import stage_for
+    from infinity.units.builder import build_units, recomputed_units, split_regions, unit_sizes
+    from infinity.units.context import UnitContext
+    from infinity.units.tiling import tile_layers
+    compute_dtype = dtype_of(config.precision.compute_dtype)
+    from infinity.runtime.chunked_loss import kept_whole, loss_forward
+    tile_layers(model, config.units.tile_bytes, compute_dtype.itemsize,
+                keep=kept_whole(loss_forward(config.activation, model)))  # as initialize
+    ctx = UnitContext(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
+                      compute_dtype=compute_dtype, streams=Streams.for_device(torch.device("cpu")),
+                      stage=stage_for(config.zero.stage), sub_group_size=config.optimizer.sub_group_size)
+    units = build_units(model, list(config.units.classes), ctx)
+    regions = split_regions(model, list(config.units.classes), units)
+    recomputed = recomputed_units(regions, config.activation.checkpoint, config.prefetch.units_ahead)
+    return unit_sizes(units, config.optimizer.sub_group_size, recomputed)
+
+
+def group_counts(model: nn.Module, config: Config) -> list[dict]:
+    """The optimizer groups `[optimizer] no_decay` makes of the model's trainable parameters (as initialize)."""
+    from infinity.optim.groups import resolve_groups
+    numel = dict(model.named_parameters())
+    return [{"tensors": len(g["params"]), "elements": sum(numel[n].numel() for n in g["params"]),
+             "weight_decay": g["weight_decay"], "lr": g["lr"]}
+            for g in resolve_groups(model, config.optimizer, None).groups]
+
+
+def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
+               unit_modules: list[nn.Module] = ()) -> Trace:
+    """Forward + backward of one micro-batch on meta tensors: saved activations and FLOPs (no memory used),
+    and per unit (`unit_modules`, the root's excluded) what it saves, its inputs and its forward's FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = model.to("meta")
+    params = {id(p) for p in model.parameters()}
+    saved: dict[int, int] = {}
+    owner: dict[int, int] = {}  # saved tensor -> the unit running when it was first saved (0: the root)
+    current, inputs, unit_flops = [0], [0] * len(unit_modules), [0.0]
+
+    def pack(t: torch.Tensor):
+        base = t._base if t._base is not None else t
+        if id(t) not in params and id(base) not in params:
+            saved[id(base)] = base.numel() * base.element_size()
+            owner.setdefault(id(base), current[0])
+        return t
+    x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    try:
+        with FlopCounterMode(display=False) as flops:
+            handles = []
+            for i, module in enumerate(unit_modules, start=1):
+                def pre(_m, args, i=i):
+                    current[0] = i
+                    unit_flops[0] -= flops.get_total_flops()
+                    inputs[i - 1] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+                def post(_m, _a, _o):
+                    current[0] = 0
+                    unit_flops[0] += flops.get_total_flops()
+                handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    loss = loss_fn(model, x, x)
+            finally:
+                for h in handles:
+                    h.remove()
+            loss.backward()
+    except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors still gets the rest
+        return Trace(error=f"{type(e).__name__}: {e}")
+    per_unit = [0] * len(unit_modules)
+    for key, nbytes in saved.items():
+        if owner[key]:
+            per_unit[owner[key] - 1] += nbytes
+    return Trace(activation_bytes=sum(saved.values()), largest_saved_bytes=max(saved.values(), default=0),
+                 flops=float(flops.get_total_flops()), unit_saved=tuple(per_unit), unit_inputs=tuple(inputs),
+                 unit_forward_flops=float(unit_flops[0]))
+
+
+def tracer(make_model: Callable, config: Config, seq_len: int) -> Callable[[int], Trace]:
+    """micro-batch -> the Trace of one forward + backward of a copy of `make_model()` (tracing moves its buffers to
+    the meta device), tiled and checkpointed as `initialize` does it; each micro-batch traced once."""
+    traced = make_model()
+    from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
+    from infinity.units.builder import activation_modules
+    from infinity.units.tiling import tile_layers
+    forward = loss_forward(config.activation, traced.model)
+    tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
+                keep=kept_whole(forward))  # as initialize
+    named = activation_modules(traced.model, list(config.units.classes))
+    blocks, names = [m for _, m in named], tuple(n for n, _ in named)
+    return functools.cache(lambda batch: dataclasses.replace(trace_step(
+        traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch, seq_len, blocks), unit_names=names))
 
 
 @dataclass(frozen=True)
