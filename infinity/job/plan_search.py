@@ -10,8 +10,9 @@ micro-batch (`run.batch_size` divided, `train.grad_accum_steps` multiplied: the 
 step). A "state" (everything but the activations and the micro-batch) is planned once, by the engine's planner,
 and pruned when its state and working bytes alone do not fit; its activation settings and micro-batches are then
 priced from the trace (Note [activation estimate]) without planning again, largest micro-batch first (the
-first that fits is the fastest of its state). The candidates that fit are ranked by predicted step time (then
-by fewer changes; a plan that stores the optimizer state in 16 bits, `optimizer.state_dtype = "bf16"` or
+first that fits is the fastest of its state; the smaller ones that fit are kept behind it, tried in turn when
+the judge below refuses it, e.g. for its predicted peak RAM). The candidates that fit are ranked by predicted
+step time (then by fewer changes; a plan that stores the optimizer state in 16 bits, `optimizer.state_dtype = "bf16"` or
 `"bf16_master"`, which changes the numerics, is ranked as if 1 / 0.9 times slower: it comes before a plan that
 keeps fp32 state only when it is faster by a clear margin, 10%: `rank`), and each is applied in turn (the
 job's own config loading: `apply`, which refuses what the job would refuse, e.g. a batch the world size does
@@ -77,6 +78,7 @@ class RunPlan:
     row: Row
     notes: list[str]
     verdict: Verdict | None = None
+    smaller: list["RunPlan"] = field(default_factory=list, repr=False)  # the same with smaller micro-batches
 
     def to_json(self) -> dict:
         return {"set": list(self.sets), "step_s": self.row.step_s, "bytes": self.row.bytes,
@@ -213,6 +215,7 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
         offloads = [[]] if staged.activation.checkpoint == "none" else _choices(staged, "activation.offload", ("host",))
         for o in offloads:
             acted = staged.with_overrides(o) if o else staged
+            chain: list[RunPlan] = []  # the micro-batches that fit the budgets, largest first
             for b in _batches(ctx.batch_size):
                 k = ctx.batch_size // b
                 mb = [] if k == 1 else [f"run.batch_size={b * world}",
@@ -221,8 +224,9 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                 row = make_row(batched[b], final, "plan", tiers, sizes_cache=cache)
                 if row is not None and row.fits:
                     all_sets = (*extra, *sets, *o, *mb)
-                    found.append(RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)]))
-                    break
+                    chain.append(RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)]))
+            if chain:
+                found.append(dataclasses.replace(chain[0], smaller=chain[1:]))
     found.sort(key=rank)
     return _verified(ctx, apply, found, limit)
 
@@ -251,20 +255,22 @@ def _notes(sets, micro: int, k: int) -> list[str]:
 def _verified(ctx: Context, apply, found: list[RunPlan], limit: int) -> list[RunPlan]:
     shown: list[RunPlan] = []
     seen: set = set()
-    for plan in found:
-        if len(shown) >= limit:
-            break
-        key = frozenset(plan.sets)
-        if key in seen or any(frozenset(p.sets) < key for p in shown):
-            continue  # the same, or a shown plan with changes that buy nothing
-        seen.add(key)
-        try:
-            verdict = judge(ctx, apply(list(plan.sets)))
-        except ConfigError:
-            continue  # the job refuses it (e.g. a budget over the machine)
-        if verdict.fits:
-            plan.verdict, plan.row = verdict, verdict.row
-            shown.append(plan)
+    for head in found:
+        for plan in [head, *head.smaller]:  # a smaller micro-batch when the judge refuses one (e.g. its peak RAM)
+            if len(shown) >= limit:
+                return shown
+            key = frozenset(plan.sets)
+            if key in seen or any(frozenset(p.sets) < key for p in shown):
+                break  # the same, or a shown plan with changes that buy nothing
+            seen.add(key)
+            try:
+                verdict = judge(ctx, apply(list(plan.sets)))
+            except ConfigError:
+                break  # the job refuses it (e.g. a budget over the machine)
+            if verdict.fits:
+                plan.verdict, plan.row = verdict, verdict.row
+                shown.append(plan)
+                break
     return shown
 
 

@@ -138,3 +138,25 @@ def test_fp32_state_ranks_first_unless_16_bit_is_10_percent_faster():
         close, clear = (plan(s, f"optimizer.state_dtype={dtype}") for s in (0.95, 0.85))
         assert sorted([close, fp32], key=rank)[0] is fp32
         assert sorted([fp32, clear], key=rank)[0] is clear
+
+
+def test_a_micro_batch_refused_for_its_peak_ram_falls_back_to_a_smaller_one(tmp_path, monkeypatch):
+    """Every micro-batch fits the budgets, but the RAM available holds the predicted peak of 4 sequences and not of
+    8: the search runs (the configured run fails its free-RAM check), and the judge's refusal of the whole micro-batch
+    falls back to the smaller one of the same changes, which is shown; each plan shown passes, estimated again."""
+    from types import SimpleNamespace
+
+    from infinity.machine import preflight
+    config = infinity.Config.from_dict({"placement": {"params": "host", "grads": "host", "optimizer": "host"},
+                                        "nvme": {"paths": [str(tmp_path)]}})
+    free = Budgets(device=BIG, host=BIG, nvme=BIG)
+    eight, four = (run(config, batch=b, budgets=free).peak["ram"] for b in (8, 4))
+    assert four < eight
+    monkeypatch.setattr(preflight.psutil, "virtual_memory", lambda: SimpleNamespace(available=(four + eight) // 2))
+    e = run(config, batch=8, budgets=free)
+    assert not e.ok and configured(e).fits and e.plans
+    assert ("run.batch_size=4", "train.grad_accum_steps=2") in [p.sets for p in e.plans]
+    for plan in e.plans:
+        total = next((int(s.split("=")[1]) for s in plan.sets if s.startswith("run.batch_size=")), 8)
+        applied = config.with_overrides([s for s in plan.sets if not s.startswith("run.")])
+        assert run(applied, batch=total, budgets=free).ok, plan.sets
