@@ -5,6 +5,7 @@
     infinity estimate [--config FILE] [--model gpt|gpt2|llama|module:function] [--world-size N] [--explain]
     infinity estimate --stages [--world N] [--nodes M] [--hardware dgx2|dgx-h100] [--no-trace]
                                                every ZeRO stage: bytes per tier and link, step time
+    infinity estimate --largest llama [--seq-len N]   the largest model that trains here (Note [largest model])
     infinity config --defaults                 every key with its default and meaning
     infinity config [--config FILE] [--set ...]  the resolved config of a job
     infinity profile RUN_DIR [--json] [--steps N]   the profile summary of a finished run (Note [profile command])
