@@ -36,7 +36,8 @@ def test_the_answer_fits_and_the_next_rung_does_not(tmp_path, budget):
     again = judge(answer.largest.rung.sets() + answer.largest.plan)  # the printed lines, estimated from scratch
     assert again.ok and next(r for r in again.table if r.configured).fits
     assert not again.plans
-    above = judge(answer.above.rung.sets())
+    above = answer.above.estimate  # the next rung's own estimate (the job's, as `infinity estimate` makes it)
+    assert above.num_params > again.num_params
     assert not above.ok and (not above.plans or above.budget_raised)
 
 
