@@ -70,8 +70,8 @@ def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool 
                                          eos_token_id=None)
         cls = transformers.GPT2LMHeadModel
     else:
-        ffn = cfg.ffn_dim or 64 * -(-(8 * cfg.d_model // 3) // 64)  # llama's 8/3 d, rounded up to 64
-        hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn,
+        hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                                          intermediate_size=llama_ffn(cfg),
                                           num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
                                           num_key_value_heads=cfg.n_kv_head or cfg.n_head,
                                           max_position_embeddings=cfg.seq_len, bos_token_id=None, eos_token_id=None,
@@ -80,6 +80,21 @@ def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool 
     with scope:
         model = cls(hf_cfg)
     return ModelBundle(model, model._init_weights, _lm_loss, f"{cfg.kind} (transformers) {_count(model)}")
+
+
+def llama_ffn(cfg: ModelConfig) -> int:
+    """The MLP width of a `model.kind = "llama"` shape: model.ffn_dim, else Llama's 8/3 d rounded up to 64."""
+    return cfg.ffn_dim or 64 * -(-(8 * cfg.d_model // 3) // 64)
+
+
+def estimator_llama(cfg: ModelConfig, layers: int | None = None) -> ModelBundle:
+    """The `[model]` Llama shape as the estimator's torch-only copy (Note [estimator's Llama]), on the meta device."""
+    from infinity.job.estimate_llama import LlamaForCausalLM
+    from infinity.runtime.materialize import meta_init
+    with meta_init():
+        model = LlamaForCausalLM(cfg.vocab_size, cfg.d_model, layers or cfg.n_layer, cfg.n_head,
+                                 cfg.n_kv_head or cfg.n_head, llama_ffn(cfg))
+    return ModelBundle(model, None, _lm_loss, f"llama (estimator's copy) {_count(model)}")
 
 
 def _count(model: nn.Module) -> str:

@@ -223,7 +223,8 @@ def _job_estimate(args, overrides, custom):
     return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                         batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
                         remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides),
-                        depth=None if custom else job_depth(job.model, job.lora))
+                        depth=None if custom else job_depth(job.model, job.lora,
+                                                            own_llama=not config.activation.loss_chunk_tokens))
 
 
 def _lora_option(job, custom, args, overrides):

@@ -268,11 +268,14 @@ def model_facts(make_model: Callable, depth: Depth | None = None):
 REPEATING_PRETRAINED = ("llama", "gpt2")
 
 
-def job_depth(model_cfg, lora_cfg=None) -> Depth | None:
+def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | None:
     """The depth of the job's model (`[model]`, `[model.lora]`) and its shallow builds; None when its blocks
-    may differ (a pretrained type not in REPEATING_PRETRAINED, or one that lists its layers' types)."""
-    from infinity.job.build import build_model
+    may differ (a pretrained type not in REPEATING_PRETRAINED, or one that lists its layers' types).
+    `own_llama`: a `[model]` Llama shape is built as the estimator's copy (Note [estimator's Llama])."""
+    from infinity.job.build import build_model, estimator_llama
     layers = model_cfg.n_layer
+    if own_llama and model_cfg.kind == "llama" and not model_cfg.pretrained:
+        return Depth(layers, lambda d: estimator_llama(model_cfg, d))
     if model_cfg.pretrained:
         import json
         import os

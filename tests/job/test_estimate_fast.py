@@ -1,6 +1,7 @@
 """The estimate's fast paths give the same figures as the slow ones: Note [deepened estimate] (a model of L
-repeating blocks estimated from its 2- and 3-block copies) against the model built and traced whole, and the
-update-staging replay cut to its window (Note [working memory]) against the replay of every chunk."""
+repeating blocks estimated from its 2- and 3-block copies) against the model built and traced whole, Note
+[estimator's Llama] against transformers' Llama, and the update-staging replay cut to its window (Note [working
+memory]) against the replay of every chunk."""
 
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ def fixed_runtime(monkeypatch):
     monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False: 100 << 20)  # both paths: the same constant
 
 
-def run(model, config, *, deep, budgets=None, search=True):
+def run(model, config, *, deep, budgets=None, search=True, own_llama=False):
     return est.estimate(lambda: build_model(model), config, batch_size=2, seq_len=model.seq_len, rates=RATES,
                         cuda=False, budgets=budgets, apply=default_apply(config, 1, 2) if search else None,
-                        depth=job_depth(model) if deep else None)
+                        depth=job_depth(model, own_llama=own_llama) if deep else None)
 
 
 def figures(e) -> dict:
@@ -61,6 +62,20 @@ def test_deepened_estimate_equals_the_whole_model(model, raw, tmp_path):
     whole = run(model, config, deep=False, budgets=budgets)
     assert whole.plans
     assert figures(run(model, config, deep=True, budgets=budgets)) == figures(whole)
+
+
+@pytest.mark.parametrize("kv_heads", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_the_estimators_llama_equals_transformers(kv_heads, tmp_path):
+    """Note [estimator's Llama]: every figure of the estimate, with and without grouped-query attention, tiled and
+    checkpointed, and the plans over tight budgets, equals the one of transformers' LlamaForCausalLM."""
+    model = dataclasses.replace(CASES["llama"].values[0], n_kv_head=kv_heads)
+    config = infinity.Config.from_dict({**CASES["llama"].values[1], "nvme": {"paths": [str(tmp_path)]}})
+    assert type(job_depth(model, own_llama=True).build(2).model).__module__ == "infinity.job.estimate_llama"
+    me = next(r for r in run(model, config, deep=True, search=False).table if r.configured)
+    budgets = Budgets(device=int(me.bytes["device"] * 0.8), host=int(me.bytes["host"] * 0.9), nvme=BIG)
+    theirs = run(model, config, deep=True, budgets=budgets)
+    assert theirs.plans
+    assert figures(run(model, config, deep=True, budgets=budgets, own_llama=True)) == figures(theirs)
 
 
 def test_cut_replay_equals_the_full_replay():
