@@ -181,7 +181,7 @@ def _largest(args, overrides, custom) -> int:
         raise ConfigError("--largest searches a family's shapes on this machine: drop --model module:function, "
                           "--stages, --nodes and --hardware")
     seq_len = load_job(args.config, overrides).model.seq_len
-    answers = largest.run(args.largest, seq_len, lambda sets: _job_estimate(args, overrides + sets, None))
+    answers = largest.run(args.largest, seq_len, lambda sets: _job_estimate(args, overrides + sets, None, plans=1))
     if args.json:
         print(json.dumps([{"mode": a.mode, "judged": a.judged, **{k: None if v is None else {
             "rung": v.rung.name, "num_params": v.estimate.num_params, "set": v.plan, "fits": v.fits,
@@ -193,8 +193,8 @@ def _largest(args, overrides, custom) -> int:
     return 0 if all(a.largest is not None for a in answers) else 1
 
 
-def _job_estimate(args, overrides, custom):
-    """The Estimate of the job with `overrides` (None when --stages printed its own report)."""
+def _job_estimate(args, overrides, custom, plans: int = 3):
+    """The Estimate of the job with `overrides` (None when --stages printed its own report); `plans`: how many."""
     from infinity.config.sections import ConfigError
     from infinity.job import estimate as est
     from infinity.job.train import build_model, load_job
@@ -224,7 +224,8 @@ def _job_estimate(args, overrides, custom):
                         batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
                         remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides),
                         depth=None if custom else job_depth(job.model, job.lora,
-                                                            own_llama=not config.activation.loss_chunk_tokens))
+                                                            own_llama=not config.activation.loss_chunk_tokens),
+                        plans=plans)
 
 
 def _lora_option(job, custom, args, overrides):

@@ -177,7 +177,7 @@ def runtime_rss(remeasure: bool = False) -> int:
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
              batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
              cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None,
-             apply: Callable | None = None, lora: tuple | None = None, depth=None) -> Estimate:
+             apply: Callable | None = None, lora: tuple | None = None, depth=None, plans: int = 3) -> Estimate:
     """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
     `infinity.job.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
 
@@ -188,7 +188,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     run that does not fit gets the plans of Note [plan search] (`default_apply` for an engine config alone);
     `lora = (sets, make_lora_model[, lora_depth])`: the `--set` lines that wrap a pretrained model with LoRA,
     and its model. `depth` (estimate_model.Depth): the model's blocks repeat; it is estimated from shallow
-    copies (Note [deepened estimate]).
+    copies (Note [deepened estimate]). `plans`: how many plans to show (each is judged again).
     """
     from infinity.job.estimate_model import model_facts
     local = local_world_size or world_size
@@ -249,14 +249,15 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     est.table = table.build_table(ctx)
     if not mine.fits and not unusable and apply is not None:  # over a budget, or the RAM / disk checks fail
         est.searched = True
-        est.plans = plan_search.search(ctx, apply)
+        est.plans = plan_search.search(ctx, apply, limit=plans)
         if lora is not None:  # a pretrained model fine-tuned whole: LoRA's plans too (Note [plan search])
             lora_facts = model_facts(lora[1], lora[2] if len(lora) > 2 else None)
             lora_ctx = context_for(ctx, lora_facts, seq_len)
             share = sum(g["elements"] for g in lora_facts.groups(config)) / max(1, lora_facts.num_params)
             est.plans = sorted(est.plans + plan_search.search(
-                lora_ctx, apply, extra=tuple(lora[0]), notes=(f"LoRA trains {share:.2%} of the parameters",)),
-                key=plan_search.rank)[:3]
+                lora_ctx, apply, limit=plans, extra=tuple(lora[0]),
+                notes=(f"LoRA trains {share:.2%} of the parameters",)),
+                key=plan_search.rank)[:plans]
         if not est.plans:
             est.plans, est.budget_raised = plan_search.budget_raise(ctx, apply), True
     est.faster = table.faster_row(est.table)
