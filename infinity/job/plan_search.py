@@ -296,8 +296,10 @@ def budget_raise(ctx: Context, apply: Callable[[list[str]], Applied]) -> list[Ru
             if row is not None and row.bytes["nvme"] <= ctx.budgets.nvme:
                 best.append((row.bytes["device"] + row.bytes["host"], row.step_s, sets, row))
     for _, _, sets, row in sorted(best, key=lambda b: (b[0], b[1]))[:3]:
-        raise_sets = [*sets, f"memory.device_budget={_mib(row.bytes['device'])}",
-                      f"memory.host_budget={_mib(row.bytes['host'])}"]
+        raise_sets = [*sets, *(f"memory.{t}_budget={_mib(row.bytes[t])}" for t in ("device", "host")
+                               if row.bytes[t] > getattr(ctx.budgets, t))]
+        if len(raise_sets) == len(sets):
+            continue  # it fits the budgets as they are: what it fails (e.g. the free RAM) no raise mends
         found = _verified(ctx, apply, [RunPlan(tuple(raise_sets), row, [*_notes(sets, 1, k),
                                                                          "raises the memory budgets"])], 1)
         if found:
