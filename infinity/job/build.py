@@ -43,15 +43,20 @@ def _gpt_loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None =
     return token_loss(forward(x), y, num_items)
 
 
-def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True) -> ModelBundle:
+def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True,
+                layers: int | None = None) -> ModelBundle:
     """The model of `cfg` (and `lora`), created under infinity.meta_init() (no parameter memory) unless
-    `meta=False`."""
+    `meta=False`; `layers`: that many blocks instead of the config's (the estimator's shallow copies,
+    Note [deepened estimate])."""
     import contextlib
+    import dataclasses
 
     from infinity.runtime.materialize import meta_init
     scope = meta_init() if meta else contextlib.nullcontext()
     if cfg.pretrained:
-        return _pretrained(cfg, lora or LoraConfig(), scope)
+        return _pretrained(cfg, lora or LoraConfig(), scope, layers)
+    if layers is not None:
+        cfg = dataclasses.replace(cfg, n_layer=layers)
     if cfg.kind == "gpt":
         from infinity.models.gpt import GPT, GPTConfig, gpt_init
         gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
@@ -70,8 +75,8 @@ def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool 
                                          eos_token_id=None)
         cls = transformers.GPT2LMHeadModel
     else:
-        ffn = cfg.ffn_dim or 64 * -(-(8 * cfg.d_model // 3) // 64)  # llama's 8/3 d, rounded up to 64
-        hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=ffn,
+        hf_cfg = transformers.LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                                          intermediate_size=llama_ffn(cfg),
                                           num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head,
                                           num_key_value_heads=cfg.n_kv_head or cfg.n_head,
                                           max_position_embeddings=cfg.seq_len, bos_token_id=None, eos_token_id=None,
@@ -80,6 +85,21 @@ def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool 
     with scope:
         model = cls(hf_cfg)
     return ModelBundle(model, model._init_weights, _lm_loss, f"{cfg.kind} (transformers) {_count(model)}")
+
+
+def llama_ffn(cfg: ModelConfig) -> int:
+    """The MLP width of a `model.kind = "llama"` shape: model.ffn_dim, else Llama's 8/3 d rounded up to 64."""
+    return cfg.ffn_dim or 64 * -(-(8 * cfg.d_model // 3) // 64)
+
+
+def estimator_llama(cfg: ModelConfig, layers: int | None = None) -> ModelBundle:
+    """The `[model]` Llama shape as the estimator's torch-only copy (Note [estimator's Llama]), on the meta device."""
+    from infinity.job.estimate_llama import LlamaForCausalLM
+    from infinity.runtime.materialize import meta_init
+    with meta_init():
+        model = LlamaForCausalLM(cfg.vocab_size, cfg.d_model, layers or cfg.n_layer, cfg.n_head,
+                                 cfg.n_kv_head or cfg.n_head, llama_ffn(cfg))
+    return ModelBundle(model, None, _lm_loss, f"llama (estimator's copy) {_count(model)}")
 
 
 def _count(model: nn.Module) -> str:
@@ -96,7 +116,7 @@ def need_transformers(what: str, alternative: str):
     return transformers
 
 
-def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
+def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope, layers: int | None = None) -> ModelBundle:
     """The Hugging Face model of model.pretrained on the meta device, LoRA-wrapped with [model.lora] r > 0, its
     weights to be read from the directory (Note [fine-tuning job])."""
     where = f"model.pretrained = {cfg.pretrained!r}"
@@ -119,6 +139,8 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope) -> ModelBundle:
     if isinstance(positions, int) and cfg.seq_len > positions:
         raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
                           f"set model.seq_len <= {positions}")
+    if layers is not None:
+        hf_cfg.num_hidden_layers = layers
     try:
         with scope:
             model = transformers.AutoModelForCausalLM.from_config(hf_cfg)

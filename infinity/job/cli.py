@@ -5,6 +5,7 @@
     infinity estimate [--config FILE] [--model gpt|gpt2|llama|module:function] [--world-size N] [--explain]
     infinity estimate --stages [--world N] [--nodes M] [--hardware dgx2|dgx-h100] [--no-trace]
                                                every ZeRO stage: bytes per tier and link, step time
+    infinity estimate --largest llama [--seq-len N]   the largest model that trains here (Note [largest model])
     infinity config --defaults                 every key with its default and meaning
     infinity config [--config FILE] [--set ...]  the resolved config of a job
     infinity profile RUN_DIR [--json] [--steps N]   the profile summary of a finished run (Note [profile command])
@@ -76,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "dgx2 | dgx-h100 (their budgets and link rates: docs/scaling.md)")
     p.add_argument("--no-trace", action="store_true",
                    help="with --stages: skip the meta forward/backward trace (count 6 FLOPs per parameter and token)")
+    p.add_argument("--largest", metavar="FAMILY", default=None,
+                   help="the largest model of FAMILY (llama) that trains on this machine with this job's budgets, "
+                        "for full fine-tuning and for LoRA, with the plan for each (docs/estimate.md)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="model.seq_len (tokens per sequence)")
     p.add_argument("--explain", action="store_true", help="the reason for every unit's tiers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--remeasure", action="store_true", help="measure the link rates again (else cached)")
@@ -176,8 +181,7 @@ def _config(args) -> int:
 def _estimate(args) -> int:
     from infinity.config.sections import ConfigError
     from infinity.job import estimate as est
-    from infinity.job.train import build_model, load_job
-    overrides = list(args.overrides)
+    overrides = list(args.overrides) + ([f"model.seq_len={args.seq_len}"] if args.seq_len is not None else [])
     custom = None
     if args.model and ":" in args.model:
         custom = args.model
@@ -185,6 +189,46 @@ def _estimate(args) -> int:
         overrides.append(f'model.kind="{args.model}"')
     if args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
+    if args.largest is not None:
+        return _largest(args, overrides, custom)
+    result = _job_estimate(args, overrides, custom)
+    if result is None:
+        return 0
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1, default=str))
+    else:
+        print(est.format_estimate(result, explain=args.explain))
+    return 0 if result.ok else 1
+
+
+def _largest(args, overrides, custom) -> int:
+    """Note [largest model]: bisect the family's ladder, each rung judged by the estimate of this job."""
+    from infinity.config.sections import ConfigError
+    from infinity.job import estimate_largest as largest
+    from infinity.job.train import load_job
+    if args.largest not in largest.LADDERS:
+        raise ConfigError(f"--largest {args.largest}: not a model family; one of {', '.join(largest.LADDERS)}")
+    if custom or args.stages or args.nodes or args.hardware:
+        raise ConfigError("--largest searches a family's shapes on this machine: drop --model module:function, "
+                          "--stages, --nodes and --hardware")
+    seq_len = load_job(args.config, overrides).model.seq_len
+    answers = largest.run(args.largest, seq_len, lambda sets: _job_estimate(args, overrides + sets, None, plans=1))
+    if args.json:
+        print(json.dumps([{"mode": a.mode, "judged": a.judged, **{k: None if v is None else {
+            "rung": v.rung.name, "num_params": v.estimate.num_params, "set": v.plan, "fits": v.fits,
+            "step_s": v.row.step_s if v.row is not None else None} for k, v in (("largest", a.largest),
+                                                                                   ("above", a.above))}}
+                          for a in answers], indent=1))
+    else:
+        print(largest.format_answers(args.largest, seq_len, answers))
+    return 0 if all(a.largest is not None for a in answers) else 1
+
+
+def _job_estimate(args, overrides, custom, plans: int = 3):
+    """The Estimate of the job with `overrides` (None when --stages printed its own report); `plans`: how many."""
+    from infinity.config.sections import ConfigError
+    from infinity.job import estimate as est
+    from infinity.job.train import build_model, load_job
     job = load_job(args.config, overrides)
     config = job.engine_config(os.path.join(job.run.dir, "<run>"))
     from infinity.machine.preflight import check_nvme_paths
@@ -194,7 +238,9 @@ def _estimate(args) -> int:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "
                           f"{args.world_size}: set run.batch_size to a multiple of it")
     if args.stages or args.nodes or args.hardware:
-        return _estimate_stages(args, make, config, job)
+        _estimate_stages(args, make, config, job)
+        return None
+
     def apply(sets: list[str]):
         """The job with a plan's `--set` lines after the user's, loaded and checked as `infinity train` would."""
         from infinity.job.plan_search import Applied
@@ -204,24 +250,24 @@ def _estimate(args) -> int:
                               f"{args.world_size}")
         return Applied(planned.engine_config(os.path.join(planned.run.dir, "<run>")),
                        planned.run.batch_size // args.world_size)
-    result = est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
-                          batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
-                          remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides))
-    if args.json:
-        print(json.dumps(result.to_json(), indent=1, default=str))
-    else:
-        print(est.format_estimate(result, explain=args.explain))
-    return 0 if result.ok else 1
+    from infinity.job.estimate_model import job_depth
+    return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
+                        batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
+                        remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides),
+                        depth=None if custom else job_depth(job.model, job.lora,
+                                                            own_llama=not config.activation.loss_chunk_tokens),
+                        plans=plans)
 
 
 def _lora_option(job, custom, args, overrides):
     """For a pretrained model trained whole: the `--set` line that trains LoRA adapters instead, and its model."""
     if custom or not job.model.pretrained or job.lora.r:
         return None
+    from infinity.job.estimate_model import job_depth
     from infinity.job.train import build_model, load_job
     sets = ["model.lora.r=16"]
     lora_job = load_job(args.config, overrides + sets)
-    return sets, lambda: build_model(lora_job.model, lora_job.lora)
+    return sets, lambda: build_model(lora_job.model, lora_job.lora), job_depth(lora_job.model, lora_job.lora)
 
 
 def _estimate_stages(args, make, config, job) -> int:

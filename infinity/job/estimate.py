@@ -16,7 +16,6 @@ the checkpoints, and the locked-memory limit for the pinned / mlock'ed staging b
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import subprocess
 import sys
@@ -24,10 +23,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn as nn
 
 from infinity.config.sections import ActivationConfig, Config
-from infinity.device.dtypes import dtype_of
+from infinity.job.estimate_model import Trace, group_counts, trace_step, tracer, unit_sizes_of  # noqa: F401 (its home)
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
 from infinity.machine.preflight import Check, check_disks, checkpoint_bytes, preflight
@@ -35,19 +33,6 @@ from infinity.memory import cost_model
 from infinity.memory.placement import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
 from io_engine import format_size
-
-
-@dataclass
-class Trace:
-    """One traced forward + backward on meta tensors."""
-
-    activation_bytes: int = 0  # saved for backward, parameters excluded
-    largest_saved_bytes: int = 0
-    flops: float = 0.0
-    error: str | None = None
-    unit_saved: tuple[int, ...] = ()  # per unit but the root: the bytes its own forward saves
-    unit_inputs: tuple[int, ...] = ()  # per unit but the root: its positional tensor inputs (a checkpoint's)
-    unit_forward_flops: float = 0.0  # the units' forwards (what checkpoint = "units" computes again)
 
 
 def activation_terms(trace: Trace, activation) -> dict[str, int]:
@@ -101,6 +86,7 @@ class Estimate:
     table: list = field(default_factory=list)  # estimate_table.Row: placements x stages (Note [estimate table])
     plans: list = field(default_factory=list)  # plan_search.RunPlan when the configured run does not fit
     budget_raised: bool = False  # the plans raise the memory budgets (Note [plan search]'s last resort)
+    searched: bool = False  # the configured run does not fit: the plans were searched (Note [plan search])
     faster: object = None  # a faster fitting row when the configured one fits
     checkpoint_bytes: int | None = None  # one rank's files of one checkpoint (Note [checkpoint space])
 
@@ -145,106 +131,13 @@ class Estimate:
 # ---------------------------------------------------------------- the estimate
 
 
-def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
-    """The units `initialize` would build for `model` at `world_size` (rank 0), as placement sees them."""
-    from infinity.device.streams import Streams
-    from infinity.memory.stages import stage_for
-    from infinity.units.builder import build_units, recomputed_units, split_regions, unit_sizes
-    from infinity.units.context import UnitContext
-    from infinity.units.tiling import tile_layers
-    compute_dtype = dtype_of(config.precision.compute_dtype)
-    from infinity.runtime.chunked_loss import kept_whole, loss_forward
-    tile_layers(model, config.units.tile_bytes, compute_dtype.itemsize,
-                keep=kept_whole(loss_forward(config.activation, model)))  # as initialize
-    ctx = UnitContext(group=None, rank=0, world_size=world_size, device=torch.device("cpu"),
-                      compute_dtype=compute_dtype, streams=Streams.for_device(torch.device("cpu")),
-                      stage=stage_for(config.zero.stage), sub_group_size=config.optimizer.sub_group_size)
-    units = build_units(model, list(config.units.classes), ctx)
-    regions = split_regions(model, list(config.units.classes), units)
-    recomputed = recomputed_units(regions, config.activation.checkpoint, config.prefetch.units_ahead)
-    return unit_sizes(units, config.optimizer.sub_group_size, recomputed)
-
-
-def group_counts(model: nn.Module, config: Config) -> list[dict]:
-    """The optimizer groups `[optimizer] no_decay` makes of the model's trainable parameters (as initialize)."""
-    from infinity.optim.groups import resolve_groups
-    numel = dict(model.named_parameters())
-    return [{"tensors": len(g["params"]), "elements": sum(numel[n].numel() for n in g["params"]),
-             "weight_decay": g["weight_decay"], "lr": g["lr"]}
-            for g in resolve_groups(model, config.optimizer, None).groups]
-
-
-def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
-               unit_modules: list[nn.Module] = ()) -> Trace:
-    """Forward + backward of one micro-batch on meta tensors: saved activations and FLOPs (no memory used),
-    and per unit (`unit_modules`, the root's excluded) what it saves, its inputs and its forward's FLOPs."""
-    from torch.utils.flop_counter import FlopCounterMode
-    model = model.to("meta")
-    params = {id(p) for p in model.parameters()}
-    saved: dict[int, int] = {}
-    owner: dict[int, int] = {}  # saved tensor -> the unit running when it was first saved (0: the root)
-    current, inputs, unit_flops = [0], [0] * len(unit_modules), [0.0]
-
-    def pack(t: torch.Tensor):
-        base = t._base if t._base is not None else t
-        if id(t) not in params and id(base) not in params:
-            saved[id(base)] = base.numel() * base.element_size()
-            owner.setdefault(id(base), current[0])
-        return t
-    x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    try:
-        with FlopCounterMode(display=False) as flops:
-            handles = []
-            for i, module in enumerate(unit_modules, start=1):
-                def pre(_m, args, i=i):
-                    current[0] = i
-                    unit_flops[0] -= flops.get_total_flops()
-                    inputs[i - 1] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-
-                def post(_m, _a, _o):
-                    current[0] = 0
-                    unit_flops[0] += flops.get_total_flops()
-                handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-            try:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    loss = loss_fn(model, x, x)
-            finally:
-                for h in handles:
-                    h.remove()
-            loss.backward()
-    except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors still gets the rest
-        return Trace(error=f"{type(e).__name__}: {e}")
-    per_unit = [0] * len(unit_modules)
-    for key, nbytes in saved.items():
-        if owner[key]:
-            per_unit[owner[key] - 1] += nbytes
-    return Trace(activation_bytes=sum(saved.values()), largest_saved_bytes=max(saved.values(), default=0),
-                 flops=float(flops.get_total_flops()), unit_saved=tuple(per_unit), unit_inputs=tuple(inputs),
-                 unit_forward_flops=float(unit_flops[0]))
-
-
-def tracer(make_model: Callable, config: Config, seq_len: int) -> Callable[[int], Trace]:
-    """micro-batch -> the Trace of one forward + backward of a copy of `make_model()` (tracing moves its buffers to
-    the meta device), tiled and checkpointed as `initialize` does it; each micro-batch traced once."""
-    traced = make_model()
-    from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
-    from infinity.units.builder import activation_modules
-    from infinity.units.tiling import tile_layers
-    forward = loss_forward(config.activation, traced.model)
-    tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
-                keep=kept_whole(forward))  # as initialize
-    blocks = [m for _, m in activation_modules(traced.model, list(config.units.classes))]
-    return functools.cache(lambda batch: trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch,
-                                                    seq_len, blocks))
-
-
-def context_for(ctx, make_model: Callable, seq_len: int):
-    """`ctx` (estimate_table.Context) for another model of the same job (the LoRA-wrapped one): its units and trace."""
-    bundle, trace_at = make_model(), tracer(make_model, ctx.config, seq_len)
+def context_for(ctx, facts, seq_len: int):
+    """`ctx` (estimate_table.Context) for another model of the same job (the LoRA-wrapped one, its
+    estimate_model facts): its units and trace."""
+    trace_at = facts.tracer(ctx.config, seq_len)
     trace = trace_at(ctx.batch_size)
-    return bundle, dataclasses.replace(ctx, sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), trace=trace,
-                                       trace_at=trace_at, flops=trace.flops,
-                                       activations_of=lambda a: activation_bytes(trace, a))
+    return dataclasses.replace(ctx, sizes_of=facts.sizes_of, trace=trace, trace_at=trace_at, flops=trace.flops,
+                               activations_of=lambda a: activation_bytes(trace, a))
 
 
 def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nvme_free: int,
@@ -284,7 +177,7 @@ def runtime_rss(remeasure: bool = False) -> int:
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
              batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
              cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None,
-             apply: Callable | None = None, lora: tuple[list[str], Callable] | None = None) -> Estimate:
+             apply: Callable | None = None, lora: tuple | None = None, depth=None, plans: int = 3) -> Estimate:
     """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
     `infinity.job.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
 
@@ -293,14 +186,18 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     default ones. The plan itself is made exactly as `initialize` makes it (`plan_for_config`).
     `apply(sets) -> plan_search.Applied`: the job's own loading of `--set` lines over this config; given, a
     run that does not fit gets the plans of Note [plan search] (`default_apply` for an engine config alone);
-    `lora = (sets, make_lora_model)`: the `--set` lines that wrap a pretrained model with LoRA, and its model.
+    `lora = (sets, make_lora_model[, lora_depth])`: the `--set` lines that wrap a pretrained model with LoRA,
+    and its model. `depth` (estimate_model.Depth): the model's blocks repeat; it is estimated from shallow
+    copies (Note [deepened estimate]). `plans`: how many plans to show (each is judged again).
     """
+    from infinity.job.estimate_model import model_facts
     local = local_world_size or world_size
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    bundle = make_model()
-    sizes = unit_sizes_of(bundle.model, config, world_size)
-    num_params = sum(p.numel() for p in {id(p): p for p in bundle.model.parameters()}.values())
-    groups = group_counts(bundle.model, config)
+    facts = model_facts(make_model, depth)
+    bundle = facts.bundle
+    sizes = facts.sizes_of(config, world_size)
+    num_params = facts.num_params
+    groups = facts.groups(config)
     paths = list(config.nvme.paths)
     path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
     unusable = [c for c in path_checks if not c.ok]
@@ -310,7 +207,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
             rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
         else:
             rates = link_rates.cached_link_rates(cuda)
-    trace_at = tracer(make_model, config, seq_len)  # the same model at any micro-batch (Note [plan search])
+    trace_at = facts.tracer(config, seq_len)  # the same model at any micro-batch (Note [plan search])
     trace = trace_at(batch_size)
     flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
     compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
@@ -323,7 +220,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     # a pretrained model's frozen weights are all read from its safetensors files: its checkpoints refer to them
     # (Note [pretrained references]), as initialize's own preflight counts them (runtime/planning.py)
     referenced = config.checkpoint.reference_pretrained and getattr(bundle, "weights", None) is not None
-    ctx = table.Context(sizes_of=lambda c, w: unit_sizes_of(bundle.model, c, w), frozen_referenced=referenced,
+    ctx = table.Context(sizes_of=facts.sizes_of, frozen_referenced=referenced,
                         activations_of=lambda a: activation_bytes(trace, a), trace_at=trace_at,
                         config=config, world_size=world_size, budgets=budgets, trace=trace, rates=rates, cuda=cuda,
                         flops=trace.flops, local_world_size=local, batch_size=batch_size, budgets_of=budgets_of,
@@ -350,16 +247,17 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                                                                cuda=cuda, accum=config.train.grad_accum_steps))
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
     est.table = table.build_table(ctx)
-    me = table.configured_row(est.table)
-    if me is not None and not me.fits and apply is not None:
-        est.plans = plan_search.search(ctx, apply)
+    if not mine.fits and not unusable and apply is not None:  # over a budget, or the RAM / disk checks fail
+        est.searched = True
+        est.plans = plan_search.search(ctx, apply, limit=plans)
         if lora is not None:  # a pretrained model fine-tuned whole: LoRA's plans too (Note [plan search])
-            lora_bundle, lora_ctx = context_for(ctx, lora[1], seq_len)
-            params = {id(p): p for p in lora_bundle.model.parameters()}.values()
-            share = sum(p.numel() for p in params if p.requires_grad) / max(1, sum(p.numel() for p in params))
+            lora_facts = model_facts(lora[1], lora[2] if len(lora) > 2 else None)
+            lora_ctx = context_for(ctx, lora_facts, seq_len)
+            share = sum(g["elements"] for g in lora_facts.groups(config)) / max(1, lora_facts.num_params)
             est.plans = sorted(est.plans + plan_search.search(
-                lora_ctx, apply, extra=tuple(lora[0]), notes=(f"LoRA trains {share:.2%} of the parameters",)),
-                key=lambda p: p.row.step_s)[:3]
+                lora_ctx, apply, limit=plans, extra=tuple(lora[0]),
+                notes=(f"LoRA trains {share:.2%} of the parameters",)),
+                key=plan_search.rank)[:plans]
         if not est.plans:
             est.plans, est.budget_raised = plan_search.budget_raise(ctx, apply), True
     est.faster = table.faster_row(est.table)
@@ -471,10 +369,10 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
         if est.trace.error:
             lines.append(f"  activations not traced ({est.trace.error})")
         lines.append("")
-    from infinity.job.estimate_table import configured_row, format_table
+    from infinity.job.estimate_table import format_table
     lines += format_table(est.table, est.faster)
     from infinity.job.plan_search import format_plans
-    lines += format_plans(est.plans, configured_row(est.table), est.budget_raised) + [""]
+    lines += format_plans(est.plans, est.searched, est.budget_raised) + [""]
     lines.append("preflight:")
     lines += [f"  {c.line()}" for c in est.checks]
     return "\n".join(lines)

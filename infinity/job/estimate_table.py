@@ -150,13 +150,14 @@ def _configured_tiers(config: Config):
 
 
 def build_table(ctx: Context) -> list[Row]:
-    """Every shape (the configured one first) at every stage; the configured row marked."""
+    """Every shape (the configured one first) at every stage (at world size 1 the configured stage only: one
+    rank stores the same at every stage); the configured row marked."""
     configured = _configured_tiers(ctx.config)
     shapes = [("configured" if configured is None or configured not in SHAPES.values() else
                next(n for n, t in SHAPES.items() if t == configured), configured)]
     shapes += [(n, t) for n, t in SHAPES.items() if t != configured]
     rows, cache = [], {}
-    for stage in STAGES:
+    for stage in STAGES if ctx.world_size > 1 else (ctx.config.zero.stage,):  # one rank: every stage stores the same
         staged = ctx.config.with_overrides([f"zero.stage={stage}"])
         for name, tiers in shapes:
             if tiers is None:
@@ -194,8 +195,10 @@ def seconds_text(s: float) -> str:
 
 
 def format_table(rows: list[Row], faster: Row | None) -> list[str]:
-    lines = ["placements x ZeRO stages, bytes per rank and tier (state + working + activations; "
-             "* = the configured run):",
+    one_stage = len({r.stage for r in rows}) == 1
+    lines = [("placements" if one_stage else "placements x ZeRO stages") + ", bytes per rank and tier (state + "
+             "working + activations; * = the configured run" + ("; one rank: every ZeRO stage stores the same"
+                                                                  if one_stage else "") + "):",
              f"  {'':1} {'shape':16}{'params/grads/optim':22}{'stage':>6}{'device':>11}{'host':>11}{'nvme':>11}"
              f"  {'fits':16}{'step':>11}  bound (fwd/bwd, optimizer)"]
     for r in rows:

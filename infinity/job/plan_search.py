@@ -10,9 +10,13 @@ micro-batch (`run.batch_size` divided, `train.grad_accum_steps` multiplied: the 
 step). A "state" (everything but the activations and the micro-batch) is planned once, by the engine's planner,
 and pruned when its state and working bytes alone do not fit; its activation settings and micro-batches are then
 priced from the trace (Note [activation estimate]) without planning again, largest micro-batch first (the
-first that fits is the fastest of its state). The candidates that fit are ranked by predicted step time (then
-by fewer changes), and each is applied in turn (the job's own config loading: `apply`, which refuses what the
-job would refuse, e.g. a batch the world size does not divide) and estimated again, as the configured run is,
+first that fits is the fastest of its state; the smaller ones that fit are kept behind it, tried in turn when
+the judge below refuses it, e.g. for its predicted peak RAM). The candidates that fit are ranked by predicted
+step time (then by fewer changes; a plan that stores the optimizer state in 16 bits, `optimizer.state_dtype = "bf16"` or
+`"bf16_master"`, which changes the numerics, is ranked as if 1 / 0.9 times slower: it comes before a plan that
+keeps fp32 state only when it is faster by a clear margin, 10%: `rank`), and each is applied in turn (the
+job's own config loading: `apply`, which refuses what the job would refuse, e.g. a batch the world size does
+not divide) and estimated again, as the configured run is,
 with its budgets and preflight checks; only the ones that pass are shown (`limit`). When none fits, the last
 resort is the smallest raise of `memory.device_budget` / `memory.host_budget` that fits (checked the same way:
 a budget over the machine is refused, so it is offered only when the machine has it).
@@ -74,6 +78,7 @@ class RunPlan:
     row: Row
     notes: list[str]
     verdict: Verdict | None = None
+    smaller: list["RunPlan"] = field(default_factory=list, repr=False)  # the same with smaller micro-batches
 
     def to_json(self) -> dict:
         return {"set": list(self.sets), "step_s": self.row.step_s, "bytes": self.row.bytes,
@@ -210,6 +215,7 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
         offloads = [[]] if staged.activation.checkpoint == "none" else _choices(staged, "activation.offload", ("host",))
         for o in offloads:
             acted = staged.with_overrides(o) if o else staged
+            chain: list[RunPlan] = []  # the micro-batches that fit the budgets, largest first
             for b in _batches(ctx.batch_size):
                 k = ctx.batch_size // b
                 mb = [] if k == 1 else [f"run.batch_size={b * world}",
@@ -218,10 +224,23 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                 row = make_row(batched[b], final, "plan", tiers, sizes_cache=cache)
                 if row is not None and row.fits:
                     all_sets = (*extra, *sets, *o, *mb)
-                    found.append(RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)]))
-                    break
-    found.sort(key=lambda p: (round(p.row.step_s, 4), len(p.sets)))
+                    chain.append(RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)]))
+            if chain:
+                found.append(dataclasses.replace(chain[0], smaller=chain[1:]))
+    found.sort(key=rank)
     return _verified(ctx, apply, found, limit)
+
+
+LOSSY = ("optimizer.state_dtype=bf16", "optimizer.state_dtype=bf16_master")
+LOSSY_MARGIN = 0.9  # a plan with 16-bit optimizer state ranks first only when 10% faster than one without
+
+
+def rank(plan: RunPlan) -> tuple:
+    """Note [plan search]'s order: the predicted step, a plan with 16-bit optimizer state counted 1/0.9 times
+    slower (it is ranked before a plan that keeps fp32 state only when faster by a clear margin: 10%), then fewer
+    changes."""
+    lossy = any(s in LOSSY for s in plan.sets)
+    return round(plan.row.step_s / (LOSSY_MARGIN if lossy else 1.0), 4), len(plan.sets)
 
 
 def _notes(sets, micro: int, k: int) -> list[str]:
@@ -236,20 +255,22 @@ def _notes(sets, micro: int, k: int) -> list[str]:
 def _verified(ctx: Context, apply, found: list[RunPlan], limit: int) -> list[RunPlan]:
     shown: list[RunPlan] = []
     seen: set = set()
-    for plan in found:
-        if len(shown) >= limit:
-            break
-        key = frozenset(plan.sets)
-        if key in seen or any(frozenset(p.sets) < key for p in shown):
-            continue  # the same, or a shown plan with changes that buy nothing
-        seen.add(key)
-        try:
-            verdict = judge(ctx, apply(list(plan.sets)))
-        except ConfigError:
-            continue  # the job refuses it (e.g. a budget over the machine)
-        if verdict.fits:
-            plan.verdict, plan.row = verdict, verdict.row
-            shown.append(plan)
+    for head in found:
+        for plan in [head, *head.smaller]:  # a smaller micro-batch when the judge refuses one (e.g. its peak RAM)
+            if len(shown) >= limit:
+                return shown
+            key = frozenset(plan.sets)
+            if key in seen or any(frozenset(p.sets) < key for p in shown):
+                break  # the same, or a shown plan with changes that buy nothing
+            seen.add(key)
+            try:
+                verdict = judge(ctx, apply(list(plan.sets)))
+            except ConfigError:
+                break  # the job refuses it (e.g. a budget over the machine)
+            if verdict.fits:
+                plan.verdict, plan.row = verdict, verdict.row
+                shown.append(plan)
+                break
     return shown
 
 
@@ -275,8 +296,10 @@ def budget_raise(ctx: Context, apply: Callable[[list[str]], Applied]) -> list[Ru
             if row is not None and row.bytes["nvme"] <= ctx.budgets.nvme:
                 best.append((row.bytes["device"] + row.bytes["host"], row.step_s, sets, row))
     for _, _, sets, row in sorted(best, key=lambda b: (b[0], b[1]))[:3]:
-        raise_sets = [*sets, f"memory.device_budget={_mib(row.bytes['device'])}",
-                      f"memory.host_budget={_mib(row.bytes['host'])}"]
+        raise_sets = [*sets, *(f"memory.{t}_budget={_mib(row.bytes[t])}" for t in ("device", "host")
+                               if row.bytes[t] > getattr(ctx.budgets, t))]
+        if len(raise_sets) == len(sets):
+            continue  # it fits the budgets as they are: what it fails (e.g. the free RAM) no raise mends
         found = _verified(ctx, apply, [RunPlan(tuple(raise_sets), row, [*_notes(sets, 1, k),
                                                                          "raises the memory budgets"])], 1)
         if found:
@@ -292,13 +315,13 @@ def _fmt(n: float) -> str:
     return format_size(n, exact=False)
 
 
-def format_plans(plans: list[RunPlan], me: Row | None, budget_raised: bool) -> list[str]:
+def format_plans(plans: list[RunPlan], searched: bool, budget_raised: bool) -> list[str]:
     """The plans, ranked: the `--set` lines, the predicted step and the bytes they need, what they cost."""
-    if me is None or me.fits:
+    if not searched:
         return []
     if not plans:
         return ["no plan fits this machine: add nvme.paths on a larger disk, use a machine with more memory, "
-                "or train a smaller model"]
+                "or train a smaller model (`infinity estimate --largest llama` names the largest that fits)"]
     head = ("no change of placement, precision, checkpointing or micro-batch fits: the smallest budget raise"
             if budget_raised else "plans that fit (fastest first; each applied and estimated again):")
     lines = [head]

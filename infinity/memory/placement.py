@@ -20,6 +20,7 @@ slower one, and why it is not on a faster one (no room, or no gain).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass, field
 
@@ -85,7 +86,11 @@ class Plan:
         return traffic.aliased(self.units[unit], tiers, self.compute_dtype, self.state_dtype)
 
     def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
-        """Bytes of state per tier and kind (Note [state bytes], traffic.py)."""
+        """Bytes of state per tier and kind (Note [state bytes], traffic.py); a fresh copy of the plan's."""
+        return {t: dict(kinds) for t, kinds in self._state_bytes.items()}
+
+    @functools.cached_property
+    def _state_bytes(self) -> dict[Tier, dict[Kind, int]]:  # once per plan: the estimate's table and search ask often
         return traffic.state_bytes(self)
 
     def tier_totals(self) -> dict[Tier, int]:

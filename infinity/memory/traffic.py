@@ -236,17 +236,43 @@ def update_staging_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtyp
     return _replay_staging(pattern, compute_dtype.itemsize, sizes_of, reads_ahead, writes_in_flight)
 
 
+def update_tasks(pattern: tuple, reads_ahead: int, writes_in_flight: int) -> list[tuple]:
+    """The update's tasks (one per chunk: its elements, which kinds are on NVMe, aliased), in order, each run of
+    identical units and then each run of identical tasks cut to `2 * window` (Note [working memory]: once the
+    replay's window, the tasks read ahead and those whose stores are pending, holds only tasks of one run, every
+    further task (unit) of it leaves the pool's counts as the one before did: the cut run replays to the same
+    peak; a 70B model's 70,000 chunks replay as a few hundred)."""
+    window = reads_ahead + 1 + writes_in_flight + 1
+    units: list[tuple] = []  # the same for a run of identical units (a model's blocks): the tasks repeat with
+    repeats = 0  # the unit's period, and once the window holds only them the counts repeat each period too
+    for unit in pattern:
+        repeats = repeats + 1 if units and units[-1] == unit else 1
+        if repeats <= 2 * window:
+            units.append(unit)
+    tasks: list[tuple] = []
+    run = 0
+    for chunks, nvme, alias in units:
+        for n in chunks:
+            task = (n, nvme, alias)
+            run = run + 1 if tasks and tasks[-1] == task else 1
+            if run <= 2 * window:
+                tasks.append(task)
+    return tasks
+
+
 @functools.lru_cache(maxsize=64)
 def _replay_staging(pattern: tuple, csize: int, fetched_sizes: tuple[int, ...], reads_ahead: int,
-                    writes_in_flight: int) -> int:
+                    writes_in_flight: int, cut: bool = True) -> int:
     from io_engine import size_class
     kinds = list(Kind)
+    signatures = update_tasks(pattern, reads_ahead, writes_in_flight) if cut else [
+        (n, nvme, alias) for chunks, nvme, alias in pattern for n in chunks]
 
     def on_nvme(u: int, kind: Kind) -> bool:
-        return pattern[u][1][kinds.index(kind)]
+        return signatures[u][1][kinds.index(kind)]
 
     def aliased(u: int) -> bool:
-        return pattern[u][2]
+        return signatures[u][2]
     live: dict[int, int] = {}
     peak: dict[int, int] = {}
 
@@ -262,7 +288,7 @@ def _replay_staging(pattern: tuple, csize: int, fetched_sizes: tuple[int, ...], 
         if c is not None:
             live[c] -= 1
 
-    tasks = [(u, n) for u, (chunks, _, _) in enumerate(pattern) for n in chunks]  # the update's chunks
+    tasks = [(u, n) for u, (n, _, _) in enumerate(signatures)]  # the update's chunks (u: the task's signature)
     left: dict[int, list] = {}  # task -> buffers of its stores still pending from the last step
     for _step in range(2):
         for task, pending in left.items():

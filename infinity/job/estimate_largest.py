@@ -1,0 +1,172 @@
+"""`infinity estimate --largest FAMILY`: the largest model of a family that trains on this machine, for full
+fine-tuning and for LoRA, with the plan for each.
+
+Note [largest model]: a family is a ladder of standard shapes, smallest first (LADDERS; the Llama ladder is
+Llama / Llama 2 / Llama 3 / TinyLlama / OpenLLaMA shapes from 125M to 405B parameters at the Llama-2 vocabulary
+of 32,000 ids). Each rung is judged by the normal estimate of the job with the rung's shape (`judge`: the job's
+own `--set` lines, its budgets, this machine's memory and disks, and the plan search of Note [plan search]):
+a rung trains here when its configured run fits, or a plan of the search does (a plan that raises the budgets
+does not count: the budgets are the user's). The ladder is bisected (fitting is monotone along it: every rung
+has more parameters, wider layers and no fewer blocks than the one below), so a 10-rung ladder costs 4
+estimates per mode, each fast by Note [deepened estimate]. Full fine-tuning judges the shape as `model.kind =
+"llama"` with its sizes; LoRA as a pretrained model of that shape (a config.json written to a temporary
+directory, no weights: the estimate reads none) with `model.lora.r = 16`. The answer names the rung, its
+parameters, the `--set` lines of its plan, the binding tier (the one nearest its budget), the predicted step,
+and why the next rung does not fit.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Callable
+
+from infinity.job.estimate_table import configured_row, seconds_text
+from io_engine import format_size
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    d_model: int
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    ffn_dim: int
+    vocab_size: int = 32000
+
+    def sets(self) -> list[str]:
+        """The job's `--set` lines of this shape (`model.kind = "llama"`)."""
+        return ['model.kind="llama"', f"model.d_model={self.d_model}", f"model.n_layer={self.n_layer}",
+                f"model.n_head={self.n_head}", f"model.n_kv_head={self.n_kv_head}", f"model.ffn_dim={self.ffn_dim}",
+                f"model.vocab_size={self.vocab_size}"]
+
+    def pretrained(self, root: str, seq_len: int) -> str:
+        """A directory holding this shape's config.json (transformers' LlamaConfig, no weights)."""
+        from infinity.job.build import need_transformers
+        transformers = need_transformers("--largest llama", "or estimate a job's own model")
+        path = os.path.join(root, self.name)
+        transformers.LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.d_model, intermediate_size=self.ffn_dim,
+                                 num_hidden_layers=self.n_layer, num_attention_heads=self.n_head,
+                                 num_key_value_heads=self.n_kv_head, max_position_embeddings=max(seq_len, 4096),
+                                 bos_token_id=None, eos_token_id=None, pad_token_id=None).save_pretrained(path)
+        return path
+
+
+LADDERS: dict[str, tuple[Rung, ...]] = {
+    "llama": (
+        Rung("llama-125M", 768, 12, 12, 12, 2048),
+        Rung("llama-350M", 1024, 24, 16, 16, 2816),
+        Rung("llama-760M", 1536, 24, 16, 16, 4096),
+        Rung("llama-1.1B", 2048, 22, 32, 4, 5632),  # TinyLlama
+        Rung("llama-3B", 3200, 26, 32, 32, 8640),  # OpenLLaMA 3B
+        Rung("llama-7B", 4096, 32, 32, 32, 11008),  # Llama 2 7B
+        Rung("llama-13B", 5120, 40, 40, 40, 13824),  # Llama 2 13B
+        Rung("llama-34B", 8192, 48, 64, 8, 22016),  # Code Llama 34B
+        Rung("llama-70B", 8192, 80, 64, 8, 28672),  # Llama 2 70B
+        Rung("llama-405B", 16384, 126, 128, 8, 53248),  # Llama 3.1 405B
+    ),
+}
+MODES = ("full fine-tuning", "LoRA (r=16)")
+LORA_SETS = ("model.lora.r=16",)
+
+
+@dataclass
+class Verdict:
+    """One rung in one mode, judged by the normal estimate."""
+
+    rung: Rung
+    estimate: object  # estimate.Estimate
+    plan: list[str] | None  # the plan's `--set` lines ([]: the configured run fits; None: nothing fits)
+    row: object = None  # estimate_table.Row of the run with the plan
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None
+
+    def why_not(self) -> str:
+        me = configured_row(self.estimate.table)
+        why = list(me.over.values()) if me is not None and me.over else [
+            f"{c.name}: {c.detail}" for c in self.estimate.checks if not c.ok and c.level == "error"]
+        return "; ".join(why) + "; and no plan of the search fits"
+
+
+def verdict(rung: Rung, est) -> Verdict:
+    """Whether the estimate `est` of a rung's job trains here, and with which plan (Note [largest model])."""
+    me = configured_row(est.table)
+    if me is not None and me.fits and est.ok:
+        return Verdict(rung, est, [], me)
+    if est.plans and not est.budget_raised:
+        return Verdict(rung, est, list(est.plans[0].sets), est.plans[0].row)
+    return Verdict(rung, est, None)
+
+
+@dataclass
+class Answer:
+    mode: str
+    largest: Verdict | None  # None: not even the smallest rung trains here
+    above: Verdict | None  # the next rung (None: the answer is the ladder's top)
+    judged: list[str] = field(default_factory=list)  # the rungs estimated, in order
+
+
+def largest(ladder: tuple[Rung, ...], judge: Callable[[Rung], object], mode: str) -> Answer:
+    """Bisect `ladder` for its largest rung that `judge(rung)` (an Estimate) says trains here."""
+    seen: dict[int, Verdict] = {}
+    lo, hi = -1, len(ladder)  # ladder[lo] fits, ladder[hi] does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        seen[mid] = verdict(ladder[mid], judge(ladder[mid]))
+        lo, hi = (mid, hi) if seen[mid].fits else (lo, mid)
+    return Answer(mode, seen.get(lo), seen.get(hi), [ladder[i].name for i in seen])
+
+
+def binding(est, row) -> str:
+    """The tier of `row` nearest its budget in `est`'s budgets, with its use."""
+    b, budgets = row.bytes, est.budgets
+    uses = {"device": (b["device"], budgets.device), "host": (b["host"], budgets.host),
+            "nvme": (b["nvme"], budgets.nvme)}
+    if budgets.shared_ram:
+        uses = {"ram (device + host)": (b["device"] + b["host"], budgets.shared_limit), "nvme": uses["nvme"]}
+    name, (need, have) = max(uses.items(), key=lambda kv: kv[1][0] / max(1, kv[1][1]))
+    return f"{name}: {_fmt(need)} of {_fmt(have)}"
+
+
+def _fmt(n: int) -> str:
+    return format_size(n, exact=False)
+
+
+def format_answers(family: str, seq_len: int, answers: list[Answer]) -> str:
+    lines = [f"the largest {family}-shaped model that trains on this machine at model.seq_len = {seq_len} "
+             f"(each rung judged by the estimate of this job; ladder: "
+             f"{', '.join(r.name for r in LADDERS[family])}):"]
+    for a in answers:
+        lines.append("")
+        if a.largest is None:
+            lines.append(f"  {a.mode}: none; the smallest rung, {a.above.rung.name}, does not fit: "
+                         f"{a.above.why_not()}")
+            continue
+        v, est = a.largest, a.largest.estimate
+        lines.append(f"  {a.mode}: {v.rung.name}, {est.num_params / 1e9:.2f}B parameters; predicted step "
+                     f"{seconds_text(v.row.step_s)}; binding tier {binding(est, v.row)}")
+        model = v.rung.sets() if a.mode == MODES[0] else ["model.pretrained=<your model of this shape>", *LORA_SETS]
+        lines += [f"     --set {s}" for s in model + v.plan]
+        if not v.plan:
+            lines.append("     (the job as configured: no change needed)")
+        if a.above is not None:
+            lines.append(f"  the next rung, {a.above.rung.name} ({a.above.estimate.num_params / 1e9:.2f}B), does "
+                         f"not fit: {a.above.why_not()}")
+        else:
+            lines.append("  (the top of the ladder)")
+    return "\n".join(lines)
+
+
+def run(family: str, seq_len: int, judge_job: Callable[[list[str]], object],
+        ladder: tuple[Rung, ...] | None = None) -> list[Answer]:
+    """Both modes' answers; `judge_job(sets)` estimates the job with `sets` after its own `--set` lines."""
+    ladder = ladder or LADDERS[family]
+    with tempfile.TemporaryDirectory(prefix="infinity-largest-") as root:
+        full = largest(ladder, lambda r: judge_job(r.sets()), MODES[0])
+        lora = largest(ladder, lambda r: judge_job([f"model.pretrained={r.pretrained(root, seq_len)}",
+                                                    *LORA_SETS]), MODES[1])
+    return [full, lora]

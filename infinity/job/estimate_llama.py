@@ -1,0 +1,133 @@
+"""The estimator's Llama: a torch-only model with the parameters (names, shapes, module classes) of transformers'
+`LlamaForCausalLM` and the same operations in its forward, so that the meta trace saves the same tensors and
+counts the same FLOPs.
+
+Note [estimator's Llama]: importing transformers' Llama costs ~3 s of CPU (its config alone pulls
+`torch.distributed.tensor` and scipy), more than the rest of a 70B estimate; a `[model]` Llama shape (`model.kind
+= "llama"`, not pretrained) is estimated with this copy instead. It is the estimator's only: the job trains
+transformers' model. What it must equal is transformers' under the estimate: tests/job/test_estimate_fast.py
+holds every figure of the estimate (units, table, trace, plans, peak) equal to the one of transformers' model,
+with and without grouped-query attention, so a transformers release that changes what its Llama saves fails
+that test. It covers the default attention (`sdpa`, causal, no mask: the job's batches have no padding) and
+the unchunked loss; `[activation] loss_chunk_tokens` (which needs transformers' head) uses transformers' model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.head_dim, self.groups = d // heads, heads // kv_heads
+        self.scaling = self.head_dim ** -0.5
+        self.q_proj = nn.Linear(d, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, d, bias=False)
+
+    def forward(self, hidden_states, cos, sin):
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q, k = (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+        gqa = {"enable_gqa": True} if self.groups > 1 else {}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=self.scaling,
+                                             is_causal=q.shape[2] > 1, **gqa)
+        out = out.transpose(1, 2).contiguous()
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous())
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, d: int, ffn: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, ffn, bias=False)
+        self.up_proj = nn.Linear(d, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, d, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, ffn: int, eps: float):
+        super().__init__()
+        self.self_attn = LlamaAttention(d, heads, kv_heads)
+        self.mlp = LlamaMLP(d, ffn)
+        self.input_layernorm = LlamaRMSNorm(d, eps)
+        self.post_attention_layernorm = LlamaRMSNorm(d, eps)
+
+    def forward(self, hidden_states, *, position_embeddings):  # (cos, sin) by keyword, as transformers passes them
+        cos, sin = position_embeddings
+        hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin)
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, ffn: int, eps: float,
+                 theta: float):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(d, heads, kv_heads, ffn, eps) for _ in range(layers))
+        self.norm = LlamaRMSNorm(d, eps)
+        dim = d // heads
+        self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
+                             persistent=False)
+
+    def forward(self, input_ids):
+        hidden_states = self.embed_tokens(input_ids)
+        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=hidden_states.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = (emb.cos() * 1.0).to(hidden_states.dtype), (emb.sin() * 1.0).to(hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, position_embeddings=(cos, sin))
+        return self.norm(hidden_states)
+
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor
+
+
+class LlamaForCausalLM(nn.Module):
+    """transformers' `LlamaForCausalLM` as the estimate sees it (Note [estimator's Llama])."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, ffn: int, eps: float = 1e-6,
+                 theta: float = 10000.0):
+        super().__init__()
+        self.model = LlamaModel(vocab, d, layers, heads, kv_heads, ffn, eps, theta)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids):
+        hidden_states = self.model(input_ids)
+        return CausalLMOutput(self.lm_head(hidden_states[:, slice(0, None), :]))

@@ -1,0 +1,89 @@
+"""The estimate's fast paths give the same figures as the slow ones: Note [deepened estimate] (a model of L
+repeating blocks estimated from its 2- and 3-block copies) against the model built and traced whole, Note
+[estimator's Llama] against transformers' Llama, and the update-staging replay cut to its window (Note [working
+memory]) against the replay of every chunk."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+import infinity
+from infinity.job import estimate as est
+from infinity.job.estimate_model import DeepenedModel, job_depth, model_facts
+from infinity.job.plan_search import default_apply
+from infinity.job.train import ModelConfig, build_model
+from infinity.memory import traffic
+from infinity.memory.cost_model import LinkRates
+from infinity.memory.placement import Budgets
+
+RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
+BIG = 1 << 50
+CASES = {  # model, engine config
+    "gpt, tiled, checkpointed": (
+        ModelConfig(kind="gpt", n_layer=4, d_model=32, n_head=2, seq_len=16, vocab_size=256),
+        {"placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"}, "units": {"tile_bytes": 8192},
+         "activation": {"checkpoint": "units"}, "optimizer": {"sub_group_size": 1024}}),
+    "llama": pytest.param(  # (slow: transformers' Llama; the default CI runs the GPT)
+        ModelConfig(kind="llama", n_layer=6, d_model=32, n_head=4, n_kv_head=2, seq_len=16, vocab_size=256),
+        {"placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"}, "units": {"tile_bytes": 8192},
+         "activation": {"checkpoint": "units"}, "optimizer": {"sub_group_size": 1024}}, marks=pytest.mark.slow),
+}
+
+
+@pytest.fixture(autouse=True)
+def fixed_runtime(monkeypatch):
+    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False: 100 << 20)  # both paths: the same constant
+
+
+def run(model, config, *, deep, budgets=None, search=True, own_llama=False):
+    return est.estimate(lambda: build_model(model), config, batch_size=2, seq_len=model.seq_len, rates=RATES,
+                        cuda=False, budgets=budgets, apply=default_apply(config, 1, 2) if search else None,
+                        depth=job_depth(model, own_llama=own_llama) if deep else None)
+
+
+def figures(e) -> dict:
+    rows = [(r.shape, r.stage, r.bytes, r.activations, r.over, round(r.step_s, 12)) for r in e.table]
+    plans = [(p.sets, p.row.bytes, p.row.activations, round(p.row.step_s, 12), p.verdict.peak) for p in e.plans]
+    trace = dataclasses.asdict(e.trace)
+    trace.pop("unit_names")
+    return {"params": e.num_params, "units": e.units, "groups": e.groups, "state": e.state(), "peak": e.peak,
+            "trace": trace, "rows": rows, "plans": plans, "checks": [(c.name, c.ok) for c in e.checks]}
+
+
+@pytest.mark.parametrize("model, raw", CASES.values(), ids=CASES)
+def test_deepened_estimate_equals_the_whole_model(model, raw, tmp_path):
+    config = infinity.Config.from_dict({**raw, "nvme": {"paths": [str(tmp_path)]}})
+    assert isinstance(model_facts(lambda: build_model(model), job_depth(model)), DeepenedModel)
+    me = next(r for r in run(model, config, deep=False, search=False).table if r.configured)
+    budgets = Budgets(device=int(me.bytes["device"] * 0.8), host=int(me.bytes["host"] * 0.9), nvme=BIG)
+    whole = run(model, config, deep=False, budgets=budgets)
+    assert whole.plans
+    assert figures(run(model, config, deep=True, budgets=budgets)) == figures(whole)
+
+
+@pytest.mark.parametrize("kv_heads", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_the_estimators_llama_equals_transformers(kv_heads, tmp_path):
+    """Note [estimator's Llama]: every figure of the estimate (units, every row of the table, the trace with its
+    per-unit saves and inputs, the state, the peak), with and without grouped-query attention, tiled and
+    checkpointed, equals the one of transformers' LlamaForCausalLM (the plan search is a function of these)."""
+    model = dataclasses.replace(CASES["llama"].values[0], n_kv_head=kv_heads)
+    config = infinity.Config.from_dict({**CASES["llama"].values[1], "nvme": {"paths": [str(tmp_path)]}})
+    assert type(job_depth(model, own_llama=True).build(2).model).__module__ == "infinity.job.estimate_llama"
+    assert figures(run(model, config, deep=True, search=False, own_llama=True)) == figures(
+        run(model, config, deep=True, search=False))
+
+
+def test_cut_replay_equals_the_full_replay():
+    rng = random.Random(0)
+    for _ in range(60):
+        units = [(tuple([rng.choice([1000, 3000, 8192])] * rng.randint(0, 30)
+                        + [rng.choice([10, 4000, 9000])] * (rng.random() < 0.5)),
+                  tuple(rng.random() < 0.6 for _ in range(5)), rng.random() < 0.3)
+                 for _ in range(rng.randint(1, 4))]
+        pattern = tuple(u for u in units for _ in range(rng.choice([1, 3, 18])))  # blocks repeat
+        for reads, writes in ((1, 4), (0, 1), (2, 3)):
+            args = (pattern, 2, (4, 2, 2, 4), reads, writes)
+            assert traffic._replay_staging(*args, cut=True) == traffic._replay_staging(*args, cut=False), args

@@ -1,0 +1,55 @@
+"""Note [largest model]: the answer of `infinity estimate --largest` trains here (its rung with its plan's `--set`
+lines, estimated again as a user would run it, passes) and the next rung of the ladder does not (its own estimate
+fails, with no plan that fits within the budgets)."""
+
+from __future__ import annotations
+
+import pytest
+
+from infinity.job import cli
+from infinity.job import estimate as est
+from infinity.job import estimate_largest as largest
+
+LADDER = (largest.Rung("tiny-1", 64, 4, 4, 4, 128, 256), largest.Rung("tiny-2", 128, 4, 4, 4, 256, 256),
+          largest.Rung("tiny-3", 256, 4, 4, 4, 512, 256))
+
+
+@pytest.fixture(autouse=True)
+def fixed_runtime(monkeypatch):
+    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False: 64 << 20)
+
+
+def job_args(tmp_path, budget: str):
+    sets = [f"memory.device_budget={budget}", f"memory.host_budget={budget}", f'nvme.paths=["{tmp_path}"]',
+            "model.seq_len=32", "run.batch_size=2"]
+    return cli.build_parser().parse_args(["estimate", *[a for s in sets for a in ("--set", s)]])
+
+
+@pytest.mark.parametrize("budget", ["8MiB"])
+def test_the_answer_fits_and_the_next_rung_does_not(tmp_path, budget):
+    args = job_args(tmp_path, budget)
+
+    def judge(sets):
+        return cli._job_estimate(args, list(args.overrides) + sets, None)
+    answer = largest.largest(LADDER, lambda rung: judge(rung.sets()), largest.MODES[0])
+    assert answer.largest is not None and answer.above is not None, "the case needs a boundary inside the ladder"
+    again = judge(answer.largest.rung.sets() + answer.largest.plan)  # the printed lines, estimated from scratch
+    assert again.ok and next(r for r in again.table if r.configured).fits
+    assert not again.plans
+    above = answer.above.estimate  # the next rung's own estimate (the job's, as `infinity estimate` makes it)
+    assert above.num_params > again.num_params
+    assert not above.ok and (not above.plans or above.budget_raised)
+
+
+@pytest.mark.slow
+def test_cli_largest_both_modes(tmp_path, capsys, monkeypatch):
+    """The command end to end on a tiny ladder: full fine-tuning and LoRA each name a rung and its plan."""
+    monkeypatch.setitem(largest.LADDERS, "llama", LADDER)
+    args = ["estimate", "--largest", "llama", "--seq-len", "32"]
+    for s in (f'nvme.paths=["{tmp_path}"]', "memory.device_budget=8MiB", "memory.host_budget=8MiB",
+              "run.batch_size=2"):
+        args += ["--set", s]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "full fine-tuning: tiny-" in out and "LoRA (r=16): tiny-" in out
+    assert "--set model.lora.r=16" in out
