@@ -78,7 +78,8 @@ def report(logs: str, elapsed_s: float | None) -> dict:
     out = {
         "device": device,
         "gpu_tests": pytest_counts(_read(os.path.join(logs, "gpu_tests.log"))) or None,
-        "sanitizer_races": sanitizer.count(RACE) if pytest_counts(sanitizer) else None,
+        "sanitizer_tests": pytest_counts(sanitizer) or None,
+        "sanitizer_races": sanitizer.count(RACE) if pytest_counts(sanitizer).get("passed") else None,
         "cases": {name: case for name in ("a", "b", "c", "d", "l") if (case := _case(logs, name)) is not None},
         "elapsed_s": elapsed_s,
     }
