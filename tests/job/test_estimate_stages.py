@@ -25,7 +25,8 @@ RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, 
 
 def config(tmp_path, placement=("device", "host", "nvme"), **sections) -> infinity.Config:
     params, grads, optimizer = placement
-    return infinity.Config.from_dict({"placement": {"params": params, "grads": grads, "optimizer": optimizer},
+    return infinity.Config.from_dict({"placement": {"params": params, "grads": grads, "optimizer": optimizer,
+                                                    "tail_units": 0},  # (the formulas of uniform placements)
                                       "precision": {"compute_dtype": "bf16"}, "nvme": {"paths": [str(tmp_path)]},
                                       **sections})
 
