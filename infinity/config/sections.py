@@ -304,8 +304,9 @@ class OverlapConfig(Section):
         "on the global gradient norm (optimizer.grad_clip > 0 or train.on_nonfinite = \"skip\"; not with fp16 "
         "loss scaling): each unit is updated as soon as its gradients are final, as if the clip will not fire, "
         "and put back from its copy and updated again if it does (Note [speculative update]). A size, 0 for none "
-        "(the update waits for the norm), or \"auto\": copies of every unit if they fit in the host memory the "
-        "plan leaves free after the read-ahead, else of as many as fit. Units whose optimizer runs on a GPU, "
+        "(the update waits for the norm), or \"auto\": with a GPU, copies of every unit if they fit in the host "
+        "memory the plan leaves free after the read-ahead, else of as many as fit; none without a GPU (the "
+        "copies would take cores from compute: docs/tiers.md). Units whose optimizer runs on a GPU, "
         "or whose parameters or optimizer state are on NVMe, are not speculated; needs optimizer_with_backward.",
         "size_or_auto", ge=0, example="4GiB")
 

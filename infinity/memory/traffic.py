@@ -461,13 +461,16 @@ def speculated_units(plan: "Plan", cuda: bool) -> list[int]:
 
 def resolve_speculation(setting, plan: "Plan", budgets: "Budgets") -> int:
     """The journal's bytes for `[overlap] speculation` = `setting` (0: none; callers pass 0 when the update needs
-    no global norm or runs without the worker), given the rest of `plan` (its read-ahead included): "auto" takes
-    the copies of every speculated unit if they fit in the host memory the plan leaves free, else what fits (none
-    when not even the smallest unit's do); an explicit size must fit in it (ConfigError otherwise)."""
+    no global norm or runs without the worker), given the rest of `plan` (its read-ahead included): "auto" takes,
+    with a GPU, the copies of every speculated unit if they fit in the host memory the plan leaves free, else what
+    fits (none when not even the smallest unit's do), and none without a GPU; an explicit size must fit in it
+    (ConfigError otherwise)."""
     sizes = [sum(journal_kind_bytes(plan.units[u].numel(Kind.MASTER), k, plan.state_dtype) for k in JOURNAL_KINDS)
              for u in speculated_units(plan, not budgets.shared_ram)]
     wanted, free = sum(sizes), host_slack(plan, budgets)
     if setting == "auto":
+        if budgets.shared_ram:
+            return 0  # no GPU: the copies and a fired clip's redo take cores from compute (Note [speculative update])
         num_bytes = min(wanted, free)
         return num_bytes if sizes and num_bytes >= min(sizes) else 0
     num_bytes = min(int(setting), wanted)

@@ -460,13 +460,14 @@ class SpeculativeUpdate(_OnWorker):
         return self.forward_order()
 
 
-def mode_class(config: Config) -> type[UpdateMode]:
-    """The one place that decides the update mode from the configuration (Note [overlap], Note [speculative
-    update]). Not from the plan: every rank must run the same mode (their collectives), while the journal's
-    bytes may differ between ranks (free host memory); a journal with no room defers every unit."""
+def mode_class(config: Config, cuda: bool = False) -> type[UpdateMode]:
+    """The one place that decides the update mode from the configuration and whether the device is a GPU (Note
+    [overlap], Note [speculative update]: "auto" speculates with a GPU only). Not from the plan: every rank must
+    run the same mode (their collectives), while the journal's bytes may differ between ranks (free host
+    memory); a journal with no room defers every unit."""
     if not config.overlap.optimizer_with_backward:
         return InlineUpdate
-    if config.speculates:
+    if config.speculates and (cuda or config.overlap.speculation != "auto"):
         return SpeculativeUpdate
     return DeferredUpdate if config.update_needs_norm else EagerUpdate
 
@@ -475,7 +476,7 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
                 scaler: LossScaler, hyper: Callable[[], Hypers], trace: OrderTrace, read_ahead_bytes: int,
                 reading_swap: Callable[[], bool], profiler) -> UpdateMode:
     """Build the configured mode with its optimizer (and, on the worker, its worker and state read-ahead)."""
-    cls = mode_class(config)
+    cls = mode_class(config, device.type == "cuda")
     shared = {"units": units, "manager": manager, "scaler": scaler, "hyper": hyper, "trace": trace, "group": group,
               "device": device, "grad_clip": config.optimizer.grad_clip, "on_nonfinite": config.train.on_nonfinite,
               "profiler": profiler}

@@ -138,7 +138,7 @@ def test_training_is_bitwise_the_same_and_reads_less(mode, tmp_path):
     placement = {"params": "nvme", "grads": "host", "optimizer": "nvme"}
     runs = {}
     for keep in (False, True):
-        extra = {"overlap": {"optimizer_with_backward": mode != "sequential", "speculation": "auto"
+        extra = {"overlap": {"optimizer_with_backward": mode != "sequential", "speculation": "64MiB"
                              if mode == "speculative" else 0}, "prefetch": {"keep_written": keep}}
         losses, norms, state, report = engine_run(recipe, placement, str(tmp_path / f"k{keep}"), extra)
         assert report["update_mode"] == {"sequential": "InlineUpdate", "deferred": "DeferredUpdate",

@@ -40,7 +40,7 @@ def test_world_size_1_matches_pytorch(reference, placement, overlap, tmp_path):
     losses, norms, state, report = engine_run(
         RECIPE, placement, swap, {"overlap": {"optimizer_with_backward": overlap}}
     )
-    assert report["update_mode"] == ("SpeculativeUpdate" if overlap else "InlineUpdate")  # RECIPE clips
+    assert report["update_mode"] == ("DeferredUpdate" if overlap else "InlineUpdate")  # RECIPE clips
     assert_matches(reference, losses, norms, state, f"world 1 {placement} overlap={overlap}")
 
 

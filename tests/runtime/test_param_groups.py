@@ -55,7 +55,7 @@ WORLD1 = [
     GroupCase("two_lr", "host", overlap=True, recipe=NO_CLIP),
     GroupCase("two_lr", "nvme", recipe=CLIP, extra=SMALL_CHUNKS),
 ]
-MODE = {(False, True): "InlineUpdate", (False, False): "InlineUpdate", (True, True): "SpeculativeUpdate",
+MODE = {(False, True): "InlineUpdate", (False, False): "InlineUpdate", (True, True): "DeferredUpdate",
         (True, False): "EagerUpdate"}
 
 

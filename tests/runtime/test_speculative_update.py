@@ -33,9 +33,13 @@ def recipe():
     return dataclasses.replace(BASE, grad_clip=clip)
 
 
+SPECULATE = "64MiB"  # ("auto" speculates with a GPU only)
+
+
 def _run(recipe, placement, tmp_path, name, **overlap):
     swap = str(tmp_path / name) if "nvme" in placement.values() else None
-    return engine_run(recipe, placement, swap, {"overlap": {"optimizer_with_backward": True} | overlap})
+    overlap = {"optimizer_with_backward": True, "speculation": SPECULATE} | overlap
+    return engine_run(recipe, placement, swap, {"overlap": overlap})
 
 
 @pytest.mark.parametrize("placement", [DEVICE, HOST], ids=["device", "host-nvme-host"])
@@ -85,7 +89,8 @@ def test_updates_start_during_backward_in_windows_whose_clip_fires(tmp_path):
     """The profile's trace: in every window (the clip fires in each), units' update spans begin before backward
     has ended, as without clipping; the redo ("adam again") follows step()."""
     recipe = Recipe(steps=3, accum=1, grad_clip=1e-3)  # fires at every step
-    cfg = recipe.config(**DEVICE) | {"profile": {"enabled": True, "trace_dir": str(tmp_path / "trace")}}
+    cfg = recipe.config(**DEVICE) | {"profile": {"enabled": True, "trace_dir": str(tmp_path / "trace")},
+                                     "overlap": {"speculation": SPECULATE}}
     model = recipe.build()
     # the first block's backward takes 50 ms more (the blocks after it are final by then): a backward long enough
     # for the worker to be scheduled on a loaded machine, whatever the tiny model's own speed
@@ -156,7 +161,7 @@ def test_a_skipped_window_puts_the_speculated_units_back(recipe):
     """on_nonfinite = "skip": the units speculated before the infinite gradient reached the others are put back
     with their Adam step counts; the run goes on bit for bit as the deferred update's, which never touched them."""
     ref = _poisoned_run(recipe, "skip", 0, poison_step=2)
-    got = _poisoned_run(recipe, "skip", "auto", poison_step=2)
+    got = _poisoned_run(recipe, "skip", SPECULATE, poison_step=2)
     assert (ref[4], got[4]) == ("DeferredUpdate", "SpeculativeUpdate")
     assert got[0] == ref[0] and got[0].count(True) == recipe.steps - 1
     for name, tensor in ref[2].items():
@@ -165,7 +170,7 @@ def test_a_skipped_window_puts_the_speculated_units_back(recipe):
 
 def test_an_infinite_gradient_raises_with_nothing_updated(recipe):
     """on_nonfinite = "error" with clipping: the step raises and the state is the one before that window."""
-    applied, before, state, raised, mode = _poisoned_run(recipe, "error", "auto", poison_step=1)
+    applied, before, state, raised, mode = _poisoned_run(recipe, "error", SPECULATE, poison_step=1)
     assert mode == "SpeculativeUpdate" and raised is not None and "put back" in str(raised)
     for name, tensor in before.items():
         assert torch.equal(state[name], tensor), name
@@ -215,3 +220,22 @@ def test_a_unit_with_a_second_update_queued_stays_pending_until_both_are_done():
     finally:
         optimizer.gate.set()
         worker.close()
+
+
+def test_auto_speculates_with_a_gpu_only_and_within_the_free_host_memory():
+    """"auto": no journal without a GPU (the copies take cores from compute); with one, every unit's copies when the
+    host has room (master, moments and gradient, fp32, each aligned to 64 bytes), none when it has not."""
+    from infinity.memory.placement import Budgets, plan_placement
+    from infinity.memory.traffic import UnitSizes
+
+    sizes = tuple(UnitSizes.uniform(f"u{u}", 1000) for u in range(4))
+    static = {"params": "device", "grads": "host", "optimizer": "host"}
+    journal = 4 * 4 * (-(-1000 * 4 // 64) * 64)
+
+    def planned(shared_ram: bool, host: int) -> int:
+        budgets = Budgets(device=1 << 30, host=host, nvme=0, shared_ram=shared_ram, ram=4 << 30)
+        return plan_placement(sizes, torch.float32, policy="static", static=static, budgets=budgets, units_ahead=2,
+                              speculation="auto", tail_units=0).speculation
+    assert planned(shared_ram=False, host=1 << 30) == journal
+    assert planned(shared_ram=True, host=1 << 30) == 0
+    assert planned(shared_ram=False, host=4 * 16_000 + 1000) == 0  # the state fills the host: no room left

@@ -33,15 +33,17 @@ ENGINE = os.path.join(os.path.dirname(infinity.__file__), "runtime", "engine.py"
     ({"overlap": {"optimizer_with_backward": False}, "optimizer": {"grad_clip": 0.0}}, InlineUpdate),
     ({"optimizer": {"grad_clip": 0.0}}, EagerUpdate),
     ({"optimizer": {"grad_clip": 0.0}, "precision": {"compute_dtype": "bf16"}}, EagerUpdate),
-    ({"optimizer": {"grad_clip": 1.0}}, SpeculativeUpdate),  # the update needs the global norm: speculated
-    ({"optimizer": {"grad_clip": 1.0}, "overlap": {"optimizer_with_backward": True, "speculation": 0}},
-     DeferredUpdate),  # ... unless the user says not to
+    ({"optimizer": {"grad_clip": 1.0}}, DeferredUpdate),  # the update needs the global norm: with a GPU speculated
+    ({"optimizer": {"grad_clip": 1.0}, "overlap": {"optimizer_with_backward": True, "speculation": "1GiB"}},
+     SpeculativeUpdate),  # (a size: anywhere)
     ({"optimizer": {"grad_clip": 0.0}, "precision": {"compute_dtype": "fp16"}}, DeferredUpdate),  # loss scaling
-    ({"optimizer": {"grad_clip": 0.0}, "train": {"on_nonfinite": "skip"}}, SpeculativeUpdate),  # may be skipped
+    ({"optimizer": {"grad_clip": 0.0}, "train": {"on_nonfinite": "skip"}}, DeferredUpdate),  # may be skipped
 ])
 def test_the_configuration_selects_one_mode(settings, expected):
     config = infinity.Config.from_dict({"overlap": {"optimizer_with_backward": True}} | settings)
-    assert mode_class(config) is expected
+    assert mode_class(config) is expected  # (without a GPU)
+    on_gpu = SpeculativeUpdate if expected is DeferredUpdate and config.speculates else expected
+    assert mode_class(config, cuda=True) is on_gpu
 
 
 def test_every_mode_implements_the_interface():
@@ -88,8 +90,8 @@ def _update_starts(settings: dict) -> tuple[bool, bool]:
 
 @pytest.mark.parametrize(("settings", "expected"), [
     ({"overlap": False}, (False, "InlineUpdate")),
-    ({"overlap": True, "grad_clip": 0.5, "more": {"speculation": 0}}, (False, "DeferredUpdate")),
-    ({"overlap": True, "grad_clip": 0.5}, (True, "SpeculativeUpdate")),  # (and put back: the clip fires)
+    ({"overlap": True, "grad_clip": 0.5}, (False, "DeferredUpdate")),
+    ({"overlap": True, "grad_clip": 0.5, "more": {"speculation": "1GiB"}}, (True, "SpeculativeUpdate")),  # (redone)
     ({"overlap": True}, (True, "EagerUpdate")),
 ])
 def test_the_eager_and_speculative_modes_update_during_backward(settings, expected):

@@ -22,9 +22,9 @@ NO_CLIP = Recipe(micro_batch=6, steps=3, grad_clip=0.0)  # lets the eager update
 PLACEMENTS = [{"params": "device", "grads": "device", "optimizer": "host"},  # aliased whole parameters
               {"params": "host", "grads": "host", "optimizer": "nvme"},
               {"params": "nvme", "grads": "nvme", "optimizer": "nvme"}]
-DEFERRED = Recipe(micro_batch=6, steps=3, extra={"overlap": {"speculation": 0}})  # clipping without speculation
-MODES = {"InlineUpdate": (CLIP, False), "SpeculativeUpdate": (CLIP, True), "EagerUpdate": (NO_CLIP, True),
-         "DeferredUpdate": (DEFERRED, True)}
+SPECULATED = Recipe(micro_batch=6, steps=3, extra={"overlap": {"speculation": "64MiB"}})  # ("auto": none w/o GPU)
+MODES = {"InlineUpdate": (CLIP, False), "SpeculativeUpdate": (SPECULATED, True), "EagerUpdate": (NO_CLIP, True),
+         "DeferredUpdate": (CLIP, True)}
 WORLDS = (1, 2, 3)
 FROZEN = FrozenRecipe(micro_batch=6, steps=3)  # most weights frozen: partitions of trainable and frozen elements
 NVME = PLACEMENTS[2]
@@ -49,7 +49,7 @@ def cases(world: int, root: str) -> list[Case]:
                 load = os.path.join(root, f"ckpt-w{world - 1}-s{saver}")
             out.append((mode, Case(recipe, stage, placement, overlap, save=save, load=load)))
     if world == 3:
-        out += [("SpeculativeUpdate", Case(FROZEN, stage, NVME, True)) for stage in (0, 1, 2)]
+        out += [("DeferredUpdate", Case(FROZEN, stage, NVME, True)) for stage in (0, 1, 2)]
     return out
 
 
