@@ -15,9 +15,9 @@ before a sub-group is stepped its master, moments (as stored) and fp32 gradient 
 Bit for bit what the deferred update computes, in every case. A fired clip costs the journal's copies and the
 speculated update, both during backward, and then the deferred schedule's update; with a GPU these run on
 host cores that backward leaves idle, so every window speculates. Without a GPU they take the cores from
-compute: on the 2-core development machine (docs/tiers.md) the copies alone made a step 1.3x slower when the
-clip never fired and 1.65x when it always did, while the deferred update was as fast as the eager one; so
-"auto" speculates with a GPU only, and a size turns it on anywhere.
+compute: on the 2-core development machine (docs/tiers.md) a speculated step was 1.33-1.56x the deferred one
+when the clip never fired and 1.33-1.65x when it always did, while the deferred update was as fast as the eager
+one or faster; so "auto" speculates with a GPU only, and a size turns it on anywhere.
 
 The journal is one host arena of `plan.speculation` bytes (a working term of the byte model, fitted to the
 host budget after the read-ahead); units are admitted in the order backward finalizes them while their copies
