@@ -409,12 +409,7 @@ def resolve_read_ahead(setting, plan: "Plan", budgets: "Budgets") -> int:
     if setting == "auto":
         num_bytes = min(wanted, free // 2)
         return num_bytes if num_bytes >= chunk else 0  # too little memory left to hold one sub-group
-    num_bytes = min(int(setting), wanted)
-    if num_bytes > free:
-        raise ConfigError(
-            f"overlap.optimizer_read_ahead = {format_size(setting)} would hold {format_size(num_bytes)} of optimizer "
-            f"state, but the plan leaves only {format_size(free)} of host memory free under "
-            f'memory.host_budget: lower it, or set it to "auto"')
+    num_bytes = _explicit_host_bytes("overlap.optimizer_read_ahead", setting, wanted, free, "optimizer state")
     if 0 < num_bytes < chunk:
         raise ConfigError(
             f"overlap.optimizer_read_ahead = {format_size(num_bytes)} is less than one optimizer sub-group's state "
@@ -473,12 +468,16 @@ def resolve_speculation(setting, plan: "Plan", budgets: "Budgets") -> int:
             return 0  # no GPU: the copies and a fired clip's redo take cores from compute (Note [speculative update])
         num_bytes = min(wanted, free)
         return num_bytes if sizes and num_bytes >= min(sizes) else 0
+    return _explicit_host_bytes("overlap.speculation", setting, wanted, free, "pre-update copies")
+
+
+def _explicit_host_bytes(key: str, setting: int, wanted: int, free: int, what: str) -> int:
+    """A size the user set for a host working term: what of it is wanted, refused unless it fits in `free`."""
     num_bytes = min(int(setting), wanted)
     if num_bytes > free:
         raise ConfigError(
-            f"overlap.speculation = {format_size(setting)} would hold {format_size(num_bytes)} of pre-update copies, "
-            f"but the plan leaves only {format_size(free)} of host memory free under memory.host_budget: lower it, "
-            f'or set it to "auto"')
+            f"{key} = {format_size(setting)} would hold {format_size(num_bytes)} of {what}, but the plan leaves only "
+            f'{format_size(free)} of host memory free under memory.host_budget: lower it, or set it to "auto"')
     return num_bytes
 
 

@@ -239,3 +239,8 @@ def test_auto_speculates_with_a_gpu_only_and_within_the_free_host_memory():
     assert planned(shared_ram=False, host=1 << 30) == journal
     assert planned(shared_ram=True, host=1 << 30) == 0
     assert planned(shared_ram=False, host=4 * 16_000 + 1000) == 0  # the state fills the host: no room left
+    budgets = Budgets(device=1 << 30, host=4 * 16_000 + 1000, nvme=0, shared_ram=True, ram=4 << 30)
+    with pytest.raises(infinity.ConfigError, match=r"overlap\.speculation = 1MiB would hold .* of pre-update copies, "
+                       r"but the plan leaves only .* free under memory\.host_budget"):
+        plan_placement(sizes, torch.float32, policy="static", static=static, budgets=budgets, units_ahead=2,
+                       speculation=1 << 20, tail_units=0)
