@@ -299,6 +299,10 @@ class OverlapConfig(Section):
         "backward run (Note [state read-ahead]): a size, 0 for none, or \"auto\": all of this rank's NVMe "
         "optimizer state if it fits in half the host memory the plan leaves free, else that half. Held in "
         "page-locked staging buffers; needs optimizer_with_backward.", "size_or_auto", ge=0, example="8GiB")
+    optimizer_threads: int | str = option(
+        "auto", "Intra-op threads of the optimizer worker's CPU Adam and copies (Note [thread budget]): a count, or "
+        "\"auto\": torch's own count (every core), as the training thread has. The two threads share the cores: "
+        "fewer for the worker leaves more to the training thread's compute.", "int_or_auto", ge=1, example="1")
     speculation: int | str = option(
         "auto", "Host memory for the pre-update copies that keep updates during backward when the update depends "
         "on the global gradient norm (optimizer.grad_clip > 0 or train.on_nonfinite = \"skip\"; not with fp16 "

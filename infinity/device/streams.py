@@ -102,6 +102,17 @@ def bind_thread(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def budget_threads(count: int) -> None:
+    """Note [thread budget]: the calling thread's intra-op threads (torch's fused kernels, copies) become `count`.
+    torch keeps that count per thread once set, but set_num_threads also changes the default a thread starts
+    with; it is set back from a short thread of its own, so the budget stays this thread's alone."""
+    default = torch.get_num_threads()
+    torch.set_num_threads(count)
+    restore = threading.Thread(target=torch.set_num_threads, args=(default,), name="infinity-threads")
+    restore.start()
+    restore.join()
+
+
 @dataclass
 class Streams:
     """The streams of one rank. On CPU all are None and `use` does nothing.

@@ -491,7 +491,9 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
         read_ahead.reserve_buffers()  # its staging, allocated now rather than during the first steps
     optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
                                    state_read_ahead=read_ahead, seed=config.train.seed)
-    worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams)
+    threads = config.overlap.optimizer_threads
+    worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams,
+                             threads=None if threads == "auto" else threads)
     if cls is SpeculativeUpdate:
         shared["journal"] = journal_for(manager.plan, manager.plan.speculation,
                                         speculated_units(manager.plan, device.type == "cuda"))

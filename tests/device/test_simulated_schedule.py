@@ -188,3 +188,30 @@ def test_tail_units_train_bit_for_bit_as_without_them():
     assert base[0] == tail[0]
     for name, tensor in base[2].items():
         assert torch.equal(tail[2][name], tensor), name
+
+
+def test_the_workers_thread_budget_is_its_own():
+    """Note [thread budget]: overlap.optimizer_threads = 1 gives the worker one intra-op thread; the training thread
+    and threads started later keep torch's count."""
+    seen = {}
+
+    class CountingOptimizer:
+        compute_device = torch.device("cpu")
+
+        def step(self, *, units, on_unit_done, **_):
+            seen["worker"] = torch.get_num_threads()
+            later = threading.Thread(target=lambda: seen.__setitem__("later", torch.get_num_threads()))
+            later.start()
+            later.join()
+            for unit in units:
+                on_unit_done(unit)
+
+    before = torch.get_num_threads()
+    worker = OptimizerWorker(CountingOptimizer(), 1, threads=1)
+    try:
+        worker.submit([SimpleNamespace(index=0, name="u0")], hyper=(), grad_scale=None, active={0: []},
+                      after_unit=lambda u: None)
+        worker.wait_all()
+    finally:
+        worker.close()
+    assert seen == {"worker": 1, "later": before} and torch.get_num_threads() == before
