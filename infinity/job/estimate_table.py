@@ -108,9 +108,9 @@ def _activation_bytes(ctx: Context, activation, scale: float = 1.0) -> dict[str,
     return {k: int(v * scale) for k, v in acts.items()}
 
 
-def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int | None = None,
-             act_scale: float = 1.0, sizes_cache: dict | None = None) -> Row | None:
-    """One row: `config` with the placement `tiers` (None: config's own policy, budgeted)."""
+def plan_of(ctx: Context, config: Config, tiers, *, world_size: int | None = None,
+            sizes_cache: dict | None = None) -> Plan | None:
+    """The plan of a row (`make_row`) without its activations and step: None when the planner refuses it."""
     world = world_size or ctx.world_size
     key = sizes_key(config, world)
     cache = sizes_cache if sizes_cache is not None else {}
@@ -127,6 +127,15 @@ def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int
                                   units_ahead=config.prefetch.units_ahead, keep_written=config.prefetch.keep_written,
                                   state_dtype=StateDtype(config.optimizer.state_dtype))
     except PlacementError:
+        return None
+    return plan
+
+
+def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int | None = None,
+             act_scale: float = 1.0, sizes_cache: dict | None = None) -> Row | None:
+    """One row: `config` with the placement `tiers` (None: config's own policy, budgeted)."""
+    plan = plan_of(ctx, config, tiers, world_size=world_size, sizes_cache=sizes_cache)
+    if plan is None:
         return None
     acts = _activation_bytes(ctx, config.activation, act_scale)
     totals = plan.tier_totals()

@@ -25,15 +25,15 @@ a budget over the machine is refused, so it is offered only when the machine has
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
 from infinity.config.sections import Config, ConfigError
-from infinity.job.estimate_table import SHAPES, Context, Row, make_row, seconds_text, sizes_key
+from infinity.job.estimate_table import SHAPES, Context, Row, make_row, plan_of, seconds_text, sizes_key
 from infinity.machine.preflight import Check, preflight
 from infinity.memory.placement import PlacementError, Plan, overflows, plan_for_config
 from infinity.memory.stages import STAGES
-from infinity.memory.tier import Tier
 from io_engine import format_size
 
 NOTES = {"optimizer.state_dtype=bf16": "bf16 Adam moments (the master stays fp32)",
@@ -201,7 +201,7 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                                                                              // 8),))]
     found: list[RunPlan] = []
     cache: dict = {}
-    batched = {b: at_batch(ctx, b) for b in _batches(ctx.batch_size)}
+    batched = functools.cache(lambda b: at_batch(ctx, b))  # traced when a state fits without activations
     for sets, tiers in states:
         try:
             staged = config.with_overrides(sets)
@@ -209,8 +209,8 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
             continue
         if "optimizer.sub_group_size" in " ".join(sets) and staged.placement.optimizer != "nvme":
             continue  # the sub-groups only size the NVMe update's staging
-        base = make_row(ctx, staged, "plan", tiers, act_scale=0.0, sizes_cache=cache)
-        if base is None or overflows({Tier(k): v for k, v in base.bytes.items()}, ctx.budgets):
+        base = plan_of(ctx, staged, tiers, sizes_cache=cache)  # its plan alone: most states stop here
+        if base is None or overflows(base.tier_totals(), ctx.budgets):
             continue  # the state and working bytes alone do not fit
         offloads = [[]] if staged.activation.checkpoint == "none" else _choices(staged, "activation.offload", ("host",))
         for o in offloads:
@@ -221,7 +221,7 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                 mb = [] if k == 1 else [f"run.batch_size={b * world}",
                                         f"train.grad_accum_steps={config.train.grad_accum_steps * k}"]
                 final = acted.with_overrides(mb[1:]) if mb else acted
-                row = make_row(batched[b], final, "plan", tiers, sizes_cache=cache)
+                row = make_row(batched(b), final, "plan", tiers, sizes_cache=cache)
                 if row is not None and row.fits:
                     all_sets = (*extra, *sets, *o, *mb)
                     chain.append(RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)]))
