@@ -3,13 +3,20 @@
 counts the same FLOPs.
 
 Note [estimator's Llama]: importing transformers' Llama costs ~3 s of CPU (its config alone pulls
-`torch.distributed.tensor` and scipy), more than the rest of a 70B estimate; a `[model]` Llama shape (`model.kind
-= "llama"`, not pretrained) is estimated with this copy instead. It is the estimator's only: the job trains
-transformers' model. What it must equal is transformers' under the estimate: tests/job/test_estimate_fast.py
-holds every figure of the estimate (units, table, trace, plans, peak) equal to the one of transformers' model,
-with and without grouped-query attention, so a transformers release that changes what its Llama saves fails
-that test. It covers the default attention (`sdpa`, causal, no mask: the job's batches have no padding) and
-the unchunked loss; `[activation] loss_chunk_tokens` (which needs transformers' head) uses transformers' model.
+`torch.distributed.tensor` and scipy), and PEFT ~0.5 s more, more than the rest of a 70B estimate; a `[model]`
+Llama shape (`model.kind = "llama"`, not pretrained) is estimated with this copy instead, and so is a pretrained
+Llama directory whose config.json the copy models (`llama_fields`: model_type "llama", no biases, SiLU, no
+attention dropout, no rope scaling, no quantization, head size d / heads, dtype fp32 / fp16 / bf16 as
+transformers builds it, tied embeddings when `tie_word_embeddings`), with `[model.lora]` r > 0 wrapped as PEFT
+wraps it (`PeftModelForCausalLM`: the same names, the base frozen, fp32 adapters, dropout, the input cast, the
+scaling) when its targets are its blocks' linears (`lora_targets`); anything else goes to transformers / PEFT,
+and the job's own checks of the directory (vocabulary, positions, the packages installed) are made the same.
+It is the estimator's only: the job trains transformers' model. What it must equal is transformers' (and
+PEFT's) under the estimate: tests/job/test_estimate_fast.py holds every figure of the estimate (units, table,
+trace, plans, peak) equal to the one of transformers' model, with and without grouped-query attention, and of a
+pretrained directory with PEFT's LoRA, so a transformers or PEFT release that changes what they save fails that
+test. It covers the default attention (`sdpa`, causal, no mask: the job's batches have no padding) and the
+unchunked loss; `[activation] loss_chunk_tokens` (which needs transformers' head) uses transformers' model.
 """
 
 from __future__ import annotations

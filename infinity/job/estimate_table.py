@@ -95,6 +95,7 @@ class Context:
     trace_at: Callable | None = None  # micro-batch (sequences per rank) -> its Trace (estimate.trace_step)
     plan_rates: cost_model.LinkRates | None = None  # what the auto policy plans with (initialize's cached rates)
     frozen_referenced: bool = False  # checkpoints refer to the pretrained files for frozen weights (preflight)
+    static_plans: dict = field(default_factory=dict, repr=False)  # plan_of's unbudgeted plans (shared by copies)
 
 
 def sizes_key(config: Config, world: int) -> tuple:
@@ -120,12 +121,17 @@ def plan_of(ctx: Context, config: Config, tiers, *, world_size: int | None = Non
     try:
         if tiers is None:  # the auto policy plans against the budgets it has
             plan = plan_for_config(sizes, config, ctx.budgets, rates=ctx.rates)
-        else:
+        else:  # the same sizes (the same object: sizes_of caches them) and arguments plan the same
             unlimited = dataclasses.replace(ctx.budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
-            plan = plan_placement(sizes, dtype_of(config.precision.compute_dtype), policy="static",
+            args = (config.precision.compute_dtype, tuple(tiers), unlimited, config.prefetch.units_ahead,
+                    config.prefetch.keep_written, config.optimizer.state_dtype)
+            known = ctx.static_plans.get((id(sizes), args))
+            if known is not None and known[0] is sizes:
+                return known[1]
+            plan = plan_placement(sizes, dtype_of(args[0]), policy="static",
                                   static=dict(zip(("params", "grads", "optimizer"), tiers)), budgets=unlimited,
-                                  units_ahead=config.prefetch.units_ahead, keep_written=config.prefetch.keep_written,
-                                  state_dtype=StateDtype(config.optimizer.state_dtype))
+                                  units_ahead=args[3], keep_written=args[4], state_dtype=StateDtype(args[5]))
+            ctx.static_plans[(id(sizes), args)] = (sizes, plan)
     except PlacementError:
         return None
     return plan

@@ -124,7 +124,7 @@ def test_a_pretrained_llama_directory_estimates_as_transformers_and_peft(extra, 
         return est.estimate(lambda: build_model(model, lora_cfg), config, batch_size=2, seq_len=16, rates=RATES,
                             cuda=False, budgets=budgets, apply=default_apply(config, 1, 2) if search else None,
                             depth=depth)
-    me = next(r for r in run_with(slow, search=False).table if r.configured)
+    me = next(r for r in run_with(fast, search=False).table if r.configured)  # (budgets: only an input)
     budgets = Budgets(device=int(me.bytes["device"] * 0.8), host=int(me.bytes["host"] * 0.9), nvme=BIG)
     whole = figures(run_with(slow, budgets))
     assert whole["plans"] or lora.get("r") == 2  # (a rank-2 LoRA of the q/v projections: no plan fits these)
