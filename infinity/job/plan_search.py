@@ -203,12 +203,13 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
     cache: dict = {}
     batched = functools.cache(lambda b: at_batch(ctx, b))  # traced when a state fits without activations
     for sets, tiers in states:
+        if "optimizer.sub_group_size" in " ".join(sets) and (tiers[2] if tiers else config.placement.optimizer) \
+                != "nvme":
+            continue  # the sub-groups only size the NVMe update's staging
         try:
             staged = config.with_overrides(sets)
         except ConfigError:
             continue
-        if "optimizer.sub_group_size" in " ".join(sets) and staged.placement.optimizer != "nvme":
-            continue  # the sub-groups only size the NVMe update's staging
         base = plan_of(ctx, staged, tiers, sizes_cache=cache)  # its plan alone: most states stop here
         if base is None or overflows(base.tier_totals(), ctx.budgets):
             continue  # the state and working bytes alone do not fit

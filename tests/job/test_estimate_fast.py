@@ -133,7 +133,7 @@ def test_a_pretrained_llama_directory_estimates_as_transformers_and_peft(extra, 
 
 def test_the_copy_refuses_a_llama_it_does_not_model():
     """A config.json the copy does not model (or LoRA targets it does not resolve) is left to transformers/PEFT."""
-    from infinity.job.estimate_llama import lora_targets, llama_fields
+    from infinity.job.estimate_llama import llama_fields, lora_targets
     hf = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 6,
           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
     assert llama_fields(hf)["kv_heads"] == 2
