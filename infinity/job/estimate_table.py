@@ -96,6 +96,7 @@ class Context:
     plan_rates: cost_model.LinkRates | None = None  # what the auto policy plans with (initialize's cached rates)
     frozen_referenced: bool = False  # checkpoints refer to the pretrained files for frozen weights (preflight)
     static_plans: dict = field(default_factory=dict, repr=False)  # plan_of's unbudgeted plans (shared by copies)
+    overridden: dict = field(default_factory=dict, repr=False)  # plan_search's configs with a state's `--set`s
 
 
 def sizes_key(config: Config, world: int) -> tuple:

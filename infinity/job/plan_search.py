@@ -34,6 +34,7 @@ from infinity.job.estimate_table import SHAPES, Context, Row, make_row, plan_of,
 from infinity.machine.preflight import Check, preflight
 from infinity.memory.placement import PlacementError, Plan, overflows, plan_for_config
 from infinity.memory.stages import STAGES
+from infinity.memory.tier import Tier
 from io_engine import format_size
 
 NOTES = {"optimizer.state_dtype=bf16": "bf16 Adam moments (the master stays fp32)",
@@ -206,9 +207,8 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
         if "optimizer.sub_group_size" in " ".join(sets) and (tiers[2] if tiers else config.placement.optimizer) \
                 != "nvme":
             continue  # the sub-groups only size the NVMe update's staging
-        try:
-            staged = config.with_overrides(sets)
-        except ConfigError:
+        staged = _overridden(ctx, config, sets)
+        if staged is None:
             continue
         base = plan_of(ctx, staged, tiers, sizes_cache=cache)  # its plan alone: most states stop here
         if base is None or overflows(base.tier_totals(), ctx.budgets):
@@ -230,6 +230,17 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                 found.append(dataclasses.replace(chain[0], smaller=chain[1:]))
     found.sort(key=rank)
     return _verified(ctx, apply, found, limit)
+
+
+def _overridden(ctx: Context, config: Config, sets: list[str]) -> Config | None:
+    """`config.with_overrides(sets)`, None when refused; once per (config, sets): the LoRA search asks again."""
+    key = (id(config), tuple(sets))
+    if key not in ctx.overridden or ctx.overridden[key][0] is not config:
+        try:
+            ctx.overridden[key] = (config, config.with_overrides(sets))
+        except ConfigError:
+            ctx.overridden[key] = (config, None)
+    return ctx.overridden[key][1]
 
 
 LOSSY = ("optimizer.state_dtype=bf16", "optimizer.state_dtype=bf16_master")
@@ -292,6 +303,9 @@ def budget_raise(ctx: Context, apply: Callable[[list[str]], Applied]) -> list[Ru
             try:
                 cfg = config.with_overrides([s for s in sets if not s.startswith("run.")])
             except ConfigError:
+                continue
+            plan = plan_of(wide, cfg, tiers)  # the NVMe bytes have no activations: traced only when they fit
+            if plan is None or plan.tier_totals()[Tier.NVME] > ctx.budgets.nvme:
                 continue
             row = make_row(at_batch(wide, 1), cfg, "plan", tiers)
             if row is not None and row.bytes["nvme"] <= ctx.budgets.nvme:
