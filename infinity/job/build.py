@@ -129,16 +129,8 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope, layers: int | None = 
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"{where}: transformers cannot read its config.json ({e}); fix the file or upgrade "
                           f"transformers") from None
-    vocab = getattr(hf_cfg, "vocab_size", None)
-    if cfg.tokenizer == "bytes" and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
-        raise ConfigError(f"{where}: its vocabulary has {vocab} token ids, fewer than the {VOCAB_SIZE} byte values "
-                          f"the job's data uses as token ids (model.tokenizer = \"bytes\"); fine-tune a model with at "
-                          f"least {VOCAB_SIZE} ids, or save the model's tokenizer in it (tokenizer.save_pretrained) "
-                          f'and set model.tokenizer = "auto" so the job tokenizes with it')
-    positions = getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None)
-    if isinstance(positions, int) and cfg.seq_len > positions:
-        raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
-                          f"set model.seq_len <= {positions}")
+    _check_pretrained(cfg, getattr(hf_cfg, "vocab_size", None),
+                      getattr(hf_cfg, "max_position_embeddings", None) or getattr(hf_cfg, "n_positions", None))
     if layers is not None:
         hf_cfg.num_hidden_layers = layers
     try:
@@ -154,6 +146,51 @@ def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope, layers: int | None = 
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         description += f"; LoRA r={lora.r}: {trainable / 1e6:.3f}M trainable"
     return ModelBundle(model, None, _lm_loss, description + ")", weights=cfg.pretrained, hf_config=hf_cfg)
+
+
+def _check_pretrained(cfg: ModelConfig, vocab, positions) -> None:
+    """A pretrained model's vocabulary against bytes as token ids, its positions against model.seq_len."""
+    if cfg.tokenizer == "bytes" and (not isinstance(vocab, int) or vocab < VOCAB_SIZE):
+        raise ConfigError(f"model.pretrained = {cfg.pretrained!r}: its vocabulary has {vocab} token ids, fewer than "
+                          f"the {VOCAB_SIZE} byte values the job's data uses as token ids (model.tokenizer = "
+                          f"\"bytes\"); fine-tune a model with at least {VOCAB_SIZE} ids, or save the model's "
+                          f"tokenizer in it (tokenizer.save_pretrained) and set model.tokenizer = \"auto\" so the job "
+                          f"tokenizes with it")
+    if isinstance(positions, int) and cfg.seq_len > positions:
+        raise ConfigError(f"model.seq_len = {cfg.seq_len}: {cfg.pretrained} was built for {positions} positions; "
+                          f"set model.seq_len <= {positions}")
+
+
+def estimator_pretrained_llama(cfg: ModelConfig, lora: LoraConfig, hf: dict, fields: dict, targets: tuple,
+                               layers: int | None = None) -> ModelBundle:
+    """A pretrained Llama directory (its config.json `hf`, the copy's `fields` from estimate_llama.llama_fields)
+    as the estimator's copy, LoRA-wrapped as PEFT wraps it with [model.lora] r > 0 (`targets`: its linears), on the
+    meta device, without importing transformers or PEFT (Note [estimator's Llama]); the job's checks as
+    `_pretrained` makes them (transformers and PEFT installed, the vocabulary, the positions)."""
+    from importlib.util import find_spec
+
+    from infinity.job import estimate_llama as copy
+    from infinity.runtime.materialize import meta_init
+    where = f"model.pretrained = {cfg.pretrained!r}"
+    if find_spec("transformers") is None:
+        need_transformers(where, "or leave model.pretrained unset")
+    _check_pretrained(cfg, hf.get("vocab_size"), hf.get("max_position_embeddings"))
+    if lora.r and find_spec("peft") is None:
+        raise ConfigError(f"model.lora.r = {lora.r} needs PEFT: pip install peft (or remove model.lora.r)")
+    args = {k: v for k, v in fields.items() if k != "dtype"}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(fields["dtype"])  # as transformers builds a config's dtype
+    try:
+        with meta_init():
+            model = copy.LlamaForCausalLM(**{**args, "layers": layers or args["layers"]})
+    finally:
+        torch.set_default_dtype(default)
+    description = f"llama from {cfg.pretrained} (estimator's copy) ({_count(model)}"
+    if lora.r:
+        with meta_init():
+            model = copy.PeftModelForCausalLM(model, lora.r, lora.alpha, lora.dropout, targets)
+        description += f"; LoRA r={lora.r}"
+    return ModelBundle(model, None, _lm_loss, description + ")", weights=cfg.pretrained)
 
 
 def _with_lora(model: nn.Module, lora: LoraConfig, base: str) -> nn.Module:

@@ -253,13 +253,14 @@ def _job_estimate(args, overrides, custom, plans: int = 3):
     from infinity.job.estimate_model import job_depth
     return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                         batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
-                        remeasure=args.remeasure, apply=apply, lora=_lora_option(job, custom, args, overrides),
+                        remeasure=args.remeasure, apply=apply,
+                        lora=_lora_option(job, custom, args, overrides, not config.activation.loss_chunk_tokens),
                         depth=None if custom else job_depth(job.model, job.lora,
                                                             own_llama=not config.activation.loss_chunk_tokens),
                         plans=plans)
 
 
-def _lora_option(job, custom, args, overrides):
+def _lora_option(job, custom, args, overrides, own_llama: bool):
     """For a pretrained model trained whole: the `--set` line that trains LoRA adapters instead, and its model."""
     if custom or not job.model.pretrained or job.lora.r:
         return None
@@ -267,7 +268,8 @@ def _lora_option(job, custom, args, overrides):
     from infinity.job.train import build_model, load_job
     sets = ["model.lora.r=16"]
     lora_job = load_job(args.config, overrides + sets)
-    return sets, lambda: build_model(lora_job.model, lora_job.lora), job_depth(lora_job.model, lora_job.lora)
+    return sets, lambda: build_model(lora_job.model, lora_job.lora), job_depth(lora_job.model, lora_job.lora,
+                                                                                  own_llama=own_llama)
 
 
 def _estimate_stages(args, make, config, job) -> int:

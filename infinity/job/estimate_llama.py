@@ -3,13 +3,20 @@
 counts the same FLOPs.
 
 Note [estimator's Llama]: importing transformers' Llama costs ~3 s of CPU (its config alone pulls
-`torch.distributed.tensor` and scipy), more than the rest of a 70B estimate; a `[model]` Llama shape (`model.kind
-= "llama"`, not pretrained) is estimated with this copy instead. It is the estimator's only: the job trains
-transformers' model. What it must equal is transformers' under the estimate: tests/job/test_estimate_fast.py
-holds every figure of the estimate (units, table, trace, plans, peak) equal to the one of transformers' model,
-with and without grouped-query attention, so a transformers release that changes what its Llama saves fails
-that test. It covers the default attention (`sdpa`, causal, no mask: the job's batches have no padding) and
-the unchunked loss; `[activation] loss_chunk_tokens` (which needs transformers' head) uses transformers' model.
+`torch.distributed.tensor` and scipy), and PEFT ~0.5 s more, more than the rest of a 70B estimate; a `[model]`
+Llama shape (`model.kind = "llama"`, not pretrained) is estimated with this copy instead, and so is a pretrained
+Llama directory whose config.json the copy models (`llama_fields`: model_type "llama", no biases, SiLU, no
+attention dropout, no rope scaling, no quantization, head size d / heads, dtype fp32 / fp16 / bf16 as
+transformers builds it, tied embeddings when `tie_word_embeddings`), with `[model.lora]` r > 0 wrapped as PEFT
+wraps it (`PeftModelForCausalLM`: the same names, the base frozen, fp32 adapters, dropout, the input cast, the
+scaling) when its targets are its blocks' linears (`lora_targets`); anything else goes to transformers / PEFT,
+and the job's own checks of the directory (vocabulary, positions, the packages installed) are made the same.
+It is the estimator's only: the job trains transformers' model. What it must equal is transformers' (and
+PEFT's) under the estimate: tests/job/test_estimate_fast.py holds every figure of the estimate (units, table,
+trace, plans, peak) equal to the one of transformers' model, with and without grouped-query attention, and of a
+pretrained directory with PEFT's LoRA, so a transformers or PEFT release that changes what they save fails that
+test. It covers the default attention (`sdpa`, causal, no mask: the job's batches have no padding) and the
+unchunked loss; `[activation] loss_chunk_tokens` (which needs transformers' head) uses transformers' model.
 """
 
 from __future__ import annotations
@@ -123,11 +130,111 @@ class LlamaForCausalLM(nn.Module):
     """transformers' `LlamaForCausalLM` as the estimate sees it (Note [estimator's Llama])."""
 
     def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, ffn: int, eps: float = 1e-6,
-                 theta: float = 10000.0):
+                 theta: float = 10000.0, tie: bool = False):
         super().__init__()
         self.model = LlamaModel(vocab, d, layers, heads, kv_heads, ffn, eps, theta)
         self.lm_head = nn.Linear(d, vocab, bias=False)
+        if tie:  # tie_word_embeddings: transformers' lm_head is the embedding's weight
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids):
         hidden_states = self.model(input_ids)
         return CausalLMOutput(self.lm_head(hidden_states[:, slice(0, None), :]))
+
+
+# ---------------------------------------------------------------- a pretrained Llama's config.json, LoRA
+
+DTYPES = {None: torch.float32, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# config.json keys whose only values the copy models (absent = transformers' default, the same value)
+MODELLED = {"attention_bias": (False,), "mlp_bias": (False,), "hidden_act": ("silu",), "pretraining_tp": (1,),
+            "attention_dropout": (0, 0.0), "rope_scaling": (None,), "quantization_config": (None,),
+            "layer_types": (None,)}
+
+
+def llama_fields(hf: dict) -> dict | None:
+    """The copy's arguments (and `dtype`) for a pretrained directory's config.json (Note [estimator's Llama]), or
+    None when the copy does not model it (not a Llama; biases, another activation, attention dropout, rope
+    scaling, quantization, a head size other than d / heads, a dtype it does not know): transformers' model then."""
+    ints = [hf.get(k) for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                "intermediate_size")]
+    kv = hf.get("num_key_value_heads") or hf.get("num_attention_heads")
+    if hf.get("model_type") != "llama" or not all(isinstance(v, int) and v > 0 for v in [*ints, kv]):
+        return None
+    vocab, d, layers, heads, ffn = ints
+    rope = hf.get("rope_parameters") or {}
+    dtype = hf.get("dtype", hf.get("torch_dtype"))
+    if (any(hf.get(k, ok[0]) not in ok for k, ok in MODELLED.items()) or rope.get("rope_type", "default") != "default"
+            or d % heads or heads % kv or hf.get("head_dim", d // heads) != d // heads or dtype not in DTYPES):
+        return None
+    return {"vocab": vocab, "d": d, "layers": layers, "heads": heads, "kv_heads": kv, "ffn": ffn,
+            "eps": float(hf.get("rms_norm_eps", 1e-6)), "theta": float(rope.get("rope_theta", hf.get("rope_theta",
+                                                                                                  10000.0))),
+            "tie": bool(hf.get("tie_word_embeddings", False)), "dtype": DTYPES[dtype]}
+
+
+# PEFT's LoRA targets for a Llama ("all-linear": every linear layer but the output head)
+LORA_DEFAULT, LORA_LINEAR = ("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                    "down_proj")
+
+
+def lora_targets(targets: tuple) -> tuple | None:
+    """The copy's linear layers `[model.lora] targets` adapts as PEFT resolves them for a Llama, or None when the
+    copy does not resolve them (anything but leaf names of its blocks' linears, or PEFT's shorthand): PEFT then."""
+    if not targets:
+        return LORA_DEFAULT
+    if tuple(targets) == ("all-linear",):
+        return LORA_LINEAR
+    return tuple(targets) if all(t in LORA_LINEAR for t in targets) else None
+
+
+class LoraLinear(nn.Module):
+    """PEFT's `lora.Linear` (one adapter, "default") as the estimate sees it: the base layer, dropout (Identity at
+    p = 0), A and B in fp32 (PEFT's autocast_adapter_dtype), the input cast to A's dtype, scaled, cast back."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float):
+        super().__init__()
+        self.base_layer = base
+        self.lora_dropout = nn.ModuleDict({"default": nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()})
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, r, bias=False, dtype=torch.float32)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, base.out_features, bias=False, dtype=torch.float32)})
+        self.lora_embedding_A, self.lora_embedding_B = nn.ParameterDict(), nn.ParameterDict()
+        self.lora_magnitude_vector = nn.ModuleDict()
+        self.scaling = alpha / r
+        base.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        torch_result_dtype = result.dtype
+        lora_A = self.lora_A["default"]
+        if x.dtype != lora_A.weight.dtype:
+            x = x.to(lora_A.weight.dtype)
+        result = result + self.lora_B["default"](lora_A(self.lora_dropout["default"](x))) * self.scaling
+        return result.to(torch_result_dtype)
+
+
+class LoraModel(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+class PeftModelForCausalLM(nn.Module):
+    """PEFT's `get_peft_model(model, LoraConfig(...))` of the copy, as the estimate sees it: the same names
+    (base_model.model....), the base frozen, the targets wrapped by LoraLinear."""
+
+    def __init__(self, model: nn.Module, r: int, alpha: float, dropout: float, targets: tuple):
+        super().__init__()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for block in model.model.layers:
+            for parent in (block.self_attn, block.mlp):
+                for name, child in list(parent.named_children()):
+                    if name in targets:
+                        setattr(parent, name, LoraLinear(child, r, alpha, dropout))
+        self.base_model = LoraModel(model)
+
+    def forward(self, input_ids):
+        return self.base_model(input_ids)

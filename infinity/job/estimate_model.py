@@ -271,8 +271,10 @@ REPEATING_PRETRAINED = ("llama", "gpt2")
 def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | None:
     """The depth of the job's model (`[model]`, `[model.lora]`) and its shallow builds; None when its blocks
     may differ (a pretrained type not in REPEATING_PRETRAINED, or one that lists its layers' types).
-    `own_llama`: a `[model]` Llama shape is built as the estimator's copy (Note [estimator's Llama])."""
+    `own_llama`: a `[model]` Llama shape, or a pretrained Llama whose config.json (and LoRA targets) the copy
+    models, is built as the estimator's copy (Note [estimator's Llama]), without transformers or PEFT."""
     from infinity.job.build import build_model, estimator_llama
+    from infinity.job.spec import LoraConfig
     layers = model_cfg.n_layer
     if own_llama and model_cfg.kind == "llama" and not model_cfg.pretrained:
         return Depth(layers, lambda d: estimator_llama(model_cfg, d))
@@ -287,4 +289,11 @@ def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | N
         layers = hf.get("num_hidden_layers", hf.get("n_layer"))
         if hf.get("model_type") not in REPEATING_PRETRAINED or "layer_types" in hf or not isinstance(layers, int):
             return None
+        if own_llama:  # a Llama the copy models, LoRA targets it resolves (Note [estimator's Llama])
+            from infinity.job.build import estimator_pretrained_llama
+            from infinity.job.estimate_llama import llama_fields, lora_targets
+            fields, targets = llama_fields(hf), lora_targets(tuple(lora_cfg.targets)) if lora_cfg else ()
+            if fields is not None and targets is not None:
+                return Depth(layers, lambda d: estimator_pretrained_llama(model_cfg, lora_cfg or LoraConfig(), hf,
+                                                                          fields, targets, d))
     return Depth(layers, lambda d: build_model(model_cfg, lora_cfg, layers=d))

@@ -95,6 +95,8 @@ class Context:
     trace_at: Callable | None = None  # micro-batch (sequences per rank) -> its Trace (estimate.trace_step)
     plan_rates: cost_model.LinkRates | None = None  # what the auto policy plans with (initialize's cached rates)
     frozen_referenced: bool = False  # checkpoints refer to the pretrained files for frozen weights (preflight)
+    static_plans: dict = field(default_factory=dict, repr=False)  # plan_of's unbudgeted plans (shared by copies)
+    overridden: dict = field(default_factory=dict, repr=False)  # plan_search's configs with a state's `--set`s
 
 
 def sizes_key(config: Config, world: int) -> tuple:
@@ -108,9 +110,9 @@ def _activation_bytes(ctx: Context, activation, scale: float = 1.0) -> dict[str,
     return {k: int(v * scale) for k, v in acts.items()}
 
 
-def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int | None = None,
-             act_scale: float = 1.0, sizes_cache: dict | None = None) -> Row | None:
-    """One row: `config` with the placement `tiers` (None: config's own policy, budgeted)."""
+def plan_of(ctx: Context, config: Config, tiers, *, world_size: int | None = None,
+            sizes_cache: dict | None = None) -> Plan | None:
+    """The plan of a row (`make_row`) without its activations and step: None when the planner refuses it."""
     world = world_size or ctx.world_size
     key = sizes_key(config, world)
     cache = sizes_cache if sizes_cache is not None else {}
@@ -120,13 +122,27 @@ def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int
     try:
         if tiers is None:  # the auto policy plans against the budgets it has
             plan = plan_for_config(sizes, config, ctx.budgets, rates=ctx.rates)
-        else:
+        else:  # the same sizes (the same object: sizes_of caches them) and arguments plan the same
             unlimited = dataclasses.replace(ctx.budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
-            plan = plan_placement(sizes, dtype_of(config.precision.compute_dtype), policy="static",
+            args = (config.precision.compute_dtype, tuple(tiers), unlimited, config.prefetch.units_ahead,
+                    config.prefetch.keep_written, config.optimizer.state_dtype)
+            known = ctx.static_plans.get((id(sizes), args))
+            if known is not None and known[0] is sizes:
+                return known[1]
+            plan = plan_placement(sizes, dtype_of(args[0]), policy="static",
                                   static=dict(zip(("params", "grads", "optimizer"), tiers)), budgets=unlimited,
-                                  units_ahead=config.prefetch.units_ahead, keep_written=config.prefetch.keep_written,
-                                  state_dtype=StateDtype(config.optimizer.state_dtype))
+                                  units_ahead=args[3], keep_written=args[4], state_dtype=StateDtype(args[5]))
+            ctx.static_plans[(id(sizes), args)] = (sizes, plan)
     except PlacementError:
+        return None
+    return plan
+
+
+def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int | None = None,
+             act_scale: float = 1.0, sizes_cache: dict | None = None) -> Row | None:
+    """One row: `config` with the placement `tiers` (None: config's own policy, budgeted)."""
+    plan = plan_of(ctx, config, tiers, world_size=world_size, sizes_cache=sizes_cache)
+    if plan is None:
         return None
     acts = _activation_bytes(ctx, config.activation, act_scale)
     totals = plan.tier_totals()

@@ -25,11 +25,12 @@ a budget over the machine is refused, so it is offered only when the machine has
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
 from infinity.config.sections import Config, ConfigError
-from infinity.job.estimate_table import SHAPES, Context, Row, make_row, seconds_text, sizes_key
+from infinity.job.estimate_table import SHAPES, Context, Row, make_row, plan_of, seconds_text, sizes_key
 from infinity.machine.preflight import Check, preflight
 from infinity.memory.placement import PlacementError, Plan, overflows, plan_for_config
 from infinity.memory.stages import STAGES
@@ -201,16 +202,16 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                                                                              // 8),))]
     found: list[RunPlan] = []
     cache: dict = {}
-    batched = {b: at_batch(ctx, b) for b in _batches(ctx.batch_size)}
+    batched = functools.cache(lambda b: at_batch(ctx, b))  # traced when a state fits without activations
     for sets, tiers in states:
-        try:
-            staged = config.with_overrides(sets)
-        except ConfigError:
-            continue
-        if "optimizer.sub_group_size" in " ".join(sets) and staged.placement.optimizer != "nvme":
+        if "optimizer.sub_group_size" in " ".join(sets) and (tiers[2] if tiers else config.placement.optimizer) \
+                != "nvme":
             continue  # the sub-groups only size the NVMe update's staging
-        base = make_row(ctx, staged, "plan", tiers, act_scale=0.0, sizes_cache=cache)
-        if base is None or overflows({Tier(k): v for k, v in base.bytes.items()}, ctx.budgets):
+        staged = _overridden(ctx, config, sets)
+        if staged is None:
+            continue
+        base = plan_of(ctx, staged, tiers, sizes_cache=cache)  # its plan alone: most states stop here
+        if base is None or overflows(base.tier_totals(), ctx.budgets):
             continue  # the state and working bytes alone do not fit
         offloads = [[]] if staged.activation.checkpoint == "none" else _choices(staged, "activation.offload", ("host",))
         for o in offloads:
@@ -221,7 +222,7 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                 mb = [] if k == 1 else [f"run.batch_size={b * world}",
                                         f"train.grad_accum_steps={config.train.grad_accum_steps * k}"]
                 final = acted.with_overrides(mb[1:]) if mb else acted
-                row = make_row(batched[b], final, "plan", tiers, sizes_cache=cache)
+                row = make_row(batched(b), final, "plan", tiers, sizes_cache=cache)
                 if row is not None and row.fits:
                     all_sets = (*extra, *sets, *o, *mb)
                     chain.append(RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)]))
@@ -229,6 +230,17 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                 found.append(dataclasses.replace(chain[0], smaller=chain[1:]))
     found.sort(key=rank)
     return _verified(ctx, apply, found, limit)
+
+
+def _overridden(ctx: Context, config: Config, sets: list[str]) -> Config | None:
+    """`config.with_overrides(sets)`, None when refused; once per (config, sets): the LoRA search asks again."""
+    key = (id(config), tuple(sets))
+    if key not in ctx.overridden or ctx.overridden[key][0] is not config:
+        try:
+            ctx.overridden[key] = (config, config.with_overrides(sets))
+        except ConfigError:
+            ctx.overridden[key] = (config, None)
+    return ctx.overridden[key][1]
 
 
 LOSSY = ("optimizer.state_dtype=bf16", "optimizer.state_dtype=bf16_master")
@@ -291,6 +303,9 @@ def budget_raise(ctx: Context, apply: Callable[[list[str]], Applied]) -> list[Ru
             try:
                 cfg = config.with_overrides([s for s in sets if not s.startswith("run.")])
             except ConfigError:
+                continue
+            plan = plan_of(wide, cfg, tiers)  # the NVMe bytes have no activations: traced only when they fit
+            if plan is None or plan.tier_totals()[Tier.NVME] > ctx.budgets.nvme:
                 continue
             row = make_row(at_batch(wide, 1), cfg, "plan", tiers)
             if row is not None and row.bytes["nvme"] <= ctx.budgets.nvme:

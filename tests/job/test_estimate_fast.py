@@ -87,3 +87,60 @@ def test_cut_replay_equals_the_full_replay():
         for reads, writes in ((1, 4), (0, 1), (2, 3)):
             args = (pattern, 2, (4, 2, 2, 4), reads, writes)
             assert traffic._replay_staging(*args, cut=True) == traffic._replay_staging(*args, cut=False), args
+
+
+def _pretrained_llama(path, **extra) -> str:
+    """A Llama directory as a user has one: config.json only (save_pretrained's), grouped-query attention."""
+    transformers = pytest.importorskip("transformers")
+    transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             **extra).save_pretrained(path)
+    return str(path)
+
+
+PRETRAINED = {  # config.json extras, [model.lora]
+    "bf16, tied, LoRA all-linear with dropout": ({"dtype": "bfloat16", "tie_word_embeddings": True,
+                                                  "rms_norm_eps": 1e-5},
+                                                 {"r": 4, "alpha": 8.0, "dropout": 0.1, "targets": ("all-linear",)}),
+    "fp32, PEFT's default targets": pytest.param({}, {"r": 2, "targets": ("q_proj", "v_proj")},
+                                                 marks=pytest.mark.slow),
+    "fp16, no LoRA": pytest.param({"dtype": "float16"}, {}, marks=pytest.mark.slow),
+}
+
+
+@pytest.mark.parametrize("extra, lora", PRETRAINED.values(), ids=PRETRAINED)
+def test_a_pretrained_llama_directory_estimates_as_transformers_and_peft(extra, lora, tmp_path):
+    """Note [estimator's Llama]: a pretrained Llama directory (and its LoRA wrap) estimated with the copy built
+    from its config.json gives every figure of transformers' model wrapped by PEFT (trainable parameters and
+    their groups, units, the trace's saves and FLOPs, the table, the plans)."""
+    from infinity.job.spec import LoraConfig
+    model = ModelConfig(pretrained=_pretrained_llama(tmp_path / "llama", **extra), tokenizer="bytes", seq_len=16)
+    lora_cfg = LoraConfig(**lora)
+    config = infinity.Config.from_dict({**CASES["llama"].values[1], "nvme": {"paths": [str(tmp_path)]}})
+    fast, slow = job_depth(model, lora_cfg, own_llama=True), job_depth(model, lora_cfg)
+    assert type(fast.build(2).model).__module__ == "infinity.job.estimate_llama"
+
+    def run_with(depth, budgets=None, search=True):
+        return est.estimate(lambda: build_model(model, lora_cfg), config, batch_size=2, seq_len=16, rates=RATES,
+                            cuda=False, budgets=budgets, apply=default_apply(config, 1, 2) if search else None,
+                            depth=depth)
+    me = next(r for r in run_with(fast, search=False).table if r.configured)  # (budgets: only an input)
+    budgets = Budgets(device=int(me.bytes["device"] * 0.8), host=int(me.bytes["host"] * 0.9), nvme=BIG)
+    whole = figures(run_with(slow, budgets))
+    assert whole["plans"] or lora.get("r") == 2  # (a rank-2 LoRA of the q/v projections: no plan fits these)
+    assert figures(run_with(fast, budgets)) == whole
+
+
+def test_the_copy_refuses_a_llama_it_does_not_model():
+    """A config.json the copy does not model (or LoRA targets it does not resolve) is left to transformers/PEFT."""
+    from infinity.job.estimate_llama import llama_fields, lora_targets
+    hf = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 6,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
+    assert llama_fields(hf)["kv_heads"] == 2
+    for bad in ({"attention_bias": True}, {"mlp_bias": True}, {"hidden_act": "gelu"}, {"attention_dropout": 0.1},
+                {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, {"rope_parameters": {"rope_type": "yarn"}},
+                {"quantization_config": {"quant_method": "bitsandbytes"}}, {"head_dim": 16}, {"dtype": "float8"},
+                {"model_type": "mistral"}, {"pretraining_tp": 2}):
+        assert llama_fields({**hf, **bad}) is None, bad
+    assert lora_targets(()) == ("q_proj", "v_proj") and lora_targets(("all-linear",))[-1] == "down_proj"
+    assert lora_targets(("q_proj", "lm_head")) is None and lora_targets(("self_attn.q_proj",)) is None
