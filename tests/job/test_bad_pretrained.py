@@ -41,7 +41,8 @@ def dirs(tmp_path_factory):
 @pytest.mark.parametrize("case,words", [
     ("noweights", ["holds none of", "model.safetensors"]),
     pytest.param("truncated", ["model.safetensors", "damaged|truncated|does not fit"], marks=pytest.mark.slow),
-    ("other", ["do not fit the model", "missing from the file", "in the file but not in the model"]),
+    pytest.param("other", ["do not fit the model", "missing from the file", "in the file but not in the model"],
+                 marks=pytest.mark.slow),  # (the message's parts: tests/state/test_weights.py, in process)
     ("notokenizer", ["no tokenizer in it", "save its tokenizer there", 'model.tokenizer = "bytes"']),
 ])
 def test_bad_pretrained_directory_exits_2_with_one_message(dirs, tmp_path, case, words):

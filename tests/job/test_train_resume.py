@@ -126,6 +126,7 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(tmp_path
         load_resume(explicit / "checkpoints" / "step-00000004", None, [f"run.steps={N}"])
 
 
+@pytest.mark.slow  # (CI: the Ctrl-C stop in test_train_job, the resumed run's exactness above)
 def test_ctrl_c_then_resume_matches_the_uninterrupted_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same kernels in every process, so the same sums
 

@@ -132,7 +132,8 @@ def test_kept_chunks_matches_the_copies(blocking):
             assert sum(sizes[k] for k in kept) <= 200 and kept
 
 
-@pytest.mark.parametrize("mode", ["sequential", "deferred", "eager", "speculative"])
+@pytest.mark.parametrize("mode", ["sequential", "deferred", "eager",
+                                  pytest.param("speculative", marks=pytest.mark.slow)])
 def test_training_is_bitwise_the_same_and_reads_less(mode, tmp_path):
     recipe = Recipe(steps=4, accum=2, grad_clip=0.0 if mode == "eager" else 0.5)  # (0.5 clips: redone)
     placement = {"params": "nvme", "grads": "host", "optimizer": "nvme"}

@@ -142,7 +142,7 @@ def test_meta_init_uses_the_models_own_initialization(kind):
     assert norms and all(torch.equal(n, torch.ones_like(n)) for n in norms)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])  # (gpt2: -m slow)
 def test_infinity_train_runs_a_hf_model(kind, tmp_path, monkeypatch):
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
     job = load_job(None, [f"model.kind={kind}", "model.n_layer=2", "model.d_model=32", "model.n_head=4",

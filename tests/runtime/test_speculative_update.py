@@ -42,7 +42,8 @@ def _run(recipe, placement, tmp_path, name, **overlap):
     return engine_run(recipe, placement, swap, {"overlap": overlap})
 
 
-@pytest.mark.parametrize("placement", [DEVICE, HOST], ids=["device", "host-nvme-host"])
+@pytest.mark.parametrize("placement", [DEVICE, pytest.param(HOST, marks=pytest.mark.slow)],
+                         ids=["device", "host-nvme-host"])
 def test_speculated_updates_are_bitwise_the_deferred_update_and_match_torch(recipe, placement, tmp_path):
     ref_losses, ref_norms, ref_state = reference_run(recipe)
     deferred = _run(recipe, placement, tmp_path, "d", speculation=0)
