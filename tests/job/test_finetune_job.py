@@ -248,6 +248,7 @@ def test_the_data_is_tokenized_by_the_pretrained_tokenizer_or_bytes(pretrained, 
         job_batches(_job(big, corpus, tmp_path))
 
 
+@pytest.mark.slow  # (CI: a changed pretrained file refused at resume, test_a_lora_runs_checkpoint_refers_...)
 def test_resume_follows_a_moved_pretrained_directory_and_refuses_a_changed_one(pretrained, corpus, tmp_path):
     """Note [moved pretrained directory]: `--resume --set model.pretrained=NEW` with the run's pretrained directory
     moved to NEW continues exactly as from the old path (the LoRA checkpoint's frozen weights are referred to in

@@ -67,10 +67,10 @@ def kill_points(n: int = 20, after: int = 13, seed: int = 1234) -> list[tuple[st
 
 
 POINTS = kill_points()
-# CI runs the first point of the backward and write sites (a kill during backward and during a checkpoint's
-# writes; the suite's 8 minutes); `-m slow` runs all 20, every site kind
+# CI runs the first point of the write site (a kill during a checkpoint's writes; the suite's 8 minutes);
+# `-m slow` runs all 20, every site kind
 _FIRST_OF_SITE = {site: point for point in reversed(POINTS) for site in [point[0].split(":")[0]]}
-_IN_CI = {point for site, point in _FIRST_OF_SITE.items() if site in ("backward", "write")}
+_IN_CI = {point for site, point in _FIRST_OF_SITE.items() if site == "write"}
 CASES = [pytest.param(*point, marks=() if point in _IN_CI else pytest.mark.slow) for point in POINTS]
 
 

@@ -54,7 +54,7 @@ def _reports_by_stage(rank, world):
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])  # (world 2 halves: test_engine_memory)
 def test_memory_report_meets_the_formulas_at_every_stage(world):
     """Right after initialize (the stage's runtime behaviour is another layer): per rank, bf16 parameters,
     fp32 gradients and 12 bytes of optimizer state per element, as the stage partitions them."""

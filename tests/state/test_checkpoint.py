@@ -19,8 +19,8 @@ from reference import Recipe
 RECIPE = Recipe(steps=6)
 
 
-@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.slow)])  # (world 2: `-m slow`; resharding
-# resumes at world 2 below)
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # (world 1: `-m slow`; in process:
+# the background-save test below)
 def test_resume_is_bitwise_identical(world, tmp_path):
     root, ckpt = str(tmp_path), str(tmp_path / "ckpt-3")
     full = run_distributed(uninterrupted, world, RECIPE, NVME, root)
