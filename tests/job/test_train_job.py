@@ -217,6 +217,7 @@ def _torchrun(args: list[str], overrides: list[str], env) -> subprocess.Popen:
                             text=True)
 
 
+@pytest.mark.slow  # (21 s: the suite's 8 minutes; the engine at world 2 and 3 is tested in process groups throughout)
 def test_two_nodes_train_like_one_node_with_two_processes(tmp_path):
     """torchrun --nnodes 2 (rendezvous on 127.0.0.1) and --nproc-per-node 2 give the same losses."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same kernels, so the same floating-point sums

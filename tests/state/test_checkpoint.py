@@ -19,8 +19,8 @@ from reference import Recipe
 RECIPE = Recipe(steps=6)
 
 
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])  # (world 1: `-m slow`; in process:
-# the background-save test below)
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
+# (`-m slow`: 13-15 s each; CI: the background-save test's bitwise resume in process, the 1 -> 2 resharding below)
 def test_resume_is_bitwise_identical(world, tmp_path):
     root, ckpt = str(tmp_path), str(tmp_path / "ckpt-3")
     full = run_distributed(uninterrupted, world, RECIPE, NVME, root)
