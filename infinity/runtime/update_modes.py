@@ -161,11 +161,16 @@ class UpdateMode(abc.ABC):
                     f"Lower optimizer.lr, check the data, or set train.on_nonfinite = \"skip\" to skip such steps")
             return None
         self.scaler.update(found_inf=False)
-        clip_coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
-        grad_scale = self.scaler.scale / clip_coef
         flags = self.reduce_flags([u.grads.flags() for u in self.units])
         active = {u.index: u.steps.active_ranges(f) for u, f in zip(self.units, flags)}
-        return self.hyper(), None if grad_scale == 1.0 else grad_scale, flags, active
+        return self.hyper(), self.grad_scale(norm), flags, active
+
+    def grad_scale(self, norm: float) -> float | None:
+        """What a finite window's update divides its gradients by (global norm `norm`): the loss scale over the clip
+        coefficient; None when that is 1."""
+        clip_coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
+        grad_scale = self.scaler.scale / clip_coef
+        return None if grad_scale == 1.0 else grad_scale
 
 
 class _Flags:
@@ -282,8 +287,9 @@ class _OnWorker(UpdateMode):
         self.worker.close()  # (a read-ahead error nobody consumed is raised here)
 
 
-class EagerUpdate(_OnWorker):
-    """Each unit is submitted to the worker as soon as its gradient is final, during the last backward."""
+class _DuringBackward(_OnWorker):
+    """Units submitted to the worker as backward finalizes them; the worker reads each one's norm and flags (Note
+    [host syncs]): the training thread does not wait for the device here, once per unit."""
 
     updates_during_backward = True
 
@@ -292,24 +298,42 @@ class EagerUpdate(_OnWorker):
         self._nonfinite: tuple[str, float] | None = None  # the first unit whose gradient was not finite
         self._predicted: dict[int, list[Run]] = {}  # this window's ranges by local flags (read-ahead)
 
-    def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
-        """Submit `unit`'s update now; the worker reads its norm and flags (Note [host syncs]): the training
-        thread does not wait for the device here, once per unit."""
+    def _issue_flags(self, unit: Unit) -> "_Flags":
+        """The reduction of `unit`'s gradient flags (every rank, every unit, in the same place)."""
         local = unit.grads.flags()
-        reduced = self.issue_flags([local])
         self._predicted[unit.index] = unit.steps.active_ranges(local)  # (the state read-ahead's guess: local flags)
+        return self.issue_flags([local])
+
+    def _submit(self, unit: Unit, sumsq: torch.Tensor, reduced: "_Flags", hyper: Hypers, journal=None,
+                keep: Callable[[dict], None] = lambda runs: None) -> None:
+        """`unit`'s update with the gradient scale 1, stepped unless its gradient is not finite; `keep(runs)`: the
+        runs it steps, once known (on the worker)."""
         flags: list[bool] = []
 
         def active() -> dict[int, list[Run]] | None:  # on the worker
             value = host_value(sumsq, "unit grad norm")  # a non-finite unit must not be stepped
             if not math.isfinite(value):
                 self._nonfinite = self._nonfinite or (unit.name, value)
-                return None
+                return None  # (the window raises, or is skipped)
             flags.extend(reduced.wait()[0])
-            return {unit.index: unit.steps.active_ranges(flags)}
+            runs = {unit.index: unit.steps.active_ranges(flags)}
+            keep(runs)
+            return runs
 
-        self.worker.submit([unit], hyper=self.hyper(), grad_scale=None, active=active,
+        self.worker.submit([unit], hyper=hyper, grad_scale=None, active=active, journal=journal,
                            after_unit=lambda u: after_update(flags, u)(u), position=self.position(unit))
+
+    def _read_ahead_next(self) -> None:
+        """The next window's state read ahead, in the order of this one's ranges (the next update's)."""
+        predicted, self._predicted = self._predicted, {}
+        self.worker.read_ahead_next(self.optimizer.task_chunks(predicted, self.put_order()))
+
+
+class EagerUpdate(_DuringBackward):
+    """Each unit is submitted to the worker as soon as its gradient is final, during the last backward."""
+
+    def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
+        self._submit(unit, sumsq, self._issue_flags(unit), self.hyper())
 
     def step(self, norm: float, index: int) -> bool:
         if self._nonfinite is not None or not math.isfinite(norm):
@@ -320,9 +344,7 @@ class EagerUpdate(_OnWorker):
                 f"gradient overflowed. With overlap.optimizer_with_backward and no clipping, units whose gradients "
                 f"were finite were already updated: resume from the last checkpoint. Lower optimizer.lr or check "
                 f"the data")
-        # the next window's updates come as backward finalizes units: about the reverse of the forward order
-        predicted, self._predicted = self._predicted, {}
-        self.worker.read_ahead_next(self.optimizer.task_chunks(predicted, self.put_order()))
+        self._read_ahead_next()  # (as backward finalizes units: about the reverse of the forward order)
         return True
 
     def put_order(self) -> list[Unit]:
@@ -352,12 +374,11 @@ class DeferredUpdate(_OnWorker):
         return self.forward_order()
 
 
-class SpeculativeUpdate(_OnWorker):
+class SpeculativeUpdate(_DuringBackward):
     """Each unit is updated as soon as its gradient is final, as if the clip will not fire, its pre-update state in
     the journal; `step()` validates with the global norm and redoes or puts back what must change (Note
     [speculative update] in optim/speculation.py). Units the journal has no room for wait for the norm."""
 
-    updates_during_backward = True
     forward_takes_in_order = True  # (the units it updates from step(): those with parameters on NVMe among them)
 
     def __init__(self, *, journal: Journal, **kwargs):
@@ -365,8 +386,6 @@ class SpeculativeUpdate(_OnWorker):
         self.journal = journal
         self._open = False  # a window's first unit has been finalized
         self._deferred: list[tuple[Unit, _Flags]] = []  # units left for step(), their flags' reduction issued
-        self._nonfinite: tuple[str, float] | None = None
-        self._predicted: dict[int, list[Run]] = {}  # this window's ranges by local flags (read-ahead)
         self.fired = 0  # windows whose clip fired after speculating (redone)
 
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
@@ -377,39 +396,23 @@ class SpeculativeUpdate(_OnWorker):
                 self.worker.wait_unit(index)
             self.journal.clear()
             self._open = True
-        local = unit.grads.flags()
-        reduced = self.issue_flags([local])  # every rank, every unit, in the same place
-        self._predicted[unit.index] = unit.steps.active_ranges(local)
+        reduced = self._issue_flags(unit)
         entry = self.journal.reserve(unit.index, unit.steps.counts)
         if entry is None:
             self._deferred.append((unit, reduced))
             return
         entry.hyper = self.hyper()
-        flags: list[bool] = []
-
-        def active() -> dict[int, list[Run]] | None:  # on the worker
-            value = host_value(sumsq, "unit grad norm")
-            if not math.isfinite(value):
-                self._nonfinite = self._nonfinite or (unit.name, value)
-                return None  # not stepped: the window is skipped or raises
-            flags.extend(reduced.wait()[0])
-            entry.runs = {unit.index: unit.steps.active_ranges(flags)}
-            return entry.runs
-
-        self.worker.submit([unit], hyper=entry.hyper, grad_scale=None, active=active,
-                           after_unit=lambda u: after_update(flags, u)(u), journal=self.journal.recording,
-                           position=self.position(unit))
+        self._submit(unit, sumsq, reduced, entry.hyper, self.journal.recording,
+                     keep=lambda runs: setattr(entry, "runs", runs))
 
     def step(self, norm: float, index: int) -> bool:
         self._open = False
         deferred, self._deferred = self._deferred, []
-        predicted, self._predicted = self._predicted, {}
         speculated = self.journal.entries  # (their runs are set on the worker, before a later batch resolves)
         if self._nonfinite is not None or not math.isfinite(norm):
+            self._predicted = {}
             return self._put_back(speculated, deferred, norm, index)
-        clip_coef = min(1.0, self.grad_clip / (norm + 1e-6)) if self.grad_clip > 0 else 1.0
-        grad_scale = self.scaler.scale / clip_coef  # (as _global_update: the same update, bit for bit)
-        grad_scale = None if grad_scale == 1.0 else grad_scale
+        grad_scale = self.grad_scale(norm)  # (as _global_update's: the same update, bit for bit)
         waiting = {u.index: reduced for u, reduced in deferred}
         hyper = self.hyper()
         order = self.forward_order()
@@ -426,7 +429,7 @@ class SpeculativeUpdate(_OnWorker):
                                    active=lambda e=entry: e.runs, after_unit=Unit.updated,
                                    journal=self.journal.replaying)
         self.fired += bool(speculated) and grad_scale is not None
-        self.worker.read_ahead_next(self.optimizer.task_chunks(predicted, self.put_order()))
+        self._read_ahead_next()
         return True
 
     def _put_back(self, speculated: dict, deferred: list, norm: float, index: int) -> bool:

@@ -197,21 +197,27 @@ def chat_data(n=16):
     return tokenizer, datasets.Dataset.from_list(rows)
 
 
-def test_sft_trainer_losses_equal(tmp_path):
+def sft_beside_trl(tmp_path, tokenizer, ds, **args):
+    """TRL's SFTTrainer and InfinitySFTTrainer trained on the same records and SFTConfig (`args` over the shared
+    settings): (theirs, ours)."""
     trl = pytest.importorskip("trl")
     from infinity.hf import InfinitySFTTrainer
-    tokenizer, ds = chat_data()
 
     def sft(cls, out):
-        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3, weight_decay=0.1,
-                            max_grad_norm=0.5, gradient_accumulation_steps=2, lr_scheduler_type="cosine", max_steps=8,
-                            logging_steps=1, save_strategy="no", report_to=[], seed=3, use_cpu=True,
-                            disable_tqdm=True, dataloader_drop_last=True, max_length=32, bf16=False)
+        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3, logging_steps=1,
+                            save_strategy="no", report_to=[], seed=3, use_cpu=True, disable_tqdm=True, max_length=32,
+                            bf16=False, **args)
         trainer = cls(model=tiny_llama(), args=cfg, train_dataset=ds, processing_class=tokenizer)
         trainer.train()
         return trainer
+    return sft(trl.SFTTrainer, tmp_path / "r"), sft(InfinitySFTTrainer, tmp_path / "o")
 
-    ref, ours = sft(trl.SFTTrainer, tmp_path / "r"), sft(InfinitySFTTrainer, tmp_path / "o")
+
+def test_sft_trainer_losses_equal(tmp_path):
+    tokenizer, ds = chat_data()
+    ref, ours = sft_beside_trl(tmp_path, tokenizer, ds, weight_decay=0.1, max_grad_norm=0.5,
+                               gradient_accumulation_steps=2, lr_scheduler_type="cosine", max_steps=8,
+                               dataloader_drop_last=True)
     assert len(losses(ref)) == 8
     torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
     ours.engine.close()
@@ -348,23 +354,12 @@ def test_a_window_of_unequal_lengths_is_weighted_by_its_tokens_as_the_trainers(t
 def test_sft_trainer_weights_a_window_of_unequal_completions_as_trl(tmp_path):
     """Prompt / completion records of unequal lengths (TRL masks the prompts), accumulation 3: TRL's SFTTrainer's
     losses (Note [token-weighted windows])."""
-    trl = pytest.importorskip("trl")
-    from infinity.hf import InfinitySFTTrainer
     tokenizer, _ = chat_data(1)
     words = ["hello", "world", "how", "are", "you", "fine", "thanks", "what", "is", "two", "plus", "four"]
     ds = datasets.Dataset.from_list([{"prompt": " ".join(words[i % 12:i % 12 + 1 + i % 5]),
                                       "completion": " " + " ".join(words[(i * 7) % 12:(i * 7) % 12 + 1 + (i * 3) % 4])}
                                      for i in range(18)])
-
-    def sft(cls, out):
-        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3,
-                            gradient_accumulation_steps=3, max_steps=3, logging_steps=1, save_strategy="no",
-                            report_to=[], seed=3, use_cpu=True, disable_tqdm=True, max_length=32, bf16=False)
-        trainer = cls(model=tiny_llama(), args=cfg, train_dataset=ds, processing_class=tokenizer)
-        trainer.train()
-        return trainer
-
-    ref, ours = sft(trl.SFTTrainer, tmp_path / "r"), sft(InfinitySFTTrainer, tmp_path / "o")
+    ref, ours = sft_beside_trl(tmp_path, tokenizer, ds, gradient_accumulation_steps=3, max_steps=3)
     assert len(losses(ref)) == 3
     torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
     ours.engine.close()
