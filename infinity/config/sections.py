@@ -178,7 +178,7 @@ class PlacementConfig(Section):
         "auto", "Units the next forward uses first whose gradients and optimizer state are kept on the device, so "
         "their update runs on the GPU and the forward does not wait for the CPU's (Note [tail units]): a count, 0 "
         "for none, or \"auto\": on a GPU, the first units up to a quarter of the trainable elements, within half "
-        "the device memory the plan leaves free (none without a GPU).", "int_or_auto", ge=0, example="4")
+        "the device memory the plan leaves free (none without a GPU).", "int_or_auto", ge=0, example=4)
 
     def _check(self) -> None:
         if self.policy != "auto":
@@ -302,7 +302,7 @@ class OverlapConfig(Section):
     optimizer_threads: int | str = option(
         "auto", "Intra-op threads of the optimizer worker's CPU Adam and copies (Note [thread budget]): a count, or "
         "\"auto\": torch's own count (every core), as the training thread has. The two threads share the cores: "
-        "fewer for the worker leaves more to the training thread's compute.", "int_or_auto", ge=1, example="1")
+        "fewer for the worker leaves more to the training thread's compute.", "int_or_auto", ge=1, example=1)
     speculation: int | str = option(
         "auto", "Host memory for the pre-update copies that keep updates during backward when the update depends "
         "on the global gradient norm (optimizer.grad_clip > 0 or train.on_nonfinite = \"skip\"; not with fp16 "
