@@ -7,12 +7,21 @@
 # The wheels the image lacks (docs/benchmarks.md, "The GPU check"): in $WHEELS (default .whl), installed with
 # --no-deps into /tmp/site. A dry run of the flow on a CPU (tests/benchmarks/test_gpu_check.py):
 #   OUT=/tmp/gc BENCH_ARGS="--tiny --device cpu" LARGEST=0 bash benchmarks/gpu_check.sh
+# PARTS picks and orders the parts (default: tests sanitizer a b l d largest; "profile" adds case b profiled,
+# its summary and timeline as profile_b.tgz); BUDGET_S (default 460) is the whole check's seconds: each part's
+# timeout is cut to what is left, and a part with under 20 s left is skipped and says so.
 set -u
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 CASES=/tmp/gpu_check_cases; rm -rf "$CASES"; mkdir -p "$CASES"
 WHEELS=${WHEELS:-.whl}
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
+BUDGET_S=${BUDGET_S:-460}
+PARTS=${PARTS:-tests sanitizer a b l d largest}
+cap() {  # a part's timeout: its own, or what is left of the budget; 0 when under 20 s is left
+  local left=$(( BUDGET_S - $(elapsed) )); [ "$left" -lt 20 ] && { echo 0; return; }
+  [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
+}
 log() { echo "[$(elapsed) s] $*" | tee -a "$OUT/check.log"; }
 
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
@@ -29,42 +38,57 @@ nvidia-smi >>"$OUT/env.log" 2>&1
 log "installed"
 
 # 1. the gpu-marked tests (issue 42: nothing skipped), then the same under the CUDA sanitizer (0 races)
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs --timeout 60 tests >"$OUT/gpu_tests.log" 2>&1
-log "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
-TORCH_CUDA_SANITIZER=1 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 90 tests \
-  >"$OUT/sanitizer.log" 2>&1
-log "sanitizer rc=$?: $(grep -c 'possible data race' "$OUT/sanitizer.log") races; $(tail -1 "$OUT/sanitizer.log")"
+part_tests() {
+  timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider -rs --timeout 60 tests >"$OUT/gpu_tests.log" 2>&1
+  log "gpu tests rc=$?: $(tail -1 "$OUT/gpu_tests.log")"
+}
+part_sanitizer() {
+  TORCH_CUDA_SANITIZER=1 timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 90 tests \
+    >"$OUT/sanitizer.log" 2>&1
+  log "sanitizer rc=$?: $(grep -c 'possible data race' "$OUT/sanitizer.log") races; $(tail -1 "$OUT/sanitizer.log")"
+}
 
 # 2. the cases (bench_gpu.py), each its own process and timeout: a (all on the device), b (the ZeRO-Offload
 # shape: steady and synchronized steps, with and without clipping), l (the 1.12B Llama in bf16), d (DeepSpeed,
-# when it is installed and time is left)
+# when it is installed)
 bench() {  # name, timeout, extra args
   timeout "$2" python3 benchmarks/bench_gpu.py --cases "$1" --warmup 1 --steps 3 --json "$CASES/case_$1.json" \
-    ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
+    ${BENCH_ARGS:-} "${@:3}" >>"$OUT/bench.log" 2>&1
   log "case $1 rc=$? $(python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['$1']; print({k: d[k] for k in
   ('step_s','steady_s','ratio','speed') if k in d})" "$CASES/case_$1.json" 2>/dev/null || echo '(no result)')"
 }
-bench a 70
-bench b 110
-bench l 100
-if python3 -c "import deepspeed" 2>/dev/null && [ "$(elapsed)" -lt 300 ]; then
-  bench d 140
-else
-  log "case d skipped (deepspeed missing, or $(elapsed) s spent)"
-fi
+part_a() { bench a "$1"; }
+part_b() { bench b "$1"; }
+part_l() { bench l "$1"; }
+part_d() {
+  if python3 -c "import deepspeed" 2>/dev/null; then bench d "$1"; else log "case d skipped (deepspeed missing)"; fi
+}
+part_profile() {  # case b again, profiled: the step's parts and the timeline (diagnosis, not a bar)
+  timeout "$1" python3 benchmarks/bench_gpu.py --cases b --warmup 1 --steps 3 --profile "$CASES/prof" \
+    ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
+  log "case b profiled rc=$?"
+  (cd "$CASES/prof" && tar czf "$OUT/profile_b.tgz" $(find . -name summary.json -o -name timeline.png)) 2>/dev/null
+}
 
 # 3. the largest model this machine trains (issue 42, item 5): the estimator's answer, then 3 steps of it
-if [ "${LARGEST:-1}" = 1 ] && [ "$(elapsed)" -lt 400 ]; then
+part_largest() {
+  if [ "${LARGEST:-1}" != 1 ]; then log "largest model skipped (LARGEST=${LARGEST:-})"; return; fi
   timeout 60 python3 -m infinity estimate --largest llama --seq-len 1024 --json >"$CASES/largest_estimate.json" \
     2>"$OUT/largest.log"
-  rc=$?; cat "$CASES/largest_estimate.json" >>"$OUT/largest.log"
+  local rc=$?; cat "$CASES/largest_estimate.json" >>"$OUT/largest.log"
   log "largest (estimate) rc=$rc"
-  timeout $(( 460 - $(elapsed) )) python3 benchmarks/bench_largest.py --estimate "$CASES/largest_estimate.json" \
+  local t; t=$(cap "$1"); [ "$t" = 0 ] && { log "largest (3 steps) skipped: the budget is spent"; return; }
+  timeout "$t" python3 benchmarks/bench_largest.py --estimate "$CASES/largest_estimate.json" \
     --steps 3 --json "$CASES/largest.json" >>"$OUT/largest.log" 2>&1
   log "largest (3 steps) rc=$?"
-else
-  log "largest model skipped ($(elapsed) s spent)"
-fi
+}
+
+declare -A LIMIT=([tests]=150 [sanitizer]=150 [a]=70 [b]=110 [l]=100 [d]=140 [profile]=100 [largest]=300)
+for part in $PARTS; do
+  t=$(cap "${LIMIT[$part]}")
+  if [ "$t" = 0 ]; then log "$part skipped: $(elapsed) s of the ${BUDGET_S} s budget spent"; continue; fi
+  "part_$part" "$t"
+done
 
 cp "$CASES"/case_*.json "$CASES"/largest.json "$OUT/" 2>/dev/null  # (merged below, then removed: 8 files)
 python3 benchmarks/gpu_check_report.py --logs "$OUT" --elapsed "$(elapsed)" \
