@@ -301,16 +301,18 @@ class OverlapConfig(Section):
         "page-locked staging buffers; needs optimizer_with_backward.", "size_or_auto", ge=0, example="8GiB")
     optimizer_threads: int | str = option(
         "auto", "Intra-op threads of the optimizer worker's CPU Adam and copies (Note [thread budget]): a count, or "
-        "\"auto\": torch's own count (every core), as the training thread has. The two threads share the cores: "
-        "fewer for the worker leaves more to the training thread's compute.", "int_or_auto", ge=1, example=1)
+        "\"auto\": without a GPU torch's own count (every core), as the training thread has; with a GPU one fewer, "
+        "the core left to the training thread that launches the kernels. The two threads share the cores: fewer "
+        "for the worker leaves more to the training thread.", "int_or_auto", ge=1, example=1)
     speculation: int | str = option(
         "auto", "Host memory for the pre-update copies that keep updates during backward when the update depends "
         "on the global gradient norm (optimizer.grad_clip > 0 or train.on_nonfinite = \"skip\"; not with fp16 "
         "loss scaling): each unit is updated as soon as its gradients are final, as if the clip will not fire, "
-        "and put back from its copy and updated again if it does (Note [speculative update]). A size, 0 for none "
-        "(the update waits for the norm), or \"auto\": with a GPU, copies of every unit if they fit in the host "
-        "memory the plan leaves free after the read-ahead, else of as many as fit; none without a GPU (the "
-        "copies would take cores from compute: docs/tiers.md). Units whose optimizer runs on a GPU, "
+        "and put back from its copy and updated again if it does (Note [speculative update]). A size (every window "
+        "speculates), 0 for none (the update waits for the norm), or \"auto\": with a GPU, copies of every unit "
+        "if they fit in the host memory the plan leaves free after the read-ahead, else of as many as fit, and a "
+        "window speculates only when the clip fired in none of the last 4 (Note [speculation forecast]); none "
+        "without a GPU (the copies would take cores from compute: docs/tiers.md). Units whose optimizer runs on a GPU, "
         "or whose parameters or optimizer state are on NVMe, are not speculated; needs optimizer_with_backward.",
         "size_or_auto", ge=0, example="4GiB")
 

@@ -102,6 +102,17 @@ def bind_thread(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
+def worker_threads(setting: int | str, cuda: bool) -> int | None:
+    """The optimizer worker's intra-op threads for `overlap.optimizer_threads` (Note [thread budget]): a count as
+    set; "auto" without a GPU, torch's count (None: the worker keeps it), since the training thread computes on
+    the same cores and one worker thread measured 1.21-1.89x slower there; with a GPU, one fewer than torch's
+    count: the training thread mostly launches kernels, and a worker on every core would make it wait for a core
+    while the GPU runs dry."""
+    if setting != "auto":
+        return int(setting)
+    return max(1, torch.get_num_threads() - 1) if cuda else None
+
+
 def budget_threads(count: int) -> None:
     """Note [thread budget]: the calling thread's intra-op threads (torch's fused kernels, copies) become `count`.
     torch keeps that count per thread once set, but set_num_threads also changes the default a thread starts

@@ -40,7 +40,7 @@ import torch
 
 from infinity.config.sections import Config
 from infinity.device.collectives import all_reduce_max
-from infinity.device.streams import host_value, to_host
+from infinity.device.streams import host_value, to_host, worker_threads
 from infinity.memory.fresh import kept_chunks
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
@@ -48,7 +48,7 @@ from infinity.memory.traffic import speculated_units
 from infinity.optim.cpu_adam import Hypers
 from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import StateReadAhead
-from infinity.optim.speculation import Journal, journal_for
+from infinity.optim.speculation import Forecast, Journal, forecast_for, journal_for
 from infinity.optim.worker import OptimizerWorker
 from infinity.profile import Link
 from infinity.runtime.loss_scale import LossScaler
@@ -381,10 +381,11 @@ class SpeculativeUpdate(_DuringBackward):
 
     forward_takes_in_order = True  # (the units it updates from step(): those with parameters on NVMe among them)
 
-    def __init__(self, *, journal: Journal, **kwargs):
+    def __init__(self, *, journal: Journal, forecast: Forecast, **kwargs):
         super().__init__(**kwargs)
-        self.journal = journal
+        self.journal, self.forecast = journal, forecast
         self._open = False  # a window's first unit has been finalized
+        self._speculating = False  # this window speculates (Note [speculation forecast])
         self._deferred: list[tuple[Unit, _Flags]] = []  # units left for step(), their flags' reduction issued
         self.fired = 0  # windows whose clip fired after speculating (redone)
 
@@ -396,8 +397,9 @@ class SpeculativeUpdate(_DuringBackward):
                 self.worker.wait_unit(index)
             self.journal.clear()
             self._open = True
+            self._speculating = self.forecast.speculate()
         reduced = self._issue_flags(unit)
-        entry = self.journal.reserve(unit.index, unit.steps.counts)
+        entry = self.journal.reserve(unit.index, unit.steps.counts) if self._speculating else None
         if entry is None:
             self._deferred.append((unit, reduced))
             return
@@ -411,8 +413,10 @@ class SpeculativeUpdate(_DuringBackward):
         speculated = self.journal.entries  # (their runs are set on the worker, before a later batch resolves)
         if self._nonfinite is not None or not math.isfinite(norm):
             self._predicted = {}
+            self.forecast.record(fired=True)
             return self._put_back(speculated, deferred, norm, index)
         grad_scale = self.grad_scale(norm)  # (as _global_update's: the same update, bit for bit)
+        self.forecast.record(fired=grad_scale is not None)  # (no fp16 loss scale here: only the clip scales)
         waiting = {u.index: reduced for u, reduced in deferred}
         hyper = self.hyper()
         order = self.forward_order()
@@ -494,10 +498,10 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
         read_ahead.reserve_buffers()  # its staging, allocated now rather than during the first steps
     optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
                                    state_read_ahead=read_ahead, seed=config.train.seed)
-    threads = config.overlap.optimizer_threads
     worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams,
-                             threads=None if threads == "auto" else threads)
+                             threads=worker_threads(config.overlap.optimizer_threads, device.type == "cuda"))
     if cls is SpeculativeUpdate:
         shared["journal"] = journal_for(manager.plan, manager.plan.speculation,
                                         speculated_units(manager.plan, device.type == "cuda"))
+        shared["forecast"] = forecast_for(config.overlap.speculation)
     return cls(optimizer=optimizer, worker=worker, reading_swap=reading_swap, **shared)

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from engine_runs import engine_run
-from infinity.device.streams import Streams
+from infinity.device.streams import Streams, worker_threads
 from infinity.memory.placement import Budgets, plan_placement
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import UnitSizes
@@ -215,3 +215,12 @@ def test_the_workers_thread_budget_is_its_own():
     finally:
         worker.close()
     assert seen == {"worker": 1, "later": before} and torch.get_num_threads() == before
+
+
+def test_auto_leaves_the_training_thread_a_core_with_a_gpu_only():
+    """Note [thread budget]: "auto" keeps torch's count without a GPU (the training thread computes beside the
+    worker); with one, the worker gets one thread fewer (the training thread launches the kernels)."""
+    count = torch.get_num_threads()
+    assert worker_threads("auto", cuda=False) is None
+    assert worker_threads("auto", cuda=True) == max(1, count - 1)
+    assert worker_threads(3, cuda=True) == worker_threads(3, cuda=False) == 3

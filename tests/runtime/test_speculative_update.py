@@ -15,6 +15,7 @@ import torch
 
 import infinity
 from engine_runs import engine_run
+from infinity.optim.speculation import QUIET_WINDOWS, AfterQuietWindows
 from infinity.runtime.update_modes import NonFiniteGradError
 from reference import Recipe, reference_run
 
@@ -82,6 +83,29 @@ def test_a_journal_with_room_for_some_units_speculates_those_and_defers_the_rest
         engine.close()
     admitted = {u for u, ok in speculated if ok}
     assert admitted and len(admitted) < len({u for u, _ in speculated}), speculated
+    for name, tensor in deferred[2].items():
+        assert torch.equal(state[name], tensor), name
+
+
+def test_the_auto_forecast_speculates_only_after_quiet_windows(recipe, tmp_path):
+    """Note [speculation forecast]: "auto" speculates a window only when the clip fired in none of the last 4
+    (the run's first window speculates); the windows that wait for the norm give the same bits."""
+    deferred = _run(recipe, DEVICE, tmp_path, "d", speculation=0)
+    fired = [norm + 1e-6 > recipe.grad_clip for norm in deferred[1]]  # (the clip coefficient under 1)
+    engine = infinity.initialize(recipe.build(), recipe.config(**DEVICE) | {"overlap": {"speculation": SPECULATE}})
+    try:
+        engine.updates.forecast = AfterQuietWindows()  # (what "auto" uses with a GPU)
+        speculated = []
+        for micro_batches in recipe.batches():
+            for x, y in micro_batches:
+                engine.backward(engine(x, y))
+                engine.step()
+            speculated.append(bool(engine.updates.journal.entries))
+        state = engine.full_state_dict()
+    finally:
+        engine.close()
+    expected = [not any(fired[max(0, w - QUIET_WINDOWS): w]) for w in range(len(fired))]
+    assert speculated == expected and any(expected) and not all(expected), (fired, speculated)
     for name, tensor in deferred[2].items():
         assert torch.equal(state[name], tensor), name
 
