@@ -30,8 +30,13 @@ stays out of this one): `ratio` = infinity's step at the same placement (case b'
 run if b was not asked for) / DeepSpeed's (bar: <= 0.8). `--ds-nvme` adds d_nvme:
 DeepSpeed's optimizer on `--dir` (its async_io op needs libaio) against case c1.
 
-Case e, `--profile DIR`: cases b and c profiled (device-time compute and every link) as
-a Chrome trace, summary and timeline PNG under DIR/case_<name>/rank0.
+Case e, `--profile DIR`: cases b, c and l profiled (device-time compute and every link) as
+a Chrome trace, summary and timeline PNG under DIR/case_<name>/rank0; in b and l by a run of its own after
+the measured ones.
+
+Cases b and l also run: `clip` (grad_clip 1.0, the default "auto" speculation with its forecast),
+`spec_no_fire` (speculating every window with a clip that never fires: what the journal costs) and
+`all_cores` (no clipping, the optimizer worker on every core: the thread budget's effect), steady steps.
 
 Case l, a 1.12B Llama (hidden 2048, 22 layers, GQA 16/4, vocab 32000, built from a config) in bf16 at
 `--batch` x `--seq`: infinity in the ZeRO-Offload shape (params on the GPU, gradients and optimizer in
@@ -120,14 +125,16 @@ def torch_step_times(cfg: GPTConfig, batch, device, warmup, steps, optimizer: bo
 
 def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement: dict, nvme_dir: str | None = None,
                         nvme_bytes: dict | None = None, profile_dir: str | None = None, grad_clip: float = 0.0,
-                        steady_out: dict | None = None) -> list[float]:
+                        steady_out: dict | None = None, overlap: dict | None = None,
+                        synchronized: bool = True) -> list[float]:
     """Step times of infinity at `placement`; with `nvme_bytes` (a dict) it receives the predicted NVMe bytes
     of a steady step; with `profile_dir` the run is profiled (Chrome trace, summary, timeline PNG there:
-    case e); with `steady_out` (a dict) its "steady_s" is the back-to-back step (`steady`)."""
+    case e); with `steady_out` (a dict) its "steady_s" is the back-to-back step (`steady`); `overlap`: the
+    config's [overlap] keys; without `synchronized` only the steady step runs (after `warmup` steps)."""
     from infinity.memory.traffic import bytes_per_step
     torch.manual_seed(0)
     config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": grad_clip},
-              "placement": placement}
+              "placement": placement, "overlap": dict(overlap or {})}
     if nvme_dir is not None:
         config["nvme"] = {"paths": [nvme_dir]}
     if profile_dir is not None:
@@ -140,10 +147,11 @@ def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement:
         engine.step()
         engine.synchronize()  # the overlapped update is paid by this step
     with engine:
-        times = timed(step, device, warmup, steps)
+        times = timed(step, device, warmup, steps) if synchronized else []
         if steady_out is not None:
-            steady_out["steady_s"] = steady(lambda: (engine.backward(engine(x, y)), engine.step()), device, 0, steps,
-                                            finish=engine.synchronize)
+            steady_out["steady_s"] = steady(lambda: (engine.backward(engine(x, y)), engine.step()), device,
+                                            0 if synchronized else warmup, steps, finish=engine.synchronize)
+            steady_out["update_mode"] = type(engine.updates).__name__
         if nvme_bytes is not None:
             nvme_bytes.update(bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
                                              cuda=device.type == "cuda", kept=engine.kept_params))
@@ -193,15 +201,28 @@ def case_a(cfg, batch, device, args) -> dict:
 OFFLOAD = {"params": "device", "grads": "host", "optimizer": "host"}  # the ZeRO-Offload shape
 
 
+NEVER_FIRES = 1e9  # a clip that never fires: what speculating costs when it is not needed
+
+
 def case_b(cfg, batch, device, args) -> dict:
-    numel = sum(p.numel() for p in GPT(cfg).parameters())
-    profile = os.path.join(args.profile, "case_b") if args.profile else None
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in GPT(cfg).parameters())
     runs = {}
-    for name, clip in (("no_clip", 0.0), ("clip", 1.0)):
+    # no_clip: the eager update (synchronized and steady steps); clip: grad_clip 1.0 as configured by default
+    # ("auto" speculation with its forecast, Note [speculation forecast]); spec_no_fire: speculating every
+    # window with a clip that never fires (the journal's cost); all_cores: no clipping, the worker on every core
+    # (the thread budget before "auto" left one to the training thread)
+    for name, clip, overlap, sync_too in (("no_clip", 0.0, {}, True), ("clip", 1.0, {}, False),
+                                          ("spec_no_fire", NEVER_FIRES, {"speculation": "auto"}, False),
+                                          ("all_cores", 0.0, {"optimizer_threads": torch.get_num_threads()}, False)):
         runs[name] = {}
-        runs[name]["step_s"] = median(infinity_step_times(cfg, batch, device, args.warmup, args.steps, OFFLOAD,
-                                                          profile_dir=profile if clip == 0 else None,
-                                                          grad_clip=clip, steady_out=runs[name]))
+        times = infinity_step_times(cfg, batch, device, args.warmup, args.steps, OFFLOAD, grad_clip=clip,
+                                    steady_out=runs[name], overlap=overlap, synchronized=sync_too)
+        if times:
+            runs[name]["step_s"] = median(times)
+        print(f"case b {name}: {runs[name]}", flush=True)
+    if args.profile:  # after the measured runs: the profile's own costs stay out of them
+        infinity_step_times(cfg, batch, device, 1, 2, OFFLOAD, profile_dir=os.path.join(args.profile, "case_b"))
     floors = {
         "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
         "cpu_adam": cpu_adam_floor(numel),
@@ -211,7 +232,9 @@ def case_b(cfg, batch, device, args) -> dict:
     return {"step_s": ours, "steady_s": steady_s, "floors": floors, "ratio": steady_s / max(floors.values()),
             "ratio_synchronized": ours / max(floors.values()), "bar": 1.2, "tflops": tflops(cfg, batch, steady_s),
             "params": numel, "b_clip": {**runs["clip"], "clip_over_no_clip": runs["clip"]["steady_s"] / steady_s,
-                                         "bar": 1.1}}
+                                         "bar": 1.1},
+            "spec_no_fire_over_no_clip": runs["spec_no_fire"]["steady_s"] / steady_s,
+            "all_cores_over_auto": runs["all_cores"]["steady_s"] / steady_s, "runs": runs}
 
 
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 16,
@@ -258,20 +281,32 @@ def case_l(cfg, batch, device, args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # (torch's model and optimizer are gone)
     out = {"params": numel, "torch_steady_s": theirs}
-    for name, clip in (("no_clip", 0.0), ("clip", 1.0)):
+    runs = (("no_clip", 0.0, {}), ("clip", 1.0, {}), ("spec_no_fire", NEVER_FIRES, {"speculation": "auto"}),
+            ("all_cores", 0.0, {"optimizer_threads": torch.get_num_threads()}))
+    if args.profile:  # last, after the measured runs
+        runs += (("profiled", 0.0, {}),)
+    for name, clip, overlap in runs:
         torch.manual_seed(0)
         with infinity.meta_init():
             model = LlamaForCausalLM(lcfg)
         config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": clip},
-                  "placement": OFFLOAD, "precision": {"compute_dtype": "bf16" if bf16 else "fp32"}}
+                  "placement": OFFLOAD, "precision": {"compute_dtype": "bf16" if bf16 else "fp32"},
+                  "overlap": overlap}
+        if name == "profiled":
+            config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.profile, "case_l")}
         engine = infinity.initialize(model, config, init_fn=model._init_weights)
         with engine:
             ours = steady(lambda: (engine.backward(engine(input_ids=x, labels=x).loss), engine.step()), device,
-                          args.warmup, args.steps, finish=engine.synchronize)
-        out[name] = {"steady_s": ours, "speed": theirs / ours, "tflops": 6 * numel * x.numel() / ours / 1e12}
+                          args.warmup, args.steps if name != "profiled" else 2, finish=engine.synchronize)
+            mode = type(engine.updates).__name__
+        out[name] = {"steady_s": ours, "speed": theirs / ours, "tflops": 6 * numel * x.numel() / ours / 1e12,
+                     "update_mode": mode}
+        print(f"case l {name}: {out[name]}", flush=True)
     out.update(step_s=out["no_clip"]["steady_s"], floors={"torch_all_on_device": theirs},
                ratio=out["no_clip"]["steady_s"] / theirs, speed=out["no_clip"]["speed"], bar_speed=0.55,
-               clip_over_no_clip=out["clip"]["steady_s"] / out["no_clip"]["steady_s"], bar_clip=1.1)
+               clip_over_no_clip=out["clip"]["steady_s"] / out["no_clip"]["steady_s"], bar_clip=1.1,
+               spec_no_fire_over_no_clip=out["spec_no_fire"]["steady_s"] / out["no_clip"]["steady_s"],
+               all_cores_over_auto=out["all_cores"]["steady_s"] / out["no_clip"]["steady_s"])
     return out
 
 
@@ -373,7 +408,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--dir", default=None, help="a directory on the disk under test (case c, d --ds-nvme)")
     ap.add_argument("--ds-nvme", action="store_true", help="case d also with DeepSpeed's optimizer on --dir")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds for DeepSpeed's child process")
-    ap.add_argument("--profile", default=None, metavar="DIR", help="case e: profile cases b and c (Chrome trace, "
+    ap.add_argument("--profile", default=None, metavar="DIR", help="case e: profile cases b, c and l (Chrome trace, "
                     "summary and timeline PNG under DIR/case_<name>/rank0)")
     ap.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

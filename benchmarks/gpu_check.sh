@@ -7,9 +7,10 @@
 # The wheels the image lacks (docs/benchmarks.md, "The GPU check"): in $WHEELS (default .whl), installed with
 # --no-deps into /tmp/site. A dry run of the flow on a CPU (tests/benchmarks/test_gpu_check.py):
 #   OUT=/tmp/gc BENCH_ARGS="--tiny --device cpu" LARGEST=0 bash benchmarks/gpu_check.sh
-# PARTS picks and orders the parts (default: tests sanitizer a b l d largest; "profile" adds case b profiled,
-# its summary and timeline as profile_b.tgz); BUDGET_S (default 460) is the whole check's seconds: each part's
-# timeout is cut to what is left, and a part with under 20 s left is skipped and says so.
+# PARTS picks and orders the parts (default: tests sanitizer a b l d largest); cases b and l are also profiled
+# by a run of their own (PROFILE=0: not), their summaries and timelines back as profile.tgz; BUDGET_S (default
+# 460) is the whole check's seconds: each part's timeout is cut to what is left, and a part with under 20 s
+# left is skipped and says so.
 set -u
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 CASES=/tmp/gpu_check_cases; rm -rf "$CASES"; mkdir -p "$CASES"
@@ -58,18 +59,12 @@ bench() {  # name, timeout, extra args
   ('step_s','steady_s','ratio','speed') if k in d})" "$CASES/case_$1.json" 2>/dev/null || echo '(no result)')"
 }
 part_a() { bench a "$1"; }
-part_b() { bench b "$1"; }
-part_l() { bench l "$1"; }
+PROF=(); [ "${PROFILE:-1}" = 1 ] && PROF=(--profile "$CASES/prof")
+part_b() { bench b "$1" "${PROF[@]}"; }
+part_l() { bench l "$1" "${PROF[@]}"; }
 part_d() {
   if python3 -c "import deepspeed" 2>/dev/null; then bench d "$1"; else log "case d skipped (deepspeed missing)"; fi
 }
-part_profile() {  # case b again, profiled: the step's parts and the timeline (diagnosis, not a bar)
-  timeout "$1" python3 benchmarks/bench_gpu.py --cases b --warmup 1 --steps 3 --profile "$CASES/prof" \
-    ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
-  log "case b profiled rc=$?"
-  (cd "$CASES/prof" && tar czf "$OUT/profile_b.tgz" $(find . -name summary.json -o -name timeline.png)) 2>/dev/null
-}
-
 # 3. the largest model this machine trains (issue 42, item 5): the estimator's answer, then 3 steps of it
 part_largest() {
   if [ "${LARGEST:-1}" != 1 ]; then log "largest model skipped (LARGEST=${LARGEST:-})"; return; fi
@@ -83,13 +78,15 @@ part_largest() {
   log "largest (3 steps) rc=$?"
 }
 
-declare -A LIMIT=([tests]=150 [sanitizer]=150 [a]=70 [b]=110 [l]=100 [d]=140 [profile]=100 [largest]=300)
+declare -A LIMIT=([tests]=120 [sanitizer]=150 [a]=70 [b]=160 [l]=120 [d]=140 [largest]=300)
 for part in $PARTS; do
   t=$(cap "${LIMIT[$part]}")
   if [ "$t" = 0 ]; then log "$part skipped: $(elapsed) s of the ${BUDGET_S} s budget spent"; continue; fi
   "part_$part" "$t"
 done
 
+[ -d "$CASES/prof" ] && (cd "$CASES/prof" && tar czf "$OUT/profile.tgz" \
+  $(find . -name summary.json -o -name timeline.png)) 2>/dev/null
 cp "$CASES"/case_*.json "$CASES"/largest.json "$OUT/" 2>/dev/null  # (merged below, then removed: 8 files)
 python3 benchmarks/gpu_check_report.py --logs "$OUT" --elapsed "$(elapsed)" \
   --json "$OUT/gpu_$(date +%F).json" >/tmp/gpu_check_report.log 2>&1

@@ -89,6 +89,9 @@ def report(logs: str, elapsed_s: float | None) -> dict:
     return out
 
 
+INFO = ("spec_no_fire_over_no_clip", "all_cores_over_auto")  # bench_gpu's diagnostic ratios (no bar)
+
+
 def table(rep: dict) -> str:
     lines = [f"device: {rep['device']}", "bar | measured | limit | met"]
     for b in rep["bars"]:
@@ -96,6 +99,8 @@ def table(rep: dict) -> str:
             f"{b['measured']:.3f}" if isinstance(b["measured"], float) else str(b["measured"]))
         met = {None: "-", True: "yes", False: "NO"}[b["met"]]
         lines.append(f"{b['what']} | {measured} | {b['bar']} | {met}")
+    for name, case in sorted(rep["cases"].items()):
+        lines += [f"case {name}: {key} = {case[key]:.3f}" for key in INFO if key in case]
     return "\n".join(lines)
 
 
