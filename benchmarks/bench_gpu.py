@@ -61,6 +61,7 @@ import tempfile
 import time
 
 import torch
+import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +69,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import machine, median, write_json  # noqa: E402
 
 import infinity  # noqa: E402
-from infinity.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+from infinity.models.gpt import GPT, GPTConfig, gpt_init, synthetic_batch  # noqa: E402
 from infinity.optim.cpu_adam import AdamHyper, adam_step  # noqa: E402
 
 LR, BETAS, EPS, WD = 3e-4, (0.9, 0.95), 1e-8, 0.1
@@ -106,9 +107,31 @@ def steady(step, device: torch.device, warmup: int, steps: int, finish=lambda: N
     return (time.perf_counter() - start) / steps
 
 
+def random_fill(t: torch.Tensor, std: float = 1.0) -> torch.Tensor:
+    """`t` filled with normal values drawn on the GPU when there is one (the CPU's generator draws a 1.3B-element
+    model serially, seconds per build: the setup that cut case b short on the first H100 run)."""
+    with torch.no_grad():
+        source = "cuda" if torch.cuda.is_available() else "cpu"
+        return t.copy_(torch.randn(t.shape, device=source).mul_(std))
+
+
+def fast_init(rest=gpt_init):
+    """An `init_fn` for a meta-built model: linear and embedding weights N(0, 0.02) drawn by `random_fill`, biases
+    zero (gpt_init's and transformers' Llama's distributions), `rest(module)` for the other modules."""
+    def init(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            random_fill(module.weight, 0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        else:
+            rest(module)
+    return init
+
+
 def torch_step_times(cfg: GPTConfig, batch, device, warmup, steps, optimizer: bool) -> list[float]:
     torch.manual_seed(0)
-    model = GPT(cfg).to(device)
+    with device:
+        model = GPT(cfg)  # (built and initialized where it runs)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                             fused=device.type == "cuda") if optimizer else None
     x, y = (t.to(device) for t in batch)
@@ -139,7 +162,9 @@ def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement:
         config["nvme"] = {"paths": [nvme_dir]}
     if profile_dir is not None:
         config["profile"] = {"enabled": True, "trace_dir": profile_dir}
-    engine = infinity.initialize(GPT(cfg), config)
+    with infinity.meta_init():
+        model = GPT(cfg)
+    engine = infinity.initialize(model, config, init_fn=fast_init())
     x, y = batch  # CPU tensors: the engine moves them, as a data loader's would be
 
     def step():
@@ -160,7 +185,7 @@ def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement:
 
 def cpu_adam_floor(numel: int, repeats: int = 3) -> float:
     """Seconds of infinity's CPU Adam kernel over `numel` fp32 elements (fp32 grads)."""
-    master, grad, m, v = (torch.randn(numel) for _ in range(4))
+    master, grad, m, v = (random_fill(torch.empty(numel)) for _ in range(4))
     v.abs_()
     hyper = AdamHyper(lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD, decoupled=True)
     times = []
@@ -255,7 +280,8 @@ def torch_llama_steady(lcfg, x, device, bf16: bool, args) -> tuple[float, int]:
     """torch all on the device (autocast bf16, fused AdamW): its back-to-back step and the parameter count."""
     from transformers import LlamaForCausalLM
     torch.manual_seed(0)
-    model = LlamaForCausalLM(lcfg).to(device)
+    with device:
+        model = LlamaForCausalLM(lcfg)  # (built and initialized where it runs)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                             fused=device.type == "cuda")
     xd = x.to(device)
@@ -294,7 +320,7 @@ def case_l(cfg, batch, device, args) -> dict:
                   "overlap": overlap}
         if name == "profiled":
             config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.profile, "case_l")}
-        engine = infinity.initialize(model, config, init_fn=model._init_weights)
+        engine = infinity.initialize(model, config, init_fn=fast_init(model._init_weights))
         with engine:
             ours = steady(lambda: (engine.backward(engine(input_ids=x, labels=x).loss), engine.step()), device,
                           args.warmup, args.steps if name != "profiled" else 2, finish=engine.synchronize)
@@ -320,7 +346,8 @@ def disk_floor(nbytes: dict, directory: str, device: torch.device) -> float:
 def case_c(cfg, batch, device, args) -> dict:
     if not args.dir:
         raise SystemExit("case c needs --dir DIR on the disk under test (the swap files go there)")
-    numel = sum(p.numel() for p in GPT(cfg).parameters())
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in GPT(cfg).parameters())
     base = {
         "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
         "cpu_adam": cpu_adam_floor(numel),
