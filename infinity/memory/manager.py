@@ -383,6 +383,13 @@ class TieredMemoryManager:
         `master` is the caller's own tensor) and stored first: the next forward reads them
         soonest. `keep_params`: offer the buffer the parameters were written from to the
         fresh copies (Note [fresh parameters]).
+
+        Note [async upload]: updated parameters go to the GPU without the updating thread waiting: the
+        copy is queued on its stream from pinned host bytes, and those bytes are held until the copy has
+        read them (a staging buffer returns to the pool after the copy's event; a master of the compute
+        dtype, copied from directly with no staging copy on the CPU, gets the event as its chunks'
+        `device_use`, which the next update's fetch waits for). On the H200 the worker waited for each
+        unit's upload, after a CPU copy of its master into staging, before stepping the next unit.
         """
         dtype = self.plan.dtype(Kind.MASTER)
         if master.dtype != dtype:
@@ -393,13 +400,21 @@ class TieredMemoryManager:
         if master.numel() == 0:
             return []  # nothing trainable here (frozen weights)
         into = self.optimizer_chunk(unit, Kind.PARAMS, chunk)
-        if release:
+        direct = (release and master.dtype == self.plan.compute_dtype and master.device.type == "cpu"
+                  and self.streams.is_cuda and self._shards[(unit, Kind.PARAMS)].tier is Tier.DEVICE)
+        if direct:  # Note [async upload]: from the master's own host bytes, no staging copy on the CPU
+            params = master
+        elif release:
             params = self.target(unit, Kind.PARAMS, into, master.device)
             params.copy_(master)
         else:
             params = master.to(self.plan.compute_dtype)
-        return [self.store(unit, Kind.PARAMS, into, params, release=release, keep=keep_params),
-                self.store(unit, Kind.MASTER, chunk, master, release=release)]
+        writes = [self.store(unit, Kind.PARAMS, into, params, release=release, keep=keep_params)]
+        if direct:  # the CPU may not rewrite the master before the copy has read it
+            shard, done = self._shards[(unit, Kind.MASTER)], self.streams.record()
+            for i in shard.chunk_ids(chunk):
+                shard.chunks[i].device_use = done
+        return writes + [self.store(unit, Kind.MASTER, chunk, master, release=release)]
 
     def store(self, unit: int, kind: Kind, chunk: int | None, tensor: torch.Tensor, release: bool = True,
               keep: bool = False) -> Pending:
@@ -431,8 +446,12 @@ class TieredMemoryManager:
                 else:
                     if view.device.type == "cpu":
                         self._settle(shard, ids)  # these bytes are rewritten now
+                    upload = release and tensor.device.type == "cpu" and view.device.type != "cpu"
                     with self._device_span(_crossing(tensor.device, view.device), tensor):  # (the update's h2d)
-                        view.copy_(tensor)  # (on the producer's stream: in order after it)
+                        view.copy_(tensor, non_blocking=upload)  # (on the producer's stream: in order after it)
+                    if upload:  # Note [async upload]: the buffer goes back once the copy has read it
+                        self.staging.release_after(tensor, self.streams.record())
+                        release = False
                 if (link := _crossing(tensor.device, view.device)) is not None:  # every byte moved is counted
                     self.bytes_moved[link] += numel * shard.dtype.itemsize  # (Note [traffic per step])
             for i in shard.chunk_ids(chunk):
