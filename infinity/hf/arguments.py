@@ -7,13 +7,17 @@ Note [training arguments win]: the Trainer's own arguments own the optimizer hyp
 (placement, budgets, NVMe paths, ZeRO stage, prefetch, io, the profiler: its output goes to output_dir/profile
 unless `infinity_config` sets profile.trace_dir). A key both could set is taken from the
 arguments; an `infinity_config` that sets it to something else is refused (one answer, in one
-place), and so is any argument the engine cannot honour: never ignored.
+place), and so is any argument the engine cannot honour: never ignored. `use_cpu=True` is one on a machine
+with a GPU: the engine trains on the GPU whenever there is one (machine/environment.py `resolve`), while the
+Trainer would keep its loss and inputs on the CPU; on a CPU-only machine it is what runs anyway.
 """
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+import torch
 
 from infinity.config.sections import Config, ConfigError
 
@@ -50,6 +54,9 @@ def refuse_unsupported(args) -> None:
          "gradient_checkpointing_kwargs=...: the engine checkpoints whole units ([activation] checkpoint = "
          "\"units\"); remove the kwargs"),
         ("use_liger_kernel", bool(getattr(args, "use_liger_kernel", False)), "use_liger_kernel=True: remove it"),
+        ("use_cpu", bool(getattr(args, "use_cpu", False)) and torch.cuda.is_available(),
+         "use_cpu=True: this machine has a GPU and the engine trains on it; remove use_cpu, or hide the GPU with "
+         "CUDA_VISIBLE_DEVICES= to train on the CPU"),
         ("n_gpu", getattr(args, "_n_gpu", 0) > 1, "more than one GPU in one process (DataParallel): launch one "
                                                   "process per GPU with torchrun instead"),
     ]

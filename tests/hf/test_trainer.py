@@ -67,33 +67,40 @@ def run(cls, out, train, evals, **kw):
     return trainer
 
 
-def test_losses_and_eval_equal_the_trainer(tmp_path):
+def test_losses_and_eval_equal_the_trainer(tmp_path, use_cpu=True):
+    """On the CPU at fp32 tolerances. `use_cpu=False` (the GPU twin): both trainers on the GPU, where their AdamW
+    kernels differ (the engine's, torch's) in the last bits over 32 steps: losses and eval losses within 1e-4
+    relative, grad norms, predictions and the saved model's logits within 1e-3."""
+    exact = use_cpu
     train, evals = lm_dataset(32), lm_dataset(8, seed=2)
-    ref = run(Trainer, tmp_path / "ref", train, evals)
-    ours = run(InfinityTrainer, tmp_path / "ours", train, evals)
+    ref = run(Trainer, tmp_path / "ref", train, evals, use_cpu=use_cpu)
+    ours = run(InfinityTrainer, tmp_path / "ours", train, evals, use_cpu=use_cpu)
     assert len(losses(ref)) == 32
-    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
-    torch.testing.assert_close(torch.tensor(eval_losses(ours)), torch.tensor(eval_losses(ref)), rtol=1e-5, atol=0)
+    loss_rtol = 1e-5 if exact else 1e-4
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=loss_rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(eval_losses(ours)), torch.tensor(eval_losses(ref)), rtol=loss_rtol,
+                               atol=0)
     ref_lr = [h["learning_rate"] for h in ref.state.log_history if "loss" in h]
     our_lr = [h["learning_rate"] for h in ours.state.log_history if "loss" in h]
     assert our_lr == pytest.approx(ref_lr, rel=1e-12)
     ref_gn = [h["grad_norm"] for h in ref.state.log_history if "loss" in h]
     our_gn = [h["grad_norm"] for h in ours.state.log_history if "loss" in h]
-    assert our_gn == pytest.approx(ref_gn, rel=1e-4)
+    assert our_gn == pytest.approx(ref_gn, rel=1e-4 if exact else 1e-3)
     # the groups the engine runs are the Trainer's: no decay on biases and norm weights
     no_decay = {n for g in ours.engine.param_groups if g["weight_decay"] == 0.0 for n in g["params"]}
     assert no_decay == {n for n, _ in ref.model.named_parameters()} - set(ref.get_decay_parameter_names(ref.model))
     assert any(n.endswith("bias") for n in no_decay) and any("norm" in n for n in no_decay)
     # predict: the engine's forward under no_grad, the reference's logits
     p_ref, p_ours = ref.predict(evals), ours.predict(evals)
-    torch.testing.assert_close(torch.tensor(p_ours.predictions), torch.tensor(p_ref.predictions), rtol=1e-4, atol=1e-5)
+    rtol, atol = (1e-4, 1e-5) if exact else (1e-3, 1e-4)
+    torch.testing.assert_close(torch.tensor(p_ours.predictions), torch.tensor(p_ref.predictions), rtol=rtol, atol=atol)
     # save_model: a standalone HF directory with the trained weights
     ours.save_model(str(tmp_path / "saved"))
     ref.save_model(str(tmp_path / "saved_ref"))
     mine = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
     theirs = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved_ref"))
     x = torch.tensor(lm_dataset(2, seed=3)["input_ids"])
-    torch.testing.assert_close(mine(x).logits, theirs(x).logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mine(x).logits, theirs(x).logits, rtol=rtol, atol=atol)
     ours.engine.close()
 
 
@@ -134,6 +141,16 @@ def test_gradient_checkpointing_is_the_engines_units(tmp_path):
 def test_what_the_engine_cannot_honour_is_refused(tmp_path, kw, names):
     with pytest.raises(infinity.ConfigError, match=names):
         InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path, **kw), train_dataset=lm_dataset(4))
+
+
+def test_use_cpu_on_a_machine_with_a_gpu_is_refused(tmp_path, monkeypatch):
+    """The engine trains on the GPU whenever there is one: use_cpu=True would leave the Trainer's loss and inputs
+    on the CPU (transformers: "Calculated loss must be on the original device"). On the CPU it is accepted (every
+    other test here sets it)."""
+    args = args_for(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(infinity.ConfigError, match=r"use_cpu=True: this machine has a GPU .* CUDA_VISIBLE_DEVICES="):
+        InfinityTrainer(model=tiny_llama(), args=args, train_dataset=lm_dataset(4))
 
 
 def test_infinity_config_cannot_contradict_the_arguments(tmp_path):
@@ -419,4 +436,4 @@ def test_infinity_profile_reads_a_trainers_output_dir_or_names_the_trainers_swit
 @pytest.mark.gpu
 def test_gpu_losses_and_eval_equal_the_trainer(tmp_path):
     """The GPU twin (issue 42): InfinityTrainer against transformers' Trainer, both on the device."""
-    test_losses_and_eval_equal_the_trainer(tmp_path)
+    test_losses_and_eval_equal_the_trainer(tmp_path, use_cpu=False)

@@ -150,10 +150,13 @@ def test_gpu_checkpoint_resume_and_export(placement, tmp_path):
 
 
 def test_host_tier_is_pinned_with_cuda():
-    from infinity.memory.tier import Kind
+    """Every state on the host tier: tail_units = 0 (by default, "auto" keeps the forward-first units' gradients
+    and optimizer state on the GPU: Note [tail units])."""
+    from infinity.memory.tier import Kind, Tier
     engine = infinity.initialize(Recipe().build(), {"placement": {"params": "host", "grads": "host",
-                                                                   "optimizer": "host"}})
+                                                                   "optimizer": "host", "tail_units": 0}})
     with engine:
         shard = engine.manager._shards[(1, Kind.MASTER)]
+        assert shard.tier is Tier.HOST, shard.tier
         assert shard.resident.is_pinned()
         assert engine.streams.is_cuda and engine.streams.h2d is not None

@@ -11,12 +11,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import infinity
+from adam_tolerance import adam_drift, assert_close_after_adam
 from infinity.state.checkpoint import CheckpointError
 from infinity.units.tiling import TiledEmbedding, TiledLinear, tile_layers
 
 VOCAB, D, HIDDEN = 64, 16, 2048
 TILE = 16 * 1024  # bytes: the up projection (16 x 2048 + 2048 fp32 = 136 KiB) runs as 9 tiles, the down as 16
 WIDE_BYTES = (D * HIDDEN + HIDDEN) * 4
+LR = 3e-3
 
 
 class Mlp(nn.Module):
@@ -58,7 +60,7 @@ def batches(n: int):
 
 
 def config(tmp_path, tile_bytes: int, device_budget: str | None = "96KiB", params: str = "nvme") -> dict:
-    cfg = {"optimizer": {"lr": 3e-3, "weight_decay": 0.1, "grad_clip": 0.0},
+    cfg = {"optimizer": {"lr": LR, "weight_decay": 0.1, "grad_clip": 0.0},
            "precision": {"compute_dtype": "fp32"},
            "placement": {"params": params, "grads": "host", "optimizer": "host"},
            "units": {"tile_bytes": tile_bytes}, "nvme": {"paths": [str(tmp_path)]},
@@ -92,10 +94,11 @@ def groups_of(model: nn.Module) -> list[dict]:
             {"params": flat, "weight_decay": 0.0}]
 
 
-def reference(model: nn.Module, data) -> tuple[list[float], dict]:
-    """Plain torch AdamW on the untiled model, with `groups_of` its parameter groups."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(groups_of(model), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+def reference(model: nn.Module, data, lr: float = LR, dtype: torch.dtype = torch.float32) -> tuple[list[float], dict]:
+    """Plain torch AdamW on the untiled model, with `groups_of` its parameter groups (in `dtype`; the state dict
+    returned in float32)."""
+    model = copy.deepcopy(model).to(dtype)
+    opt = torch.optim.AdamW(groups_of(model), lr=lr, betas=(0.9, 0.95), eps=1e-8)
     losses = []
     for batch in data:
         loss = model(*batch)
@@ -103,7 +106,7 @@ def reference(model: nn.Module, data) -> tuple[list[float], dict]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return losses, model.state_dict()
+    return losses, {k: v.float() for k, v in model.state_dict().items()}
 
 
 def train(engine, data) -> list[float]:
@@ -122,7 +125,9 @@ def test_a_tile_smaller_than_a_row_is_refused_naming_the_least_size():
 
 
 @pytest.mark.parametrize("params", ["nvme", "host"])
-def test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, params):
+def test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, params, on_device=False):
+    """On the CPU at fp32 tolerances; `on_device` (the GPU twin): the engine's maths on the GPU, the reference's
+    on the CPU, the parameters within the Adam tolerance (adam_tolerance.py)."""
     model, data = build(), batches(4)
     ref_losses, ref_state = reference(model, data)
     # Untiled, the wide layer's unit does not fit the device budget: the planner says so.
@@ -142,8 +147,27 @@ def test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, params
         engine.close()
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     assert list(state) == list(ref_state)  # the untiled names, in the untiled order
+    if on_device:
+        assert_close_after_adam(state, ref_state, steps=len(data), lr=LR)
+        return
     for key, value in ref_state.items():
-        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_the_adam_tolerance_passes_other_rounding_and_catches_real_bugs():
+    """adam_tolerance.py's bounds, calibrated on the tiling model's reference (4 steps at lr 3e-3): a float64
+    run (other rounding, as a GPU's) passes far under them; a learning rate 10% off, a skipped step and one
+    tile of nine not updated fail."""
+    model, data = build(), batches(4)
+    _, want = reference(model, data)
+    _, other_rounding = reference(model, data, dtype=torch.float64)
+    assert max(adam_drift(other_rounding[k], want[k])[0] for k in want) < LR / 1000  # (5e-8 here)
+    assert_close_after_adam(other_rounding, want, steps=len(data), lr=LR)
+    rows, up = HIDDEN // 9, "blocks.0.up.weight"  # one tile's rows of the up projection, at their initial values
+    untouched = want | {up: torch.cat([model.blocks[0].up.weight.detach()[:rows], want[up][rows:]])}
+    for bug in (reference(model, data, lr=LR * 1.1)[1], reference(model, data[:3])[1], untouched):
+        with pytest.raises(AssertionError, match=r"mean \|a - b\| = .* after 4 Adam steps"):
+            assert_close_after_adam(bug, want, steps=len(data), lr=LR)
 
 
 BIG_VOCAB = 2048  # the input table: 2048 x 16 fp32 = 128 KiB, over the 96 KiB device budget
@@ -373,4 +397,4 @@ def test_a_hugging_face_llama_tiled_gives_transformers_logits_and_generation(tmp
 @pytest.mark.gpu
 def test_gpu_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path):
     """The GPU twin (issue 42): tiles fetched to HBM one at a time, against the same torch reference."""
-    test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, "nvme")
+    test_a_layer_larger_than_the_device_budget_trains_at_parity(tmp_path, "nvme", on_device=True)
