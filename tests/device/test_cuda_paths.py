@@ -717,38 +717,46 @@ def test_worker_steps_each_unit_once_the_device_has_its_gradients():
     assert all(reached > unit for _, unit, reached in log), log
 
 
-@pytest.mark.parametrize("compute", ["fp32", "bf16"])
-def test_updated_parameters_go_up_without_the_updating_thread_waiting(compute, monkeypatch):
-    """Note [async upload]: a host master's update is copied to the device parameters (faked by meta) with no host
-    sync on the updating thread. An fp32 master is the copy's source itself (no staging buffer), and the next
-    fetch that lets the CPU rewrite it waits for the copy; a bf16 cast goes through a staging buffer that returns
-    to the pool only once the copy's event has completed."""
+@pytest.mark.parametrize("compute,optimizer", [("fp32", "host"), ("bf16", "host"), ("fp32", "nvme")])
+def test_updated_parameters_go_up_without_the_updating_thread_waiting(compute, optimizer, tmp_path, monkeypatch):
+    """Note [async upload]: a master's update is copied to the device parameters (faked by meta) with no host sync
+    on the updating thread. A host-tier fp32 master is the copy's source itself (no staging buffer), and the next
+    fetch that lets the CPU rewrite it waits for the copy; a bf16 cast, or a master read from NVMe (whose staging
+    buffer its own disk write releases), goes through a staging buffer of its own that returns to the pool only
+    once the copy's event has completed: no buffer is handed back twice."""
     recipe = Recipe()
-    config = recipe.config(params="device", grads="host", optimizer="host") | {
-        "precision": {"compute_dtype": compute}, "placement": {"tail_units": 0}}
+    config = recipe.config(params="device", grads="host", optimizer=optimizer) | {
+        "precision": {"compute_dtype": compute}, "nvme": {"paths": [str(tmp_path)]}}
+    config["placement"]["tail_units"] = 0
     with infinity.initialize(recipe.build(), config) as engine:
         manager, unit = engine.manager, 1
+        assert manager._shards[(unit, Kind.MASTER)].tier is Tier(optimizer)
         manager.streams = streams = RecordingStreams()
         shard = manager._shards[(unit, Kind.PARAMS)]
         shard.resident = torch.empty_like(shard.resident, device=META)  # the parameters on the "GPU"
-        staged = []
-        host_buffer = manager.staging.host_buffer
+        staged, released = [], []
+        host_buffer, release = manager.staging.host_buffer, manager.staging.release
         monkeypatch.setattr(manager.staging, "host_buffer", lambda n, dtype: staged.append(dtype) or host_buffer(
             n, dtype))
-        master = manager.fetch(unit, Kind.MASTER, None, torch.device("cpu")).wait()  # the host tier's own bytes
+        monkeypatch.setattr(manager.staging, "release", lambda t: (
+            released.append(t.data_ptr()) if manager.staging.owns(t) else None, release(t))[1])
+        master = manager.fetch(unit, Kind.MASTER, None, torch.device("cpu")).wait()  # the tier's bytes, or staging
+        staged.clear()
         streams.complete = False  # the copy has not finished on the device
         with count_host_syncs() as syncs:
-            manager.store_master(unit, None, master)
+            writes = manager.store_master(unit, None, master)
         assert syncs == [] and all(e[0] != "host waits" for e in streams.log), streams.log
-        if compute == "fp32":
+        if (compute, optimizer) == ("fp32", "host"):
             assert staged == []
             streams.log.clear()
             manager.fetch(unit, Kind.MASTER, None, torch.device("cpu")).wait()  # the next update rewrites it
             assert streams.log == [("host waits", "current")]
-        else:
-            assert staged == [torch.bfloat16] and len(manager.staging._after) == 1
-            manager.staging.host_buffer(16, torch.float32)
-            assert len(manager.staging._after) == 1  # (its copy has not read it yet)
-            streams.complete = True
-            manager.staging.host_buffer(16, torch.float32)
-            assert manager.staging._after == []
+            return
+        assert staged == [shard.dtype] and len(manager.staging._after) == 1
+        manager.staging.host_buffer(16, torch.float32)
+        assert len(manager.staging._after) == 1  # (its copy has not read it yet)
+        streams.complete = True
+        for write in writes:
+            write.wait()  # (the master's disk write, which releases its staging buffer)
+        manager.staging.host_buffer(16, torch.float32)
+        assert manager.staging._after == [] and len(released) == len(set(released)) == 1 + (optimizer == "nvme")
