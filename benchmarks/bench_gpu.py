@@ -53,6 +53,7 @@ training loop sees, with the update overlapping the next step. Case b also runs 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -92,19 +93,33 @@ def timed(step, device: torch.device, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def steady(step, device: torch.device, warmup: int, steps: int, finish=lambda: None) -> float:
+def steady(step, device: torch.device, warmup: int, steps: int, finish=lambda: None, intervals: list | None = None
+           ) -> float:
     """Seconds per step of `steps` steps run back to back after `warmup`, one synchronize at the end (`finish`:
-    what else the last step leaves in flight, e.g. infinity's update)."""
+    what else the last step leaves in flight, e.g. infinity's update). With few steps that last drain weighs on
+    the mean; `intervals` (a list) receives the host seconds between consecutive steps' returns, whose median is
+    the step a long training loop sees."""
     for _ in range(warmup):
         step()
     finish()
     sync(device)
     start = time.perf_counter()
+    returned = [start]
     for _ in range(steps):
         step()
+        returned.append(time.perf_counter())
     finish()
     sync(device)
+    if intervals is not None:
+        intervals.extend(b - a for a, b in zip(returned[1:], returned[2:]))
     return (time.perf_counter() - start) / steps
+
+
+def release(device: torch.device) -> None:
+    """Between runs: what the last one left goes back to the device's free memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def random_fill(t: torch.Tensor, std: float = 1.0) -> torch.Tensor:
@@ -174,8 +189,11 @@ def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement:
     with engine:
         times = timed(step, device, warmup, steps) if synchronized else []
         if steady_out is not None:
+            intervals: list = []
             steady_out["steady_s"] = steady(lambda: (engine.backward(engine(x, y)), engine.step()), device,
-                                            0 if synchronized else warmup, steps, finish=engine.synchronize)
+                                            0 if synchronized else warmup, steps, finish=engine.synchronize,
+                                            intervals=intervals)
+            steady_out["steady_median_s"] = median(intervals) if intervals else None
             steady_out["update_mode"] = type(engine.updates).__name__
         if nvme_bytes is not None:
             nvme_bytes.update(bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
@@ -254,11 +272,13 @@ def case_b(cfg, batch, device, args) -> dict:
         runs[name] = {}
         times = infinity_step_times(cfg, batch, device, args.warmup, args.steps, OFFLOAD, grad_clip=clip,
                                     steady_out=runs[name], overlap=overlap, synchronized=sync_too)
+        release(device)
         if times:
             runs[name]["step_s"] = median(times)
         print(f"case b {name}: {runs[name]}", flush=True)
     if args.profile:  # after the measured runs: the profile's own costs stay out of them
         infinity_step_times(cfg, batch, device, 1, 2, OFFLOAD, profile_dir=os.path.join(args.profile, "case_b"))
+        release(device)
     floors = {
         "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
         "cpu_adam": cpu_adam_floor(numel),
@@ -332,12 +352,16 @@ def case_l(cfg, batch, device, args) -> dict:
         if name == "profiled":
             config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.profile, "case_l")}
         engine = infinity.initialize(model, config, init_fn=fast_init(model._init_weights))
+        intervals: list = []
         with engine:
             ours = steady(lambda: (engine.backward(engine(input_ids=x, labels=x).loss), engine.step()), device,
-                          args.warmup, args.steps if name != "profiled" else 2, finish=engine.synchronize)
+                          args.warmup, args.steps if name != "profiled" else 2, finish=engine.synchronize,
+                          intervals=intervals)
             mode = type(engine.updates).__name__
+        engine = model = None  # (collected by release)
+        release(device)
         out[name] = {"steady_s": ours, "speed": theirs / ours, "tflops": 6 * numel * x.numel() / ours / 1e12,
-                     "update_mode": mode}
+                     "update_mode": mode, "steady_median_s": median(intervals) if intervals else None}
         print(f"case l {name}: {out[name]}", flush=True)
     out.update(step_s=out["no_clip"]["steady_s"], floors={"torch_all_on_device": theirs},
                ratio=out["no_clip"]["steady_s"] / theirs, speed=out["no_clip"]["speed"], bar_speed=0.55,

@@ -1,12 +1,10 @@
 """Engine: the training loop's surface (forward, backward, step) over sharded, tiered state.
 
-`initialize` builds an Engine: it resolves the process group and device,
-splits the model into units, plans where every state kind lives, checks the
-budgets, and materializes the model one unit at a time into its tiers. The
-engine then drives the units through hooks (unshard before use, reshard after,
-reduce-scatter gradients as soon as they are final) and hands each accumulation
-window's update to its update mode, one type per way of overlapping it (Note
-[overlap] in update_modes.py): the engine never asks which one runs.
+`initialize` builds an Engine: it resolves the process group and device, splits the model into units, plans where
+every state kind lives, checks the budgets, and materializes the model one unit at a time into its tiers. The engine
+then drives the units through hooks (unshard before use, reshard after, reduce-scatter gradients as soon as they
+are final) and hands each accumulation window's update to its update mode, one type per way of overlapping it
+(Note [overlap] in update_modes.py): the engine never asks which one runs.
 """
 
 from __future__ import annotations
@@ -42,7 +40,7 @@ from infinity.runtime.activations import activations_for
 from infinity.runtime.chunked_loss import kept_whole, loss_forward
 from infinity.runtime.colocate import FORWARD, Colocation, mid_step, named_full_parameters
 from infinity.runtime.grad_reduce import GradReducer
-from infinity.runtime.hooks import UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
+from infinity.runtime.hooks import GraphHooks, UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from infinity.runtime.inference import InferenceForwards
 from infinity.runtime.loss_scale import LossScaler
 from infinity.runtime.materialize import buffers_to, materialize_units
@@ -120,18 +118,19 @@ class Engine:
                                      fetch_inputs=self.activations.fetch)
         self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
         self.window = AccumulationWindow(config.train.grad_accum_steps)  # Note [accumulation windows]
-        self._handles, self._counters = [], []
+        self._handles, self._counters, self.graph_hooks = [], [], GraphHooks()  # (Note [graph hooks])
         self.recompute = Recomputation(units_in(self.regions), self._pre_backward,
                                        self.prefetcher, self.clock)  # Note [recomputed forward]
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
                                   pre_backward=self._pre_backward, grads_ready=self._grads_ready,
                                   in_backward=lambda: self._in_backward, backward_done=self._backward_done,
-                                  pre_recompute=self.recompute.pre, post_recompute=self.recompute.post)
+                                  pre_recompute=self.recompute.pre, post_recompute=self.recompute.post,
+                                  keep_hook=self.graph_hooks.keep)
         for unit in self.units:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
             self._counters.append(counter)
-        self._handles += self.activations.install()  # (after the unit hooks: Note [unit checkpoints])
+        self._handles += self.activations.install() + [self.graph_hooks]  # (after the unit hooks)
         self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device,
                                            backward_pending=lambda: self._backward_pending)
         self._handles += self.inference.handles
@@ -153,7 +152,6 @@ class Engine:
         if config.io.switch_interval_us > 0:
             sys.setswitchinterval(config.io.switch_interval_us * 1e-6)
 
-    # ----------------------------------------------------------------- construction
     # ----------------------------------------------------------------- hooks
     def _pre_forward(self, unit: Unit) -> None:  # (Note [step attribution]: host code, its waits named inside)
         with self.clock.host("hooks", unit.name, during="forward", then="compute"):
@@ -191,6 +189,7 @@ class Engine:
         with self.clock.host("engine", start=self.clock.call_begins()):
             args, kwargs = to_device((args, kwargs), self.env.device)
         root = self.units[0]
+        self.graph_hooks.forward_begins(backward_pending=self._backward_pending)
         self._pre_forward(root)  # (waits for the root's update first, with overlap)
         try:
             with self.activations.forward(), self.inference.engine_call():  # (Note [activation bytes])
@@ -242,6 +241,7 @@ class Engine:
             (loss * scale).backward()
         finally:
             self._in_backward = False
+            self.graph_hooks.remove()
         with self.clock.host("engine", during="backward", then="caller"):
             final = self.window.ends_now()
             for unit, counter in zip(self.units, self._counters):

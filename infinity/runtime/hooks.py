@@ -38,6 +38,27 @@ class UnitCallbacks:
     backward_done: Callable[[Unit], None] = lambda unit: None  # the gradients of the unit's inputs are computed
     pre_recompute: Callable[[Unit], None] | None = None  # before a recomputed forward (None: pre_backward)
     post_recompute: Callable[[Unit], bool] = lambda unit: False  # after it: True if the unit was released
+    keep_hook: Callable[[object], None] = lambda handle: None  # a graph hook's handle (Note [graph hooks])
+
+
+class GraphHooks:
+    """The graph hooks of the forward in flight (Note [graph hooks]): removed once its backward is over, when a
+    new forward finds no backward pending (the last one's graph was abandoned), and at close (a handle too)."""
+
+    def __init__(self):
+        self._handles: list = []
+
+    def keep(self, handle) -> None:
+        self._handles.append(handle)
+
+    def forward_begins(self, backward_pending: bool) -> None:
+        if not backward_pending:
+            self.remove()
+
+    def remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
 
 
 def tensors_needing_grad(output) -> list[torch.Tensor]:
@@ -107,6 +128,13 @@ def install_unit_hooks(
     # gradients of the unit's inputs, every node of the unit's backward that reads its weights on the way to
     # them has run: the unit reshards then. (A unit used twice in one forward is unsharded again by the
     # pre-backward hook of its earlier call.) Inputs that need no gradient leave it to the end of backward.
+    # Note [graph hooks]: torch's register_multi_grad_hook(mode="all") closes over the tensors' grad_fns, and the
+    # graph stores the hook on those nodes in C++: a cycle Python's collector cannot see, which kept the nodes
+    # and, through the callback, the engine and all its device state alive after close (a second engine in one
+    # process ran out of memory on an H100). Every graph hook's handle goes to `callbacks.keep_hook`; the engine
+    # removes them once the backward is over, when a forward's graph is abandoned, and at close. (Still kept: the
+    # graph of a forward with gradients that no backward uses, through the activation meter's saved-tensor hook
+    # that returns the tensor, with the parameters it reaches; evaluation belongs under torch.no_grad().)
     handles = []
     for module in unit.modules if with_module_hooks else ():
         def pre(_module, args, u=unit):
@@ -116,7 +144,8 @@ def install_unit_hooks(
             callbacks.pre_forward(u)
             inputs = tensors_needing_grad(args)
             if inputs:  # Note [unit backward done]
-                register_multi_grad_hook(inputs, lambda _grads, uu=u: callbacks.backward_done(uu), mode="all")
+                callbacks.keep_hook(register_multi_grad_hook(
+                    inputs, lambda _grads, uu=u: callbacks.backward_done(uu), mode="all"))
             return None
 
         handles.append(module.register_forward_pre_hook(pre))
@@ -126,12 +155,14 @@ def install_unit_hooks(
                 if callbacks.post_recompute(u):  # released: fetched again before its backward (reentrant: on
                     needing = tensors_needing_grad(output)  # these outputs; non-reentrant: the forward's)
                     if needing:
-                        register_multi_grad_hook(needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any")
+                        callbacks.keep_hook(register_multi_grad_hook(
+                            needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any"))
                 return None
             callbacks.post_forward(u)
             needing = tensors_needing_grad(output)
             if needing:
-                register_multi_grad_hook(needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any")
+                callbacks.keep_hook(register_multi_grad_hook(
+                    needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any"))
             return None
 
         handles.append(module.register_forward_hook(post))
