@@ -37,6 +37,12 @@ def recipe():
 SPECULATE = "64MiB"  # ("auto" speculates with a GPU only)
 
 
+@pytest.fixture(scope="module")
+def deferred_device(recipe, tmp_path_factory):
+    """The recipe's deferred run on the device tier (the reference of three tests below)."""
+    return _run(recipe, DEVICE, tmp_path_factory.mktemp("deferred"), "d", speculation=0)
+
+
 def _run(recipe, placement, tmp_path, name, **overlap):
     swap = str(tmp_path / name) if "nvme" in placement.values() else None
     overlap = {"optimizer_with_backward": True, "speculation": SPECULATE} | overlap
@@ -45,9 +51,10 @@ def _run(recipe, placement, tmp_path, name, **overlap):
 
 @pytest.mark.parametrize("placement", [DEVICE, pytest.param(HOST, marks=pytest.mark.slow)],
                          ids=["device", "host-nvme-host"])
-def test_speculated_updates_are_bitwise_the_deferred_update_and_match_torch(recipe, placement, tmp_path):
+def test_speculated_updates_are_bitwise_the_deferred_update_and_match_torch(recipe, placement, tmp_path,
+                                                                          deferred_device):
     ref_losses, ref_norms, ref_state = reference_run(recipe)
-    deferred = _run(recipe, placement, tmp_path, "d", speculation=0)
+    deferred = deferred_device if placement is DEVICE else _run(recipe, placement, tmp_path, "d", speculation=0)
     speculated = _run(recipe, placement, tmp_path, "s")
     assert (deferred[3]["update_mode"], speculated[3]["update_mode"]) == ("DeferredUpdate", "SpeculativeUpdate")
     assert speculated[3]["working_planned_terms"]["host"]["speculation"] > 0  # (the journal: a host working term)
@@ -59,10 +66,10 @@ def test_speculated_updates_are_bitwise_the_deferred_update_and_match_torch(reci
         torch.testing.assert_close(speculated[2][name], tensor, msg=lambda m, k=name: f"{k}: {m}")
 
 
-def test_a_journal_with_room_for_some_units_speculates_those_and_defers_the_rest(recipe, tmp_path):
+def test_a_journal_with_room_for_some_units_speculates_those_and_defers_the_rest(recipe, deferred_device):
     """An explicit `overlap.speculation` smaller than the whole journal: the units backward finalizes first are
     speculated, the others wait for the norm; the result is the same, bit for bit."""
-    deferred = _run(recipe, DEVICE, tmp_path, "d", speculation=0)
+    deferred = deferred_device
     cfg = recipe.config(**DEVICE) | {"overlap": {"speculation": 100_000}}
     engine = infinity.initialize(recipe.build(), cfg)
     try:
@@ -87,10 +94,10 @@ def test_a_journal_with_room_for_some_units_speculates_those_and_defers_the_rest
         assert torch.equal(state[name], tensor), name
 
 
-def test_the_auto_forecast_speculates_only_after_quiet_windows(recipe, tmp_path):
+def test_the_auto_forecast_speculates_only_after_quiet_windows(recipe, deferred_device):
     """Note [speculation forecast]: "auto" speculates a window only when the clip fired in none of the last 4
     (the run's first window speculates); the windows that wait for the norm give the same bits."""
-    deferred = _run(recipe, DEVICE, tmp_path, "d", speculation=0)
+    deferred = deferred_device
     fired = [norm + 1e-6 > recipe.grad_clip for norm in deferred[1]]  # (the clip coefficient under 1)
     engine = infinity.initialize(recipe.build(), recipe.config(**DEVICE) | {"overlap": {"speculation": SPECULATE}})
     try:
