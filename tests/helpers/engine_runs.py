@@ -56,10 +56,18 @@ ALL_PLACEMENTS = [{"params": p, "grads": g, "optimizer": o}
                   for o in ("device", "host", "nvme")]
 
 
-def all_placements_on_rank(rank: int, world: int, recipe: Recipe, swap_root: str, overlap: bool = False):
-    """Every placement in turn on this rank; returns [(placement, losses, norms, state)] (state on rank 0)."""
+_TIERS = ("device", "host", "nvme")
+LATIN_PLACEMENTS = [{"params": p, "grads": g, "optimizer": _TIERS[(i + j) % 3]}
+                    for i, p in enumerate(_TIERS) for j, g in enumerate(_TIERS)]
+"""9 of the 27: every (params, grads) pair once, every tier three times for each kind (a Latin square)."""
+
+
+def all_placements_on_rank(rank: int, world: int, recipe: Recipe, swap_root: str, overlap: bool = False,
+                           placements: list[dict] | None = None):
+    """Every placement (or `placements`) in turn on this rank; returns [(placement, losses, norms, state)] (state
+    on rank 0)."""
     out = []
-    for i, placement in enumerate(ALL_PLACEMENTS):
+    for i, placement in enumerate(ALL_PLACEMENTS if placements is None else placements):
         swap = os.path.join(swap_root, f"p{i}") if "nvme" in placement.values() else None
         extra = {"overlap": {"optimizer_with_backward": overlap}}
         losses, norms, state, _ = engine_run(recipe, placement, swap, extra, rank=rank, world=world)

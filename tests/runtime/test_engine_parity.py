@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from engine_runs import ALL_PLACEMENTS, all_placements_on_rank, engine_run
+from engine_runs import ALL_PLACEMENTS, LATIN_PLACEMENTS, all_placements_on_rank, engine_run
 from reference import Recipe, reference_run
 
 RECIPE = Recipe()
@@ -44,9 +44,13 @@ def test_world_size_1_matches_pytorch(reference, placement, overlap, tmp_path):
     assert_matches(reference, losses, norms, state, f"world 1 {placement} overlap={overlap}")
 
 
-@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sequential", "overlap"])
-def test_world_size_2_matches_pytorch_every_placement(reference, overlap, tmp_path):
-    results = run_distributed(all_placements_on_rank, 2, RECIPE, str(tmp_path), overlap)
+@pytest.mark.parametrize("overlap,placements", [
+    pytest.param(False, None, marks=pytest.mark.slow), pytest.param(True, None, marks=pytest.mark.slow),
+    (True, LATIN_PLACEMENTS)], ids=["sequential", "overlap", "overlap-latin"])
+def test_world_size_2_matches_pytorch_every_placement(reference, overlap, placements, tmp_path):
+    """World 2, every placement (CI: the 9 of a Latin square, each tier three times for each kind; `-m slow`:
+    all 27, with and without overlap)."""
+    results = run_distributed(all_placements_on_rank, 2, RECIPE, str(tmp_path), overlap, placements)
     for placement, losses, norms, state in results[0]:
         assert_matches(reference, losses, norms, state, f"world 2 {placement} overlap={overlap}")
     assert all(state == {} for _, _, _, state in results[1]), "full_state_dict is gathered on rank 0 only"
@@ -56,12 +60,12 @@ NO_CLIP = Recipe(grad_clip=0.0)
 
 
 SLOW = pytest.mark.slow
-EAGER_CASES = [  # CI: the middle placement at world 2; `-m slow`: all six
+EAGER_CASES = [  # CI: the middle placement at world 1 (world 2's eager update: test_zero_stages); `-m slow`: all six
     pytest.param(ALL_PLACEMENTS[0], 1, marks=SLOW),
-    pytest.param(ALL_PLACEMENTS[13], 1, marks=SLOW),
+    (ALL_PLACEMENTS[13], 1),
     pytest.param(ALL_PLACEMENTS[-1], 1, marks=SLOW),
     pytest.param(ALL_PLACEMENTS[0], 2, marks=SLOW),
-    (ALL_PLACEMENTS[13], 2),
+    pytest.param(ALL_PLACEMENTS[13], 2, marks=SLOW),
     pytest.param(ALL_PLACEMENTS[-1], 2, marks=SLOW)]
 
 
@@ -73,7 +77,8 @@ def test_eager_overlap_is_bitwise_the_sequential_step(placement, world, tmp_path
     runs = {}
     for overlap in (False, True):
         swap = str(tmp_path / f"swap{overlap}")
-        runs[overlap] = run_distributed(_run_on_rank, world, NO_CLIP, placement, swap, overlap)[0]
+        args = (NO_CLIP, placement, swap, overlap)
+        runs[overlap] = _run_on_rank(0, 1, *args) if world == 1 else run_distributed(_run_on_rank, world, *args)[0]
     (seq_losses, seq_state, seq_mode), (ovl_losses, ovl_state, ovl_mode) = runs[False], runs[True]
     assert (seq_mode, ovl_mode) == ("InlineUpdate", "EagerUpdate")
     assert seq_losses == ovl_losses
