@@ -53,7 +53,7 @@ part_sanitizer() {
 # shape: steady and synchronized steps, with and without clipping), l (the 1.12B Llama in bf16), d (DeepSpeed,
 # when it is installed)
 bench() {  # name, timeout, extra args
-  timeout "$2" python3 benchmarks/bench_gpu.py --cases "$1" --warmup 1 --steps 3 --json "$CASES/case_$1.json" \
+  timeout "$2" python3 benchmarks/bench_gpu.py --cases "$1" --warmup 1 --steps 8 --json "$CASES/case_$1.json" \
     ${BENCH_ARGS:-} "${@:3}" >>"$OUT/bench.log" 2>&1
   log "case $1 rc=$? $(python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['$1']; print({k: d[k] for k in
   ('step_s','steady_s','ratio','speed') if k in d})" "$CASES/case_$1.json" 2>/dev/null || echo '(no result)')"
