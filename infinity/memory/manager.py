@@ -28,54 +28,19 @@ import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from infinity.device.streams import Streams, bind_thread, host_wait
 from infinity.memory.buffers import HostArena, StagingBuffers, arena_bytes
 from infinity.memory.fresh import FreshCopies
-from infinity.memory.parked import Parked, park_bytes
+from infinity.memory.parked import park_bytes
 from infinity.memory.pending import Chained, Pending, WritesAfterCopy  # noqa: F401 - Pending: the handles' home for callers
 from infinity.memory.placement import Plan
+from infinity.memory.shards import Chunk, Shard, crossing
 from infinity.memory.tier import Kind, Residency, Tier, check_transition
 from infinity.profile import Link, NullProfiler
-from io_engine import Extent, SwapSpace
-
-
-@dataclass
-class _Chunk:
-    start: int  # element offset within the shard (what the rank stores of this kind)
-    numel: int
-    state: Residency = Residency.ZERO
-    extent: Extent | None = None  # NVMe only
-    write: object = None  # the IOFuture of a write-back in flight (NVMe only)
-    version: int = 0  # bumped by every store / mark_zero: a copy read earlier is current iff it matches
-    device_use: object = None  # HOST only: the event of the last copy to or from the device of these bytes
-
-
-@dataclass
-class _Shard:
-    unit: int
-    kind: Kind
-    tier: Tier
-    dtype: torch.dtype
-    numel: int
-    chunks: list[_Chunk] = field(default_factory=list)
-    resident: torch.Tensor | None = None  # DEVICE / HOST storage of the whole shard
-    parked: "Parked | None" = None  # DEVICE shards while the engine is offloaded (Note [offloaded states])
-
-    def span(self, chunk: "int | range | None") -> tuple[int, int]:
-        """(start, numel) within the shard of one chunk, a run of chunks, or the whole shard (None)."""
-        ids = self.chunk_ids(chunk)
-        if chunk is None or not ids:
-            return (0, self.numel) if chunk is None else (0, 0)
-        return self.chunks[ids[0]].start, sum(self.chunks[i].numel for i in ids)
-
-    def chunk_ids(self, chunk: "int | range | None") -> range:
-        if isinstance(chunk, range):
-            return chunk
-        return range(len(self.chunks)) if chunk is None else range(chunk, chunk + 1)
+from io_engine import SwapSpace
 
 
 class TieredMemoryManager:
@@ -88,7 +53,7 @@ class TieredMemoryManager:
         self.pin_host = pin_host
         self.staging = StagingBuffers(device, pin=pin_host)
         self.fresh = FreshCopies(fresh_budget, self.staging.release)  # Note [fresh parameters]
-        self._shards: dict[tuple[int, Kind], _Shard] = {}
+        self._shards: dict[tuple[int, Kind], Shard] = {}
         host = [(u.numel(k), plan.dtype(k)) for i, u in enumerate(plan.units) for k in Kind
                 if plan.tier(i, k) is Tier.HOST]
         self.host_arena = HostArena(arena_bytes(host), pin=pin_host) if pin_host else None  # Note [pinned arena]
@@ -103,10 +68,10 @@ class TieredMemoryManager:
         layout = self.plan.units[unit].layout.of(kind)
         tier = self.plan.tier(unit, kind)
         dtype = self.plan.dtype(kind)
-        shard = _Shard(unit=unit, kind=kind, tier=tier, dtype=dtype, numel=layout.numel)
+        shard = Shard(unit=unit, kind=kind, tier=tier, dtype=dtype, numel=layout.numel)
         start = 0
         for n in layout.chunks:
-            shard.chunks.append(_Chunk(start=start, numel=n))
+            shard.chunks.append(Chunk(start=start, numel=n))
             start += n
         assert start == layout.numel, (start, layout.numel)
         if tier is Tier.DEVICE:
@@ -129,7 +94,7 @@ class TieredMemoryManager:
             for p, m in zip(params.chunks, master.chunks, strict=True):
                 p.extent = m.extent
 
-    def _aliased(self, shard: _Shard) -> bool:
+    def _aliased(self, shard: Shard) -> bool:
         """`shard` is parameters stored as the master (Note [aliased parameters])."""
         return shard.kind is Kind.PARAMS and self.plan.aliases_master(shard.unit)
 
@@ -172,7 +137,7 @@ class TieredMemoryManager:
             self.store(unit, Kind.PARAMS, chunk, target)
 
     # ----------------------------------------------------------------- state
-    def _set(self, shard: _Shard, c: _Chunk, new: Residency) -> None:
+    def _set(self, shard: Shard, c: Chunk, new: Residency) -> None:
         check_transition(c.state, new, f"unit {shard.unit} {shard.kind.value} chunk@{c.start}")
         c.state = new
 
@@ -195,7 +160,7 @@ class TieredMemoryManager:
         shard = self._shards[(unit, kind)]
         return tuple(shard.chunks[i].version for i in shard.chunk_ids(chunk))
 
-    def _wait_write(self, c: _Chunk) -> None:
+    def _wait_write(self, c: Chunk) -> None:
         if c.write is not None:
             c.write.wait()  # read-after-write: the previous write-back must land before the bytes are reused
 
@@ -244,7 +209,7 @@ class TieredMemoryManager:
         return self.profiler.device_span(f"{key} {nbytes} B", Link.H2D if key == "h2d" else Link.D2H,
                                          num_bytes=nbytes)
 
-    def _settle(self, shard: _Shard, ids) -> None:
+    def _settle(self, shard: Shard, ids) -> None:
         """Before the CPU reads or rewrites host bytes of `shard`: the copies to or from the device using them
         must be done (on the thread that touches them: the optimizer worker, a checkpoint writer)."""
         for i in ids:
@@ -253,7 +218,7 @@ class TieredMemoryManager:
                 host_wait(c.device_use, "host bytes in a device copy")  # (issued long ago: normally done)
                 c.device_use = None
 
-    def _order_device(self, shard: _Shard, ids, stream) -> None:
+    def _order_device(self, shard: Shard, ids, stream) -> None:
         """Before a copy on `stream` reads or writes host bytes of `shard`: it waits, on the device, for the
         copies using them before."""
         for i in ids:
@@ -298,7 +263,7 @@ class TieredMemoryManager:
         self.streams.wait_event(done)
         self.streams.hold(dst, self.streams.current())
 
-    def _fetch_nvme(self, shard: _Shard, chunk, start: int, numel: int, device: torch.device,
+    def _fetch_nvme(self, shard: Shard, chunk, start: int, numel: int, device: torch.device,
                     into: torch.Tensor | None, urgent: bool) -> Pending:
         direct = into is not None and into.device.type == "cpu"
         host = into if direct else self.staging.host_buffer(numel, shard.dtype)
@@ -448,12 +413,12 @@ class TieredMemoryManager:
                     if view.device.type == "cpu":
                         self._settle(shard, ids)  # these bytes are rewritten now
                     upload = release and tensor.device.type == "cpu" and view.device.type != "cpu"
-                    with self._device_span(_crossing(tensor.device, view.device), tensor):  # (the update's h2d)
+                    with self._device_span(crossing(tensor.device, view.device), tensor):  # (the update's h2d)
                         view.copy_(tensor, non_blocking=upload)  # (on the producer's stream: in order after it)
                     if upload:  # Note [async upload]: the buffer goes back once the copy has read it
                         self.staging.release_after(tensor, self.streams.record())
                         release = False
-                if (link := _crossing(tensor.device, view.device)) is not None:  # every byte moved is counted
+                if (link := crossing(tensor.device, view.device)) is not None:  # every byte moved is counted
                     self.bytes_moved[link] += numel * shard.dtype.itemsize  # (Note [traffic per step])
             for i in shard.chunk_ids(chunk):
                 self._set(shard, shard.chunks[i], Residency.RESIDENT)
@@ -532,7 +497,7 @@ class TieredMemoryManager:
         host_wait(done, "d2h store")  # the caller reuses src, and the disk write reads dst, next
         return done
 
-    def _timed(self, fut, link: Link, shard: _Shard, c: _Chunk):
+    def _timed(self, fut, link: Link, shard: Shard, c: Chunk):
         """Record the transfer as a span when it completes (on the io thread)."""
         if self.profiler.enabled:
             start, name = time.perf_counter(), f"{link.value} {shard.kind.value} u{shard.unit} @{c.start}"
@@ -612,8 +577,3 @@ class TieredMemoryManager:
         self.staging.close()
         if self.host_arena is not None:
             self.host_arena.close()
-
-
-def _crossing(src: torch.device, dst: torch.device) -> str | None:
-    """The link a copy from `src` to `dst` crosses: "h2d", "d2h", or None (same memory)."""
-    return None if (src.type == "cpu") == (dst.type == "cpu") else ("h2d" if src.type == "cpu" else "d2h")

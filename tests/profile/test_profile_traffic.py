@@ -176,11 +176,11 @@ def _events(tiers: dict[str, str], *, accum: int, is_root: bool) -> list[tuple[s
 @pytest.mark.parametrize("accum", [1, 3])
 def test_cuda_traffic_is_every_crossing_the_manager_counts(accum):
     """With a GPU (faked: only the arithmetic), the byte model's h2d / d2h / NVMe bytes per step are the
-    sum over every transfer the engine makes, each counted the way the manager counts it (`_crossing`:
+    sum over every transfer the engine makes, each counted the way the manager counts it (`shards.crossing`:
     a copy between host memory and the GPU, whichever tier asked for it), for all 27 placements, root and
     not. Nothing is kept (no fresh copies) and parameters are bf16, so none alias the master."""
-    from infinity.memory.manager import _crossing
     from infinity.memory.placement import Plan
+    from infinity.memory.shards import crossing
     from infinity.memory.tier import Kind, Tier
     from infinity.memory.traffic import UnitSizes
     n, csize = 1000, 2
@@ -193,7 +193,7 @@ def test_cuda_traffic_is_every_crossing_the_manager_counts(accum):
         expected = {"nvme_read": 0, "nvme_write": 0, "h2d": 0, "d2h": 0}
         for is_root in (True, False):
             for kind, disk, src, dst in _events(tiers, accum=accum, is_root=is_root):
-                link = _crossing(src, dst)
+                link = crossing(src, dst)
                 if link is not None:
                     expected[link] += nbytes[kind]
                 if disk:
@@ -209,12 +209,13 @@ def test_the_manager_counts_copies_into_resident_tiers():
     device is faked by the meta device (copies into it move no data; the counting is what is checked).
     Before the manager counted them, the h2d here stayed 0."""
     from infinity.device.streams import Streams
-    from infinity.memory.manager import TieredMemoryManager, _crossing
+    from infinity.memory.manager import TieredMemoryManager
     from infinity.memory.placement import Plan
+    from infinity.memory.shards import crossing
     from infinity.memory.tier import Kind, Tier
     from infinity.memory.traffic import UnitSizes
-    assert _crossing(GPU, CPU) == "d2h" and _crossing(CPU, GPU) == "h2d"
-    assert _crossing(CPU, CPU) is None and _crossing(GPU, torch.device("cuda", 0)) is None
+    assert crossing(GPU, CPU) == "d2h" and crossing(CPU, GPU) == "h2d"
+    assert crossing(CPU, CPU) is None and crossing(GPU, torch.device("cuda", 0)) is None
     units = (UnitSizes.uniform("u0", 8, 8, chunk_numels=(8,)),)
     tiers = {k: Tier.HOST for k in Kind} | {Kind.PARAMS: Tier.DEVICE}
     plan = Plan(tiers=(tiers,), units=units, compute_dtype=torch.bfloat16)
