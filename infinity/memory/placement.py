@@ -186,6 +186,10 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     plan = with_tail(plan, tail_units, budgets)
     plan = traffic.with_read_ahead(plan, traffic.resolve_read_ahead(read_ahead, plan, budgets) if read_ahead else 0)
     plan = traffic.with_speculation(plan, traffic.resolve_speculation(speculation, plan, budgets) if speculation else 0)
+    if speculation not in (0, "auto") and not traffic.speculated_units(plan, not budgets.shared_ram):
+        plan = dataclasses.replace(plan, reasons=plan.reasons + (  # (a setting that cannot act is said, not ignored)
+            f"overlap.speculation = {_fmt(int(speculation))}: no unit is speculated (units with parameters or "
+            f"optimizer state on NVMe, or the optimizer on the GPU, never are: Note [speculative update])",))
     assert not _fits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
     return plan
 

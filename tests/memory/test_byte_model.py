@@ -133,3 +133,15 @@ def test_the_bench_out_of_core_budget_flags_reach_the_engine():
     memory = infinity.Config.from_dict(cfg).memory
     assert (memory.host_budget, memory.device_budget) == (2 << 30, 3 << 30)
     assert "memory" not in bench_out_of_core.engine_config(bench_out_of_core.parse_args(["--dir", "/x"]))
+
+
+@pytest.mark.parametrize("speculation", ["64MiB", "auto"])
+def test_a_speculation_size_that_cannot_act_is_said_in_the_plan(speculation, tmp_path):
+    """Every unit's state on NVMe: nothing can be speculated (Note [speculative update]); an explicit size says so
+    in the plan's reasons (what `infinity estimate` prints) instead of being ignored; "auto" needs no word."""
+    config = _config(tmp_path, "64MiB", speculation=speculation)
+    sizes = est.unit_sizes_of(build_model(SMALL).model, config, 1)
+    budgets = Budgets(device=1 << 30, host=64 << 20, nvme=1 << 40, shared_ram=False, ram=8 << 30)
+    plan = plan_for_config(sizes, config, budgets)
+    said = [r for r in plan.reasons if r.startswith("overlap.speculation")]
+    assert plan.speculation == 0 and len(said) == (speculation != "auto"), plan.reasons
