@@ -89,7 +89,7 @@ def report(logs: str, elapsed_s: float | None) -> dict:
     return out
 
 
-INFO = ("spec_no_fire_over_no_clip", "all_cores_over_auto")  # bench_gpu's diagnostic ratios (no bar)
+INFO = ("steady_median_s", "spec_no_fire_over_no_clip", "all_cores_over_auto")  # bench_gpu's diagnostics (no bar)
 
 
 def table(rep: dict) -> str:
@@ -100,7 +100,7 @@ def table(rep: dict) -> str:
         met = {None: "-", True: "yes", False: "NO"}[b["met"]]
         lines.append(f"{b['what']} | {measured} | {b['bar']} | {met}")
     for name, case in sorted(rep["cases"].items()):
-        lines += [f"case {name}: {key} = {case[key]:.3f}" for key in INFO if key in case]
+        lines += [f"case {name}: {key} = {case[key]:.3f}" for key in INFO if case.get(key) is not None]
     return "\n".join(lines)
 
 
