@@ -54,6 +54,11 @@ class EngineForward(nn.Module):
     def forward(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
 
+    def generate(self, *args, **kwargs):
+        """The model's own `generate` on the engine (trainers that sample from the wrapped model: GRPO, a
+        Seq2SeqTrainer's predict_with_generate)."""
+        return self.engine.generate(*args, **kwargs)
+
     def train(self, mode: bool = True) -> "EngineForward":
         super().train(mode)
         self.engine.train(mode)

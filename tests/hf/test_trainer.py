@@ -153,6 +153,21 @@ def test_use_cpu_on_a_machine_with_a_gpu_is_refused(tmp_path, monkeypatch):
         InfinityTrainer(model=tiny_llama(), args=args, train_dataset=lm_dataset(4))
 
 
+def test_the_wrapped_model_generates_as_the_model_does(tmp_path):
+    """Trainers that sample from the model they wrapped (TRL's GRPO, predict_with_generate) call `generate` on it:
+    the engine's forward generates the same greedy tokens as transformers' model with the same weights."""
+    reference = tiny_llama(seed=3)
+    trainer = InfinityTrainer(model=tiny_llama(seed=3), args=args_for(tmp_path, eval_strategy="no"),
+                              train_dataset=lm_dataset(4))
+    try:
+        prompt = torch.tensor([lm_dataset(1, length=5, seed=4)["input_ids"][0]])
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        wrapped = trainer._wrap_model(trainer.model)
+        torch.testing.assert_close(wrapped.generate(prompt, **kw), reference.generate(prompt, **kw), rtol=0, atol=0)
+    finally:
+        trainer.engine.close()
+
+
 def test_infinity_config_cannot_contradict_the_arguments(tmp_path):
     with pytest.raises(infinity.ConfigError, match="optimizer.lr"):
         InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path), train_dataset=lm_dataset(4),
