@@ -227,8 +227,9 @@ def _load_state(rank, world, recipe, placement, root, ckpt, stage):
         return engine.full_state_dict()
 
 
-@pytest.mark.parametrize("saved,loaded", [pytest.param((3, 2), (2, 1), marks=pytest.mark.slow), ((0, 1), (3, 2)),
-                                          ((1, 1), (3, 1))],
+@pytest.mark.parametrize("saved,loaded", [pytest.param((3, 2), (2, 1), marks=pytest.mark.slow),
+                                          pytest.param((0, 1), (3, 2), marks=pytest.mark.slow),  # (CI: in
+                                          ((1, 1), (3, 1))],  # test_zero_stages' chain of resumes over worlds)
                          ids=["s3w2-to-s2w1", "s0w1-to-s3w2", "s1w1-to-s3w1"])
 def test_checkpoint_resumes_at_another_stage_and_world_size(saved, loaded, tmp_path):
     """Trained state (masters, moments, frozen weights) saved at one stage and world size resumes at another
