@@ -415,9 +415,9 @@ class TieredMemoryManager:
                     upload = release and tensor.device.type == "cpu" and view.device.type != "cpu"
                     with self._device_span(crossing(tensor.device, view.device), tensor):  # (the update's h2d)
                         view.copy_(tensor, non_blocking=upload)  # (on the producer's stream: in order after it)
-                    if upload:  # Note [async upload]: the buffer goes back once the copy has read it
-                        self.staging.release_after(tensor, self.streams.record())
-                        release = False
+                    if upload and self.staging.owns(tensor):  # Note [async upload]: the buffer goes back once the
+                        self.staging.release_after(tensor, self.streams.record())  # copy has read it (a tier's own
+                        release = False  # bytes: store_master holds them)
                 if (link := crossing(tensor.device, view.device)) is not None:  # every byte moved is counted
                     self.bytes_moved[link] += numel * shard.dtype.itemsize  # (Note [traffic per step])
             for i in shard.chunk_ids(chunk):

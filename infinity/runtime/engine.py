@@ -130,7 +130,7 @@ class Engine:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
             self._counters.append(counter)
-        self._handles += self.activations.install() + [self.graph_hooks]  # (after the unit hooks)
+        self._handles += self.activations.install() + [self.graph_hooks]  # (after unit hooks: Note [unit checkpoints])
         self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device,
                                            backward_pending=lambda: self._backward_pending)
         self._handles += self.inference.handles
