@@ -92,14 +92,23 @@ def llama_ffn(cfg: ModelConfig) -> int:
     return cfg.ffn_dim or 64 * -(-(8 * cfg.d_model // 3) // 64)
 
 
-def estimator_llama(cfg: ModelConfig, layers: int | None = None) -> ModelBundle:
-    """The `[model]` Llama shape as the estimator's torch-only copy (Note [estimator's Llama]), on the meta device."""
-    from infinity.job.estimate_llama import LlamaForCausalLM
+def estimator_llama(cfg: ModelConfig, layers: int | None = None, sizes: dict | None = None) -> ModelBundle:
+    """The `[model]` Llama shape as the estimator's torch-only copy (Note [estimator's Llama]), on the meta device;
+    with `sizes` (estimate_llama.copy_sizes) at those sizes, its small twin (Note [small twin])."""
+    from infinity.job.estimate_llama import LlamaForCausalLM, copy_dims
     from infinity.runtime.materialize import meta_init
+    dims = copy_dims(sizes) if sizes else {"vocab": cfg.vocab_size, "d": cfg.d_model, "heads": cfg.n_head,
+                                           "kv_heads": cfg.n_kv_head or cfg.n_head, "ffn": llama_ffn(cfg)}
     with meta_init():
-        model = LlamaForCausalLM(cfg.vocab_size, cfg.d_model, layers or cfg.n_layer, cfg.n_head,
-                                 cfg.n_kv_head or cfg.n_head, llama_ffn(cfg))
+        model = LlamaForCausalLM(dims["vocab"], dims["d"], layers or cfg.n_layer, dims["heads"], dims["kv_heads"],
+                                 dims["ffn"])
     return ModelBundle(model, None, _lm_loss, f"llama (estimator's copy) {_count(model)}")
+
+
+def llama_sizes(cfg: ModelConfig) -> dict | None:
+    """A `[model]` Llama shape's sizes as its small twin's symbols (Note [small twin]); None: it has no twin."""
+    from infinity.job.estimate_llama import copy_sizes
+    return copy_sizes(cfg.vocab_size, cfg.d_model, cfg.n_head, cfg.n_kv_head or cfg.n_head, llama_ffn(cfg))
 
 
 def _count(model: nn.Module) -> str:
@@ -162,11 +171,12 @@ def _check_pretrained(cfg: ModelConfig, vocab, positions) -> None:
 
 
 def estimator_pretrained_llama(cfg: ModelConfig, lora: LoraConfig, hf: dict, fields: dict, targets: tuple,
-                               layers: int | None = None) -> ModelBundle:
+                               layers: int | None = None, sizes: dict | None = None) -> ModelBundle:
     """A pretrained Llama directory (its config.json `hf`, the copy's `fields` from estimate_llama.llama_fields)
     as the estimator's copy, LoRA-wrapped as PEFT wraps it with [model.lora] r > 0 (`targets`: its linears), on the
     meta device, without importing transformers or PEFT (Note [estimator's Llama]); the job's checks as
-    `_pretrained` makes them (transformers and PEFT installed, the vocabulary, the positions)."""
+    `_pretrained` makes them (transformers and PEFT installed, the vocabulary, the positions). With `sizes`
+    (estimate_llama.copy_sizes) at those sizes, its small twin (Note [small twin])."""
     from importlib.util import find_spec
 
     from infinity.job import estimate_llama as copy
@@ -178,6 +188,11 @@ def estimator_pretrained_llama(cfg: ModelConfig, lora: LoraConfig, hf: dict, fie
     if lora.r and find_spec("peft") is None:
         raise ConfigError(f"model.lora.r = {lora.r} needs PEFT: pip install peft (or remove model.lora.r)")
     args = {k: v for k, v in fields.items() if k != "dtype"}
+    r = lora.r
+    if sizes is not None:
+        dims = copy.copy_dims(sizes)
+        r = dims.pop("r")
+        args.update(dims)
     default = torch.get_default_dtype()
     torch.set_default_dtype(fields["dtype"])  # as transformers builds a config's dtype
     try:
@@ -186,10 +201,10 @@ def estimator_pretrained_llama(cfg: ModelConfig, lora: LoraConfig, hf: dict, fie
     finally:
         torch.set_default_dtype(default)
     description = f"llama from {cfg.pretrained} (estimator's copy) ({_count(model)}"
-    if lora.r:
+    if r:
         with meta_init():
-            model = copy.PeftModelForCausalLM(model, lora.r, lora.alpha, lora.dropout, targets)
-        description += f"; LoRA r={lora.r}"
+            model = copy.PeftModelForCausalLM(model, r, lora.alpha, lora.dropout, targets)
+        description += f"; LoRA r={r}"
     return ModelBundle(model, None, _lm_loss, description + ")", weights=cfg.pretrained)
 
 

@@ -103,7 +103,8 @@ class LlamaModel(nn.Module):
     def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, ffn: int, eps: float,
                  theta: float):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, d)
+        # the weight given: Embedding's own init (normal_) on the meta device imports torch._dynamo (~1.2 s)
+        self.embed_tokens = nn.Embedding(vocab, d, _weight=torch.empty(vocab, d))
         self.layers = nn.ModuleList(LlamaDecoderLayer(d, heads, kv_heads, ffn, eps) for _ in range(layers))
         self.norm = LlamaRMSNorm(d, eps)
         dim = d // heads
@@ -170,6 +171,27 @@ def llama_fields(hf: dict) -> dict | None:
             "eps": float(hf.get("rms_norm_eps", 1e-6)), "theta": float(rope.get("rope_theta", hf.get("rope_theta",
                                                                                                   10000.0))),
             "tie": bool(hf.get("tie_word_embeddings", False)), "dtype": DTYPES[dtype]}
+
+
+def copy_sizes(vocab: int, d: int, heads: int, kv_heads: int, ffn: int, r: int = 0) -> dict | None:
+    """The copy's sizes as the symbols of its small twin (Note [small twin]): key/value heads, query heads per
+    key/value head, half a head (rotary embeddings halve a head), the MLP width, the vocabulary and LoRA's rank
+    (absent without LoRA); None when a head is not an even number of elements (the meta trace then)."""
+    head = d // heads
+    if head % 2:
+        return None
+    # in the order the twin takes its primes: the smallest where they multiply most (d = kv.groups.2.half_head,
+    # then the tokens: batch and sequence, filled in per trace)
+    sizes = {"kv": kv_heads, "groups": heads // kv_heads, "half_head": head // 2, "batch": None, "seq": None,
+             "ffn": ffn, "vocab": vocab}
+    return sizes | ({"r": r} if r else {})
+
+
+def copy_dims(sizes: dict) -> dict:
+    """`copy_sizes` back to the copy's arguments (vocab, d, heads, kv_heads, ffn) and LoRA's rank `r`."""
+    heads = sizes["kv"] * sizes["groups"]
+    return {"vocab": sizes["vocab"], "d": heads * 2 * sizes["half_head"], "heads": heads, "kv_heads": sizes["kv"],
+            "ffn": sizes["ffn"], "r": sizes.get("r", 0)}
 
 
 # PEFT's LoRA targets for a Llama ("all-linear": every linear layer but the output head)

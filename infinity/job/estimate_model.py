@@ -13,6 +13,24 @@ blocks save the same shapes). tests/job/test_estimate_fast.py holds the extended
 byte, to the full model's (every tier, the activations, the table and the plans) on small configs; for a 70B
 Llama this turns ~10 s of model build and trace into ~0.2 s. A model given as `module:function`, or whose
 blocks may differ (a pretrained type not known to repeat one block), is built and traced whole.
+
+Note [small twin]: a meta trace costs more to start than to run. torch's meta kernels of elementwise operations
+are Python (torch._refs) wrapped to keep dynamo out, and the first call imports torch._dynamo and sympy: ~1.1 s
+of a 70B estimate's ~4.5 s, for four traces of ~0.07 s each. The estimator's Llama (Note [estimator's Llama])
+is traced as its small twin instead: the same model (depth, dtype, LoRA targets and dropout, tied embeddings),
+on the CPU with zeros for weights, each of its sizes replaced by a distinct odd prime, the smallest where they
+multiply most (key/value heads 3, query heads per key/value head 5, half a head 7: d = 210; micro-batch 11,
+sequence 13; then the MLP width, the vocabulary, LoRA's rank), a size of 1 kept 1, and attention on torch's math
+kernel (what the meta trace runs). Every count the trace takes (a saved tensor's elements, an input's, one
+operation's FLOPs) is then a product of those primes and of 2s (a head is two halves, a multiply-add two
+FLOPs): its factorization names the product of sizes it is, and the same product of the full sizes is the
+full model's count (`twin_scale`). A count with another odd factor, a trace that fails, or units that differ
+fall back to the meta trace, as do a tiled model (its tiles depend on its sizes) and a chunked loss. What this
+rests on: the copy's counts are such products, with no odd constant (an odd constant equal to one of the primes
+would be misread). tests/job/test_estimate_fast.py holds the twin's Trace equal to the meta trace field by
+field (fp32 / bf16 / fp16, grouped-query or not, LoRA all-linear with dropout or q/v, tied embeddings,
+micro-batch 1 and 3, 2 and 3 blocks), and a 70B estimate importing neither torch._dynamo nor sympy. The twin's
+traces take ~0.03 s each (fp16 stays fp16: at d = 210 its slow CPU matmuls still take milliseconds).
 """
 
 from __future__ import annotations
@@ -74,12 +92,72 @@ def group_counts(model: nn.Module, config: Config) -> list[dict]:
             for g in resolve_groups(model, config.optimizer, None).groups]
 
 
+class FlopCount:
+    """The FLOPs of the operations run inside it, by torch's own formulas (`torch.utils.flop_counter`'s registry),
+    counted as torch's `FlopCounterMode` counts them (an operation without a formula is counted through its
+    decomposition), total only (tests/job/test_estimate_fast.py holds the two equal); each operation's count
+    through `scale` (a small twin's, Note [small twin]).
+
+    Note [flop count without dynamo]: `FlopCounterMode`, like every `TorchDispatchMode` subclass by default,
+    wraps its dispatch in `torch._disable_dynamo`, whose first call imports `torch._dynamo`: ~1.2 s of a 70B
+    estimate's ~5 s, for a trace that never compiles. This mode opts out (`_should_skip_dynamo`, the hook
+    torch's `TorchDispatchMode` documents for it); the trace runs no compiled code inside it."""
+
+    def __init__(self, scale: Callable[[int], int] = int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils.flop_counter import flop_registry
+        formulas = flop_registry  # its formulas take tensors (register_flop_formula wraps them to shapes)
+        counter = self
+        self.total = 0
+        aten = torch.ops.aten
+        queries = {aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
+                   aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default,
+                   aten.size.default, aten.sym_size.default, aten.stride.default, aten.sym_stride.default,
+                   aten.storage_offset.default, aten.sym_storage_offset.default, aten.numel.default,
+                   aten.sym_numel.default, aten.dim.default, torch.ops.prim.layout.default}  # answered below it
+
+        class Mode(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls):
+                return False  # Note [flop count without dynamo]
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func in queries:
+                    return NotImplemented
+                if func is not torch.ops.prim.device.default:  # as FlopCounterMode: its decomposition, if any
+                    with self:
+                        out = func.decompose(*args, **kwargs)
+                    if out is not NotImplemented:
+                        return out
+                out = func(*args, **kwargs)
+                formula = formulas.get(func._overloadpacket)
+                if formula is not None:
+                    counter.total += scale(formula(*args, **kwargs, out_val=out))
+                return out
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+
 def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
-               unit_modules: list[nn.Module] = ()) -> Trace:
+               unit_modules: list[nn.Module] = (), scale: Callable[[int], int] | None = None) -> Trace:
     """Forward + backward of one micro-batch on meta tensors: saved activations and FLOPs (no memory used),
-    and per unit (`unit_modules`, the root's excluded) what it saves, its inputs and its forward's FLOPs."""
-    from torch.utils.flop_counter import FlopCounterMode
-    model = model.to("meta")
+    and per unit (`unit_modules`, the root's excluded) what it saves, its inputs and its forward's FLOPs.
+    With `scale`: `model` is a small twin on the CPU (Note [small twin]), every count of elements and of FLOPs
+    is scaled to the full model's by `scale`, and attention runs torch's math kernel (what the meta trace runs)."""
+    if scale is None:
+        model, device, scale = model.to("meta"), "meta", int
+    else:
+        device = "cpu"
     params = {id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
     owner: dict[int, int] = {}  # saved tensor -> the unit running when it was first saved (0: the root)
@@ -88,18 +166,20 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
     def pack(t: torch.Tensor):
         base = t._base if t._base is not None else t
         if id(t) not in params and id(base) not in params:
-            saved[id(base)] = base.numel() * base.element_size()
+            saved[id(base)] = scale(base.numel()) * base.element_size()
             owner.setdefault(id(base), current[0])
         return t
-    x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    x = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     try:
-        with FlopCounterMode(display=False) as flops:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        with FlopCount(scale) as flops, sdpa_kernel([SDPBackend.MATH]):
             handles = []
             for i, module in enumerate(unit_modules, start=1):
                 def pre(_m, args, i=i):
                     current[0] = i
                     unit_flops[0] -= flops.get_total_flops()
-                    inputs[i - 1] += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+                    inputs[i - 1] += sum(scale(a.numel()) * a.element_size() for a in args
+                                         if isinstance(a, torch.Tensor))
 
                 def post(_m, _a, _o):
                     current[0] = 0
@@ -123,28 +203,121 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
                  unit_forward_flops=float(unit_flops[0]))
 
 
-def tracer(make_model: Callable, config: Config, seq_len: int) -> Callable[[int], Trace]:
+class TwinMismatch(Exception):
+    """A count of the small twin's that is not a product of its sizes (Note [small twin]): the meta trace then."""
+
+
+TWIN_PRIMES = (3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
+
+
+def twin_scale(full: dict[str, int]) -> tuple[dict[str, int], Callable[[int], int]]:
+    """Note [small twin]: the twin's sizes for the model's `full` sizes (symbol -> value; a size of 1 stays 1, each
+    other a distinct odd prime, the smallest first, in the order given) and the map from a count of the twin's (a
+    product of its sizes, times 2s) to the same product of the full sizes."""
+    primes = iter(TWIN_PRIMES)
+    small = {name: 1 if value == 1 else next(primes) for name, value in full.items()}
+    pairs = [(small[name], full[name]) for name in full if small[name] != 1]
+
+    def scale(n: int) -> int:
+        if n == 0:
+            return 0
+        out, rest = 1, n
+        for prime, value in pairs:
+            while rest % prime == 0:
+                rest //= prime
+                out *= value
+        if rest & (rest - 1):  # what is left must be a power of two
+            raise TwinMismatch(f"{n} is not a product of the twin's sizes {small} and of 2s")
+        return out * rest
+    return small, scale
+
+
+@dataclass(frozen=True)
+class Twin:
+    """A model that can be built at other sizes (Note [small twin]): its own `sizes` (symbol -> value) and
+    `build(sizes)`, the same model (its depth, dtype, LoRA) at those sizes, on the meta device."""
+
+    sizes: dict
+    build: Callable[[dict], object]
+
+
+def _materialized(bundle):
+    """A twin's meta-device model with its parameters as zeros on the CPU, tied ones still tied (values do not
+    matter to a trace; `to_empty` would run torch's Python meta kernels, which import torch._dynamo)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in bundle.model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.device.type == "meta":
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.zeros(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
+    return bundle
+
+
+class TwinTrace:
+    """Traces of a model as its small twin (Note [small twin]), untiled, its loss unchunked: micro-batch -> the
+    Trace of the full model, or TwinMismatch where a count is not a product of the twin's sizes."""
+
+    def __init__(self, twin: Twin, config: Config, seq_len: int):
+        self.twin, self.config, self.seq_len = twin, config, seq_len
+        self._built: dict = {}  # the twin's sizes -> its bundle, on the CPU
+
+    def __call__(self, batch: int) -> Trace:
+        from infinity.units.builder import activation_modules
+        sizes, scale = twin_scale({k: {"batch": batch, "seq": self.seq_len}.get(k, v)
+                                   for k, v in self.twin.sizes.items()})
+        model_sizes = {k: v for k, v in sizes.items() if k not in ("batch", "seq")}
+        key = tuple(model_sizes.values())
+        if key not in self._built:
+            self._built[key] = _materialized(self.twin.build(model_sizes))
+        bundle = self._built[key]
+        named = activation_modules(bundle.model, list(self.config.units.classes))
+        result = trace_step(bundle.model, lambda m, x, y: bundle.loss(m, x, y), sizes["batch"], sizes["seq"],
+                            [m for _, m in named], scale=scale)
+        if result.error is not None:
+            raise TwinMismatch(result.error)
+        return dataclasses.replace(result, unit_names=tuple(n for n, _ in named))
+
+
+def tracer(make_model: Callable, config: Config, seq_len: int, twin: Twin | None = None) -> Callable[[int], Trace]:
     """micro-batch -> the Trace of one forward + backward of a copy of `make_model()` (tracing moves its buffers to
-    the meta device), tiled and checkpointed as `initialize` does it; each micro-batch traced once."""
+    the meta device), tiled and checkpointed as `initialize` does it; each micro-batch traced once. With a `twin`
+    (an untiled model, its loss unchunked): traced as its small twin (Note [small twin])."""
     traced = make_model()
     from infinity.runtime.chunked_loss import kept_whole, loss_forward  # the engine's forward (Note [chunked loss])
     from infinity.units.builder import activation_modules
     from infinity.units.tiling import tile_layers
     forward = loss_forward(config.activation, traced.model)
-    tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
-                keep=kept_whole(forward))  # as initialize
+    tiling = tile_layers(traced.model, config.units.tile_bytes, dtype_of(config.precision.compute_dtype).itemsize,
+                         keep=kept_whole(forward))  # as initialize
     named = activation_modules(traced.model, list(config.units.classes))
     blocks, names = [m for _, m in named], tuple(n for n, _ in named)
-    return functools.cache(lambda batch: dataclasses.replace(trace_step(
-        traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch, seq_len, blocks), unit_names=names))
+    as_twin = TwinTrace(twin, config, seq_len) if twin is not None else None
+
+    def trace(batch: int) -> Trace:
+        if as_twin is not None and forward is traced.model and not tiling.parts:
+            try:
+                result = as_twin(batch)
+                if result.unit_names == names:
+                    return result
+            except TwinMismatch:
+                pass  # the meta trace, as for a model without a twin
+        return dataclasses.replace(trace_step(traced.model, lambda _m, x, y: traced.loss(forward, x, y), batch,
+                                              seq_len, blocks), unit_names=names)
+    return functools.cache(trace)
 
 
 @dataclass(frozen=True)
 class Depth:
-    """A model whose blocks repeat: `layers` blocks in full; `build(d)` makes the same model with d blocks."""
+    """A model whose blocks repeat: `layers` blocks in full; `build(d)` makes the same model with d blocks;
+    with `sizes` (its symbols, Note [small twin]) `build(d, sizes)` makes it at those sizes."""
 
     layers: int
-    build: Callable[[int], object]
+    build: Callable[..., object]
+    sizes: dict | None = None
+
+    def twin(self, blocks: int) -> Twin | None:
+        return None if self.sizes is None else Twin(self.sizes, lambda sizes: self.build(blocks, sizes))
 
 
 def _count(model: nn.Module) -> int:
@@ -230,7 +403,7 @@ class DeepenedModel:
                  "elements": self._extend(g2["elements"], g3["elements"])} for g2, g3 in zip(two, three)]
 
     def tracer(self, config: Config, seq_len: int) -> Callable[[int], Trace]:
-        at = {d: tracer(lambda d=d: self.depth.build(d), config, seq_len) for d in (2, 3)}
+        at = {d: tracer(lambda d=d: self.depth.build(d), config, seq_len, self.depth.twin(d)) for d in (2, 3)}
 
         def trace_at(batch: int) -> Trace:
             two, three = at[2](batch), at[3](batch)
@@ -273,11 +446,11 @@ def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | N
     may differ (a pretrained type not in REPEATING_PRETRAINED, or one that lists its layers' types).
     `own_llama`: a `[model]` Llama shape, or a pretrained Llama whose config.json (and LoRA targets) the copy
     models, is built as the estimator's copy (Note [estimator's Llama]), without transformers or PEFT."""
-    from infinity.job.build import build_model, estimator_llama
+    from infinity.job.build import build_model, estimator_llama, llama_sizes
     from infinity.job.spec import LoraConfig
     layers = model_cfg.n_layer
     if own_llama and model_cfg.kind == "llama" and not model_cfg.pretrained:
-        return Depth(layers, lambda d: estimator_llama(model_cfg, d))
+        return Depth(layers, lambda d, sizes=None: estimator_llama(model_cfg, d, sizes), llama_sizes(model_cfg))
     if model_cfg.pretrained:
         import json
         import os
@@ -291,9 +464,12 @@ def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | N
             return None
         if own_llama:  # a Llama the copy models, LoRA targets it resolves (Note [estimator's Llama])
             from infinity.job.build import estimator_pretrained_llama
-            from infinity.job.estimate_llama import llama_fields, lora_targets
+            from infinity.job.estimate_llama import copy_sizes, llama_fields, lora_targets
             fields, targets = llama_fields(hf), lora_targets(tuple(lora_cfg.targets)) if lora_cfg else ()
             if fields is not None and targets is not None:
-                return Depth(layers, lambda d: estimator_pretrained_llama(model_cfg, lora_cfg or LoraConfig(), hf,
-                                                                          fields, targets, d))
+                lora = lora_cfg or LoraConfig()
+                sizes = copy_sizes(fields["vocab"], fields["d"], fields["heads"], fields["kv_heads"], fields["ffn"],
+                                   lora.r)
+                return Depth(layers, lambda d, sizes=None: estimator_pretrained_llama(model_cfg, lora, hf, fields,
+                                                                                      targets, d, sizes), sizes)
     return Depth(layers, lambda d: build_model(model_cfg, lora_cfg, layers=d))

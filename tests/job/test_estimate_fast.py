@@ -144,3 +144,69 @@ def test_the_copy_refuses_a_llama_it_does_not_model():
         assert llama_fields({**hf, **bad}) is None, bad
     assert lora_targets(()) == ("q_proj", "v_proj") and lora_targets(("all-linear",))[-1] == "down_proj"
     assert lora_targets(("q_proj", "lm_head")) is None and lora_targets(("self_attn.q_proj",)) is None
+
+
+def _llama_dir(path, **extra) -> str:
+    """A pretrained Llama directory's config.json, written as save_pretrained writes its keys."""
+    import json
+    path.mkdir()
+    hf = {"model_type": "llama", "vocab_size": 320, "hidden_size": 48, "num_hidden_layers": 5,
+          "num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 40, "max_position_embeddings": 64,
+          **extra}
+    (path / "config.json").write_text(json.dumps(hf))
+    return str(path)
+
+
+TWINS = {  # config.json extras, [model.lora]
+    "fp32, grouped-query attention": ({}, {}),
+    "bf16, tied, LoRA all-linear with dropout": ({"dtype": "bfloat16", "tie_word_embeddings": True},
+                                                 {"r": 4, "alpha": 8.0, "dropout": 0.1, "targets": ("all-linear",)}),
+    "fp16, one key/value head per query head, LoRA q/v": ({"dtype": "float16", "num_key_value_heads": 6},
+                                                          {"r": 2, "targets": ("q_proj", "v_proj")}),
+}
+
+
+@pytest.mark.parametrize("extra, lora", TWINS.values(), ids=TWINS)
+def test_the_small_twin_traces_as_the_meta_trace(extra, lora, tmp_path):
+    """Note [small twin]: the Llama copy traced as its small twin (primes for its sizes, counts mapped back) gives
+    the meta trace of the model at its own sizes, field by field: saved bytes, the largest, FLOPs, per-unit saves,
+    inputs and forward FLOPs; at micro-batch 1 (a size of 1 stays 1) and 3, each of 2 and 3 blocks."""
+    from infinity.job.estimate_model import TwinTrace, tracer
+    from infinity.job.spec import LoraConfig
+    model = ModelConfig(pretrained=_llama_dir(tmp_path / "llama", **extra), tokenizer="bytes", seq_len=10)
+    depth = job_depth(model, LoraConfig(**lora), own_llama=True)
+    config = infinity.Config.from_dict({"activation": {"checkpoint": "units"}})
+    assert depth.sizes is not None
+    for blocks in (2, 3):
+        twin = TwinTrace(depth.twin(blocks), config, model.seq_len)
+        meta = tracer(lambda: depth.build(blocks), config, model.seq_len)  # no twin: on meta tensors
+        for batch in (1, 3):
+            assert twin(batch) == meta(batch), (blocks, batch)
+
+
+def test_twin_scale_maps_products_of_sizes_and_refuses_other_counts():
+    from infinity.job.estimate_model import TwinMismatch, twin_scale
+    small, scale = twin_scale({"heads": 8, "one": 1, "seq": 4096, "vocab": 32000})
+    assert small == {"heads": 3, "one": 1, "seq": 5, "vocab": 7}
+    assert scale(2 * 3 * 5 * 5 * 7) == 2 * 8 * 4096 * 4096 * 32000 and scale(1) == 1 and scale(0) == 0
+    for other in (11, 3 * 13, 2 * 3 * 5 * 9 + 1):
+        with pytest.raises(TwinMismatch):
+            scale(other)
+
+
+def test_a_70b_estimate_never_imports_torch_dynamo(tmp_path):
+    """Note [flop count without dynamo], Note [small twin]: a Llama estimate runs no meta kernel of torch's Python
+    (whose first call imports torch._dynamo, ~1.1 s) and no FlopCounterMode (the same): its whole estimate, a
+    deep [model] Llama (80 blocks of a 70B's width), in a fresh process."""
+    import subprocess
+    import sys
+    code = ("import sys\nfrom infinity.job.cli import main\n"
+            "try:\n    main(['estimate', '--model', 'llama', '--set', 'model.n_layer=80',"
+            " '--set', 'model.d_model=8192', '--set', 'model.n_head=64', '--set', 'model.n_kv_head=8',"
+            " '--set', 'model.ffn_dim=28672',"
+            f" '--set', 'nvme.paths=[\"{tmp_path}\"]'])\n"
+            "except SystemExit:\n    pass\n"
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo', 'sympy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "model: 68456.55M parameters in 81 units" in out.stdout, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "no dynamo False", out.stdout[-2000:] + out.stderr[-2000:]
