@@ -20,6 +20,8 @@ class Tier(enum.Enum):
     HOST = "host"  # CPU RAM, pinned when CUDA is present
     NVME = "nvme"  # io_engine swap space
 
+    __hash__ = object.__hash__  # (as Kind's)
+
     @classmethod
     def parse(cls, name: str) -> "Tier":
         return cls(name)
@@ -44,10 +46,14 @@ class Kind(enum.Enum):
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
 
+    # members are singletons: hashed by identity, in C (Enum hashes its name in Python, and an estimate's plan
+    # search hashes kinds and tiers ~10^6 times)
+    __hash__ = object.__hash__
+
     @property
     def group(self) -> str:
         """The `[placement]` key that places this kind."""
-        return {Kind.PARAMS: "params", Kind.GRADS: "grads"}.get(self, "optimizer")
+        return "params" if self is Kind.PARAMS else "grads" if self is Kind.GRADS else "optimizer"
 
     def dtype(self, compute_dtype: torch.dtype, state_dtype: StateDtype) -> torch.dtype:
         """The dtype this kind of state lives in, given the compute dtype and `[optimizer] state_dtype`."""

@@ -199,7 +199,9 @@ def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
     out: dict[Tier, dict[Kind, int]] = {t: {k: 0 for k in Kind} for t in Tier}
     alike: dict[tuple, list] = {}  # (layout, tiers) -> [a unit of them, how many]
     for unit, (sizes, unit_tiers) in enumerate(zip(plan.units, plan.tiers)):
-        entry = alike.setdefault((sizes.layout, sizes.trainable_numel, tuple(unit_tiers.items())), [unit, 0])
+        # the layout by identity: repeated blocks share one layout object; equal ones that do not are only
+        # counted apart (hashing a layout's chunks per unit and plan was a third of a 70B plan search)
+        entry = alike.setdefault((id(sizes.layout), sizes.trainable_numel, tuple(unit_tiers.items())), [unit, 0])
         entry[1] += 1
     for (_, _, unit_tiers), (unit, count) in alike.items():
         sizes = plan.units[unit]
@@ -354,7 +356,8 @@ def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     held = units_ahead + 1 + any(u.fetches > 2 for u in units[1:])  # (+ a recomputation's unit: Note [tiles are units])
     device = {"unsharded": (root.unsharded_numel + sum(rest[:held])) * csize,
               "flat_grad": largest * 4 + largest_shard * 4}
-    on_nvme = lambda u, k: tiers_of[k.group] is Tier.NVME  # noqa: E731
+    nvme_kinds = {k: tiers_of[k.group] is Tier.NVME for k in Kind}  # the same for every unit here
+    on_nvme = lambda u, k: nvme_kinds[k]  # noqa: E731
     staging = update_staging_bytes(units, compute_dtype, on_nvme,
                                    lambda u: aliased(units[u], tiers_of, compute_dtype, state_dtype),
                                    state_dtype=state_dtype)
