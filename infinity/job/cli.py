@@ -111,12 +111,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         status = _command(argv)
         sys.stdout.flush()  # (a closed pipe shows here, not in the interpreter's flush at exit)
+        if argv is None and sys.argv[1:2] == ["estimate"]:
+            _skip_final_collection()
         return status
     except BrokenPipeError:
         if not _stdout_closed():
             raise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush writes nowhere
         return EXIT_CLOSED_STDOUT
+
+
+def _skip_final_collection() -> None:
+    """When this process is `infinity estimate` (main() without argv: the console script, `python -m`), the
+    interpreter's shutdown would collect garbage cycles over every object torch's import made: ~0.4 s of a ~3 s
+    70B estimate. The objects alive now are moved out of the collector's reach (`gc.freeze`): the process's end
+    frees them; the estimate leaves no files and nothing whose finalizer matters. (A caller of main(argv) in
+    its own process keeps its collector as it was.)"""
+    import gc
+    gc.freeze()
 
 
 def _stdout_closed() -> bool:

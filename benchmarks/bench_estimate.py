@@ -1,0 +1,82 @@
+"""How long `infinity estimate` takes for a 70B Llama, as a user runs it (issue 44: under 5 s).
+
+Two configs, each estimated in a fresh process (`infinity estimate`, the console script) `--repeats` times,
+alternating: a `[model]` Llama shape of Llama 2 70B's size (`--model llama --set model.*`), and a pretrained
+directory holding only Llama-2-70B's config.json (`--set model.pretrained=DIR --set model.tokenizer=bytes`:
+the estimate also searches LoRA plans for it). With `--before DIR` (a checkout of another commit, e.g. `git
+worktree add /tmp/before <commit>`), that checkout's estimates run interleaved with these, each as `python -m
+infinity.job.cli` from its directory. Reported: wall and CPU (user + system of the finished child) per run,
+and their medians; the estimate's exit status is 1 here (a 70B does not fit this machine), which is its answer.
+
+    python benchmarks/bench_estimate.py --repeats 5 --json estimate.json [--before /tmp/before]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import machine, median, write_json  # noqa: E402
+
+LLAMA_2_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+               "intermediate_size": 28672, "num_attention_heads": 64, "num_hidden_layers": 80,
+               "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+               "torch_dtype": "float16", "tie_word_embeddings": False, "hidden_act": "silu", "rope_theta": 10000.0,
+               "bos_token_id": 1, "eos_token_id": 2}
+SHAPE = ["--model", "llama", "--set", "model.n_layer=80", "--set", "model.d_model=8192", "--set", "model.n_head=64",
+         "--set", "model.n_kv_head=8", "--set", "model.ffn_dim=28672", "--set", "model.vocab_size=32000"]
+
+
+def run(command: list[str], cwd: str | None) -> dict:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    out = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if out.returncode not in (0, 1) or "model: " not in out.stdout:
+        raise SystemExit(f"{' '.join(command)} failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
+    return {"wall_s": wall, "cpu_s": after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime,
+            "exit": out.returncode}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--before", metavar="DIR", help="a checkout of another commit, run interleaved")
+    p.add_argument("--json", metavar="FILE", help="also write the result here")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(LLAMA_2_70B, f)
+        configs = {"llama_shape": SHAPE, "pretrained_dir": ["--set", f"model.pretrained={tmp}",
+                                                            "--set", "model.tokenizer=bytes"]}
+        trees = {"now": (["infinity", "estimate"], None)}
+        if args.before:
+            trees["before"] = ([sys.executable, "-m", "infinity.job.cli", "estimate"], args.before)
+        runs: dict[str, list[dict]] = {}
+        for _ in range(args.repeats):
+            for tree, (prefix, cwd) in trees.items():
+                for name, extra in configs.items():
+                    r = run(prefix + extra, cwd)
+                    runs.setdefault(f"{tree}/{name}", []).append(r)
+                    print(f"{tree:6s} {name:14s} wall {r['wall_s']:.2f} s, cpu {r['cpu_s']:.2f} s", file=sys.stderr)
+    summary = {key: {"wall_median_s": median([r["wall_s"] for r in rs]),
+                     "wall_range_s": [min(r["wall_s"] for r in rs), max(r["wall_s"] for r in rs)],
+                     "cpu_median_s": median([r["cpu_s"] for r in rs])} for key, rs in runs.items()}
+    for key, s in summary.items():
+        print(f"{key:22s} wall median {s['wall_median_s']:.2f} s ({s['wall_range_s'][0]:.2f}-"
+              f"{s['wall_range_s'][1]:.2f}), cpu median {s['cpu_median_s']:.2f} s")
+    load = os.getloadavg()
+    write_json(args.json, {"benchmark": "estimate_70b", "machine": machine(), "load_average": load,
+                           "repeats": args.repeats, "bar_s": 5.0, "summary": summary, "runs": runs})
+
+
+if __name__ == "__main__":
+    main()
