@@ -40,6 +40,15 @@ one unit adds that unit's saves for the duration of its backward (`infinity esti
 checkpoints `activation_unit_max_bytes` is the most one unit's own forward saved, which is what its
 recomputation holds; with them it is the largest unit's saved inputs). Offloaded inputs count in
 `activation_host_bytes`.
+
+Note [saved alias]: a saved-tensor hook that returns the tensor it is given keeps it in its own graph when the
+tensor is the output of the operation that saves it (exp, softmax, sigmoid save their result): output ->
+grad_fn -> saved output, a cycle inside autograd that Python's collector cannot see, so a forward with
+gradients whose result is dropped without a backward (an evaluation outside torch.no_grad) kept its whole graph
+and every activation. torch itself saves an output without that reference; the hooks here return a detached
+alias (the same storage, no grad_fn), which breaks the cycle and changes no gradient. (What the alias loses: a
+double backward, create_graph=True, through a saved output, which the engine does not offer. torch does not
+check hooked saved tensors for in-place changes, alias or not.)
 """
 
 from __future__ import annotations
@@ -157,7 +166,7 @@ class HostInputs:
     def saving(self, unit: Unit):
         def pack(t: torch.Tensor) -> _Offloaded | torch.Tensor:
             if t.device != self.device:
-                return t  # not on the compute device (e.g. a CPU tensor beside a GPU's): nothing to move
+                return t.detach()  # not on the compute device (a CPU tensor beside a GPU's): kept (Note [saved alias])
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin)
             streams = self.streams
             streams.wait_event(streams.record(), streams.d2h)  # the copy reads what compute just wrote
@@ -246,7 +255,7 @@ class Activations:
 
         def pack(t):
             self.meter.count(t)
-            return t
+            return t.detach()  # Note [saved alias]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield
 

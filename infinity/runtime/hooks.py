@@ -132,9 +132,8 @@ def install_unit_hooks(
     # graph stores the hook on those nodes in C++: a cycle Python's collector cannot see, which kept the nodes
     # and, through the callback, the engine and all its device state alive after close (a second engine in one
     # process ran out of memory on an H100). Every graph hook's handle goes to `callbacks.keep_hook`; the engine
-    # removes them once the backward is over, when a forward's graph is abandoned, and at close. (Still kept: the
-    # graph of a forward with gradients that no backward uses, through the activation meter's saved-tensor hook
-    # that returns the tensor, with the parameters it reaches; evaluation belongs under torch.no_grad().)
+    # removes them once the backward is over, when a forward's graph is abandoned, and at close. (The graph of a
+    # forward whose result is dropped without a backward is freed with it: Note [saved alias] in activations.py.)
     handles = []
     for module in unit.modules if with_module_hooks else ():
         def pre(_module, args, u=unit):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -102,3 +104,66 @@ def test_a_closed_engine_is_collected_and_its_state_freed():
     del engine
     gc.collect()
     assert held() is None and state and all(r() is None for r in state)
+
+
+class _SavesItsOutput(torch.autograd.Function):
+    """exp, saving its output as torch's exp does; each graph node it makes is recorded (weakly)."""
+
+    nodes: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.exp()
+        ctx.save_for_backward(out)
+        _SavesItsOutput.nodes.append(weakref.ref(ctx))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, = ctx.saved_tensors
+        return grad * out
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = _SavesItsOutput.apply(block(x).tanh())
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "units"])
+def test_a_forward_whose_result_is_dropped_frees_its_graph(checkpoint):
+    """Note [saved alias]: a forward with gradients whose loss is dropped without a backward (an evaluation outside
+    torch.no_grad) frees its graph, as plain torch does at once, the engine by the next forward (its graph hooks,
+    Note [graph hooks]) or close: the nodes of an op that saves its own output are collected (the activation
+    meter's hook returned the tensor itself: output -> node -> output kept every such graph, and all it reached,
+    for the process's life); the step after the evaluations matches the step without them."""
+    import gc
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    _SavesItsOutput.nodes.clear()
+    reference = _Blocks()
+    reference(x)  # plain torch: dropped at once
+    gc.collect()
+    assert len(_SavesItsOutput.nodes) == 3 and all(r() is None for r in _SavesItsOutput.nodes)
+    _SavesItsOutput.nodes.clear()
+    cfg = {"activation": {"checkpoint": checkpoint}, "optimizer": {"lr": 1e-2}}
+    params = []
+    for evaluations in (3, 0):
+        torch.manual_seed(1)
+        with infinity.initialize(_Blocks(), cfg) as engine:
+            for _ in range(evaluations):
+                made = len(_SavesItsOutput.nodes)
+                engine(x)  # an evaluation with gradients on, its loss dropped
+                gc.collect()  # every earlier graph is gone (this one's hooks go at the next forward)
+                assert all(r() is None for r in _SavesItsOutput.nodes[:made])
+            engine.backward(engine(x))
+            engine.step()
+            params.append(engine.full_state_dict())
+    gc.collect()
+    assert len(_SavesItsOutput.nodes) == 3 * (3 + 1 + 1) and all(r() is None for r in _SavesItsOutput.nodes)
+    assert params[0].keys() == params[1].keys() and all(torch.equal(params[0][k], params[1][k]) for k in params[0])
