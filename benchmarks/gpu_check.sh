@@ -8,9 +8,9 @@
 # --no-deps into /tmp/site. A dry run of the flow on a CPU (tests/benchmarks/test_gpu_check.py):
 #   OUT=/tmp/gc BENCH_ARGS="--tiny --device cpu" LARGEST=0 bash benchmarks/gpu_check.sh
 # PARTS picks and orders the parts (default: tests sanitizer a b l d largest); cases b and l are also profiled
-# by a run of their own (PROFILE=0: not), their summaries and timelines back as profile.tgz; BUDGET_S (default
-# 460) is the whole check's seconds: each part's timeout is cut to what is left, and a part with under 20 s
-# left is skipped and says so.
+# by a run of their own (PROFILE=0: not), their summaries, timelines and Chrome traces back as profile.tgz;
+# BUDGET_S (default 460) is the whole check's seconds: each part's timeout is cut to what is left, and a part
+# with under 20 s left is skipped and says so.
 set -u
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 CASES=/tmp/gpu_check_cases; rm -rf "$CASES"; mkdir -p "$CASES"
@@ -78,7 +78,7 @@ part_largest() {
   log "largest (3 steps) rc=$?"
 }
 
-declare -A LIMIT=([tests]=120 [sanitizer]=150 [a]=70 [b]=160 [l]=120 [d]=140 [largest]=300)
+declare -A LIMIT=([tests]=120 [sanitizer]=200 [a]=70 [b]=160 [l]=120 [d]=140 [largest]=300)
 for part in $PARTS; do
   t=$(cap "${LIMIT[$part]}")
   if [ "$t" = 0 ]; then log "$part skipped: $(elapsed) s of the ${BUDGET_S} s budget spent"; continue; fi
@@ -86,7 +86,7 @@ for part in $PARTS; do
 done
 
 [ -d "$CASES/prof" ] && (cd "$CASES/prof" && tar czf "$OUT/profile.tgz" \
-  $(find . -name summary.json -o -name timeline.png)) 2>/dev/null
+  $(find . -name summary.json -o -name timeline.png -o -name trace.json)) 2>/dev/null
 cp "$CASES"/case_*.json "$CASES"/largest.json "$OUT/" 2>/dev/null  # (merged below, then removed: 8 files)
 python3 benchmarks/gpu_check_report.py --logs "$OUT" --elapsed "$(elapsed)" \
   --json "$OUT/gpu_$(date +%F).json" >/tmp/gpu_check_report.log 2>&1
