@@ -304,6 +304,13 @@ class OverlapConfig(Section):
         "\"auto\": without a GPU torch's own count (every core), as the training thread has; with a GPU one fewer, "
         "the core left to the training thread that launches the kernels. The two threads share the cores: fewer "
         "for the worker leaves more to the training thread.", "int_or_auto", ge=1, example=1)
+    optimizer_cores: str = option(
+        "auto", "Core binding of the optimizer worker (Note [core binding]): \"bind\" pins the worker and the "
+        "intra-op threads it starts to this rank's share of the process's cores (split by LOCAL_RANK), less one "
+        "core left to the training thread, which stays unbound (as do data loader processes); \"none\": no "
+        "binding; \"auto\": bind with a GPU when the rank's share has at least 3 cores, never without one (the "
+        "training thread computes on every core there). With a binding, optimizer_threads = \"auto\" is one "
+        "thread per bound core.", "enum", choices=("auto", "bind", "none"))
     speculation: int | str = option(
         "auto", "Host memory for the pre-update copies that keep updates during backward when the update depends "
         "on the global gradient norm (optimizer.grad_clip > 0 or train.on_nonfinite = \"skip\"; not with fp16 "
@@ -315,6 +322,11 @@ class OverlapConfig(Section):
         "without a GPU (the copies would take cores from compute: docs/tiers.md). Units whose optimizer runs on a GPU, "
         "or whose parameters or optimizer state are on NVMe, are not speculated; needs optimizer_with_backward.",
         "size_or_auto", ge=0, example="4GiB")
+
+    def _check(self) -> None:
+        if self.optimizer_cores == "bind" and not hasattr(os, "sched_setaffinity"):
+            raise ConfigError("overlap.optimizer_cores = \"bind\": this platform cannot bind a thread to cores "
+                              "(Python has no os.sched_setaffinity here); set it to \"auto\" or \"none\"")
 
 
 @dataclass(frozen=True, kw_only=True)

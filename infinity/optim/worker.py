@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from infinity.device.streams import Streams, bind_thread, budget_threads
+from infinity.device.streams import Streams, bind_cores, bind_thread, budget_threads
 from infinity.optim.cpu_adam import Hypers
 from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import Issue, StateReadAhead
@@ -73,9 +73,10 @@ class OptimizerWorker:
     """One background thread stepping submitted units in submission order."""
 
     def __init__(self, optimizer: OffloadedOptimizer, num_units: int, read_ahead: StateReadAhead | None = None,
-                 streams: Streams | None = None, threads: int | None = None):
+                 streams: Streams | None = None, threads: int | None = None, cores: frozenset[int] | None = None):
         self.optimizer = optimizer
         self.threads = threads  # its intra-op threads (Note [thread budget]); None: torch's count
+        self.cores = cores  # the cores it and its intra-op threads run on (Note [core binding]); None: unbound
         self.read_ahead = read_ahead
         # Note [merge only what the device has reached]:
         # batches queued while the worker was busy are merged into one pipeline, but only those whose
@@ -187,6 +188,8 @@ class OptimizerWorker:
 
     def _run(self) -> None:
         bind_thread(self.optimizer.compute_device)  # its copies and kernels go to this rank's GPU
+        if self.cores:
+            bind_cores(self.cores)  # before its intra-op threads start: they inherit it
         if self.threads is not None:
             budget_threads(self.threads)
         with self.streams.use(self.streams.update):  # Note [update stream]

@@ -40,7 +40,7 @@ import torch
 
 from infinity.config.sections import Config
 from infinity.device.collectives import all_reduce_max
-from infinity.device.streams import host_value, to_host, worker_threads
+from infinity.device.streams import host_value, to_host, worker_cores, worker_threads
 from infinity.memory.fresh import kept_chunks
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
@@ -498,8 +498,10 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
         read_ahead.reserve_buffers()  # its staging, allocated now rather than during the first steps
     optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
                                    state_read_ahead=read_ahead, seed=config.train.seed)
+    cuda = device.type == "cuda"
+    cores = worker_cores(config.overlap.optimizer_cores, cuda)  # Note [core binding]
     worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams,
-                             threads=worker_threads(config.overlap.optimizer_threads, device.type == "cuda"))
+                             threads=worker_threads(config.overlap.optimizer_threads, cuda, cores), cores=cores)
     if cls is SpeculativeUpdate:
         shared["journal"] = journal_for(manager.plan, manager.plan.speculation,
                                         speculated_units(manager.plan, device.type == "cuda"))

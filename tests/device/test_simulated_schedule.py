@@ -18,6 +18,7 @@ and the merge in arrival order (the forward's first unit waits for the whole bac
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from types import SimpleNamespace
 
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from engine_runs import engine_run
-from infinity.device.streams import Streams, worker_threads
+from infinity.device.streams import Streams, worker_cores, worker_threads
 from infinity.memory.placement import Budgets, plan_placement
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import UnitSizes
@@ -240,3 +241,61 @@ def test_auto_leaves_the_training_thread_a_core_with_a_gpu_only():
     assert worker_threads("auto", cuda=False) is None
     assert worker_threads("auto", cuda=True) == max(1, count - 1)
     assert worker_threads(3, cuda=True) == worker_threads(3, cuda=False) == 3
+
+
+def test_core_binding_gives_each_rank_its_share_less_the_training_threads_core():
+    """Note [core binding]: a rank's equal share of the allowed cores (by LOCAL_RANK), its first core left to the
+    training thread; "auto" only with a GPU and at least 3 cores in the share; "none" never; "auto" threads =
+    one per bound core."""
+    sixteen = range(16)
+    assert worker_cores("auto", True, sixteen, 0, 1) == frozenset(range(1, 16))
+    assert worker_cores("auto", True, sixteen, 1, 2) == frozenset(range(9, 16))  # rank 1 of 2: cores 8-15
+    assert worker_cores("bind", False, [4, 2, 9, 7], 0, 2) == frozenset({4})  # sorted: 2, 4 | 7, 9
+    assert worker_cores("auto", False, sixteen, 0, 1) is None  # no GPU: the training thread computes
+    assert worker_cores("auto", True, range(2), 0, 1) is None and worker_cores("bind", True, range(2), 0, 1)
+    assert worker_cores("bind", True, sixteen, 0, 16) is None  # a share of one core: nothing beside it
+    assert worker_cores("none", True, sixteen, 0, 1) is None
+    assert worker_threads("auto", True, frozenset({3, 4, 5})) == 3 and worker_threads(2, True, frozenset({3})) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs thread affinity (Linux) and two cores")
+def test_a_bound_worker_and_the_threads_it_starts_run_on_its_cores_only():
+    """Note [core binding]: the worker thread, and a thread it starts (as its intra-op threads start), run on its
+    cores; the training thread and threads started later elsewhere keep the process's cores; an engine bound
+    trains bit for bit as unbound."""
+    allowed = frozenset(os.sched_getaffinity(0))
+    cores = frozenset(sorted(allowed)[1:2])
+    seen = {}
+
+    class Looking:
+        compute_device = torch.device("cpu")
+
+        def step(self, *, units, on_unit_done, **_):
+            seen["worker"] = os.sched_getaffinity(0)
+            child = threading.Thread(target=lambda: seen.__setitem__("started", os.sched_getaffinity(0)))
+            child.start()
+            child.join()
+            for unit in units:
+                on_unit_done(unit)
+
+    worker = OptimizerWorker(Looking(), 1, cores=cores)
+    try:
+        worker.submit([SimpleNamespace(index=0, name="u0")], hyper=(), grad_scale=None, active={0: []},
+                      after_unit=lambda u: None)
+        worker.wait_all()
+    finally:
+        worker.close()
+    later = []
+    elsewhere = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
+    elsewhere.start()
+    elsewhere.join()
+    assert seen == {"worker": cores, "started": cores}
+    assert os.sched_getaffinity(0) == allowed and later == [allowed]
+    recipe = Recipe(steps=2)
+    placement = {"params": "device", "grads": "host", "optimizer": "host"}
+    runs = [engine_run(recipe, placement, None, {"overlap": {"optimizer_cores": binding}})
+            for binding in ("none", "bind")]
+    assert runs[0][0] == runs[1][0]
+    for name, tensor in runs[0][2].items():
+        assert torch.equal(runs[1][2][name], tensor), name
