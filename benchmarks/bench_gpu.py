@@ -35,8 +35,10 @@ a Chrome trace, summary and timeline PNG under DIR/case_<name>/rank0; in b and l
 the measured ones.
 
 Cases b and l also run: `clip` (grad_clip 1.0, the default "auto" speculation with its forecast),
-`spec_no_fire` (speculating every window with a clip that never fires: what the journal costs) and
-`all_cores` (no clipping, the optimizer worker on every core: the thread budget's effect), steady steps.
+`spec_no_fire` (speculating every window with a clip that never fires: what the journal costs),
+`all_cores` (no clipping, the optimizer worker unbound on every core: the thread budget's effect) and
+`unbound` (no clipping, the worker's threads as "auto" but not bound to its cores: Note [core binding]'s
+effect), steady steps.
 
 Case l, a 1.12B Llama (hidden 2048, 22 layers, GQA 16/4, vocab 32000, built from a config) in bf16 at
 `--batch` x `--seq`: infinity in the ZeRO-Offload shape (params on the GPU, gradients and optimizer in
@@ -244,13 +246,15 @@ def case_a(cfg, batch, device, args) -> dict:
 OFFLOAD = {"params": "device", "grads": "host", "optimizer": "host"}  # the ZeRO-Offload shape
 
 
-RUNS = ("no_clip", "clip", "spec_no_fire", "all_cores")  # of cases b and l (--runs); no_clip and clip always
+RUNS = ("no_clip", "clip", "spec_no_fire", "all_cores", "unbound")  # of cases b and l (--runs); no_clip and clip always
+ALL_CORES = {"optimizer_threads": torch.get_num_threads(), "optimizer_cores": "none"}
+UNBOUND = {"optimizer_cores": "none", "optimizer_threads": max(1, torch.get_num_threads() - 1)}
 
 
 def ratios(runs: dict, no_clip_s: float) -> dict:
     """The diagnostic runs' steady steps over the unclipped one (those that ran)."""
-    return {f"{name}_over_{'auto' if name == 'all_cores' else 'no_clip'}": runs[name]["steady_s"] / no_clip_s
-            for name in ("spec_no_fire", "all_cores") if name in runs}
+    return {f"{name}_over_{'no_clip' if name == 'spec_no_fire' else 'auto'}": runs[name]["steady_s"] / no_clip_s
+            for name in ("spec_no_fire", "all_cores", "unbound") if name in runs}
 
 
 NEVER_FIRES = 1e9  # a clip that never fires: what speculating costs when it is not needed
@@ -262,11 +266,12 @@ def case_b(cfg, batch, device, args) -> dict:
     runs = {}
     # no_clip: the eager update (synchronized and steady steps); clip: grad_clip 1.0 as configured by default
     # ("auto" speculation with its forecast, Note [speculation forecast]); spec_no_fire: speculating every
-    # window with a clip that never fires (the journal's cost); all_cores: no clipping, the worker on every core
-    # (the thread budget before "auto" left one to the training thread)
+    # window with a clip that never fires (the journal's cost); all_cores: no clipping, the worker unbound on every
+    # core (the thread budget before "auto" left one to the training thread); unbound: no clipping, the worker
+    # not bound to its cores (Note [core binding]), its threads as "auto" gives them
     for name, clip, overlap, sync_too in (("no_clip", 0.0, {}, True), ("clip", 1.0, {}, False),
                                           ("spec_no_fire", NEVER_FIRES, {"speculation": "auto"}, False),
-                                          ("all_cores", 0.0, {"optimizer_threads": torch.get_num_threads()}, False)):
+                                          ("all_cores", 0.0, ALL_CORES, False), ("unbound", 0.0, UNBOUND, False)):
         if name not in args.runs:
             continue
         runs[name] = {}
@@ -339,7 +344,7 @@ def case_l(cfg, batch, device, args) -> dict:
         torch.cuda.empty_cache()  # (torch's model and optimizer are gone)
     out = {"params": numel, "torch_steady_s": theirs}
     runs = (("no_clip", 0.0, {}), ("clip", 1.0, {}), ("spec_no_fire", NEVER_FIRES, {"speculation": "auto"}),
-            ("all_cores", 0.0, {"optimizer_threads": torch.get_num_threads()}))
+            ("all_cores", 0.0, ALL_CORES), ("unbound", 0.0, UNBOUND))
     runs = tuple(r for r in runs if r[0] in args.runs)
     if args.profile:  # last, after the measured runs
         runs += (("profiled", 0.0, {}),)

@@ -89,7 +89,8 @@ def report(logs: str, elapsed_s: float | None) -> dict:
     return out
 
 
-INFO = ("steady_median_s", "spec_no_fire_over_no_clip", "all_cores_over_auto")  # bench_gpu's diagnostics (no bar)
+# bench_gpu's diagnostics (no bar)
+INFO = ("steady_median_s", "spec_no_fire_over_no_clip", "all_cores_over_auto", "unbound_over_auto")
 
 
 def table(rep: dict) -> str:

@@ -124,10 +124,17 @@ def worker_cores(setting: str, cuda: bool, allowed: Iterable[int] | None = None,
     LOCAL_RANK of LOCAL_WORLD_SIZE as torchrun sets them, take equal consecutive shares), less its first core,
     left to the training thread. The training thread itself is not bound: the processes it starts (a
     DataLoader's workers) would inherit its one core. "auto" binds only with a GPU (the training thread mostly
-    launches kernels; DeepSpeed's binding gave 1.16-1.3x on ZeRO-Offload) and a share of at least 3 cores;
-    without a GPU the training thread computes on every core, and a binding could only take cores from it."""
+    launches kernels; DeepSpeed's binding gave 1.16-1.3x on ZeRO-Offload) and a share of at least 3 cores.
+    Without a GPU "bind" measured 1.02-1.27x faster on the 2-core development machine in 5 of 5 runs (a
+    one-thread worker on core 1 beside an unbound training thread; benchmarks/RESULTS.md), but it is not the
+    default there: that slower worker's updates run on into the next forward, whose fetches then find more
+    fresh parameter copies than the byte model's simulation keeps (Note [fresh parameters] assumes no take
+    during the puts): one tiled unit's read fewer than predicted in tests/units/test_tiling.py. Ranks started
+    without LOCAL_WORLD_SIZE (their share unknown) are not bound."""
     if setting == "none" or (setting == "auto" and not cuda) or not hasattr(os, "sched_getaffinity"):
         return None
+    if local_world is None and "LOCAL_WORLD_SIZE" not in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return None  # ranks launched without torchrun's LOCAL_* variables: this rank's share is unknown
     cores = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
     rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world is None else local_world

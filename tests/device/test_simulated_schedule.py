@@ -255,6 +255,16 @@ def test_core_binding_gives_each_rank_its_share_less_the_training_threads_core()
     assert worker_cores("auto", True, range(2), 0, 1) is None and worker_cores("bind", True, range(2), 0, 1)
     assert worker_cores("bind", True, sixteen, 0, 16) is None  # a share of one core: nothing beside it
     assert worker_cores("none", True, sixteen, 0, 1) is None
+
+
+def test_ranks_without_torchruns_local_variables_are_not_bound(monkeypatch):
+    """Note [core binding]: two ranks started without LOCAL_WORLD_SIZE would both take the first share."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert worker_cores("bind", True, range(16)) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert worker_cores("bind", True, range(16)) == frozenset(range(9, 16))
     assert worker_threads("auto", True, frozenset({3, 4, 5})) == 3 and worker_threads(2, True, frozenset({3})) == 2
 
 
