@@ -135,7 +135,7 @@ class _Blocks(torch.nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.parametrize("checkpoint", ["none", "units"])
+@pytest.mark.parametrize("checkpoint", ["none", pytest.param("units", marks=pytest.mark.slow)])
 def test_a_forward_whose_result_is_dropped_frees_its_graph(checkpoint):
     """Note [saved alias]: a forward with gradients whose loss is dropped without a backward (an evaluation outside
     torch.no_grad) frees its graph, as plain torch does at once, the engine by the next forward (its graph hooks,
