@@ -35,9 +35,18 @@ def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
+def _context():
+    """Ranks are forked from a server process that imported torch and infinity once (forkserver, preloaded):
+    a spawned rank spent ~2 s of a 2-core machine importing them again. The server has run no torch op, so the
+    ranks start with no OpenMP or other threads to inherit (what makes a plain fork of this process unsafe)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "infinity", "dist_utils"])
+    return ctx
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """`fn(rank, world_size, *args)` on each rank (a module-level function); results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
