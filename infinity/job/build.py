@@ -44,10 +44,11 @@ def _gpt_loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None =
 
 
 def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool = True,
-                layers: int | None = None) -> ModelBundle:
+                layers: int | None = None, sizes: dict | None = None) -> ModelBundle:
     """The model of `cfg` (and `lora`), created under infinity.meta_init() (no parameter memory) unless
     `meta=False`; `layers`: that many blocks instead of the config's (the estimator's shallow copies,
-    Note [deepened estimate])."""
+    Note [deepened estimate]); `sizes` (`gpt_sizes`'s symbols): the built-in GPT at those sizes, its small twin
+    (Note [small twin])."""
     import contextlib
     import dataclasses
 
@@ -61,6 +62,9 @@ def build_model(cfg: ModelConfig, lora: LoraConfig | None = None, *, meta: bool 
         from infinity.models.gpt import GPT, GPTConfig, gpt_init
         gcfg = GPTConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
                          d_model=cfg.d_model)
+        if sizes is not None:
+            gcfg = dataclasses.replace(gcfg, vocab_size=sizes["vocab"], seq_len=sizes["positions"],
+                                       n_head=sizes["heads"], d_model=sizes["heads"] * sizes["head_dim"])
         if cfg.ffn_dim not in (0, 4 * cfg.d_model):
             raise ConfigError(f"model.ffn_dim = {cfg.ffn_dim}: the built-in gpt uses 4 * d_model = "
                               f"{4 * cfg.d_model}; remove it or use model.kind = \"gpt2\" / \"llama\"")
@@ -103,6 +107,17 @@ def estimator_llama(cfg: ModelConfig, layers: int | None = None, sizes: dict | N
         model = LlamaForCausalLM(dims["vocab"], dims["d"], layers or cfg.n_layer, dims["heads"], dims["kv_heads"],
                                  dims["ffn"])
     return ModelBundle(model, None, _lm_loss, f"llama (estimator's copy) {_count(model)}")
+
+
+def gpt_sizes(cfg: ModelConfig) -> dict | None:
+    """The built-in GPT's sizes as its small twin's symbols (Note [small twin]), in the order the twin takes its
+    primes: heads and a head's width (d = their product), the tokens (batch, sequence: filled in per trace), the
+    positions it embeds (after the sequence: the twin's then exceed its sequence, as the model's must), the
+    vocabulary. Its qkv layer is 3 d wide: 3 is a constant of this model, not a size. None: not the built-in GPT."""
+    if cfg.kind != "gpt" or cfg.pretrained or cfg.d_model % cfg.n_head:
+        return None
+    return {"heads": cfg.n_head, "head_dim": cfg.d_model // cfg.n_head, "batch": None, "seq": None,
+            "positions": cfg.seq_len, "vocab": cfg.vocab_size}
 
 
 def llama_sizes(cfg: ModelConfig) -> dict | None:

@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, metavar="N", help="model.seq_len (tokens per sequence)")
     p.add_argument("--explain", action="store_true", help="the reason for every unit's tiers")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--remeasure", action="store_true", help="measure the link rates again (else cached)")
+    p.add_argument("--remeasure", action="store_true",
+                   help="measure the link rates and the runtime memory again (else cached)")
 
     p = sub.add_parser("config", help="print every key with its default, or a job's resolved config")
     _add_job_args(p)

@@ -165,13 +165,14 @@ with infinity.initialize(model, {}) as engine:
 
 def runtime_rss(remeasure: bool = False) -> int:
     """Note [peak memory] runtime: RSS of a fresh process after torch, infinity and their kernels are loaded
-    (it builds a tiny model on the meta device and trains it for two steps); measured once per machine and
-    torch version, then cached."""
+    (it builds a tiny model on the meta device and trains it for two steps); measured once per machine, torch
+    version and version of infinity's code (what a run imports is the code's: torch._dynamo's import, gone on
+    2026-11-26, was 71 MiB of it), then cached."""
     def measure() -> int:
         out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, check=True,
                              timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
         return int(out.stdout.strip().splitlines()[-1])
-    return int(link_rates.cached_measurement("runtime_rss", measure, remeasure=remeasure))
+    return int(link_rates.cached_measurement("runtime_rss", measure, remeasure=remeasure, of_code=True))
 
 
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
@@ -224,7 +225,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                         activations_of=lambda a: activation_bytes(trace, a), trace_at=trace_at,
                         config=config, world_size=world_size, budgets=budgets, trace=trace, rates=rates, cuda=cuda,
                         flops=trace.flops, local_world_size=local, batch_size=batch_size, budgets_of=budgets_of,
-                        runtime=runtime_rss(), plan_rates=link_rates.cached_link_rates(cuda), bytes_of=activation_bytes)
+                        runtime=runtime_rss(remeasure), plan_rates=link_rates.cached_link_rates(cuda),
+                        bytes_of=activation_bytes)
 
     def peak_of(plan: Plan, trace: Trace, activation) -> tuple[dict[str, int], dict[str, int]]:
         terms = peak_terms(plan, trace, cuda=cuda, runtime=ctx.runtime, activation=activation)

@@ -210,11 +210,13 @@ class TwinMismatch(Exception):
 TWIN_PRIMES = (3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47)
 
 
-def twin_scale(full: dict[str, int]) -> tuple[dict[str, int], Callable[[int], int]]:
+def twin_scale(full: dict[str, int], constants: tuple[int, ...] = (2,)) -> tuple[dict[str, int],
+                                                                              Callable[[int], int]]:
     """Note [small twin]: the twin's sizes for the model's `full` sizes (symbol -> value; a size of 1 stays 1, each
-    other a distinct odd prime, the smallest first, in the order given) and the map from a count of the twin's (a
-    product of its sizes, times 2s) to the same product of the full sizes."""
-    primes = iter(TWIN_PRIMES)
+    other a distinct odd prime that is not one of the model's `constants`, the smallest first, in the order given)
+    and the map from a count of the twin's (a product of its sizes, times its constants) to the same product of the
+    full sizes."""
+    primes = iter(p for p in TWIN_PRIMES if p not in constants)
     small = {name: 1 if value == 1 else next(primes) for name, value in full.items()}
     pairs = [(small[name], full[name]) for name in full if small[name] != 1]
 
@@ -226,8 +228,12 @@ def twin_scale(full: dict[str, int]) -> tuple[dict[str, int], Callable[[int], in
             while rest % prime == 0:
                 rest //= prime
                 out *= value
-        if rest & (rest - 1):  # what is left must be a power of two
-            raise TwinMismatch(f"{n} is not a product of the twin's sizes {small} and of 2s")
+        left = rest
+        for constant in constants:
+            while left % constant == 0:
+                left //= constant
+        if left != 1:
+            raise TwinMismatch(f"{n} is not a product of the twin's sizes {small} and of {constants}")
         return out * rest
     return small, scale
 
@@ -239,6 +245,7 @@ class Twin:
 
     sizes: dict
     build: Callable[[dict], object]
+    constants: tuple[int, ...] = (2,)  # the primes the model's shapes hold as constants (the GPT's qkv: 3)
 
 
 def _materialized(bundle):
@@ -265,7 +272,7 @@ class TwinTrace:
     def __call__(self, batch: int) -> Trace:
         from infinity.units.builder import activation_modules
         sizes, scale = twin_scale({k: {"batch": batch, "seq": self.seq_len}.get(k, v)
-                                   for k, v in self.twin.sizes.items()})
+                                   for k, v in self.twin.sizes.items()}, self.twin.constants)
         model_sizes = {k: v for k, v in sizes.items() if k not in ("batch", "seq")}
         key = tuple(model_sizes.values())
         if key not in self._built:
@@ -315,9 +322,11 @@ class Depth:
     layers: int
     build: Callable[..., object]
     sizes: dict | None = None
+    constants: tuple[int, ...] = (2,)  # (Twin's)
 
     def twin(self, blocks: int) -> Twin | None:
-        return None if self.sizes is None else Twin(self.sizes, lambda sizes: self.build(blocks, sizes))
+        return None if self.sizes is None else Twin(self.sizes, lambda sizes: self.build(blocks, sizes),
+                                                    self.constants)
 
 
 def _count(model: nn.Module) -> int:
@@ -446,7 +455,7 @@ def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | N
     may differ (a pretrained type not in REPEATING_PRETRAINED, or one that lists its layers' types).
     `own_llama`: a `[model]` Llama shape, or a pretrained Llama whose config.json (and LoRA targets) the copy
     models, is built as the estimator's copy (Note [estimator's Llama]), without transformers or PEFT."""
-    from infinity.job.build import build_model, estimator_llama, llama_sizes
+    from infinity.job.build import build_model, estimator_llama, gpt_sizes, llama_sizes
     from infinity.job.spec import LoraConfig
     layers = model_cfg.n_layer
     if own_llama and model_cfg.kind == "llama" and not model_cfg.pretrained:
@@ -472,4 +481,7 @@ def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | N
                                    lora.r)
                 return Depth(layers, lambda d, sizes=None: estimator_pretrained_llama(model_cfg, lora, hf, fields,
                                                                                       targets, d, sizes), sizes)
+    if model_cfg.kind == "gpt" and not model_cfg.pretrained:  # the built-in GPT: its twin (Note [small twin])
+        return Depth(layers, lambda d, sizes=None: build_model(model_cfg, lora_cfg, layers=d, sizes=sizes),
+                     gpt_sizes(model_cfg), constants=(2, 3))
     return Depth(layers, lambda d: build_model(model_cfg, lora_cfg, layers=d))

@@ -307,9 +307,11 @@ def _estimate(job: Job, config: Config, world: int, say: Progress):
     """What `infinity estimate` predicts for this run (run after training, so it does not add to the
     measured peak memory)."""
     from infinity.job import estimate as est
-    try:
+    from infinity.job.estimate_model import job_depth
+    try:  # (as `infinity estimate` makes it: the same figures, without torch._dynamo's import: Note [small twin])
         return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
-                            batch_size=job.run.batch_size // world, seq_len=job.model.seq_len)
+                            batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
+                            depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens))
     except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run
         say.note(f"(no estimate: {type(e).__name__}: {e})")
         return None

@@ -205,9 +205,12 @@ def cached_link_rates(cuda: bool) -> LinkRates:
     return LinkRates.from_json(max(mine, key=lambda e: e.get("source", "")))
 
 
-def cached_measurement(name: str, measure, *, remeasure: bool = False):
-    """A JSON-able value measured once per machine (and torch version) and kept in the same cache."""
+def cached_measurement(name: str, measure, *, remeasure: bool = False, of_code: bool = False):
+    """A JSON-able value measured once per machine (and torch version) and kept in the same cache; `of_code`: a
+    value that depends on infinity's own code too (what a run imports), measured again when that code changes."""
     key = f"{_machine_key(torch.device('cpu'))}|torch {torch.__version__}|{name}"
+    if of_code:
+        key += f"|code {_code_fingerprint()}"
     entries = _load_cache()
     if key in entries and not remeasure:
         return entries[key]["value"]
@@ -216,6 +219,19 @@ def cached_measurement(name: str, measure, *, remeasure: bool = False):
     entries[key] = {"value": value}
     _store_cache(entries)
     return value
+
+
+def _code_fingerprint() -> str:
+    """infinity's source files as installed (names, sizes, modification times): a stat of each, no reads."""
+    import hashlib
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha1()
+    for folder, _dirs, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            st = os.stat(os.path.join(folder, name))
+            digest.update(f"{os.path.relpath(os.path.join(folder, name), root)}:{st.st_size}:{st.st_mtime_ns};"
+                          .encode())
+    return digest.hexdigest()[:16]
 
 
 def rates_for_plan(config: Config, device: torch.device, *, measure: bool) -> LinkRates:

@@ -85,7 +85,9 @@ class EngineOptimizer(torch.optim.Optimizer):
         if hasattr(self, "_engine_step"):  # (torch's __init__ adds its placeholder group before)
             raise ValueError("engine.optimizer.add_param_group: the groups are fixed at initialize; pass every group "
                              "to infinity.initialize(model, config, param_groups=[...])")
-        super().add_param_group(param_group)
+        # torch's __init__'s placeholder, replaced by the engine's groups at once: not through torch's own
+        # add_param_group, whose first call imports torch._dynamo (~1 s of every initialize, and its memory)
+        self.param_groups.append(param_group)
 
     def stepped(self) -> None:
         """engine.step() applied an update: torch's LR schedulers check this flag (their own protocol, set by the

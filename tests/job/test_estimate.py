@@ -201,3 +201,32 @@ def test_activations_and_flops_are_traced_on_meta_tensors():
     assert trace.flops >= 6 * matmul_params * batch * seq * 0.9  # forward 2N + backward 4N per token, at least
     d = SMALL.d_model
     assert trace.activation_bytes >= SMALL.n_layer * batch * seq * d * 4 * 8  # a handful of [b, t, d] per block
+
+
+def test_the_runtime_memory_is_measured_again_when_infinitys_code_changes(tmp_path, monkeypatch):
+    """Note [peak memory] runtime: cached per machine, torch version and infinity's code (a cache measured
+    before the code stopped importing torch._dynamo predicted the default job 22% high); --remeasure too."""
+    from infinity.machine import link_rates
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path))
+    measured = []
+
+    def measure():
+        measured.append(1)
+        return 100 + len(measured)
+    code = ["a"]
+    monkeypatch.setattr(link_rates, "_code_fingerprint", lambda: code[0])
+    assert [link_rates.cached_measurement("probe", measure, of_code=True) for _ in range(2)] == [101, 101]
+    code[0] = "b"  # a source file changed
+    assert link_rates.cached_measurement("probe", measure, of_code=True) == 102
+    assert link_rates.cached_measurement("probe", measure, of_code=True, remeasure=True) == 103
+    assert link_rates.cached_measurement("probe", measure) == 104  # (not of the code: a key of its own)
+    monkeypatch.undo()
+    first = link_rates._code_fingerprint()
+    source = os.path.join(os.path.dirname(infinity.__file__), "job", "estimate.py")
+    stat = os.stat(source)
+    try:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+        assert link_rates._code_fingerprint() != first
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert link_rates._code_fingerprint() == first
