@@ -210,3 +210,19 @@ def test_a_70b_estimate_never_imports_torch_dynamo(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "model: 68456.55M parameters in 81 units" in out.stdout, out.stdout + out.stderr
     assert out.stdout.strip().splitlines()[-1] == "no dynamo False", out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_the_builtin_gpts_small_twin_traces_as_the_meta_trace():
+    """Note [small twin]: the built-in GPT (the default job's model), its qkv 3 d wide (3: a constant of the
+    model, not a size), traced as its twin equals its meta trace, checkpointed or not, micro-batch 1 and 3."""
+    from infinity.job.estimate_model import TwinTrace, tracer
+    model = ModelConfig(kind="gpt", n_layer=5, d_model=48, n_head=4, seq_len=10, vocab_size=300)
+    depth = job_depth(model, own_llama=True)
+    assert depth.sizes is not None and depth.constants == (2, 3)
+    for checkpoint in ("none", "units"):
+        config = infinity.Config.from_dict({"activation": {"checkpoint": checkpoint}})
+        for blocks in (2, 3):
+            twin = TwinTrace(depth.twin(blocks), config, model.seq_len)
+            meta = tracer(lambda: depth.build(blocks), config, model.seq_len)
+            for batch in (1, 3):
+                assert twin(batch) == meta(batch), (checkpoint, blocks, batch)
