@@ -207,6 +207,16 @@ def test_tail_units_train_bit_for_bit_as_without_them():
         assert torch.equal(tail[2][name], tensor), name
 
 
+def _one_update(worker: OptimizerWorker) -> None:
+    """One unit's update through `worker`, waited for; the worker closed."""
+    try:
+        worker.submit([SimpleNamespace(index=0, name="u0")], hyper=(), grad_scale=None, active={0: []},
+                      after_unit=lambda u: None)
+        worker.wait_all()
+    finally:
+        worker.close()
+
+
 def test_the_workers_thread_budget_is_its_own():
     """Note [thread budget]: overlap.optimizer_threads = 1 gives the worker one intra-op thread; the training thread
     and threads started later keep torch's count."""
@@ -224,13 +234,7 @@ def test_the_workers_thread_budget_is_its_own():
                 on_unit_done(unit)
 
     before = torch.get_num_threads()
-    worker = OptimizerWorker(CountingOptimizer(), 1, threads=1)
-    try:
-        worker.submit([SimpleNamespace(index=0, name="u0")], hyper=(), grad_scale=None, active={0: []},
-                      after_unit=lambda u: None)
-        worker.wait_all()
-    finally:
-        worker.close()
+    _one_update(OptimizerWorker(CountingOptimizer(), 1, threads=1))
     assert seen == {"worker": 1, "later": before} and torch.get_num_threads() == before
 
 
@@ -289,13 +293,7 @@ def test_a_bound_worker_and_the_threads_it_starts_run_on_its_cores_only():
             for unit in units:
                 on_unit_done(unit)
 
-    worker = OptimizerWorker(Looking(), 1, cores=cores)
-    try:
-        worker.submit([SimpleNamespace(index=0, name="u0")], hyper=(), grad_scale=None, active={0: []},
-                      after_unit=lambda u: None)
-        worker.wait_all()
-    finally:
-        worker.close()
+    _one_update(OptimizerWorker(Looking(), 1, cores=cores))
     later = []
     elsewhere = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0)))
     elsewhere.start()
