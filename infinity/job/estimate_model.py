@@ -14,23 +14,25 @@ byte, to the full model's (every tier, the activations, the table and the plans)
 Llama this turns ~10 s of model build and trace into ~0.2 s. A model given as `module:function`, or whose
 blocks may differ (a pretrained type not known to repeat one block), is built and traced whole.
 
-Note [small twin]: a meta trace costs more to start than to run. torch's meta kernels of elementwise operations
-are Python (torch._refs) wrapped to keep dynamo out, and the first call imports torch._dynamo and sympy: ~1.1 s
-of a 70B estimate's ~4.5 s, for four traces of ~0.07 s each. The estimator's Llama (Note [estimator's Llama])
-is traced as its small twin instead: the same model (depth, dtype, LoRA targets and dropout, tied embeddings),
-on the CPU with zeros for weights, each of its sizes replaced by a distinct odd prime, the smallest where they
-multiply most (key/value heads 3, query heads per key/value head 5, half a head 7: d = 210; micro-batch 11,
-sequence 13; then the MLP width, the vocabulary, LoRA's rank), a size of 1 kept 1, and attention on torch's math
+Note [small twin]: a meta trace costs more to start than to run. torch's meta kernels of elementwise operations are
+Python (torch._refs) wrapped to keep dynamo out, and the first call imports torch._dynamo and sympy: ~1.1 s of a 70B
+estimate's ~4.5 s, for four traces of ~0.07 s each. The estimator's Llama (Note [estimator's Llama]) and the built-
+in GPT are traced as their small twins instead: the same model (depth, dtype, LoRA targets and dropout, tied
+embeddings), on the CPU with zeros for weights, each of its sizes replaced by a distinct odd prime, the smallest
+where they multiply most (key/value heads 3, query heads per key/value head 5, half a head 7: d = 210; micro-batch
+11, sequence 13; then the MLP width, the vocabulary, LoRA's rank), a size of 1 kept 1, and attention on torch's math
 kernel (what the meta trace runs). Every count the trace takes (a saved tensor's elements, an input's, one
-operation's FLOPs) is then a product of those primes and of 2s (a head is two halves, a multiply-add two
-FLOPs): its factorization names the product of sizes it is, and the same product of the full sizes is the
-full model's count (`twin_scale`). A count with another odd factor, a trace that fails, or units that differ
-fall back to the meta trace, as do a tiled model (its tiles depend on its sizes) and a chunked loss. What this
-rests on: the copy's counts are such products, with no odd constant (an odd constant equal to one of the primes
-would be misread). tests/job/test_estimate_fast.py holds the twin's Trace equal to the meta trace field by
-field (fp32 / bf16 / fp16, grouped-query or not, LoRA all-linear with dropout or q/v, tied embeddings,
-micro-batch 1 and 3, 2 and 3 blocks), and a 70B estimate importing neither torch._dynamo nor sympy. The twin's
-traces take ~0.03 s each (fp16 stays fp16: at d = 210 its slow CPU matmuls still take milliseconds).
+operation's FLOPs) is then a product of those primes and of 2s (a head is two halves, a multiply-add two FLOPs): its
+factorization names the product of sizes it is, and the same product of the full sizes is the full model's count
+(`twin_scale`). A model whose shapes hold another constant says so (`Twin.constants`): the GPT's qkv is 3 d wide, so
+its sizes take primes from 5 (heads 5, head width 7) and a 3 stays a 3. A count with another odd factor, a trace
+that fails, or units that differ fall back to the meta trace, as do a tiled model (its tiles depend on its sizes)
+and a chunked loss. What this rests on: the models' counts are such products, with no odd constant but those
+declared (an undeclared one equal to one of the primes would be misread). tests/job/test_estimate_fast.py holds the
+twin's Trace equal to the meta trace field by field (the Llama in fp32 / bf16 / fp16, grouped-query or not, LoRA
+all-linear with dropout or q/v, tied embeddings; the GPT checkpointed or not; micro-batch 1 and 3, 2 and 3 blocks),
+and a 70B estimate importing neither torch._dynamo nor sympy. The twin's traces take ~0.03 s each (fp16 stays fp16:
+at d = 210 its slow CPU matmuls still take milliseconds).
 """
 
 from __future__ import annotations

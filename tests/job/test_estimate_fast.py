@@ -226,3 +226,24 @@ def test_the_builtin_gpts_small_twin_traces_as_the_meta_trace():
             meta = tracer(lambda: depth.build(blocks), config, model.seq_len)
             for batch in (1, 3):
                 assert twin(batch) == meta(batch), (checkpoint, blocks, batch)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_the_flop_count_is_torchs_flop_counter(kind):
+    """Note [flop count without dynamo]: the estimator's FLOP count, the same trace, equals torch's FlopCounterMode
+    (its formulas, its decompositions): the built-in GPT and the estimator's Llama (grouped-query attention)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from infinity.job.estimate_model import FlopCount
+    model = ModelConfig(kind=kind, n_layer=2, d_model=48, n_head=4, n_kv_head=2 if kind == "llama" else 0,
+                        seq_len=10, vocab_size=300)
+    bundle = job_depth(model, own_llama=True).build(2)
+    x = torch.zeros(3, model.seq_len, dtype=torch.long, device="meta")
+    net = bundle.model.to("meta")
+    counts = []
+    for counter in (FlopCount(), FlopCounterMode(display=False)):
+        with counter:
+            bundle.loss(net, x, x).backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
