@@ -16,8 +16,8 @@ blocks may differ (a pretrained type not known to repeat one block), is built an
 
 Note [small twin]: a meta trace costs more to start than to run. torch's meta kernels of elementwise operations are
 Python (torch._refs) wrapped to keep dynamo out, and the first call imports torch._dynamo and sympy: ~1.1 s of a 70B
-estimate's ~4.5 s, for four traces of ~0.07 s each. The estimator's Llama (Note [estimator's Llama]) and the built-
-in GPT are traced as their small twins instead: the same model (depth, dtype, LoRA targets and dropout, tied
+estimate's ~4.5 s, for four traces of ~0.07 s each. The estimator's Llama (Note [estimator's Llama]) and the
+built-in GPT are traced as their small twins instead: the same model (depth, dtype, LoRA targets and dropout, tied
 embeddings), on the CPU with zeros for weights, each of its sizes replaced by a distinct odd prime, the smallest
 where they multiply most (key/value heads 3, query heads per key/value head 5, half a head 7: d = 210; micro-batch
 11, sequence 13; then the MLP width, the vocabulary, LoRA's rank), a size of 1 kept 1, and attention on torch's math
