@@ -281,9 +281,11 @@ def case_b(cfg, batch, device, args) -> dict:
         if times:
             runs[name]["step_s"] = median(times)
         print(f"case b {name}: {runs[name]}", flush=True)
-    if args.profile:  # after the measured runs: the profile's own costs stay out of them
-        infinity_step_times(cfg, batch, device, 1, 2, OFFLOAD, profile_dir=os.path.join(args.profile, "case_b"))
-        release(device)
+    if args.profile:  # after the measured runs (the profile's own costs stay out of them): unclipped and clipping
+        for name, clip in (("case_b", 0.0), ("case_b_clip", 1.0)):
+            infinity_step_times(cfg, batch, device, 1, 2, OFFLOAD, profile_dir=os.path.join(args.profile, name),
+                                grad_clip=clip)
+            release(device)
     floors = {
         "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
         "cpu_adam": cpu_adam_floor(numel),
@@ -346,8 +348,8 @@ def case_l(cfg, batch, device, args) -> dict:
     runs = (("no_clip", 0.0, {}), ("clip", 1.0, {}), ("spec_no_fire", NEVER_FIRES, {"speculation": "auto"}),
             ("all_cores", 0.0, ALL_CORES), ("unbound", 0.0, UNBOUND))
     runs = tuple(r for r in runs if r[0] in args.runs)
-    if args.profile:  # last, after the measured runs
-        runs += (("profiled", 0.0, {}),)
+    if args.profile:  # last, after the measured runs: unclipped, and clipping at 1.0 (its deferred schedule)
+        runs += (("profiled", 0.0, {}), ("profiled_clip", 1.0, {}))
     for name, clip, overlap in runs:
         torch.manual_seed(0)
         with infinity.meta_init():
@@ -355,13 +357,15 @@ def case_l(cfg, batch, device, args) -> dict:
         config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": clip},
                   "placement": OFFLOAD, "precision": {"compute_dtype": "bf16" if bf16 else "fp32"},
                   "overlap": overlap}
-        if name == "profiled":
-            config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.profile, "case_l")}
+        profiled = name.startswith("profiled")
+        if profiled:
+            config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.profile, "case_" + name.replace(
+                "profiled", "l"))}
         engine = infinity.initialize(model, config, init_fn=fast_init(model._init_weights))
         intervals: list = []
         with engine:
             ours = steady(lambda: (engine.backward(engine(input_ids=x, labels=x).loss), engine.step()), device,
-                          args.warmup, args.steps if name != "profiled" else 2, finish=engine.synchronize,
+                          args.warmup, args.steps if not profiled else 2, finish=engine.synchronize,
                           intervals=intervals)
             mode = type(engine.updates).__name__
         engine = model = None  # (collected by release)
@@ -453,7 +457,10 @@ def ds_worker(args) -> None:
 
 
 def case_d(cfg, batch, device, args, done: dict) -> dict:
-    ours = done["b"]["step_s"] if "b" in done else case_b(cfg, batch, device, args)["step_s"]
+    if args.b_step_s is not None:  # case b's synchronized step, measured by an earlier process (gpu_check.sh)
+        ours = args.b_step_s
+    else:
+        ours = done["b"]["step_s"] if "b" in done else case_b(cfg, batch, device, args)["step_s"]
     theirs = median(deepspeed_step_times(args, "cpu"))
     out = {"step_s": ours, "deepspeed_step_s": theirs, "floors": {"deepspeed_zero3_offload_cpu": theirs},
            "ratio": ours / theirs, "bar": 0.8, "tflops": tflops(cfg, batch, ours)}
@@ -478,6 +485,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=int, default=1800, help="seconds for DeepSpeed's child process")
     ap.add_argument("--profile", default=None, metavar="DIR", help="case e: profile cases b, c and l (Chrome trace, "
                     "summary and timeline PNG under DIR/case_<name>/rank0)")
+    ap.add_argument("--b-step-s", type=float, default=None, help="case d: infinity's step, case b's synchronized "
+                    "step measured by an earlier run (gpu_check.sh), instead of running case b again")
     ap.add_argument("--ds-worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--layers", type=int, default=24)
