@@ -196,30 +196,43 @@ class OptimizerWorker:
             self._loop()
 
     def _loop(self) -> None:
-        held = _NOTHING  # an item taken from the queue while merging batches, handled next
+        held = _NOTHING  # an item taken from the queue while merging batches, handled once the backlog is done
+        backlog: list[_Batch] = []  # merged batches not stepped yet (Note [forward first, again])
         while True:
-            item, held = (held, _NOTHING) if held is not _NOTHING else (self._next_item(), _NOTHING)
-            if item is None:
-                return
-            if isinstance(item, _Order):
-                self.read_ahead.set_order(item.chunks)
-                continue
-            if isinstance(item, _Mark):
-                item.event.set()
-                continue
-            batches = [item]
-            while True:  # merge the batches queued up meanwhile: one pipeline across those units
-                try:
-                    more = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if not isinstance(more, _Batch) or not item.joins(more):
+            if not backlog:
+                item, held = (held, _NOTHING) if held is not _NOTHING else (self._next_item(), _NOTHING)
+                if item is None:
+                    return
+                if isinstance(item, _Order):
+                    self.read_ahead.set_order(item.chunks)
+                    continue
+                if isinstance(item, _Mark):
+                    item.event.set()
+                    continue
+                backlog = [item]
+            while True:  # merge the batches queued up meanwhile (and the one held, if ready now): one pipeline
+                if held is not _NOTHING:
+                    more, held = held, _NOTHING
+                else:
+                    try:
+                        more = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                if not isinstance(more, _Batch) or not backlog[0].joins(more):
                     # an order, a mark or the end: after these batches; so is another kind of update, or a batch
                     # whose gradients the device has not produced yet (Note [merge only what the device has reached])
                     held = more
                     break
-                batches.append(more)
-            batches.sort(key=lambda b: b.position)  # Note [forward first]
+                backlog.append(more)
+            backlog.sort(key=lambda b: b.position)  # Note [forward first]
+            # Note [forward first, again]: without a state read-ahead (no pipeline of disk reads across units to
+            # keep going) one batch is stepped at a time, and the merge is done again after each, the batch held
+            # back as not yet reached included: a batch the device reaches meanwhile goes before the backlog's
+            # later ones when the next forward needs it sooner. On the H100 (case l) the worker had merged the
+            # thirteen units ready near backward's end (five of them CPU updates), the forward's first units
+            # arrived a moment later behind them, and the forward waited 123 ms for the whole backlog.
+            split = 1 if self.read_ahead is None else len(backlog)
+            batches, backlog = backlog[:split], backlog[split:]
             batch = batches[0]
             for b in batches:
                 self.streams.wait_event(b.submitted)  # the gradients were produced on the training thread's stream
