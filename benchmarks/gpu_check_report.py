@@ -90,7 +90,7 @@ def report(logs: str, elapsed_s: float | None) -> dict:
 
 
 # bench_gpu's diagnostics (no bar)
-INFO = ("steady_median_s", "spec_no_fire_over_no_clip", "all_cores_over_auto", "unbound_over_auto")
+INFO = ("steady_median_s", "spec_no_fire_over_no_clip", "all_cores_over_auto", "bound_over_auto")
 
 
 def table(rep: dict) -> str:

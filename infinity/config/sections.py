@@ -308,9 +308,9 @@ class OverlapConfig(Section):
         "auto", "Core binding of the optimizer worker (Note [core binding]): \"bind\" pins the worker and the "
         "intra-op threads it starts to this rank's share of the process's cores (split by LOCAL_RANK), less one "
         "core left to the training thread, which stays unbound (as do data loader processes); \"none\": no "
-        "binding; \"auto\": bind with a GPU when the rank's share has at least 3 cores, not without one (on the "
-        "2-core development machine \"bind\" was 1.02-1.27x faster: docs/tiers.md). With a binding, "
-        "optimizer_threads = \"auto\" is one thread per bound core.", "enum", choices=("auto", "bind", "none"))
+        "binding; \"auto\": no binding either, as measured (on an H100 machine bound was slower for a 1.12B "
+        "Llama, 1.22-1.27x, and no faster for case b; on the 2-core development machine \"bind\" was 1.02-1.27x "
+        "faster: docs/tiers.md). With a binding, optimizer_threads = \"auto\" is one thread per bound core.", "enum", choices=("auto", "bind", "none"))
     speculation: int | str = option(
         "auto", "Host memory for the pre-update copies that keep updates during backward when the update depends "
         "on the global gradient norm (optimizer.grad_clip > 0 or train.on_nonfinite = \"skip\"; not with fp16 "

@@ -120,18 +120,19 @@ def worker_cores(setting: str, cuda: bool, allowed: Iterable[int] | None = None,
                  local_rank: int | None = None, local_world: int | None = None) -> frozenset[int] | None:
     """Note [core binding]: the cores `overlap.optimizer_cores` binds the optimizer worker to, or None.
 
-    This rank's share of the process's allowed cores (`allowed`: os.sched_getaffinity; the ranks on this machine,
-    LOCAL_RANK of LOCAL_WORLD_SIZE as torchrun sets them, take equal consecutive shares), less its first core,
-    left to the training thread. The training thread itself is not bound: the processes it starts (a
-    DataLoader's workers) would inherit its one core. "auto" binds only with a GPU (the training thread mostly
-    launches kernels; DeepSpeed's binding gave 1.16-1.3x on ZeRO-Offload) and a share of at least 3 cores.
-    Without a GPU "bind" measured 1.02-1.27x faster on the 2-core development machine in 5 of 5 runs (a
-    one-thread worker on core 1 beside an unbound training thread; benchmarks/RESULTS.md), but it is not the
-    default there: that slower worker's updates run on into the next forward, whose fetches then find more
-    fresh parameter copies than the byte model's simulation keeps (Note [fresh parameters] assumes no take
-    during the puts): one tiled unit's read fewer than predicted in tests/units/test_tiling.py. Ranks started
-    without LOCAL_WORLD_SIZE (their share unknown) are not bound."""
-    if setting == "none" or (setting == "auto" and not cuda) or not hasattr(os, "sched_getaffinity"):
+    "bind": this rank's share of the process's allowed cores (`allowed`: os.sched_getaffinity; the ranks on this
+    machine, LOCAL_RANK of LOCAL_WORLD_SIZE as torchrun sets them, take equal consecutive shares), less its first
+    core, left to the training thread. The training thread itself is not bound: the processes it starts (a
+    DataLoader's workers) would inherit its one core. "auto" binds nowhere, as measured:
+    - on the H100 (bench_gpu, 16 cores, the worker on 15 of them), bound made the 1.12B Llama's offload step
+      slower in both calls that measured it (unbound 0.82x and 0.79x the bound step) and case b's no faster
+      (0.997x, once backward stopped waiting for the gradient copies; 1.09x slower unbound before);
+    - on the 2-core development machine "bind" (one worker thread on core 1) was 1.02-1.27x faster in 5 of 5 runs,
+      but that slower worker's updates run on into the next forward, whose fetches then find more fresh
+      parameter copies than the byte model's simulation keeps (Note [fresh parameters] assumes no take during the
+      puts): one tiled unit's read fewer than predicted in tests/units/test_tiling.py.
+    Ranks started without LOCAL_WORLD_SIZE (their share unknown) are not bound."""
+    if setting != "bind" or not hasattr(os, "sched_getaffinity"):
         return None
     if local_world is None and "LOCAL_WORLD_SIZE" not in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return None  # ranks launched without torchrun's LOCAL_* variables: this rank's share is unknown
@@ -140,8 +141,8 @@ def worker_cores(setting: str, cuda: bool, allowed: Iterable[int] | None = None,
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if local_world is None else local_world
     share = len(cores) // max(1, ranks)
     mine = cores[rank * share:(rank + 1) * share] if share else []
-    if len(mine) < (3 if setting == "auto" else 2):
-        return None  # no core for the worker beside the training thread's (or, "auto", fewer than two)
+    if len(mine) < 2:
+        return None  # no core for the worker beside the training thread's
     return frozenset(mine[1:])
 
 
