@@ -153,7 +153,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
                    static: dict[str, str], budgets: Budgets, units_ahead: int,
                    rates: cost_model.LinkRates | None = None, grad_accum_steps: int = 1,
                    compute_seconds: float = 0.0, keep_written: bool = True, read_ahead: int | str = 0,
-                   speculation: int | str = 0, tail_units: int | str = 0,
+                   speculation: int = 0, tail_units: int | str = 0,
                    state_dtype: StateDtype = StateDtype.FP32) -> Plan:
     """Decide the tier of every unit's state kinds and check it against the budgets.
 
@@ -166,7 +166,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     Every working buffer of Note [working memory] is fitted with the state: `keep_written` (the fresh
     copies), and `read_ahead`, the state read-ahead's setting ("auto": half of the host memory the rest
     leaves free; bytes: refused with a ConfigError unless they fit; 0 without the optimizer worker), then
-    `speculation`, the journal of speculated updates (the same rules in what is left; 0 when none is needed).
+    `speculation`, the journal of speculated updates (a size, refused unless it fits in what is left; 0 when none).
     Before them `tail_units` moves the first units' gradients and optimizer state to the device (Note [tail units]).
     `state_dtype`: what the optimizer state is stored in (`[optimizer] state_dtype`; its bytes per element).
     """
@@ -186,7 +186,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     plan = with_tail(plan, tail_units, budgets)
     plan = traffic.with_read_ahead(plan, traffic.resolve_read_ahead(read_ahead, plan, budgets) if read_ahead else 0)
     plan = traffic.with_speculation(plan, traffic.resolve_speculation(speculation, plan, budgets) if speculation else 0)
-    if speculation not in (0, "auto") and not traffic.speculated_units(plan, not budgets.shared_ram):
+    if speculation and not traffic.speculated_units(plan, not budgets.shared_ram):
         plan = dataclasses.replace(plan, reasons=plan.reasons + (  # (a setting that cannot act is said, not ignored)
             f"overlap.speculation = {_fmt(int(speculation))}: no unit is speculated (units with parameters or "
             f"optimizer state on NVMe, or the optimizer on the GPU, never are: Note [speculative update])",))

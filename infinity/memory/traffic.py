@@ -463,21 +463,15 @@ def speculated_units(plan: "Plan", cuda: bool) -> list[int]:
             and Tier.NVME not in (plan.tier(u, Kind.MASTER), plan.tier(u, Kind.PARAMS))]
 
 
-def resolve_speculation(setting, plan: "Plan", budgets: "Budgets") -> int:
-    """The journal's bytes for `[overlap] speculation` = `setting` (0: none; callers pass 0 when the update needs
-    no global norm or runs without the worker), given the rest of `plan` (its read-ahead included): "auto" takes,
-    with a GPU, the copies of every speculated unit if they fit in the host memory the plan leaves free, else what
-    fits (none when not even the smallest unit's do), and none without a GPU; an explicit size must fit in it
-    (ConfigError otherwise)."""
+def resolve_speculation(setting: int, plan: "Plan", budgets: "Budgets") -> int:
+    """The journal's bytes for `[overlap] speculation` = `setting`, a size (callers pass 0 when the update needs no
+    global norm, runs without the worker, or the setting is "auto": Note [speculation default]), given the rest of
+    `plan` (its read-ahead included): what of it the speculated units' copies want, which must fit in the host
+    memory the plan leaves free (ConfigError otherwise)."""
     sizes = [sum(journal_kind_bytes(plan.units[u].numel(Kind.MASTER), k, plan.state_dtype) for k in JOURNAL_KINDS)
              for u in speculated_units(plan, not budgets.shared_ram)]
-    wanted, free = sum(sizes), host_slack(plan, budgets)
-    if setting == "auto":
-        if budgets.shared_ram:
-            return 0  # no GPU: the copies and a fired clip's redo take cores from compute (Note [speculative update])
-        num_bytes = min(wanted, free)
-        return num_bytes if sizes and num_bytes >= min(sizes) else 0
-    return _explicit_host_bytes("overlap.speculation", setting, wanted, free, "pre-update copies")
+    return _explicit_host_bytes("overlap.speculation", setting, sum(sizes), host_slack(plan, budgets),
+                                "pre-update copies")
 
 
 def _explicit_host_bytes(key: str, setting: int, wanted: int, free: int, what: str) -> int:

@@ -13,11 +13,7 @@ before a sub-group is stepped its master, moments (as stored) and fp32 gradient 
 - the norm is not finite: each speculated unit is put back and not stepped; its Adam step counts too.
 
 Bit for bit what the deferred update computes, in every case. A fired clip costs the journal's copies and the
-speculated update, both during backward, and then the deferred schedule's update; with a GPU these run on
-host cores that backward leaves idle, so every window speculates. Without a GPU they take the cores from
-compute: on the 2-core development machine (docs/tiers.md) a speculated step was 1.33-1.56x the deferred one
-when the clip never fired and 1.33-1.65x when it always did, while the deferred update was as fast as the eager
-one or faster; so "auto" speculates with a GPU only, and a size turns it on anywhere.
+speculated update, both during backward, and then the deferred schedule's update.
 
 The journal is one host arena of `plan.speculation` bytes (a working term of the byte model, fitted to the
 host budget after the read-ahead); units are admitted in the order backward finalizes them while their copies
@@ -26,14 +22,18 @@ speculated (their update is fast; the copies would cross PCIe), nor those with p
 NVMe (a fired clip would write them twice over the slowest link; their reads are ahead of the update already:
 Note [state read-ahead]).
 
-Note [speculation forecast]: a fired clip costs the journal's copies and the speculated update on top of the
-deferred update: on an H100 (1.12B Llama in bf16, the ZeRO-Offload shape, the clip firing in every window) the
-speculated step was 2.76x the unclipped one. So "auto" forecasts: a window speculates only when the clip fired in
-none of the last `QUIET_WINDOWS` windows (nor was a norm non-finite); otherwise its units wait for the norm, as
-deferred updates do. Every window's outcome is known at `step()`, speculated or not, so the forecast follows the
-run: where the clip keeps firing (a fine-tune's first steps at max_grad_norm 1.0) the windows defer, where it
-rarely fires (pretraining: 0.12% of BLOOM-176B's steps in SuperOffload's report) nearly every window speculates.
-A size in `overlap.speculation` speculates every window (`Always`).
+Note [speculation default]: only a size in `overlap.speculation` speculates (every window); "auto" waits for the
+norm (the deferred update), as measured on both machines the copies had to share:
+- on an H100 (bench_gpu, 2026-11-26, the ZeRO-Offload shape) speculating with a clip that never fired cost
+  2.51x the unclipped step for the fp32 GPT 1.31B (case b) and 2.11x for the 1.12B Llama in bf16, against
+  1.31x and 1.11x for waiting with the clip firing in every window. The CPU's Adam is already the busy resource
+  during backward there (0.24-0.30 s of it against ~0.26 s of backward), and the copies (16 bytes per element
+  in, as many back) double its memory traffic; a fired clip paid the redo on top (2.76x);
+- on the 2-core development machine the copies took the cores from compute: 1.33-1.56x the deferred step with
+  a clip that never fired, 1.33-1.65x with one that always did (docs/tiers.md).
+The forecast that speculated only after 4 windows without a fired clip is gone with it: it avoided the redo,
+not the copies. What would make speculation pay: no copies, the speculated update writing its results beside
+the state it read (then committing them is a swap, and a redo reads the untouched state).
 
 The worker applies the journal through `OffloadedOptimizer.step(journal=...)`, one type per use:
 `Recording` (copy in, then step), `Replaying` (copy back with the gradient, then step) and `Restoring`
@@ -134,45 +134,6 @@ class Restoring(_Use):
         for kept, live in self._pairs(unit, at, runs, bufs, OPTIMIZER_KINDS):
             live.copy_(kept)
         return False
-
-
-class Forecast:
-    """Whether the next window speculates (Note [speculation forecast]); told each window's outcome."""
-
-    def speculate(self) -> bool:
-        raise NotImplementedError
-
-    def record(self, fired: bool) -> None:
-        """The window just validated: its clip fired or its norm was not finite (`fired`), or neither."""
-
-
-class Always(Forecast):
-    """An explicit `overlap.speculation` size: every window speculates."""
-
-    def speculate(self) -> bool:
-        return True
-
-
-QUIET_WINDOWS = 4
-
-
-class AfterQuietWindows(Forecast):
-    """"auto": speculate when none of the last `quiet` windows fired."""
-
-    def __init__(self, quiet: int = QUIET_WINDOWS):
-        self.quiet = quiet
-        self.since_fired = quiet  # windows since the clip last fired (the run's first window speculates)
-
-    def speculate(self) -> bool:
-        return self.since_fired >= self.quiet
-
-    def record(self, fired: bool) -> None:
-        self.since_fired = 0 if fired else self.since_fired + 1
-
-
-def forecast_for(speculation: int | str) -> Forecast:
-    """The forecast for `overlap.speculation` ("auto" or a size)."""
-    return AfterQuietWindows() if speculation == "auto" else Always()
 
 
 def journal_for(plan, capacity: int, units_speculated: list[int]) -> Journal:

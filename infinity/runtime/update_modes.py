@@ -48,7 +48,7 @@ from infinity.memory.traffic import speculated_units
 from infinity.optim.cpu_adam import Hypers
 from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import StateReadAhead
-from infinity.optim.speculation import Forecast, Journal, forecast_for, journal_for
+from infinity.optim.speculation import Journal, journal_for
 from infinity.optim.worker import OptimizerWorker
 from infinity.profile import Link
 from infinity.runtime.loss_scale import LossScaler
@@ -381,11 +381,10 @@ class SpeculativeUpdate(_DuringBackward):
 
     forward_takes_in_order = True  # (the units it updates from step(): those with parameters on NVMe among them)
 
-    def __init__(self, *, journal: Journal, forecast: Forecast, **kwargs):
+    def __init__(self, *, journal: Journal, **kwargs):
         super().__init__(**kwargs)
-        self.journal, self.forecast = journal, forecast
+        self.journal = journal
         self._open = False  # a window's first unit has been finalized
-        self._speculating = False  # this window speculates (Note [speculation forecast])
         self._deferred: list[tuple[Unit, _Flags]] = []  # units left for step(), their flags' reduction issued
         self.fired = 0  # windows whose clip fired after speculating (redone)
 
@@ -397,9 +396,8 @@ class SpeculativeUpdate(_DuringBackward):
                 self.worker.wait_unit(index)
             self.journal.clear()
             self._open = True
-            self._speculating = self.forecast.speculate()
         reduced = self._issue_flags(unit)
-        entry = self.journal.reserve(unit.index, unit.steps.counts) if self._speculating else None
+        entry = self.journal.reserve(unit.index, unit.steps.counts)
         if entry is None:
             self._deferred.append((unit, reduced))
             return
@@ -413,10 +411,8 @@ class SpeculativeUpdate(_DuringBackward):
         speculated = self.journal.entries  # (their runs are set on the worker, before a later batch resolves)
         if self._nonfinite is not None or not math.isfinite(norm):
             self._predicted = {}
-            self.forecast.record(fired=True)
             return self._put_back(speculated, deferred, norm, index)
         grad_scale = self.grad_scale(norm)  # (as _global_update's: the same update, bit for bit)
-        self.forecast.record(fired=grad_scale is not None)  # (no fp16 loss scale here: only the clip scales)
         waiting = {u.index: reduced for u, reduced in deferred}
         hyper = self.hyper()
         order = self.forward_order()
@@ -467,14 +463,14 @@ class SpeculativeUpdate(_DuringBackward):
         return self.forward_order()
 
 
-def mode_class(config: Config, cuda: bool = False) -> type[UpdateMode]:
-    """The one place that decides the update mode from the configuration and whether the device is a GPU (Note
-    [overlap], Note [speculative update]: "auto" speculates with a GPU only). Not from the plan: every rank must
-    run the same mode (their collectives), while the journal's bytes may differ between ranks (free host
-    memory); a journal with no room defers every unit."""
+def mode_class(config: Config) -> type[UpdateMode]:
+    """The one place that decides the update mode from the configuration (Note [overlap], Note [speculative
+    update]: only a size in overlap.speculation speculates). Not from the plan: every rank must run the same mode
+    (their collectives), while the journal's bytes may differ between ranks (free host memory); a journal with
+    no room defers every unit."""
     if not config.overlap.optimizer_with_backward:
         return InlineUpdate
-    if config.speculates and (cuda or config.overlap.speculation != "auto"):
+    if config.speculates:
         return SpeculativeUpdate
     return DeferredUpdate if config.update_needs_norm else EagerUpdate
 
@@ -483,7 +479,7 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
                 scaler: LossScaler, hyper: Callable[[], Hypers], trace: OrderTrace, read_ahead_bytes: int,
                 reading_swap: Callable[[], bool], profiler) -> UpdateMode:
     """Build the configured mode with its optimizer (and, on the worker, its worker and state read-ahead)."""
-    cls = mode_class(config, device.type == "cuda")
+    cls = mode_class(config)
     shared = {"units": units, "manager": manager, "scaler": scaler, "hyper": hyper, "trace": trace, "group": group,
               "device": device, "grad_clip": config.optimizer.grad_clip, "on_nonfinite": config.train.on_nonfinite,
               "profiler": profiler}
@@ -505,5 +501,4 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
     if cls is SpeculativeUpdate:
         shared["journal"] = journal_for(manager.plan, manager.plan.speculation,
                                         speculated_units(manager.plan, device.type == "cuda"))
-        shared["forecast"] = forecast_for(config.overlap.speculation)
     return cls(optimizer=optimizer, worker=worker, reading_swap=reading_swap, **shared)
