@@ -72,6 +72,11 @@ class OffloadedOptimizer:
                     tasks.append(_Task(unit, chunk, inside))
         return tasks
 
+    @property
+    def reads_disk(self) -> bool:
+        """Does an update read state from NVMe (its sub-groups then pipeline their reads across units)?"""
+        return any(self.manager.tier(u.index, k) is Tier.NVME for u in self.units for k in FETCHED)
+
     def device_of(self, unit: Unit) -> torch.device:
         """The optimizer runs where its state lives: the device tier's device, else the CPU."""
         return self.compute_device if self.manager.tier(unit.index, Kind.MASTER) is Tier.DEVICE else torch.device("cpu")

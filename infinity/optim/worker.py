@@ -73,8 +73,12 @@ class OptimizerWorker:
     """One background thread stepping submitted units in submission order."""
 
     def __init__(self, optimizer: OffloadedOptimizer, num_units: int, read_ahead: StateReadAhead | None = None,
-                 streams: Streams | None = None, threads: int | None = None, cores: frozenset[int] | None = None):
+                 streams: Streams | None = None, threads: int | None = None, cores: frozenset[int] | None = None,
+                 pipeline_batches: bool = False):
         self.optimizer = optimizer
+        # every ready batch in one pipeline (state read from NVMe: the reads run on across units), or one batch at a
+        # time (Note [forward first, again])
+        self.pipeline_batches = pipeline_batches or read_ahead is not None
         self.threads = threads  # its intra-op threads (Note [thread budget]); None: torch's count
         self.cores = cores  # the cores it and its intra-op threads run on (Note [core binding]); None: unbound
         self.read_ahead = read_ahead
@@ -225,13 +229,13 @@ class OptimizerWorker:
                     break
                 backlog.append(more)
             backlog.sort(key=lambda b: b.position)  # Note [forward first]
-            # Note [forward first, again]: without a state read-ahead (no pipeline of disk reads across units to
-            # keep going) one batch is stepped at a time, and the merge is done again after each, the batch held
+            # Note [forward first, again]: without state on NVMe (no pipeline of disk reads across units to keep
+            # going) one batch is stepped at a time, and the merge is done again after each, the batch held
             # back as not yet reached included: a batch the device reaches meanwhile goes before the backlog's
             # later ones when the next forward needs it sooner. On the H100 (case l) the worker had merged the
             # thirteen units ready near backward's end (five of them CPU updates), the forward's first units
             # arrived a moment later behind them, and the forward waited 123 ms for the whole backlog.
-            split = 1 if self.read_ahead is None else len(backlog)
+            split = len(backlog) if self.pipeline_batches else 1
             batches, backlog = backlog[:split], backlog[split:]
             batch = batches[0]
             for b in batches:
