@@ -47,7 +47,9 @@ def _title(summary: dict) -> str:
     efficiency_text = "-" if efficiency is None else f"{efficiency:.0%}"
     return (
         f"rank {summary['rank']}: median of {summary['num_steps']} steps, overlap efficiency {efficiency_text}, "
-        f"host syncs {median['host_syncs']:g}/step\n" + parts_text(median).replace(" + host", "\n+ host", 1)
+        f"host syncs {median['host_syncs']:g}/step"
+        + ("" if median.get("host_syncs_training") is None else f" ({median['host_syncs_training']:g} training thread)")
+        + "\n" + parts_text(median).replace(" + host", "\n+ host", 1)
     )
 
 

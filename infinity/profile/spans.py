@@ -140,6 +140,7 @@ class Profiler:
         self._open_steps: dict[int, float] = {}
         self._device = device_timing.DeviceSpans(self._append)
         self.predicted_bytes: dict[str, int] | None = None  # the byte model's per steady step, set by the engine
+        self.training_thread = threading.current_thread().name  # the engine's: its host syncs are counted apart
 
     # ---- recording ----------------------------------------------------
 
@@ -260,7 +261,7 @@ class Profiler:
         from infinity.profile.summary import summarize
 
         return summarize(self.spans(), self.steps(), self.peaks_GBps, rank=self.rank,
-                         predicted_bytes=self.predicted_bytes)
+                         predicted_bytes=self.predicted_bytes, training_thread=self.training_thread)
 
     def write(self, out_dir: str, *, print_table: bool = True) -> dict[str, str]:
         """Write trace.json, summary.json and timeline.png under `out_dir`.
@@ -278,7 +279,8 @@ class Profiler:
         from io_engine import atomic_write
 
         spans, steps = self.spans(), self.steps()
-        summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank, predicted_bytes=self.predicted_bytes)
+        summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank, predicted_bytes=self.predicted_bytes,
+                            training_thread=self.training_thread)
         os.makedirs(out_dir, exist_ok=True)
         paths = {"trace": os.path.join(out_dir, "trace.json"), "summary": os.path.join(out_dir, "summary.json")}
         atomic_write(paths["trace"], json.dumps(chrome.chrome_trace(spans, steps, rank=self.rank)))

@@ -19,7 +19,8 @@ The contract (every time in seconds, every byte count in bytes, GB = 1e9 B):
   a zero-length step): the share of the step the compute was busy; what it lost is in the other parts.
 - `attributed` = 1 - unattributed_s / step_s: the share of the step named by a part.
 - `host_syncs`: the host synchronizations in the window, on every thread (SYNC marks: Note [host syncs] in
-  device/streams.py), and `host_syncs_by_reason` per reason.
+  device/streams.py), `host_syncs_training` those of the training thread alone (None when it is not known),
+  and `host_syncs_by_reason` per reason (the thread in parentheses).
 - `on_demand_fetches`: the unshards in the window that no prefetch had issued
   (spans named `ON_DEMAND ...`, Note [backward prefetch] in prefetch.py).
 - Per link other than COMPUTE, under `links[link.value]`:
@@ -142,7 +143,7 @@ def attribute(spans: list[Span], begin: float, end: float) -> dict:
 
 
 def summarize_window(spans: list[Span], step: int | None, begin: float, end: float, links: list[Link],
-                     peaks_GBps: dict[Link, float]) -> dict:
+                     peaks_GBps: dict[Link, float], training_thread: str | None = None) -> dict:
     """The summary of one step window (see the module docstring)."""
     work = [s for s in spans if s.kind is SpanKind.WORK]
     step_s = end - begin
@@ -164,6 +165,8 @@ def summarize_window(spans: list[Span], step: int | None, begin: float, end: flo
         "parts": parts,
         "on_demand_fetches": sum(1 for s in spans if s.name.startswith(ON_DEMAND) and begin <= s.start <= end),
         "host_syncs": sum(syncs.values()),
+        "host_syncs_training": None if training_thread is None else sum(
+            n for why, n in syncs.items() if why.endswith(f"({training_thread})")),
         "host_syncs_by_reason": syncs,
         "links": {
             link.value: _link_summary([s for s in work if s.link is link], begin, end, peaks_GBps.get(link),
@@ -195,6 +198,7 @@ def _median_of_steps(steps: list[dict], predicted_bytes: dict[str, int] | None) 
     median = {field: middle[field] for field in MEDIAN_STEP_FIELDS}
     median["on_demand_fetches"] = _median([s["on_demand_fetches"] for s in steps])
     median["host_syncs"] = _median([s["host_syncs"] for s in steps])
+    median["host_syncs_training"] = _median([s["host_syncs_training"] for s in steps])
     reasons = sorted({r for s in steps for r in s["host_syncs_by_reason"]})
     median["host_syncs_by_reason"] = {r: _median([s["host_syncs_by_reason"].get(r, 0) for s in steps])
                                       for r in reasons}
@@ -209,8 +213,9 @@ def _median_of_steps(steps: list[dict], predicted_bytes: dict[str, int] | None) 
 
 
 def summarize(spans: list[Span], steps: list[StepMark], peaks_GBps: dict[Link, float] | None = None, *,
-              rank: int = 0, predicted_bytes: dict[str, int] | None = None) -> dict:
-    """{"rank", "num_steps", "steps": [per-step summary], "median": {...}}."""
+              rank: int = 0, predicted_bytes: dict[str, int] | None = None, training_thread: str | None = None) -> dict:
+    """{"rank", "num_steps", "steps": [per-step summary], "median": {...}}; `training_thread`: the name of the
+    thread that trains (its host syncs are counted apart: `host_syncs_training`)."""
     peaks_GBps = peaks_GBps or {}
     seen = {s.link for s in spans if s.kind in (SpanKind.WORK, SpanKind.WAIT)} | set(peaks_GBps)
     seen |= {Link(name) for name in predicted_bytes or {}}
@@ -218,7 +223,8 @@ def summarize(spans: list[Span], steps: list[StepMark], peaks_GBps: dict[Link, f
     windows = [(m.step, m.begin, m.end) for m in steps]
     if not windows and spans:
         windows = [(None, min(s.start for s in spans), max(s.end for s in spans))]
-    per_step = [summarize_window(spans, step, begin, end, links, peaks_GBps) for step, begin, end in windows]
+    per_step = [summarize_window(spans, step, begin, end, links, peaks_GBps, training_thread)
+                for step, begin, end in windows]
     return {"rank": rank, "num_steps": len(per_step), "steps": per_step,
             "median": _median_of_steps(per_step, predicted_bytes)}
 
@@ -265,7 +271,9 @@ def format_summary(summary: dict, last: int | None = None) -> str:
         f"host {_ms(median['host_s'])} ms, unattributed {_ms(median['unattributed_s'])} ms, "
         f"overlap efficiency {_percent(median['overlap_efficiency'])} (compute / step), "
         f"on-demand fetches {max(s['on_demand_fetches'] for s in summary['steps'])} (most in a step), "
-        f"host syncs {_number(median['host_syncs'], '.0f')} per step",
+        f"host syncs {_number(median['host_syncs'], '.0f')} per step"
+        + ("" if median.get("host_syncs_training") is None else
+           f" ({_number(median['host_syncs_training'], 'g')} on the training thread)"),
         f"median step ({median['step']}): {parts_text(median)}",
     ]
     if median["host_syncs_by_reason"]:

@@ -60,3 +60,17 @@ def test_the_panels_show_compute_and_waits(tmp_path, steps):
         run = 0 if b else run + 1
         gaps += run == 6  # a gap at least 6 pixels wide
     assert gaps >= 2, gaps
+
+
+def test_the_training_threads_host_syncs_are_counted_apart():
+    """`host_syncs_training`: of a step's host syncs, those of the thread that trains (the worker's waits block
+    only the worker); the headline and the chart's title say both."""
+    spans = [Span("compute", Link.COMPUTE, 0.0, 1.0),
+             Span("grad norm (MainThread)", Link.COMPUTE, 0.5, 0.5, kind=SpanKind.SYNC),
+             Span("unit grad norm (infinity-optimizer)", Link.COMPUTE, 0.2, 0.2, kind=SpanKind.SYNC),
+             Span("unit grad norm (infinity-optimizer)", Link.COMPUTE, 0.3, 0.3, kind=SpanKind.SYNC)]
+    marks = [StepMark(0, 0.0, 1.0)]
+    median = summarize(spans, marks, training_thread="MainThread")["median"]
+    assert (median["host_syncs"], median["host_syncs_training"]) == (3, 1)
+    assert "host syncs 3/step (1 training thread)" in chart._title({"rank": 0, "num_steps": 1, "median": median})
+    assert summarize(spans, marks)["median"]["host_syncs_training"] is None  # (which thread trains: not known)

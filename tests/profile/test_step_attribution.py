@@ -138,12 +138,14 @@ def test_a_training_step_is_attributed(placement, tmp_path, monkeypatch):
                 + parts["unattributed"]) == pytest.approx(step["step_s"], rel=1e-9), step
         mine = collections.Counter(why for t, why in heard if mark.begin <= t < mark.end and why.endswith(thread))
         assert {why: n for why, n in step["host_syncs_by_reason"].items() if why.endswith(thread)} == mine
+        assert step["host_syncs_training"] == sum(mine.values())  # (the training thread's, counted apart)
     # (another thread's sync may fall on either side of a boundary for the two clocks: the run's total)
     inside = [why for t, why in heard if marks[0].begin <= t < marks[-1].end]
     assert sum(s["host_syncs"] for s in steps) == len(inside) > 0
     assert median["attributed"] >= 0.95, format_summary(summary)
     assert median["compute_s"] > 0 and median["host_s"] > 0 and median["parts"]["host"]["hooks"] > 0
     assert median["host_syncs_by_reason"][f"grad norm {thread}"] == 1  # Note [host syncs]: one per step
+    assert "(1 on the training thread)" in format_summary(summary).splitlines()[0]
     links = median["links"]
     assert {k: links[k]["bytes"] for k in ("h2d", "d2h")} == {"h2d": predicted["h2d"], "d2h": predicted["d2h"]}
     assert {k: links[k]["predicted_bytes"] for k in predicted if k in links} == {
