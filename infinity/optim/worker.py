@@ -4,7 +4,9 @@ and callers wait for exactly the units they are about to use.
 Submission and waiting are the issue/wait pair of the optimizer: `submit(units, ...)`
 returns at once; `wait_unit(i)` blocks until unit i's update is stepped and its
 write-backs issued; `wait_all()` until everything submitted is. Batches queued while
-the thread is busy are merged, so the read-ahead pipeline runs across units. An error
+the thread is busy are merged and stepped in the next forward's order: all at once when
+the update reads state from NVMe (the read pipeline runs across units), else one at a
+time, merging again after each (Note [forward first, again]). An error
 on the worker is raised by every later wait, on the training thread (the state is no
 longer the one the step meant, so nothing may continue on it).
 
@@ -70,7 +72,7 @@ class _Mark:
 
 
 class OptimizerWorker:
-    """One background thread stepping submitted units in submission order."""
+    """One background thread stepping submitted units, those the next forward needs first first."""
 
     def __init__(self, optimizer: OffloadedOptimizer, num_units: int, read_ahead: StateReadAhead | None = None,
                  streams: Streams | None = None, threads: int | None = None, cores: frozenset[int] | None = None,
