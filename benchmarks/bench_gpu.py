@@ -284,9 +284,10 @@ def case_b(cfg, batch, device, args) -> dict:
             runs[name]["step_s"] = median(times)
         print(f"case b {name}: {runs[name]}", flush=True)
     if args.profile:  # after the measured runs (the profile's own costs stay out of them): unclipped and clipping
-        for name, clip in (("case_b", 0.0), ("case_b_clip", 1.0)):
+        for name, clip in (("case_b", 0.0), ("case_b_clip", 1.0)):  # steady steps, as case l's: each update
+            # overlapping the next forward (a synchronize per step would show the update after backward alone)
             infinity_step_times(cfg, batch, device, 1, 2, OFFLOAD, profile_dir=os.path.join(args.profile, name),
-                                grad_clip=clip)
+                                grad_clip=clip, steady_out={}, synchronized=False)
             release(device)
     floors = {
         "gpu_compute": median(torch_step_times(cfg, batch, device, args.warmup, args.steps, optimizer=False)),
