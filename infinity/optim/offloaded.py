@@ -40,7 +40,7 @@ Run = tuple[int, int, int, int]  # (start, length, adam step, parameter group) o
 @dataclass(frozen=True)
 class _Task:
     unit: Unit
-    chunk: int
+    chunk: int | None  # None: the unit's whole update range at once (Note [whole-unit updates])
     ranges: tuple[Run, ...]  # (start, length, adam step, group) within the chunk; the rest is left as is
 
 
@@ -60,11 +60,17 @@ class OffloadedOptimizer:
         self.state_read_ahead = state_read_ahead  # the worker's (Note [state read-ahead]): reads taken from it
 
     def plan_tasks(self, active: dict[int, list[Run]], units: list[Unit]) -> list[_Task]:
-        """Chunks that hold elements to step, given each unit's active (start, length, step, group) shard ranges."""
+        """Chunks that hold elements to step, given each unit's active (start, length, step, group) shard ranges.
+
+        Note [whole-unit updates]: a unit whose state and gradients all live on the device tier is one task over
+        its whole update range: its chunks (optimizer sub-groups) exist to pipeline copies and disk reads, which it
+        has none of, and each costs the worker its bookkeeping and kernel launches again. On the H100 the worker
+        spent ~1.6 ms launching each tail unit's update chunk by chunk, 20 ms of a deferred step's critical path
+        before its first CPU update (case b, 12 tail units). Elementwise, the same result bit for bit."""
         tasks = []
         for unit in units:
             runs = active.get(unit.index, [])
-            for chunk in range(self.manager.num_chunks(unit.index)):
+            for chunk in ((None,) if self._whole(unit) else range(self.manager.num_chunks(unit.index))):
                 start, numel = self.manager.chunk_span(unit.index, chunk)
                 inside = tuple((max(a, start) - start, min(a + n, start + numel) - max(a, start), step, group)
                                for a, n, step, group in runs if a < start + numel and a + n > start)
@@ -77,13 +83,18 @@ class OffloadedOptimizer:
         """Does an update read state from NVMe (its sub-groups then pipeline their reads across units)?"""
         return any(self.manager.tier(u.index, k) is Tier.NVME for u in self.units for k in FETCHED)
 
+    def _whole(self, unit: Unit) -> bool:
+        """Note [whole-unit updates]: is the unit's state (and gradient) all on the device tier?"""
+        return all(self.manager.tier(unit.index, k) is Tier.DEVICE for k in FETCHED)
+
     def device_of(self, unit: Unit) -> torch.device:
         """The optimizer runs where its state lives: the device tier's device, else the CPU."""
         return self.compute_device if self.manager.tier(unit.index, Kind.MASTER) is Tier.DEVICE else torch.device("cpu")
 
     def _issue(self, task: _Task) -> dict:
         device = self.device_of(task.unit)
-        held = self.state_read_ahead.take(task.unit.index, task.chunk) if self.state_read_ahead else {}
+        held = (self.state_read_ahead.take(task.unit.index, task.chunk)
+                if self.state_read_ahead and task.chunk is not None else {})  # (a whole unit is never on NVMe)
         m, u = self.manager, task.unit.index
         # the gradients' chunk holding the same elements as the optimizer's (Note [stage layouts])
         return {k: held[k] if k in held else m.fetch(u, k, m.optimizer_chunk(u, k, task.chunk), device)
@@ -91,7 +102,7 @@ class OffloadedOptimizer:
 
     def task_chunks(self, active: dict[int, list[Run]], units: list[Unit]) -> list[tuple[int, int]]:
         """(unit, chunk) of every task `step` would run, in its order (what to read ahead)."""
-        return [(t.unit.index, t.chunk) for t in self.plan_tasks(active, units)]
+        return [(t.unit.index, t.chunk) for t in self.plan_tasks(active, units) if t.chunk is not None]
 
     def step(self, *, hyper: Hypers, grad_scale: float | None, active: dict[int, list[Run]],
              units: list[Unit] | None = None, on_unit_done=None, journal=None) -> None:
@@ -129,7 +140,8 @@ class OffloadedOptimizer:
                 ahead.append(self._issue(tasks[next_task]))  # read ahead while earlier tasks compute
                 next_task += 1
             pending = ahead.popleft()
-            prof, what = self.profiler, f"u{task.unit.index} c{task.chunk}"
+            prof = self.profiler
+            what = f"u{task.unit.index}" if task.chunk is None else f"u{task.unit.index} c{task.chunk}"
             with prof.wait(Link.NVME_READ, f"optimizer state {what}") if self.blocks_compute else _NOTHING:
                 bufs = {k: p.wait() for k, p in pending.items()}  # this sub-group's state must be in memory to step it
             u, c = task.unit.index, task.chunk
