@@ -33,7 +33,8 @@ norm (the deferred update), as measured on both machines the copies had to share
   a clip that never fired, 1.33-1.65x with one that always did (docs/tiers.md).
 The forecast that speculated only after 4 windows without a fired clip is gone with it: it avoided the redo,
 not the copies. What would make speculation pay: no copies, the speculated update writing its results beside
-the state it read (then committing them is a swap, and a redo reads the untouched state).
+the state it read (then committing them is a swap of the unit's storage, and a redo reads the untouched state).
+torch's fused Adam kernels update in place, so that needs a kernel with separate outputs.
 
 The worker applies the journal through `OffloadedOptimizer.step(journal=...)`, one type per use:
 `Recording` (copy in, then step), `Replaying` (copy back with the gradient, then step) and `Restoring`
