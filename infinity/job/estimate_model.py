@@ -20,10 +20,11 @@ estimate's ~4.5 s, for four traces of ~0.07 s each. The estimator's Llama (Note 
 built-in GPT are traced as their small twins instead: the same model (depth, dtype, LoRA targets and dropout, tied
 embeddings), on the CPU with zeros for weights, each of its sizes replaced by a distinct odd prime, the smallest
 where they multiply most (key/value heads 3, query heads per key/value head 5, half a head 7: d = 210; micro-batch
-11, sequence 13; then the MLP width, the vocabulary, LoRA's rank), a size of 1 kept 1, and attention on torch's math
-kernel (what the meta trace runs). Every count the trace takes (a saved tensor's elements, an input's, one
-operation's FLOPs) is then a product of those primes and of 2s (a head is two halves, a multiply-add two FLOPs): its
-factorization names the product of sizes it is, and the same product of the full sizes is the full model's count
+11, sequence 13; then the MLP width, the vocabulary, LoRA's rank), a size of 1 kept 1, and attention on torch's
+fused kernel (as the meta trace runs it: Note [fused attention]). Every count the trace takes (a saved tensor's
+elements, an input's, one operation's FLOPs) is then a product of those primes and of 2s (a head is two halves, a
+multiply-add two FLOPs): its factorization names the product of sizes it is, and the same product of the full sizes
+is the full model's count
 (`twin_scale`). A model whose shapes hold another constant says so (`Twin.constants`): the GPT's qkv is 3 d wide, so
 its sizes take primes from 5 (heads 5, head width 7) and a 3 stays a 3. A count with another odd factor, a trace
 that fails, or units that differ fall back to the meta trace, as do a tiled model (its tiles depend on its sizes)
@@ -108,7 +109,8 @@ class FlopCount:
     def __init__(self, scale: Callable[[int], int] = int):
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils.flop_counter import flop_registry
-        formulas = flop_registry  # its formulas take tensors (register_flop_formula wraps them to shapes)
+        formulas = dict(flop_registry)  # its formulas take tensors (register_flop_formula wraps them to shapes)
+        formulas.update(_FUSED_ATTENTION_FLOPS)  # (the fused attention a trace runs: Note [fused attention])
         counter = self
         self.total = 0
         aten = torch.ops.aten
@@ -150,12 +152,67 @@ class FlopCount:
         return self.total
 
 
+def _attention_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    """A fused attention's forward: the two matmuls, QK^T and PV, over every query head (grouped-query heads as
+    the math kernel counts them, expanded)."""
+    b, h, s_q, d = query.shape
+    return 2 * b * h * s_q * key.shape[-2] * (d + value.shape[-1])
+
+
+def _attention_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    """Its backward: four matmuls, twice the forward (as torch's formulas and the math kernel's backward count)."""
+    return 2 * _attention_flops(query, key, value)
+
+
+_FUSED_ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward_flops,
+}
+
+
+class FusedAttention:
+    """Note [fused attention]: inside it, `F.scaled_dot_product_attention` without dropout runs torch's fused CPU
+    kernel (`_scaled_dot_product_flash_attention_for_cpu`, which has a meta kernel too), whatever the device.
+
+    A real run's attention is fused: flash or memory-efficient on a GPU, flash on the CPU (torch's dispatch picks
+    it for these inputs), grouped-query heads included. It saves its inputs, its output and a log-sum-exp per
+    query: no b x h x s x s probabilities. On meta tensors the dispatch can only pick the math kernel, which
+    saves them (twice: the weights and the softmax's output), so the estimate counted that much more activation
+    memory per block: at a 7B's 32 heads and 4096 tokens in fp32, 4.3 GB a block. A fused kernel's FLOPs are its two
+    matmuls (`_attention_flops`), what the math kernel's were. With dropout the dispatch is left as it is."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                if func is sdpa:
+                    named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                                      "enable_gqa"), args)) | kwargs
+                    if not named.get("dropout_p"):
+                        return fused(named["query"], named["key"], named["value"], 0.0, named.get("is_causal", False),
+                                     attn_mask=named.get("attn_mask"), scale=named.get("scale"))[0]
+                return func(*args, **kwargs)
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
 def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
                unit_modules: list[nn.Module] = (), scale: Callable[[int], int] | None = None) -> Trace:
     """Forward + backward of one micro-batch on meta tensors: saved activations and FLOPs (no memory used),
     and per unit (`unit_modules`, the root's excluded) what it saves, its inputs and its forward's FLOPs.
     With `scale`: `model` is a small twin on the CPU (Note [small twin]), every count of elements and of FLOPs
-    is scaled to the full model's by `scale`, and attention runs torch's math kernel (what the meta trace runs)."""
+    is scaled to the full model's by `scale`. Attention runs torch's fused kernel either way (Note [fused
+    attention]), as a real run's does."""
     if scale is None:
         model, device, scale = model.to("meta"), "meta", int
     else:
@@ -173,8 +230,7 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
         return t
     x = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
     try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        with FlopCount(scale) as flops, sdpa_kernel([SDPBackend.MATH]):
+        with FlopCount(scale) as flops, FusedAttention():
             handles = []
             for i, module in enumerate(unit_modules, start=1):
                 def pre(_m, args, i=i):
