@@ -95,7 +95,20 @@ def group_counts(model: nn.Module, config: Config) -> list[dict]:
             for g in resolve_groups(model, config.optimizer, None).groups]
 
 
-class FlopCount:
+class _HeldMode:
+    """A torch mode (its class built in `__init__`, its imports deferred) entered and left as this object."""
+
+    _mode = None
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
+class FlopCount(_HeldMode):
     """The FLOPs of the operations run inside it, by torch's own formulas (`torch.utils.flop_counter`'s registry),
     counted as torch's `FlopCounterMode` counts them (an operation without a formula is counted through its
     decomposition), total only (tests/job/test_estimate_fast.py holds the two equal); each operation's count
@@ -141,13 +154,6 @@ class FlopCount:
                 return out
         self._mode = Mode()
 
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
-
     def get_total_flops(self) -> int:
         return self.total
 
@@ -170,7 +176,7 @@ _FUSED_ATTENTION_FLOPS = {
 }
 
 
-class FusedAttention:
+class FusedAttention(_HeldMode):
     """Note [fused attention]: inside it, `F.scaled_dot_product_attention` without dropout runs torch's fused CPU
     kernel (`_scaled_dot_product_flash_attention_for_cpu`, which has a meta kernel too), whatever the device.
 
@@ -197,13 +203,6 @@ class FusedAttention:
                                      attn_mask=named.get("attn_mask"), scale=named.get("scale"))[0]
                 return func(*args, **kwargs)
         self._mode = Mode()
-
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
 
 
 def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
