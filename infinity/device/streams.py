@@ -116,7 +116,7 @@ def worker_threads(setting: int | str, cuda: bool, cores: frozenset[int] | None 
     return max(1, torch.get_num_threads() - 1) if cuda else None
 
 
-def worker_cores(setting: str, cuda: bool, allowed: Iterable[int] | None = None,
+def worker_cores(setting: str, allowed: Iterable[int] | None = None,
                  local_rank: int | None = None, local_world: int | None = None) -> frozenset[int] | None:
     """Note [core binding]: the cores `overlap.optimizer_cores` binds the optimizer worker to, or None.
 

@@ -80,7 +80,7 @@ class OptimizerWorker:
         self.optimizer = optimizer
         # every ready batch in one pipeline (state read from NVMe: the reads run on across units), or one batch at a
         # time (Note [forward first, again])
-        self.pipeline_batches = pipeline_batches or read_ahead is not None
+        self.pipeline_batches = pipeline_batches  # (a state read-ahead exists only for state on NVMe)
         self.threads = threads  # its intra-op threads (Note [thread budget]); None: torch's count
         self.cores = cores  # the cores it and its intra-op threads run on (Note [core binding]); None: unbound
         self.read_ahead = read_ahead

@@ -495,11 +495,11 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
     optimizer = OffloadedOptimizer(units, manager, device, profiler=profiler, blocks_compute=False,
                                    state_read_ahead=read_ahead, seed=config.train.seed)
     cuda = device.type == "cuda"
-    cores = worker_cores(config.overlap.optimizer_cores, cuda)  # Note [core binding]
+    cores = worker_cores(config.overlap.optimizer_cores)  # Note [core binding]
     worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams,
                              threads=worker_threads(config.overlap.optimizer_threads, cuda, cores), cores=cores,
                              pipeline_batches=optimizer.reads_disk)  # Note [forward first, again]
     if cls is SpeculativeUpdate:
         shared["journal"] = journal_for(manager.plan, manager.plan.speculation,
-                                        speculated_units(manager.plan, device.type == "cuda"))
+                                        speculated_units(manager.plan, cuda))
     return cls(optimizer=optimizer, worker=worker, reading_swap=reading_swap, **shared)

@@ -294,23 +294,22 @@ def test_core_binding_gives_each_rank_its_share_less_the_training_threads_core()
     to the training thread; "auto" and "none" never (binding measured slower on the H100); "auto" threads = one
     per bound core."""
     sixteen = range(16)
-    assert worker_cores("bind", True, sixteen, 0, 1) == frozenset(range(1, 16))
-    assert worker_cores("bind", True, sixteen, 1, 2) == frozenset(range(9, 16))  # rank 1 of 2: cores 8-15
-    assert worker_cores("bind", False, [4, 2, 9, 7], 0, 2) == frozenset({4})  # sorted: 2, 4 | 7, 9
-    assert worker_cores("bind", True, range(2), 0, 1) == frozenset({1})
-    assert worker_cores("bind", True, sixteen, 0, 16) is None  # a share of one core: nothing beside it
-    for cuda in (True, False):
-        assert worker_cores("auto", cuda, sixteen, 0, 1) is None and worker_cores("none", cuda, sixteen, 0, 1) is None
+    assert worker_cores("bind", sixteen, 0, 1) == frozenset(range(1, 16))
+    assert worker_cores("bind", sixteen, 1, 2) == frozenset(range(9, 16))  # rank 1 of 2: cores 8-15
+    assert worker_cores("bind", [4, 2, 9, 7], 0, 2) == frozenset({4})  # sorted: 2, 4 | 7, 9
+    assert worker_cores("bind", range(2), 0, 1) == frozenset({1})
+    assert worker_cores("bind", sixteen, 0, 16) is None  # a share of one core: nothing beside it
+    assert worker_cores("auto", sixteen, 0, 1) is None and worker_cores("none", sixteen, 0, 1) is None  # GPU or not
 
 
 def test_ranks_without_torchruns_local_variables_are_not_bound(monkeypatch):
     """Note [core binding]: two ranks started without LOCAL_WORLD_SIZE would both take the first share."""
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert worker_cores("bind", True, range(16)) is None
+    assert worker_cores("bind", range(16)) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert worker_cores("bind", True, range(16)) == frozenset(range(9, 16))
+    assert worker_cores("bind", range(16)) == frozenset(range(9, 16))
     assert worker_threads("auto", True, frozenset({3, 4, 5})) == 3 and worker_threads(2, True, frozenset({3})) == 2
 
 
