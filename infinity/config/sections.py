@@ -322,6 +322,14 @@ class OverlapConfig(Section):
         "clip never fired, waiting 1.1-1.3x). Units whose optimizer runs on a GPU, or whose parameters or "
         "optimizer state are on NVMe, are not speculated; needs optimizer_with_backward.",
         "size_or_auto", ge=0, example="4GiB")
+    device_lane: str = option(
+        "off", "Where the update waits for the global norm (clipping or skipped non-finite steps without "
+        "speculation, fp16): \"on\" lets a second worker update on the GPU the host-state units the next forward "
+        "uses last, their state copied up and back over PCIe, while the CPU's worker updates the forward's first "
+        "units; the two take units from either end of the forward's order until they meet (Note [device lane]). "
+        "Costs the device memory of two units' state and gradients; needs a GPU, optimizer_with_backward, and "
+        "gradients and optimizer state on the host tier. \"off\" (the default until measured on a GPU): the CPU "
+        "updates every host-state unit.", "enum", choices=("off", "on"))
 
     def _check(self) -> None:
         if self.optimizer_cores == "bind" and not hasattr(os, "sched_setaffinity"):
@@ -577,6 +585,11 @@ class Config:
         update that no fp16 loss scale governs, and a size in `overlap.speculation` (Note [speculation default])."""
         return (self.overlap.optimizer_with_backward and self.update_needs_norm
                 and self.precision.compute_dtype != "fp16" and self.overlap.speculation not in (0, "auto"))
+
+    @property
+    def defers_update(self) -> bool:
+        """Does the worker start the update only once the global norm is known (`DeferredUpdate`: Note [overlap])?"""
+        return self.overlap.optimizer_with_backward and self.update_needs_norm and not self.speculates
 
     @staticmethod
     def reference() -> list[tuple[str, str, Any, str]]:

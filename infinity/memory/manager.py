@@ -366,6 +366,7 @@ class TieredMemoryManager:
             return []  # nothing trainable here (frozen weights)
         into = self.optimizer_chunk(unit, Kind.PARAMS, chunk)
         direct = (release and master.dtype == self.plan.compute_dtype and self.streams.is_cuda
+                  and master.device.type == "cpu"  # (not the device lane's copy: Note [device lane])
                   and self._shards[(unit, Kind.MASTER)].tier is Tier.HOST  # (its own bytes, not a staging buffer)
                   and self._shards[(unit, Kind.PARAMS)].tier is Tier.DEVICE)
         if direct:  # Note [async upload]: from the master's own host bytes, no staging copy on the CPU

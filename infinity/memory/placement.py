@@ -66,6 +66,7 @@ class Plan:
     working_terms: dict[Tier, dict[str, int]] = field(default_factory=dict)  # Note [working memory] (traffic.py)
     read_ahead: int = 0  # bytes the state read-ahead may hold (Note [state read-ahead]); in working_terms
     speculation: int = 0  # bytes of pre-update copies (Note [speculative update]); in working_terms
+    device_lane: tuple[int, ...] = ()  # units a deferred update may step on the GPU (Note [device lane]); in working
     reasons: tuple[str, ...] = ()
     unit_reasons: tuple[dict[str, str], ...] = ()  # per unit: group -> why it is on its tier (auto policy)
     state_dtype: StateDtype = StateDtype.FP32  # `[optimizer] state_dtype` (Note [16-bit optimizer state])
@@ -153,8 +154,8 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
                    static: dict[str, str], budgets: Budgets, units_ahead: int,
                    rates: cost_model.LinkRates | None = None, grad_accum_steps: int = 1,
                    compute_seconds: float = 0.0, keep_written: bool = True, read_ahead: int | str = 0,
-                   speculation: int = 0, tail_units: int | str = 0,
-                   state_dtype: StateDtype = StateDtype.FP32) -> Plan:
+                   speculation: int = 0, tail_units: int | str = 0, device_lane: str = "off",
+                   defers_update: bool = False, state_dtype: StateDtype = StateDtype.FP32) -> Plan:
     """Decide the tier of every unit's state kinds and check it against the budgets.
 
     policy "static": every unit's params / grads / optimizer state on the tiers of
@@ -168,6 +169,8 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     leaves free; bytes: refused with a ConfigError unless they fit; 0 without the optimizer worker), then
     `speculation`, the journal of speculated updates (a size, refused unless it fits in what is left; 0 when none).
     Before them `tail_units` moves the first units' gradients and optimizer state to the device (Note [tail units]).
+    Last, `device_lane` ("on"), when the update waits for the global norm (`defers_update`), names the units a
+    second worker may step on the GPU and fits its staging on the device (Note [device lane]).
     `state_dtype`: what the optimizer state is stored in (`[optimizer] state_dtype`; its bytes per element).
     """
     settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written, "state_dtype": state_dtype}
@@ -191,7 +194,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
             f"overlap.speculation = {_fmt(int(speculation))}: no unit is speculated (units with parameters or "
             f"optimizer state on NVMe, or the optimizer on the GPU, never are: Note [speculative update])",))
     assert not _fits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
-    return plan
+    return with_device_lane(plan, device_lane, defers_update, budgets)
 
 
 # Note [tail units]: with the optimizer on the host, each unit's update runs on the CPU as its gradients arrive
@@ -240,6 +243,77 @@ def with_tail(plan: Plan, setting, budgets: Budgets) -> Plan:
     return dataclasses.replace(plan, tiers=tuple(tiers), reasons=plan.reasons + (reason,))
 
 
+# Note [device lane]: with the clip firing (or fp16, or skipped non-finite steps without speculation) no unit can be
+# updated before the global norm is known, at backward's end; the CPU's Adam of every host-state unit then runs
+# after it, and the next forward covers only part of it (the H100's case b: ~150 ms of CPU Adam after the norm,
+# 85 ms of forward: 1.31x the unclipped step). The GPU is idle then, and PCIe's upward direction carries only the
+# updated parameters. So a second worker, the lane, steps host-state units on the GPU: their master, moments and
+# gradient copied up (16 bytes an element in fp32), fused Adam on the device, the state copied back (12) and the
+# parameters written where they live. Its rate is PCIe's (~55 GB/s each way: ~3.4 G elements/s up), about the
+# CPU's (4-5 G/s): together they halve what the forward waits for. The two take units from either end of the
+# forward's order (optim/worker.py): the CPU the forward's first, the lane its last, until they meet, so the
+# split follows the rates the machine has at that moment, nothing measured in advance. The lane keeps two units
+# in flight (the next one's copies up beside this one's down), whose staging the plan fits on the device. Only
+# units whose gradients and whole optimizer state are on the host tier, and whose parameters are not on NVMe
+# (their writes follow the fresh copies, Note [fresh parameters]); not speculated updates (their journal is the
+# CPU's); nothing without a GPU, where both would be the same cores.
+LANE_UNITS_IN_FLIGHT = 2  # units whose copies back may be running (the lane's staging)
+LANE_CHUNKS_IN_FLIGHT = 2  # optimizer chunks whose copies up may be queued (what an upload waits behind)
+LANE_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)  # what a lane update copies up
+
+
+def lane_units(plan: Plan) -> list[int]:
+    """The units whose update the lane may run (Note [device lane])."""
+    return [u for u, sizes in enumerate(plan.units) if sizes.numel(Kind.MASTER)
+            and all(plan.tier(u, k) is Tier.HOST for k in LANE_KINDS) and plan.tier(u, Kind.PARAMS) is not Tier.NVME]
+
+
+def lane_staging_bytes(plan: Plan, units: list[int]) -> int:
+    """Device bytes of the lane's updates in flight: the largest units' state and gradients, as stored, twice."""
+    per_unit = sorted((sum(plan.units[u].numel(k) * plan.dtype(k).itemsize for k in LANE_KINDS) for u in units),
+                      reverse=True)
+    return sum(per_unit[:LANE_UNITS_IN_FLIGHT])
+
+
+def with_device_lane(plan: Plan, setting: str, defers_update: bool, budgets: Budgets) -> Plan:
+    """`plan` with its device lane (Note [device lane]) for `overlap.device_lane` = `setting`: the units, and their
+    staging as a device working term; a setting that cannot act is said in the reasons."""
+    if setting == "off":
+        return plan
+    units = lane_units(plan)
+    why_not = ("no GPU (the CPU would run both)" if budgets.shared_ram else
+               "the update does not wait for the global norm (no clipping, fp16 or skipped steps, or it speculates)"
+               if not defers_update else
+               "no unit has its gradients and optimizer state on the host tier" if not units else None)
+    if why_not is not None:
+        return dataclasses.replace(plan, reasons=plan.reasons + (
+            f"overlap.device_lane = \"on\": nothing is updated on the GPU: {why_not}",))
+    staging = lane_staging_bytes(plan, units)
+    terms = {t: dict(v) for t, v in plan.working_terms.items()}
+    terms.setdefault(Tier.DEVICE, {})["device_lane"] = staging
+    lane = dataclasses.replace(plan, working_terms=terms, working=traffic.totals(terms), device_lane=tuple(units))
+    if _fits(lane.tier_totals(), budgets):
+        free = budgets.device - plan.tier_totals()[Tier.DEVICE]
+        raise PlacementError(
+            f"overlap.device_lane = \"on\" needs {_fmt(staging)} of device memory for {LANE_UNITS_IN_FLIGHT} units' "
+            f"state and gradients in flight, but the plan leaves {_fmt(free)} under memory.device_budget: set it to "
+            f"\"off\", or raise memory.device_budget")
+    elements = sum(plan.units[u].numel(Kind.MASTER) for u in units)
+    reason = (f"device lane: after the global norm, units {_ranges(units)} ({elements:,} "
+              f"trainable elements) may be updated on the GPU, from the forward's last, while the CPU updates from "
+              f"its first; {_fmt(staging)} of device staging (Note [device lane])")
+    return dataclasses.replace(lane, reasons=lane.reasons + (reason,))
+
+
+def _ranges(units: list[int]) -> str:
+    """`0-3, 5, 7-9` for [0, 1, 2, 3, 5, 7, 8, 9]."""
+    runs = []
+    for _, group in itertools.groupby(enumerate(units), key=lambda iu: iu[1] - iu[0]):
+        members = [u for _, u in group]
+        runs.append(f"{members[0]}-{members[-1]}" if len(members) > 1 else f"{members[0]}")
+    return ", ".join(runs)
+
+
 def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
                     rates: cost_model.LinkRates | None = None) -> Plan:
     """`plan_placement` with every argument taken from a `Config` the way `initialize` takes them, so
@@ -258,6 +332,8 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
         read_ahead=config.overlap.optimizer_read_ahead if config.overlap.optimizer_with_backward else 0,
         speculation=config.overlap.speculation if config.speculates else 0,
         tail_units=p.tail_units,
+        device_lane=config.overlap.device_lane,
+        defers_update=config.defers_update,
         state_dtype=StateDtype(config.optimizer.state_dtype),
     )
 

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from infinity.device.streams import host_wait
 from infinity.memory.manager import TieredMemoryManager
+from infinity.memory.placement import LANE_CHUNKS_IN_FLIGHT
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import UPDATE_READS_AHEAD, UPDATE_WRITES_IN_FLIGHT  # the byte model stages these
 from infinity.optim.cpu_adam import Hypers
@@ -51,8 +53,11 @@ class OffloadedOptimizer:
     def __init__(self, units: list[Unit], manager: TieredMemoryManager, compute_device: torch.device,
                  read_ahead: int = UPDATE_READS_AHEAD, max_writes_in_flight: int = UPDATE_WRITES_IN_FLIGHT,
                  profiler=None, blocks_compute: bool = True, state_read_ahead: StateReadAhead | None = None,
-                 seed: int = 0):
+                 seed: int = 0, on_device: bool = False):
         self.units, self.manager, self.compute_device = units, manager, compute_device
+        self.on_device = on_device  # the device lane's (Note [device lane]): every update on the compute device
+        self.label = "lane adam" if on_device else "adam"  # its spans (on the device lane: the launches)
+        self._copies_up: deque = deque()  # the device lane's: an event after each task's copies up
         self.update = state_update_for(manager.plan.state_dtype, seed)
         self.profiler = profiler or NullProfiler()
         self.blocks_compute = blocks_compute  # on the training thread: its read waits are exposed time
@@ -88,17 +93,39 @@ class OffloadedOptimizer:
         return all(self.manager.tier(unit.index, k) is Tier.DEVICE for k in FETCHED)
 
     def device_of(self, unit: Unit) -> torch.device:
-        """The optimizer runs where its state lives: the device tier's device, else the CPU."""
-        return self.compute_device if self.manager.tier(unit.index, Kind.MASTER) is Tier.DEVICE else torch.device("cpu")
+        """The optimizer runs where its state lives: the device tier's device, else the CPU; the device lane's on
+        the device, its state copied there and back (Note [device lane] in memory/placement.py)."""
+        on_device = self.on_device or self.manager.tier(unit.index, Kind.MASTER) is Tier.DEVICE
+        return self.compute_device if on_device else torch.device("cpu")
 
     def _issue(self, task: _Task) -> dict:
         device = self.device_of(task.unit)
         held = (self.state_read_ahead.take(task.unit.index, task.chunk)
                 if self.state_read_ahead and task.chunk is not None else {})  # (a whole unit is never on NVMe)
         m, u = self.manager, task.unit.index
+        if self.on_device:
+            self._pace()
         # the gradients' chunk holding the same elements as the optimizer's (Note [stage layouts])
-        return {k: held[k] if k in held else m.fetch(u, k, m.optimizer_chunk(u, k, task.chunk), device)
-                for k in FETCHED}
+        fetched = {k: held[k] if k in held else m.fetch(u, s, m.optimizer_chunk(u, s, task.chunk), device)
+                   for k, s in self._sources(u).items()}
+        if self.on_device:
+            self._copies_up.append(m.streams.record(m.streams.h2d))
+        return fetched
+
+    def _sources(self, u: int) -> dict[Kind, Kind]:
+        """The kind each fetched kind is read from: itself, except on the device lane for a master of the compute
+        dtype beside parameters on the device, which hold the same values (the master's last store wrote them):
+        the lane updates the parameters in place and copies up a quarter less (Note [device lane])."""
+        m = self.manager
+        in_params = (self.on_device and m.plan.dtype(Kind.MASTER) == m.plan.compute_dtype
+                     and m.tier(u, Kind.PARAMS) is Tier.DEVICE and not m.plan.aliases_master(u))
+        return {k: Kind.PARAMS if in_params and k is Kind.MASTER else k for k in FETCHED}
+
+    def _pace(self) -> None:
+        """Note [device lane]: at most LANE_CHUNKS_IN_FLIGHT tasks' copies up queued on the h2d stream, so the
+        parameters the CPU's worker uploads for the next forward wait behind no more than that."""
+        while len(self._copies_up) >= LANE_CHUNKS_IN_FLIGHT:
+            host_wait(self._copies_up.popleft(), "device lane pace")
 
     def task_chunks(self, active: dict[int, list[Run]], units: list[Unit]) -> list[tuple[int, int]]:
         """(unit, chunk) of every task `step` would run, in its order (what to read ahead)."""
@@ -147,7 +174,7 @@ class OffloadedOptimizer:
             u, c = task.unit.index, task.chunk
             at = m.chunk_span(u, c)[0]  # the chunk's start in the unit's update range
             first = task.unit.layout.update.start + at  # the chunk's index in the flat buffer
-            with prof.span(f"{journal.label if journal else 'adam'} {what}", Link.CPU_OPTIMIZER,
+            with prof.span(f"{journal.label if journal else self.label} {what}", Link.CPU_OPTIMIZER,
                            num_bytes=sum(r[1] for r in task.ranges) * self.update.bytes_per_element,
                            unit=task.unit.name):
                 stepped = journal.before_step(u, at, task.ranges, bufs) if journal is not None else True

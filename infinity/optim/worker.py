@@ -10,6 +10,10 @@ time, merging again after each (Note [forward first, again]). An error
 on the worker is raised by every later wait, on the training thread (the state is no
 longer the one the step meant, so nothing may continue on it).
 
+With a device lane (Note [device lane] in memory/placement.py) a second thread steps on the GPU the batches
+submitted `lane=True`, taking the one the next forward uses last while the first thread takes the one it uses
+first, until they meet (`_LaneShare`); each batch is stepped by exactly one of them, and the waits are the same.
+
 When its queue is empty the thread reads the next update's optimizer state ahead
 (Note [state read-ahead]), one chunk at a time so that a new submission is never kept
 waiting for more than one chunk's issue, with at most READS_IN_FLIGHT chunks being read;
@@ -19,14 +23,17 @@ submitted.
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from infinity.device.streams import Streams, bind_cores, bind_thread, budget_threads
+from infinity.device.streams import Streams, bind_cores, bind_thread, budget_threads, host_wait
+from infinity.memory.placement import LANE_UNITS_IN_FLIGHT
 from infinity.optim.cpu_adam import Hypers
 from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import Issue, StateReadAhead
@@ -48,6 +55,7 @@ class _Batch:
     submitted: object = None  # an event after the work the submitting thread queued (the gradients)
     journal: object = None  # how the update uses the speculation's journal (Note [speculative update])
     position: int = 0  # where the next forward uses the units (Note [forward first])
+    lane: bool = False  # the device lane may step it instead (Note [device lane])
 
     def joins(self, other: "_Batch") -> bool:
         """May `other` run in one pipeline with this batch: the same update, and its gradients on the device
@@ -71,13 +79,50 @@ class _Mark:
     event: threading.Event
 
 
+class _LaneShare:
+    """The batches both threads may step (Note [device lane]), in the next forward's order: the CPU's thread claims
+    each as it reaches it in its queue, the lane takes the last one left; whoever comes second leaves it."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._batches: list[_Batch] = []  # sorted by position
+        self._closed = False
+
+    def offer(self, batch: _Batch) -> None:
+        with self._cond:
+            self._batches.insert(bisect.bisect([b.position for b in self._batches], batch.position), batch)
+            self._cond.notify_all()
+
+    def claim(self, batch: _Batch) -> bool:
+        """The CPU's thread is about to step `batch`: True unless the lane took it."""
+        with self._cond:
+            for i, b in enumerate(self._batches):
+                if b is batch:
+                    del self._batches[i]
+                    return True
+            return False
+
+    def take_last(self) -> _Batch | None:
+        """The lane's next batch (the forward's last one left); None once closed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._batches or self._closed)
+            return self._batches.pop() if self._batches else None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
 class OptimizerWorker:
     """One background thread stepping submitted units, those the next forward needs first first."""
 
     def __init__(self, optimizer: OffloadedOptimizer, num_units: int, read_ahead: StateReadAhead | None = None,
                  streams: Streams | None = None, threads: int | None = None, cores: frozenset[int] | None = None,
-                 pipeline_batches: bool = False):
+                 pipeline_batches: bool = False, lane: OffloadedOptimizer | None = None):
         self.optimizer = optimizer
+        self.lane = lane  # the device lane's optimizer (Note [device lane]): it steps on the GPU
+        self._share = _LaneShare() if lane is not None else None
         # every ready batch in one pipeline (state read from NVMe: the reads run on across units), or one batch at a
         # time (Note [forward first, again])
         self.pipeline_batches = pipeline_batches  # (a state read-ahead exists only for state on NVMe)
@@ -114,20 +159,29 @@ class OptimizerWorker:
         self.error_reported = False
         self._thread = threading.Thread(target=self._run, name="infinity-optimizer", daemon=True)
         self._thread.start()
+        self._lane_thread = None
+        if lane is not None:
+            self._lane_thread = threading.Thread(target=self._run_lane, name="infinity-lane", daemon=True)
+            self._lane_thread.start()
 
     def submit(self, units: list[Unit], *, hyper: Hypers, grad_scale: float | None,
                active: Active | Callable[[], Active | None], after_unit: Callable[[Unit], None],
-               journal=None, position: int = 0) -> None:
+               journal=None, position: int = 0, lane: bool = False) -> None:
         """Issue the update of `units`. `active` may be a function the worker calls first (Note [host syncs] in
         streams.py); if it returns None the batch's units are not stepped (their waits return; `after_unit` is
         not called). `journal`: how the update uses the speculation's journal (Note [speculative update]).
-        `position`: where the next forward uses these units (Note [forward first])."""
+        `position`: where the next forward uses these units (Note [forward first]). `lane`: the device lane, if
+        there is one, may step them instead (Note [device lane]; never a journal's update)."""
+        assert not (lane and journal is not None), "a speculated update is the CPU's (its journal)"
         with self._count:
             for unit in units:
                 self._queued[unit.index] += 1
                 self._done[unit.index].clear()
-        self._queue.put(_Batch(list(units), hyper, grad_scale, active, after_unit, self.streams.record(), journal,
-                               position))
+        batch = _Batch(list(units), hyper, grad_scale, active, after_unit, self.streams.record(), journal, position,
+                       lane=lane and self._share is not None)
+        if batch.lane:
+            self._share.offer(batch)  # (before the queue: the lane may take it at once)
+        self._queue.put(batch)
 
     def read_ahead_next(self, chunks: list[tuple[int, int]]) -> None:
         """After the batches submitted so far: read ahead the state of `chunks` (the next update's order)."""
@@ -239,6 +293,9 @@ class OptimizerWorker:
             # arrived a moment later behind them, and the forward waited 123 ms for the whole backlog.
             split = len(backlog) if self.pipeline_batches else 1
             batches, backlog = backlog[:split], backlog[split:]
+            batches = [b for b in batches if not b.lane or self._share.claim(b)]  # (else the lane has stepped it)
+            if not batches:
+                continue
             batch = batches[0]
             for b in batches:
                 self.streams.wait_event(b.submitted)  # the gradients were produced on the training thread's stream
@@ -265,6 +322,47 @@ class OptimizerWorker:
                     self.read_ahead.issue_rest()  # Note [reads before writes]
                 self.optimizer.step(hyper=batch.hyper, grad_scale=batch.grad_scale, active=active, units=units,
                                     on_unit_done=done, journal=batch.journal)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                self._error = e
+                for unit in units:
+                    if unit.index not in finished:
+                        self._finished(unit)
+
+    def _run_lane(self) -> None:
+        bind_thread(self.lane.compute_device)
+        with self.streams.use(self.streams.update):  # Note [update stream]: the units' users wait for its events
+            self._lane_loop()
+
+    def _lane_loop(self) -> None:
+        """Note [device lane]: take the forward's last batch left, step it on the device (copies and kernels queued,
+        nothing waited for on this thread), and take the next once at most LANE_UNITS_IN_FLIGHT - 1 of its
+        earlier batches' copies back are still running: the lane goes at PCIe's pace and holds that much staging."""
+        in_flight: deque = deque()  # per batch stepped: an event after its copies back
+        while (batch := self._share.take_last()) is not None:
+            self.streams.wait_event(batch.submitted)
+            units = batch.units
+            if self._error is None:
+                resolved = self._resolve([batch])
+                if not resolved:
+                    continue
+            if self._error is not None:
+                for unit in units:
+                    self._finished(unit)
+                continue
+            finished: set[int] = set()
+
+            def done(unit: Unit, after=batch.after_unit) -> None:
+                after(unit)
+                self._updated[unit.index] = self.streams.record()
+                finished.add(unit.index)
+                self._finished(unit)
+
+            try:
+                self.lane.step(hyper=batch.hyper, grad_scale=batch.grad_scale, active=batch.active, units=units,
+                               on_unit_done=done)
+                in_flight.append(self.streams.record(self.streams.d2h))  # (the copies back wait for the update)
+                while len(in_flight) >= LANE_UNITS_IN_FLIGHT:
+                    host_wait(in_flight.popleft(), "device lane pace")
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
                 self._error = e
                 for unit in units:
@@ -302,6 +400,9 @@ class OptimizerWorker:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()  # no update may run after the engine releases its state
+        if self._lane_thread is not None:
+            self._share.close()
+            self._lane_thread.join()
         if self.read_ahead is not None:
             try:
                 self.read_ahead.drop()

@@ -364,9 +364,11 @@ class DeferredUpdate(_OnWorker):
         hyper, grad_scale, flags, active = update
         order = self.put_order()
         self.manager.fresh.begin_update([u.index for u in order], blocking=True)  # the forward takes in order
-        for unit in order:
+        lane = frozenset(self.manager.plan.device_lane)  # Note [device lane]: these the GPU may step instead
+        for k, unit in enumerate(order):
             self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale, active={unit.index: active[unit.index]},
-                               after_unit=after_update(flags[unit.index], unit))
+                               after_unit=after_update(flags[unit.index], unit), position=k,
+                               lane=unit.index in lane)
         self.worker.read_ahead_next(self.optimizer.task_chunks(active, order))  # the next update's, same order
         return True
 
@@ -472,7 +474,7 @@ def mode_class(config: Config) -> type[UpdateMode]:
         return InlineUpdate
     if config.speculates:
         return SpeculativeUpdate
-    return DeferredUpdate if config.update_needs_norm else EagerUpdate
+    return DeferredUpdate if config.defers_update else EagerUpdate
 
 
 def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManager, device: torch.device, group,
@@ -496,9 +498,12 @@ def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManag
                                    state_read_ahead=read_ahead, seed=config.train.seed)
     cuda = device.type == "cuda"
     cores = worker_cores(config.overlap.optimizer_cores)  # Note [core binding]
+    lane = (OffloadedOptimizer(units, manager, device, read_ahead=1, profiler=profiler, blocks_compute=False,
+                               seed=config.train.seed, on_device=True)
+            if cls is DeferredUpdate and manager.plan.device_lane else None)  # Note [device lane]
     worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams,
                              threads=worker_threads(config.overlap.optimizer_threads, cuda, cores), cores=cores,
-                             pipeline_batches=optimizer.reads_disk)  # Note [forward first, again]
+                             pipeline_batches=optimizer.reads_disk, lane=lane)  # Note [forward first, again]
     if cls is SpeculativeUpdate:
         shared["journal"] = journal_for(manager.plan, manager.plan.speculation,
                                         speculated_units(manager.plan, cuda))

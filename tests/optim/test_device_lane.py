@@ -1,0 +1,254 @@
+"""Note [device lane] (memory/placement.py): when the update waits for the global norm, a second worker steps on the
+GPU the host-state units the next forward uses last while the CPU's worker steps its first, the two meeting in the
+middle. Here: the split (each unit once, from either end), the lane's pace, its errors, the plan's units, staging
+and reasons, and training with it bit for bit as without it (on the CPU, where the lane is forced: its "device" is
+the CPU). Its schedule in a GPU's proportions: tests/device/test_simulated_schedule.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import infinity.memory.placement as placement_module
+from engine_runs import engine_run
+from infinity.config.sections import Config
+from infinity.memory.manager import TieredMemoryManager
+from infinity.memory.pending import Pending
+from infinity.memory.placement import (
+    LANE_UNITS_IN_FLIGHT,
+    Budgets,
+    PlacementError,
+    lane_staging_bytes,
+    plan_for_config,
+    plan_placement,
+)
+from infinity.memory.tier import Tier
+from infinity.memory.traffic import UnitSizes
+from infinity.optim.offloaded import OffloadedOptimizer
+from infinity.optim.worker import OptimizerWorker
+from reference import Recipe, reference_run
+
+
+class Stepping:
+    """An optimizer that records which thread stepped which unit, taking `seconds` per unit."""
+
+    compute_device = torch.device("cpu")
+
+    def __init__(self, log: list, seconds: float, fail_on: int | None = None):
+        self.log, self.seconds, self.fail_on = log, seconds, fail_on
+
+    def step(self, *, units, on_unit_done, **_):
+        for unit in units:
+            if unit.index == self.fail_on:
+                raise RuntimeError(f"lane failed on u{unit.index}")
+            time.sleep(self.seconds)
+            self.log.append((threading.current_thread().name, unit.index))
+            on_unit_done(unit)
+
+
+def _submit_all(worker: OptimizerWorker, n: int, lane_from: int, done: dict) -> None:
+    for k in range(n):  # the next forward's order, as DeferredUpdate submits
+        worker.submit([SimpleNamespace(index=k, name=f"u{k}")], hyper=(), grad_scale=None, active={k: []},
+                      after_unit=lambda u: done.__setitem__(u.index, time.perf_counter()), position=k,
+                      lane=k >= lane_from)
+
+
+def test_the_cpu_takes_the_forwards_first_units_and_the_lane_its_last_each_once():
+    log, done, n = [], {}, 12
+    worker = OptimizerWorker(Stepping(log, 0.004), n, lane=Stepping(log, 0.004))
+    try:
+        _submit_all(worker, n, lane_from=2, done=done)  # (units 0-1: not the lane's, the tail units' place)
+        worker.wait_all()
+    finally:
+        worker.close()
+    cpu = [u for name, u in log if name == "infinity-optimizer"]
+    lane = [u for name, u in log if name == "infinity-lane"]
+    assert sorted(cpu + lane) == list(range(n))  # each unit stepped once
+    assert cpu == list(range(len(cpu))) and lane == list(range(n - 1, n - 1 - len(lane), -1)), (cpu, lane)
+    assert len(cpu) >= 2 and lane  # (both worked: the lane takes the last one as soon as it is offered)
+    assert set(done) == set(range(n))
+
+
+def test_a_unit_the_lane_steps_is_waited_for_like_any_other():
+    log, done, n = [], {}, 4
+    worker = OptimizerWorker(Stepping(log, 0.05), n, lane=Stepping(log, 0.05))
+    try:
+        _submit_all(worker, n, lane_from=0, done=done)
+        worker.wait_unit(n - 1)  # the lane's first
+        assert n - 1 in done and ("infinity-lane", n - 1) in log
+        worker.wait_all()
+    finally:
+        worker.close()
+    assert set(done) == set(range(n))
+
+
+def test_an_error_on_the_lane_is_raised_by_the_next_wait_and_nothing_runs_after_it():
+    log, done, n = [], {}, 6
+    worker = OptimizerWorker(Stepping(log, 0.01), n, lane=Stepping(log, 0.01, fail_on=n - 1))
+    try:
+        _submit_all(worker, n, lane_from=0, done=done)
+        with pytest.raises(RuntimeError, match="lane failed on u5"):
+            worker.wait_all()
+    finally:
+        worker.close()
+    assert n - 1 not in done
+
+
+def test_without_a_lane_the_lane_flag_changes_nothing():
+    log, done, n = [], {}, 5
+    worker = OptimizerWorker(Stepping(log, 0.0), n)
+    try:
+        _submit_all(worker, n, lane_from=0, done=done)
+        worker.wait_all()
+    finally:
+        worker.close()
+    assert log == [("infinity-optimizer", u) for u in range(n)]
+
+
+class Events:
+    """Streams whose events say when they were recorded and whose host waits are logged."""
+
+    def __init__(self):
+        self.recorded, self.waited = 0, []
+        self.h2d = "h2d"
+
+    def record(self, stream=None):
+        self.recorded += 1
+        return SimpleNamespace(n=self.recorded, stream=stream)
+
+
+def test_the_lane_paces_its_copies_up_two_tasks_at_a_time(monkeypatch):
+    """Note [device lane]: an upload of the CPU's waits behind at most LANE_CHUNKS_IN_FLIGHT of the lane's tasks."""
+    import infinity.optim.offloaded as offloaded
+    streams, waited = Events(), []
+    monkeypatch.setattr(offloaded, "host_wait", lambda event, why: waited.append((event.n, why)))
+    manager = SimpleNamespace(streams=streams, fetch=lambda *a: None, optimizer_chunk=lambda u, k, c: c,
+                              tier=lambda u, k: Tier.HOST, plan=SimpleNamespace(
+                                  state_dtype=placement_module.StateDtype.FP32, dtype=lambda k: torch.float32,
+                                  compute_dtype=torch.bfloat16))
+    lane = OffloadedOptimizer([], manager, torch.device("cpu"), on_device=True)
+    unit = SimpleNamespace(index=0)
+    for chunk in range(4):
+        lane._issue(offloaded._Task(unit, chunk, ()))
+    assert [n for n, _ in waited] == [1, 2] and {why for _, why in waited} == {"device lane pace"}
+    assert all(e.stream == "h2d" for e in lane._copies_up)
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+OFFLOAD = {"params": "device", "grads": "host", "optimizer": "host"}
+GPU = Budgets(device=40 << 30, host=100 << 30, nvme=0, shared_ram=False, ram=125 << 30)
+
+
+def _plan(budgets=GPU, static=OFFLOAD, defers=True, tail=0, units=6, numel=1000):
+    sizes = tuple(UnitSizes.uniform(f"u{u}", numel * (1 + u % 2)) for u in range(units))
+    return plan_placement(sizes, torch.float32, policy="static", budgets=budgets, units_ahead=2, static=static,
+                          tail_units=tail, device_lane="on", defers_update=defers)
+
+
+def test_the_plan_names_the_host_state_units_and_fits_two_of_them_on_the_device():
+    plan = _plan(tail=2)
+    assert plan.device_lane == (2, 3, 4, 5)  # (0-1: tail units, updated on the device already)
+    per_element = 4 * 4  # fp32 master, exp_avg, exp_avg_sq and gradient
+    assert plan.working_terms[Tier.DEVICE]["device_lane"] == 2 * 2000 * per_element == lane_staging_bytes(
+        plan, [2, 3, 4, 5])  # the two largest units
+    assert LANE_UNITS_IN_FLIGHT == 2
+    assert any(r.startswith("device lane: after the global norm, units 2-5 (6,000 trainable") for r in plan.reasons)
+    off = plan_placement(plan.units, torch.float32, policy="static", budgets=GPU, units_ahead=2, static=OFFLOAD,
+                         tail_units=2)
+    assert off.device_lane == () and "device_lane" not in off.working_terms.get(Tier.DEVICE, {})
+    assert plan.tier_totals()[Tier.DEVICE] == off.tier_totals()[Tier.DEVICE] + 2 * 2000 * per_element
+
+
+@pytest.mark.parametrize("case", ["no GPU", "not deferred", "state on the device", "parameters on NVMe"])
+def test_a_lane_that_cannot_act_is_said(case):
+    kwargs = {"no GPU": {"budgets": dataclasses.replace(GPU, shared_ram=True)},
+              "not deferred": {"defers": False},
+              "state on the device": {"static": {"params": "device", "grads": "device", "optimizer": "device"}},
+              "parameters on NVMe": {"static": {"params": "nvme", "grads": "host", "optimizer": "host"},
+                                     "budgets": dataclasses.replace(GPU, nvme=1 << 30)}}[case]
+    plan = _plan(**kwargs)
+    assert plan.device_lane == ()
+    said = [r for r in plan.reasons if r.startswith('overlap.device_lane = "on": nothing is updated on the GPU')]
+    assert len(said) == 1, plan.reasons
+
+
+def test_a_lane_without_room_on_the_device_is_refused_with_the_fix():
+    tight = dataclasses.replace(GPU, device=_plan(budgets=GPU).tier_totals()[Tier.DEVICE] - 1)
+    with pytest.raises(PlacementError, match=r'device_lane = "on" needs .* set it to "off", or raise '
+                                             r"memory.device_budget"):
+        _plan(budgets=tight)
+
+
+def test_plan_for_config_asks_the_lane_only_of_a_deferred_update():
+    sizes = tuple(UnitSizes.uniform(f"u{u}", 1000) for u in range(3))
+    base = {"placement": OFFLOAD | {"tail_units": 0}, "overlap": {"device_lane": "on"}}
+    clipped = plan_for_config(sizes, Config.from_dict(base | {"optimizer": {"grad_clip": 1.0}}), GPU)
+    assert clipped.device_lane == (0, 1, 2)
+    for other in ({"optimizer": {"grad_clip": 0.0}},  # eager: nothing waits for the norm
+                  {"optimizer": {"grad_clip": 1.0}, "overlap": {"device_lane": "on", "speculation": "1GiB"}}):
+        assert plan_for_config(sizes, Config.from_dict(base | other), GPU).device_lane == ()
+
+
+# ------------------------------------------------------------------------------------------------ training
+BASE = Recipe(steps=4, accum=2)
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    """A clip between the run's norms: it fires in some windows and not in others."""
+    _, norms, _ = reference_run(dataclasses.replace(BASE, grad_clip=1e9))
+    clip = sorted(norms)[len(norms) // 2]
+    assert any(n > clip for n in norms) and not all(n > clip for n in norms), norms
+    return dataclasses.replace(BASE, grad_clip=clip)
+
+
+@pytest.fixture
+def forced_lane(monkeypatch):
+    """The lane planned as on a GPU (its "device" is then the CPU); what it fetches from the host tier is a copy, as
+    on a GPU (so its stores must write everything back); counts the units each worker stepped."""
+    real = placement_module.with_device_lane
+    monkeypatch.setattr(placement_module, "with_device_lane", lambda plan, setting, defers, budgets: real(
+        plan, setting, defers, dataclasses.replace(budgets, shared_ram=False)))
+    fetch = TieredMemoryManager.fetch
+
+    def copying(self, unit, kind, *args, **kwargs):
+        pending = fetch(self, unit, kind, *args, **kwargs)
+        if threading.current_thread().name == "infinity-lane" and self.tier(unit, kind) is Tier.HOST:
+            return Pending(pending.wait().clone())
+        return pending
+    monkeypatch.setattr(TieredMemoryManager, "fetch", copying)
+    stepped = {"lane": 0, "cpu": 0}
+    step = OffloadedOptimizer.step
+
+    def counting(self, **kwargs):
+        stepped["lane" if self.on_device else "cpu"] += len(kwargs.get("units") or [])
+        return step(self, **kwargs)
+    monkeypatch.setattr(OffloadedOptimizer, "step", counting)
+    return stepped
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_training_with_the_lane_is_bitwise_training_without_it(recipe, forced_lane, dtype):
+    """With the clip firing in some windows: the same losses, norms and weights, bit for bit, as the deferred
+    update without the lane, which itself follows torch AdamW after clip_grad_norm_. fp32: the lane takes the
+    master from the parameters (Note [device lane]); bf16: from the host."""
+    extra = {"overlap": {"optimizer_with_backward": True, "device_lane": "on"},
+             "placement": {"tail_units": 0}, "precision": {"compute_dtype": dtype}}
+    with_lane = engine_run(recipe, OFFLOAD, None, extra)
+    assert with_lane[3]["update_mode"] == "DeferredUpdate"
+    assert forced_lane["lane"] > 0 and forced_lane["cpu"] > 0, forced_lane
+    assert with_lane[3]["working_planned_terms"]["device"]["device_lane"] > 0
+    without = engine_run(recipe, OFFLOAD, None, extra | {"overlap": {"optimizer_with_backward": True}})
+    assert with_lane[0] == without[0] and with_lane[1] == without[1]
+    for name, tensor in without[2].items():
+        assert torch.equal(with_lane[2][name], tensor), name
+    if dtype == "fp32":
+        ref_losses, _, ref_state = reference_run(recipe)
+        assert with_lane[0] == pytest.approx(ref_losses, rel=1e-4)
+        for name, tensor in ref_state.items():
+            torch.testing.assert_close(with_lane[2][name], tensor, rtol=1e-4, atol=1e-5)
