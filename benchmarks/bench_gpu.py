@@ -35,8 +35,9 @@ a Chrome trace, summary and timeline PNG under DIR/case_<name>/rank0; in b and l
 the measured ones.
 
 Cases b and l also run: `clip` (grad_clip 1.0 as configured by default: the update waits for the norm, Note
-[speculation default]), `spec_no_fire` (speculating every window, `overlap.speculation` a size that holds every
-unit's copies, with a clip that never fires: what the journal costs),
+[speculation default]), `clip_lane` (the same with `overlap.device_lane = "on"`: Note [device lane];
+`clip_lane_over_no_clip`, bar <= 1.1), `spec_no_fire` (speculating every window, `overlap.speculation` a size
+that holds every unit's copies, with a clip that never fires: what the journal costs),
 `all_cores` (no clipping, the optimizer worker unbound on every core: the thread budget's effect) and
 `bound` (no clipping, the worker's threads bound to its cores, `optimizer_cores = "bind"`: Note [core binding]'s
 effect), steady steps.
@@ -247,15 +248,18 @@ def case_a(cfg, batch, device, args) -> dict:
 OFFLOAD = {"params": "device", "grads": "host", "optimizer": "host"}  # the ZeRO-Offload shape
 
 
-RUNS = ("no_clip", "clip", "spec_no_fire", "all_cores", "bound")  # of cases b and l (--runs); no_clip and clip always
+RUNS = ("no_clip", "clip", "clip_lane", "spec_no_fire", "all_cores", "bound")  # of cases b and l (--runs)
+# (no_clip and clip always run)
 ALL_CORES = {"optimizer_threads": torch.get_num_threads(), "optimizer_cores": "none"}
 BOUND = {"optimizer_cores": "bind"}  # ("auto" binds nowhere: Note [core binding])
+LANE = {"device_lane": "on"}  # Note [device lane]: the GPU takes the forward's last units of a deferred update
 
 
 def ratios(runs: dict, no_clip_s: float) -> dict:
     """The diagnostic runs' steady steps over the unclipped one (those that ran)."""
-    return {f"{name}_over_{'no_clip' if name == 'spec_no_fire' else 'auto'}": runs[name]["steady_s"] / no_clip_s
-            for name in ("spec_no_fire", "all_cores", "bound") if name in runs}
+    return {f"{name}_over_{'no_clip' if name in ('spec_no_fire', 'clip_lane') else 'auto'}":
+            runs[name]["steady_s"] / no_clip_s for name in ("clip_lane", "spec_no_fire", "all_cores", "bound")
+            if name in runs}
 
 
 NEVER_FIRES = 1e9  # a clip that never fires: what speculating costs when it is not needed
@@ -267,11 +271,13 @@ def case_b(cfg, batch, device, args) -> dict:
         numel = sum(p.numel() for p in GPT(cfg).parameters())
     runs = {}
     # no_clip: the eager update (synchronized and steady steps); clip: grad_clip 1.0 as configured by default
-    # (the deferred update, Note [speculation default]); spec_no_fire: speculating every
-    # window with a clip that never fires (the journal's cost); all_cores: no clipping, the worker unbound on every
-    # core (the thread budget before "auto" left one to the training thread); bound: no clipping, the worker
+    # (the deferred update, Note [speculation default]); clip_lane: the same with the device lane (Note [device
+    # lane]: the GPU updates the forward's last units after the norm, the CPU its first); spec_no_fire: speculating
+    # every window with a clip that never fires (the journal's cost); all_cores: no clipping, the worker unbound on
+    # every core (the thread budget before "auto" left one to the training thread); bound: no clipping, the worker
     # bound to its cores (Note [core binding]: "auto" binds nowhere)
     for name, clip, overlap, sync_too in (("no_clip", 0.0, {}, True), ("clip", 1.0, {}, False),
+                                          ("clip_lane", 1.0, LANE, False),
                                           ("spec_no_fire", NEVER_FIRES, SPECULATE, False),
                                           ("all_cores", 0.0, ALL_CORES, False), ("bound", 0.0, BOUND, False)):
         if name not in args.runs:
@@ -348,7 +354,7 @@ def case_l(cfg, batch, device, args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # (torch's model and optimizer are gone)
     out = {"params": numel, "torch_steady_s": theirs}
-    runs = (("no_clip", 0.0, {}), ("clip", 1.0, {}), ("spec_no_fire", NEVER_FIRES, SPECULATE),
+    runs = (("no_clip", 0.0, {}), ("clip", 1.0, {}), ("clip_lane", 1.0, LANE), ("spec_no_fire", NEVER_FIRES, SPECULATE),
             ("all_cores", 0.0, ALL_CORES), ("bound", 0.0, BOUND))
     runs = tuple(r for r in runs if r[0] in args.runs)
     if args.profile:  # last, after the measured runs: unclipped, and clipping at 1.0 (its deferred schedule)

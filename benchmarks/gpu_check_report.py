@@ -60,6 +60,10 @@ def bars(report: dict) -> list[dict]:
         lambda m, x: m >= x)
     bar("41: case b with grad_clip 1.0 / without", b and b["b_clip"]["clip_over_no_clip"], 1.1, lambda m, x: m <= x)
     bar("41: Llama with grad_clip 1.0 / without", llama and llama["clip_over_no_clip"], 1.1, lambda m, x: m <= x)
+    bar("41: case b with grad_clip 1.0 / without, device lane on", b and b.get("clip_lane_over_no_clip"), 1.1,
+        lambda m, x: m <= x)
+    bar("41: Llama with grad_clip 1.0 / without, device lane on", llama and llama.get("clip_lane_over_no_clip"), 1.1,
+        lambda m, x: m <= x)
     bar("41: case b / DeepSpeed ZeRO-3 offload_optimizer cpu", d and d["ratio"], 0.5, lambda m, x: m <= x)
     tests = report["gpu_tests"]
     bar("42: gpu tests failed + skipped", tests and tests["failed"] + tests["skipped"], 0, lambda m, x: m <= x)

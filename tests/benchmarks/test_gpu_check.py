@@ -23,5 +23,5 @@ def test_the_gpu_check_runs_every_part_and_reports_every_bar(tmp_path):
     (report,) = tmp_path.glob("gpu_*.json")
     payload = json.loads(report.read_text())
     assert {"device", "gpu_tests", "sanitizer_races", "cases", "bars", "elapsed_s"} <= set(payload)
-    assert set(payload["cases"]) == {"a", "b", "l"} and len(payload["bars"]) == 9
+    assert set(payload["cases"]) == {"a", "b", "l"} and len(payload["bars"]) == 11
     assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
