@@ -252,3 +252,28 @@ def test_training_with_the_lane_is_bitwise_training_without_it(recipe, forced_la
         assert with_lane[0] == pytest.approx(ref_losses, rel=1e-4)
         for name, tensor in ref_state.items():
             torch.testing.assert_close(with_lane[2][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+def test_the_lane_takes_its_next_unit_once_all_but_one_of_its_copies_back_are_done():
+    """Note [device lane]: LANE_UNITS_IN_FLIGHT units' copies back at most; the waits are the lane thread's."""
+    from infinity.device.streams import Streams
+
+    log = []
+
+    class Recording(Streams):
+        def __init__(self):
+            super().__init__(device=torch.device("cpu"), d2h="d2h")
+
+        def record(self, stream=None):
+            on, thread = stream or "current", threading.current_thread().name
+            return SimpleNamespace(synchronize=lambda: log.append((thread, "host waits", on)), query=lambda: True)
+
+    steps, done, n = [], {}, 4
+    worker = OptimizerWorker(Stepping(steps, 0.0), n, streams=Recording(), lane=Stepping(steps, 0.0))
+    try:
+        _submit_all(worker, n, lane_from=0, done=done)
+        worker.wait_all()
+    finally:
+        worker.close()
+    lane = sum(name == "infinity-lane" for name, _ in steps)
+    assert log == [("infinity-lane", "host waits", "d2h")] * (lane - LANE_UNITS_IN_FLIGHT + 1), (log, steps)
