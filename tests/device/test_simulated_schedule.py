@@ -457,3 +457,15 @@ def test_the_device_lane_brings_a_deferred_step_within_a_tenth_of_the_unclipped_
     for undone in ({"lane_chunks": 1}, {"lane_up": 4}):
         worse = simulate(case | {"tail": tail} | undone, deferred=True, lane=True)
         assert worse["step"] > 1.1 * eager["step"], (undone, worse["step"], eager["step"])
+
+
+def test_the_device_lane_helps_the_bf16_llama_less():
+    """Case l's parameters are bf16: the CPU's upload is 2 bytes an element, the lane's copies up 16 (fp32 master,
+    moments and gradient), so the lane takes fewer units. In the H100's proportions the clipped step goes from
+    1.42x the unclipped one to 1.21x: better, not within 1.1x (docs/tiers.md says so)."""
+    case = CASE_L | {"lane_up": 8, "lane_chunks": 6}  # (16 bytes up per 2-byte parameter; ~48M-element units)
+    tail = planned_tail_units(case["units"], 1_120_000_000)
+    eager = simulate(case | {"tail": tail})["step"]
+    deferred = simulate(case | {"tail": tail}, deferred=True)["step"]
+    lane = simulate(case | {"tail": tail}, deferred=True, lane=True)
+    assert 1.1 * eager < lane["step"] < 0.9 * deferred and len(lane["lane"]) >= 3, (eager, deferred, lane)

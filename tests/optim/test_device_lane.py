@@ -277,3 +277,26 @@ def test_the_lane_takes_its_next_unit_once_all_but_one_of_its_copies_back_are_do
         worker.close()
     lane = sum(name == "infinity-lane" for name, _ in steps)
     assert log == [("infinity-lane", "host waits", "d2h")] * (lane - LANE_UNITS_IN_FLIGHT + 1), (log, steps)
+
+
+def test_a_checkpoint_taken_with_the_lane_resumes_bitwise(recipe, forced_lane, tmp_path):
+    """The lane's units are settled like the CPU's before a save (their state copied back), and a run resumed
+    from the checkpoint continues bit for bit."""
+    import infinity
+    from engine_runs import train_steps
+
+    config = recipe.config(**OFFLOAD) | {"overlap": {"optimizer_with_backward": True, "device_lane": "on"}}
+    config["placement"]["tail_units"] = 0
+    path = str(tmp_path / "ckpt")
+    with infinity.initialize(recipe.build(), config) as engine:
+        train_steps(engine, recipe, 0, 2, rank=0, world=1)
+        engine.save_checkpoint(path)
+        after = train_steps(engine, recipe, 2, recipe.steps, rank=0, world=1)
+        state = engine.full_state_dict()
+    assert forced_lane["lane"] > 0
+    with infinity.initialize(recipe.build(), config) as engine:
+        engine.load_checkpoint(path)
+        assert train_steps(engine, recipe, 2, recipe.steps, rank=0, world=1) == after
+        resumed = engine.full_state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(resumed[name], tensor), name
