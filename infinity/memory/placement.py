@@ -67,6 +67,7 @@ class Plan:
     read_ahead: int = 0  # bytes the state read-ahead may hold (Note [state read-ahead]); in working_terms
     speculation: int = 0  # bytes of pre-update copies (Note [speculative update]); in working_terms
     device_lane: tuple[int, ...] = ()  # units a deferred update may step on the GPU (Note [device lane]); in working
+    lane_grads: tuple[int, ...] = ()  # of those, the units whose final gradient the device keeps for it; in working
     reasons: tuple[str, ...] = ()
     unit_reasons: tuple[dict[str, str], ...] = ()  # per unit: group -> why it is on its tier (auto policy)
     state_dtype: StateDtype = StateDtype.FP32  # `[optimizer] state_dtype` (Note [16-bit optimizer state])
@@ -247,16 +248,26 @@ def with_tail(plan: Plan, setting, budgets: Budgets) -> Plan:
 # updated before the global norm is known, at backward's end; the CPU's Adam of every host-state unit then runs
 # after it, and the next forward covers only part of it (the H100's case b: ~150 ms of CPU Adam after the norm,
 # 85 ms of forward: 1.31x the unclipped step). The GPU is idle then, and PCIe's upward direction carries only the
-# updated parameters. So a second worker, the lane, steps host-state units on the GPU: their master, moments and
-# gradient copied up (16 bytes an element in fp32), fused Adam on the device, the state copied back (12) and the
-# parameters written where they live. Its rate is PCIe's (~55 GB/s each way: ~3.4 G elements/s up), about the
-# CPU's (4-5 G/s): together they halve what the forward waits for. The two take units from either end of the
-# forward's order (optim/worker.py): the CPU the forward's first, the lane its last, until they meet, so the
-# split follows the rates the machine has at that moment, nothing measured in advance. The lane keeps two units
-# in flight (the next one's copies up beside this one's down), whose staging the plan fits on the device. Only
-# units whose gradients and whole optimizer state are on the host tier, and whose parameters are not on NVMe
-# (their writes follow the fresh copies, Note [fresh parameters]); not speculated updates (their journal is the
-# CPU's); nothing without a GPU, where both would be the same cores.
+# updated parameters. So a second worker, the lane, steps host-state units on the GPU: their state copied up,
+# fused Adam on the device, the master and moments copied back (12 bytes an element in fp32) and the parameters
+# written where they live. Up go the moments (8 bytes), the gradient (4) unless the device kept it, and the
+# master (4) unless parameters of its dtype on the device hold the same values (optim/offloaded.py: then the
+# lane updates them in place). At PCIe's ~55 GB/s each way that is about the CPU's own rate (4-5 G elements/s):
+# together they roughly halve what the forward waits for. The two take units from either end of the forward's
+# order (optim/worker.py): the CPU the forward's first, the lane its last, until they meet, so the split follows
+# the rates the machine has at that moment, nothing measured in advance. The lane keeps two units in flight (the
+# next one's copies up beside this one's down), whose staging the plan fits on the device, and queues at most two
+# sub-groups' copies up at a time, so the CPU's uploads for the next forward never wait behind a whole unit's.
+# The device also keeps the window's final gradient of the forward's last lane units (`lane_grads`: the ones the
+# lane takes first), which backward produced there, so the lane need not copy it up (handed over by the
+# GradReducer's `keep_final`; still stored to the host too: the CPU may take the unit, a checkpoint may read it).
+# They are held from their unit's backward to the update, beside the activations, so they are at most half of the
+# lane units' gradients, within a quarter of the device memory the plan leaves free. Simulated in case b's H100
+# proportions (tests/device/test_simulated_schedule.py): the clipped step from 1.26x the unclipped one to 1.065x
+# (1.095x with no gradient kept or the master copied up; 1.082x with a whole unit's copies queued at once).
+# Only units whose gradients and whole optimizer state are on the host tier, and whose parameters are not on
+# NVMe (their writes follow the fresh copies, Note [fresh parameters]); not speculated updates (their journal is
+# the CPU's); nothing without a GPU, where both would be the same cores.
 LANE_UNITS_IN_FLIGHT = 2  # units whose copies back may be running (the lane's staging)
 LANE_CHUNKS_IN_FLIGHT = 2  # optimizer chunks whose copies up may be queued (what an upload waits behind)
 LANE_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)  # what a lane update copies up
@@ -302,7 +313,30 @@ def with_device_lane(plan: Plan, setting: str, defers_update: bool, budgets: Bud
     reason = (f"device lane: after the global norm, units {_ranges(units)} ({elements:,} "
               f"trainable elements) may be updated on the GPU, from the forward's last, while the CPU updates from "
               f"its first; {_fmt(staging)} of device staging (Note [device lane])")
-    return dataclasses.replace(lane, reasons=lane.reasons + (reason,))
+    lane = dataclasses.replace(lane, reasons=lane.reasons + (reason,))
+    return with_lane_grads(lane, budgets)
+
+
+def with_lane_grads(plan: Plan, budgets: Budgets) -> Plan:
+    """`plan` with the final gradients of its last lane units kept on the device (Note [device lane]): from the
+    forward's last, up to half of the lane units' gradient bytes, within a quarter of the device memory left."""
+    room = (budgets.device - plan.tier_totals()[Tier.DEVICE]) // 4
+    grad_bytes = {u: plan.units[u].numel(Kind.GRADS) * plan.dtype(Kind.GRADS).itemsize for u in plan.device_lane}
+    cap = min(room, sum(grad_bytes.values()) // 2)
+    kept, taken = [], 0
+    for u in reversed(plan.device_lane):
+        if taken + grad_bytes[u] > cap:
+            break
+        kept.append(u)
+        taken += grad_bytes[u]
+    if not kept:
+        return plan
+    terms = {t: dict(v) for t, v in plan.working_terms.items()}
+    terms[Tier.DEVICE]["device_lane_grads"] = taken
+    reason = (f"device lane: the final gradients of units {_ranges(sorted(kept))} ({_fmt(taken)}) stay on the device "
+              f"for it, from their backward to the update (Note [device lane])")
+    return dataclasses.replace(plan, working_terms=terms, working=traffic.totals(terms), lane_grads=tuple(sorted(kept)),
+                               reasons=plan.reasons + (reason,))
 
 
 def _ranges(units: list[int]) -> str:

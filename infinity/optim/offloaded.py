@@ -25,6 +25,7 @@ import torch
 
 from infinity.device.streams import host_wait
 from infinity.memory.manager import TieredMemoryManager
+from infinity.memory.pending import Pending
 from infinity.memory.placement import LANE_CHUNKS_IN_FLIGHT
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import UPDATE_READS_AHEAD, UPDATE_WRITES_IN_FLIGHT  # the byte model stages these
@@ -98,11 +99,13 @@ class OffloadedOptimizer:
         on_device = self.on_device or self.manager.tier(unit.index, Kind.MASTER) is Tier.DEVICE
         return self.compute_device if on_device else torch.device("cpu")
 
-    def _issue(self, task: _Task) -> dict:
+    def _issue(self, task: _Task, kept_grads: dict | None = None) -> dict:
         device = self.device_of(task.unit)
         held = (self.state_read_ahead.take(task.unit.index, task.chunk)
                 if self.state_read_ahead and task.chunk is not None else {})  # (a whole unit is never on NVMe)
         m, u = self.manager, task.unit.index
+        if kept_grads and u in kept_grads:
+            held = held | {Kind.GRADS: self._kept_chunk(task, *kept_grads[u])}
         if self.on_device:
             self._pace()
         # the gradients' chunk holding the same elements as the optimizer's (Note [stage layouts])
@@ -111,6 +114,17 @@ class OffloadedOptimizer:
         if self.on_device:
             self._copies_up.append(m.streams.record(m.streams.h2d))
         return fetched
+
+    def _kept_chunk(self, task: _Task, grads: torch.Tensor, chunk) -> Pending:
+        """The task's gradient chunk read from the unit's final gradient `grads` (the store's chunk(s) `chunk`), kept
+        on the device: the update's stream holds it until it has read it (Note [device lane])."""
+        m, u = self.manager, task.unit.index
+        start, numel = m.chunk_span(u, m.optimizer_chunk(u, Kind.GRADS, task.chunk), Kind.GRADS)
+        first, total = m.chunk_span(u, chunk, Kind.GRADS)
+        assert first <= start and start + numel <= first + total, (u, task.chunk, chunk)
+        view = grads.narrow(0, start - first, numel)
+        m.streams.hold(view, m.streams.current())
+        return Pending(view)
 
     def _sources(self, u: int) -> dict[Kind, Kind]:
         """The kind each fetched kind is read from: itself, except on the device lane for a master of the compute
@@ -132,7 +146,7 @@ class OffloadedOptimizer:
         return [(t.unit.index, t.chunk) for t in self.plan_tasks(active, units) if t.chunk is not None]
 
     def step(self, *, hyper: Hypers, grad_scale: float | None, active: dict[int, list[Run]],
-             units: list[Unit] | None = None, on_unit_done=None, journal=None) -> None:
+             units: list[Unit] | None = None, on_unit_done=None, journal=None, kept_grads: dict | None = None) -> None:
         """One update of the active elements of `units` (default: all), in that order.
 
         Each run carries its 1-based Adam step and its parameter group, whose hyper-parameters are
@@ -141,6 +155,8 @@ class OffloadedOptimizer:
         issued (later reads of its shards wait for those writes); its gradients are then declared zero.
         `journal`: a use of the speculation's journal (Note [speculative update] in speculation.py) that sees
         each sub-group's state before it is stepped: it copies it in, or back (and may say not to step).
+        `kept_grads`: per unit, its final gradient kept on the device and that gradient's chunk(s) of the store,
+        read instead of fetching it (the device lane's: Note [device lane] in memory/placement.py).
         """
         m = self.manager
         units = self.units if units is None else units
@@ -164,7 +180,7 @@ class OffloadedOptimizer:
                 finish(unit)  # nothing to step (no gradient anywhere): done at once
         for i, task in enumerate(tasks):
             while next_task < len(tasks) and len(ahead) <= self.read_ahead:
-                ahead.append(self._issue(tasks[next_task]))  # read ahead while earlier tasks compute
+                ahead.append(self._issue(tasks[next_task], kept_grads))  # read ahead while earlier tasks compute
                 next_task += 1
             pending = ahead.popleft()
             prof = self.profiler

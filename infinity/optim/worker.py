@@ -56,6 +56,7 @@ class _Batch:
     journal: object = None  # how the update uses the speculation's journal (Note [speculative update])
     position: int = 0  # where the next forward uses the units (Note [forward first])
     lane: bool = False  # the device lane may step it instead (Note [device lane])
+    grads: tuple | None = None  # its unit's final gradient kept on the device, and that gradient's chunk, for the lane
 
     def joins(self, other: "_Batch") -> bool:
         """May `other` run in one pipeline with this batch: the same update, and its gradients on the device
@@ -166,19 +167,20 @@ class OptimizerWorker:
 
     def submit(self, units: list[Unit], *, hyper: Hypers, grad_scale: float | None,
                active: Active | Callable[[], Active | None], after_unit: Callable[[Unit], None],
-               journal=None, position: int = 0, lane: bool = False) -> None:
+               journal=None, position: int = 0, lane: bool = False, grads: tuple | None = None) -> None:
         """Issue the update of `units`. `active` may be a function the worker calls first (Note [host syncs] in
         streams.py); if it returns None the batch's units are not stepped (their waits return; `after_unit` is
         not called). `journal`: how the update uses the speculation's journal (Note [speculative update]).
         `position`: where the next forward uses these units (Note [forward first]). `lane`: the device lane, if
-        there is one, may step them instead (Note [device lane]; never a journal's update)."""
+        there is one, may step them instead (Note [device lane]; never a journal's update), reading the one unit's
+        final gradient from `grads` (the tensor kept on the device, its chunk of the gradient store) if given."""
         assert not (lane and journal is not None), "a speculated update is the CPU's (its journal)"
         with self._count:
             for unit in units:
                 self._queued[unit.index] += 1
                 self._done[unit.index].clear()
         batch = _Batch(list(units), hyper, grad_scale, active, after_unit, self.streams.record(), journal, position,
-                       lane=lane and self._share is not None)
+                       lane=lane and self._share is not None, grads=grads if lane and self._share is not None else None)
         if batch.lane:
             self._share.offer(batch)  # (before the queue: the lane may take it at once)
         self._queue.put(batch)
@@ -339,6 +341,7 @@ class OptimizerWorker:
         earlier batches' copies back are still running: the lane goes at PCIe's pace and holds that much staging."""
         in_flight: deque = deque()  # per batch stepped: an event after its copies back
         while (batch := self._share.take_last()) is not None:
+            assert batch.grads is None or len(batch.units) == 1, "a kept gradient is one unit's"
             self.streams.wait_event(batch.submitted)
             units = batch.units
             if self._error is None:
@@ -358,8 +361,9 @@ class OptimizerWorker:
                 self._finished(unit)
 
             try:
+                kept = {units[0].index: batch.grads} if batch.grads is not None else None
                 self.lane.step(hyper=batch.hyper, grad_scale=batch.grad_scale, active=batch.active, units=units,
-                               on_unit_done=done)
+                               on_unit_done=done, kept_grads=kept)
                 in_flight.append(self.streams.record(self.streams.d2h))  # (the copies back wait for the update)
                 while len(in_flight) >= LANE_UNITS_IN_FLIGHT:
                     host_wait(in_flight.popleft(), "device lane pace")

@@ -111,7 +111,8 @@ class Engine:
                                    reading_swap=lambda: self._pending_checkpoint is not None)
         self.optimizer = EngineOptimizer(self.groups, config.optimizer, self.step)  # for a user's LR scheduler
         self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
-                                   before_unit=self.updates.before_grads, on_final=self.updates.grads_final)
+                                   before_unit=self.updates.before_grads, on_final=self.updates.grads_final,
+                                   keep_final=self.updates.keep_grads)
         self.activations = activations_for(config.activation, self.units, self.streams, self.env.device, self.regions)
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
                                      config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace,
@@ -119,8 +120,7 @@ class Engine:
         self.clock = TrainingClock(self.profiler, device_time=self.env.device.type == "cuda")  # its compute spans
         self.window = AccumulationWindow(config.train.grad_accum_steps)  # Note [accumulation windows]
         self._handles, self._counters, self.graph_hooks = [], [], GraphHooks()  # (Note [graph hooks])
-        self.recompute = Recomputation(units_in(self.regions), self._pre_backward,
-                                       self.prefetcher, self.clock)  # Note [recomputed forward]
+        self.recompute = Recomputation(units_in(self.regions), self._pre_backward, self.prefetcher, self.clock)
         callbacks = UnitCallbacks(pre_forward=self._pre_forward, post_forward=self._post_forward,
                                   pre_backward=self._pre_backward, grads_ready=self._grads_ready,
                                   in_backward=lambda: self._in_backward, backward_done=self._backward_done,

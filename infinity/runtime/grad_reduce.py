@@ -36,7 +36,8 @@ class GradReducer:
 
     def __init__(self, manager: TieredMemoryManager, world_size: int, max_in_flight: int = 1, profiler=None, *,
                  before_unit: Callable[[Unit], None] | None = None,
-                 on_final: Callable[[Unit, torch.Tensor], None] | None = None):
+                 on_final: Callable[[Unit, torch.Tensor], None] | None = None,
+                 keep_final: Callable[[Unit, torch.Tensor, object], None] | None = None):
         self.manager, self.world_size, self.max_in_flight = manager, world_size, max_in_flight
         self.profiler = profiler or NullProfiler()
         self._in_flight: deque = deque()
@@ -44,6 +45,9 @@ class GradReducer:
         self._writes: list = []
         self.before_unit = before_unit  # called with a unit before its gradient store is touched
         self.on_final = on_final  # called with a unit and its partition's squared norm once its gradient is final
+        # called with a unit, its final gradient as stored and the store's chunk(s), which the callee may keep to read
+        # (never write) until the update (Note [device lane] in memory/placement.py)
+        self.keep_final = keep_final
 
     def issue(self, unit: Unit, final: bool) -> None:
         """Start reducing `unit`'s gradients (its `.grad`s are consumed and cleared)."""
@@ -78,6 +82,8 @@ class GradReducer:
             # fp32 norm (a reduction, no temporary copy), squared in fp64 for the global sum.
             self._sumsq[unit.index] = torch.linalg.vector_norm(acc.narrow(0, offset, numel)).double().square()
         self.store(unit, chunk, acc, release=acc is not out)
+        if final and self.keep_final is not None:
+            self.keep_final(unit, acc, chunk)
         if final and self.on_final is not None:
             self.on_final(unit, self._sumsq[unit.index])
 

@@ -18,6 +18,7 @@ interface and never asks which mode runs:
   before_forward(unit)   the forward is about to use `unit`: wait for its update
   before_grads(unit)     `unit`'s gradient shard is about to be written (GradReducer)
   grads_final(unit, s)   `unit`'s gradient for the window is complete, its squared norm `s`
+  keep_grads(unit, g, c) that gradient as stored (chunk(s) `c`), to keep for the update if the mode wants it
   step(norm, index)      the window is complete (global `norm`): update, skip or raise
   settled()              a context inside which no update or state read is in flight
   resume()               a background save stopped reading the swap: read ahead again
@@ -88,6 +89,9 @@ class UpdateMode(abc.ABC):
         pass
 
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
+        pass
+
+    def keep_grads(self, unit: Unit, grads: torch.Tensor, chunk) -> None:
         pass
 
     @abc.abstractmethod
@@ -357,18 +361,30 @@ class DeferredUpdate(_OnWorker):
 
     forward_takes_in_order = True
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        plan = self.manager.plan
+        self._lane = frozenset(plan.device_lane) if self.worker.lane is not None else frozenset()
+        self._keeps = frozenset(plan.lane_grads) & self._lane
+        self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (final gradient on the device, its chunk)
+
+    def keep_grads(self, unit: Unit, grads: torch.Tensor, chunk) -> None:
+        """Note [device lane]: the final gradient of a unit the lane will likely take stays on the device for it."""
+        if unit.index in self._keeps:
+            self._kept[unit.index] = (grads, chunk)
+
     def step(self, norm: float, index: int) -> bool:
+        kept, self._kept = self._kept, {}  # (dropped if the window is skipped)
         update = self._global_update(norm, index)
         if update is None:
             return False
         hyper, grad_scale, flags, active = update
         order = self.put_order()
         self.manager.fresh.begin_update([u.index for u in order], blocking=True)  # the forward takes in order
-        lane = frozenset(self.manager.plan.device_lane)  # Note [device lane]: these the GPU may step instead
-        for k, unit in enumerate(order):
+        for k, unit in enumerate(order):  # Note [device lane]: the lane's units the GPU may step instead
             self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale, active={unit.index: active[unit.index]},
                                after_unit=after_update(flags[unit.index], unit), position=k,
-                               lane=unit.index in lane)
+                               lane=unit.index in self._lane, grads=kept.pop(unit.index, None))
         self.worker.read_ahead_next(self.optimizer.task_chunks(active, order))  # the next update's, same order
         return True
 

@@ -158,6 +158,8 @@ class Link:
         self.h2d, self.tail, self.device_adam = case["h2d"] / n, tail, case["device_adam"] / n
         self.lane_chunks = case.get("lane_chunks", 1)  # the lane paces its copies up chunk by chunk
         self.lane_up = case.get("lane_up", 0) * self.h2d / self.lane_chunks  # one chunk's state up, for the lane
+        self.kept_from = n - case.get("lane_kept", 0)  # units whose gradient the device kept: its bytes less
+        self.lane_up_kept = self.lane_up - case.get("lane_grad", 1) * self.h2d / self.lane_chunks
         self.free, self.up, self._lock = 0.0, {}, threading.Lock()
 
     def up_after_cpu(self, unit: int, at: float) -> None:
@@ -173,7 +175,7 @@ class Link:
         the next: two in flight). After the `last`, the unit is updated once the GPU's Adam ran."""
         with self._lock:
             start = max(self.free, at)
-            self.free = start + self.lane_up
+            self.free = start + (self.lane_up_kept if unit >= self.kept_from else self.lane_up)
             if last:
                 self.up[unit] = self.free + self.device_adam  # its parameters are written on the device
             return start
@@ -434,16 +436,18 @@ def test_a_bound_worker_and_the_threads_it_starts_run_on_its_cores_only():
 
 
 # Note [device lane]: the lane's copies up per unit, over its parameters' bytes (fp32 parameters on the device hold the
-# master: moments and gradient, 3x), in the optimizer's sub-groups (8.4M elements: ~6 per 52M-element unit)
-LANE_B = {"lane_up": 3, "lane_chunks": 6}
+# master: moments and gradient, 3x; 2x for the forward's last units, whose gradient the device kept: half of the
+# host units), in the optimizer's sub-groups (8.4M elements: ~6 per 52M-element unit)
+LANE_B = {"lane_up": 3, "lane_chunks": 6, "lane_kept": 6}
 
 
 def test_the_device_lane_brings_a_deferred_step_within_a_tenth_of_the_unclipped_one():
     """Note [device lane]: with the clip firing every window nothing can be updated before backward ends, and the
     CPU's Adam of the host units after the norm is 1.26x the unclipped step (the H100: 1.31x). The lane takes the
     forward's last units onto the GPU while the CPU takes its first; in the H100's proportions the step is then
-    within 1.1x. Either design choice undone fails it: the lane's copies up queued a whole unit at a time (the
-    CPU's uploads for the forward wait behind them), or the master copied up too (a third more bytes)."""
+    1.065x. Each design choice undone costs a part of the margin to 1.1x: the lane's copies up queued a whole unit
+    at a time (the CPU's uploads for the forward wait behind them: 1.082x), the master copied up too (1.095x), no
+    gradient kept on the device (1.095x)."""
     case = CASE_B_H100 | LANE_B
     n = case["units"]
     tail = planned_tail_units(n, 1_310_000_000)
@@ -451,19 +455,21 @@ def test_the_device_lane_brings_a_deferred_step_within_a_tenth_of_the_unclipped_
     deferred = simulate(case | {"tail": tail}, deferred=True)
     lane = simulate(case | {"tail": tail}, deferred=True, lane=True)
     assert deferred["step"] > 1.2 * eager["step"]
-    assert lane["step"] <= 1.1 * eager["step"], (lane["step"], eager["step"])
+    assert lane["step"] <= 1.07 * eager["step"], (lane["step"], eager["step"])
+    assert simulate(case | {"tail": tail, "lane_kept": 0}, deferred=True, lane=True)["step"] > 1.07 * eager["step"]
     first = lane["lane"][0]  # the lane took the forward's last units, the CPU the others
     assert tail < first < n - 1 and lane["lane"] == list(range(first, n)), lane["lane"]
     for undone in ({"lane_chunks": 1}, {"lane_up": 4}):
         worse = simulate(case | {"tail": tail} | undone, deferred=True, lane=True)
-        assert worse["step"] > 1.1 * eager["step"], (undone, worse["step"], eager["step"])
+        assert worse["step"] > 1.07 * eager["step"], (undone, worse["step"], eager["step"])
 
 
 def test_the_device_lane_helps_the_bf16_llama_less():
     """Case l's parameters are bf16: the CPU's upload is 2 bytes an element, the lane's copies up 16 (fp32 master,
     moments and gradient), so the lane takes fewer units. In the H100's proportions the clipped step goes from
-    1.42x the unclipped one to 1.21x: better, not within 1.1x (docs/tiers.md says so)."""
-    case = CASE_L | {"lane_up": 8, "lane_chunks": 6}  # (16 bytes up per 2-byte parameter; ~48M-element units)
+    1.42x the unclipped one to 1.19x: better, not within 1.1x (docs/tiers.md says so)."""
+    case = CASE_L | {"lane_up": 8, "lane_chunks": 6, "lane_kept": 5, "lane_grad": 2}  # (16 bytes up a 2-byte
+    # parameter; 12 with the fp32 gradient kept)
     tail = planned_tail_units(case["units"], 1_120_000_000)
     eager = simulate(case | {"tail": tail})["step"]
     deferred = simulate(case | {"tail": tail}, deferred=True)["step"]

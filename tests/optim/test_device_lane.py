@@ -151,17 +151,28 @@ def _plan(budgets=GPU, static=OFFLOAD, defers=True, tail=0, units=6, numel=1000)
 
 
 def test_the_plan_names_the_host_state_units_and_fits_two_of_them_on_the_device():
-    plan = _plan(tail=2)
+    plan = _plan(tail=2)  # units of 1000, 2000, 1000, ... elements
     assert plan.device_lane == (2, 3, 4, 5)  # (0-1: tail units, updated on the device already)
     per_element = 4 * 4  # fp32 master, exp_avg, exp_avg_sq and gradient
     assert plan.working_terms[Tier.DEVICE]["device_lane"] == 2 * 2000 * per_element == lane_staging_bytes(
         plan, [2, 3, 4, 5])  # the two largest units
     assert LANE_UNITS_IN_FLIGHT == 2
     assert any(r.startswith("device lane: after the global norm, units 2-5 (6,000 trainable") for r in plan.reasons)
+    # the forward's last units' gradients, up to half of the lane's (6,000 elements: 3,000 of them, 4 bytes each)
+    assert plan.lane_grads == (4, 5) and plan.working_terms[Tier.DEVICE]["device_lane_grads"] == 3000 * 4
     off = plan_placement(plan.units, torch.float32, policy="static", budgets=GPU, units_ahead=2, static=OFFLOAD,
                          tail_units=2)
-    assert off.device_lane == () and "device_lane" not in off.working_terms.get(Tier.DEVICE, {})
-    assert plan.tier_totals()[Tier.DEVICE] == off.tier_totals()[Tier.DEVICE] + 2 * 2000 * per_element
+    assert off.device_lane == off.lane_grads == () and "device_lane" not in off.working_terms.get(Tier.DEVICE, {})
+    assert plan.tier_totals()[Tier.DEVICE] == off.tier_totals()[Tier.DEVICE] + 2 * 2000 * per_element + 3000 * 4
+
+
+def test_the_kept_gradients_take_at_most_a_quarter_of_the_device_memory_left():
+    loose = _plan()
+    staged = loose.tier_totals()[Tier.DEVICE] - loose.working_terms[Tier.DEVICE]["device_lane_grads"]
+    tight = _plan(budgets=dataclasses.replace(GPU, device=staged + 4 * 8000 + 3))  # room for 8,000 bytes: u5's
+    assert loose.lane_grads == (4, 5) and tight.lane_grads == (5,), (loose.lane_grads, tight.lane_grads)  # (half)
+    none = _plan(budgets=dataclasses.replace(GPU, device=staged + 4 * 8000 - 4))
+    assert none.lane_grads == () and "device_lane_grads" not in none.working_terms[Tier.DEVICE]
 
 
 @pytest.mark.parametrize("case", ["no GPU", "not deferred", "state on the device", "parameters on NVMe"])
@@ -178,7 +189,9 @@ def test_a_lane_that_cannot_act_is_said(case):
 
 
 def test_a_lane_without_room_on_the_device_is_refused_with_the_fix():
-    tight = dataclasses.replace(GPU, device=_plan(budgets=GPU).tier_totals()[Tier.DEVICE] - 1)
+    plan = _plan(budgets=GPU)
+    staged = plan.tier_totals()[Tier.DEVICE] - plan.working_terms[Tier.DEVICE]["device_lane_grads"]
+    tight = dataclasses.replace(GPU, device=staged - 1)
     with pytest.raises(PlacementError, match=r'device_lane = "on" needs .* set it to "off", or raise '
                                              r"memory.device_budget"):
         _plan(budgets=tight)
@@ -222,13 +235,18 @@ def forced_lane(monkeypatch):
             return Pending(pending.wait().clone())
         return pending
     monkeypatch.setattr(TieredMemoryManager, "fetch", copying)
-    stepped = {"lane": 0, "cpu": 0}
-    step = OffloadedOptimizer.step
+    stepped = {"lane": 0, "cpu": 0, "kept gradient chunks": 0}
+    step, kept_chunk = OffloadedOptimizer.step, OffloadedOptimizer._kept_chunk
 
     def counting(self, **kwargs):
         stepped["lane" if self.on_device else "cpu"] += len(kwargs.get("units") or [])
         return step(self, **kwargs)
+
+    def counting_kept(self, *args):
+        stepped["kept gradient chunks"] += 1
+        return kept_chunk(self, *args)
     monkeypatch.setattr(OffloadedOptimizer, "step", counting)
+    monkeypatch.setattr(OffloadedOptimizer, "_kept_chunk", counting_kept)
     return stepped
 
 
@@ -236,12 +254,14 @@ def forced_lane(monkeypatch):
 def test_training_with_the_lane_is_bitwise_training_without_it(recipe, forced_lane, dtype):
     """With the clip firing in some windows: the same losses, norms and weights, bit for bit, as the deferred
     update without the lane, which itself follows torch AdamW after clip_grad_norm_. fp32: the lane takes the
-    master from the parameters (Note [device lane]); bf16: from the host."""
+    master from the parameters (Note [device lane]); bf16: from the host. The forward's last units' gradients
+    are read from what backward kept (two micro-batches a window: the sum, not the last one's)."""
     extra = {"overlap": {"optimizer_with_backward": True, "device_lane": "on"},
-             "placement": {"tail_units": 0}, "precision": {"compute_dtype": dtype}}
+             "placement": {"tail_units": 0}, "precision": {"compute_dtype": dtype},
+             "optimizer": {"sub_group_size": 1024}}  # (several tasks a unit: paced copies, kept gradient views)
     with_lane = engine_run(recipe, OFFLOAD, None, extra)
     assert with_lane[3]["update_mode"] == "DeferredUpdate"
-    assert forced_lane["lane"] > 0 and forced_lane["cpu"] > 0, forced_lane
+    assert forced_lane["lane"] > 0 and forced_lane["cpu"] > 0 and forced_lane["kept gradient chunks"] > 0, forced_lane
     assert with_lane[3]["working_planned_terms"]["device"]["device_lane"] > 0
     without = engine_run(recipe, OFFLOAD, None, extra | {"overlap": {"optimizer_with_backward": True}})
     assert with_lane[0] == without[0] and with_lane[1] == without[1]
