@@ -260,7 +260,9 @@ def with_tail(plan: Plan, setting, budgets: Budgets, defers_update: bool = False
 # lane updates them in place). At PCIe's ~55 GB/s each way that is about the CPU's own rate (4-5 G elements/s):
 # together they roughly halve what the forward waits for. The two take units from either end of the forward's
 # order (optim/worker.py): the CPU the forward's first, the lane its last, until they meet, so the split follows
-# the rates the machine has at that moment, nothing measured in advance. The lane keeps two units in flight (the
+# the rates the machine has at that moment, nothing measured in advance (where other units' optimizer state is on
+# NVMe the CPU's worker merges every ready batch into one pipeline, claiming them all at once: the lane then takes
+# only what arrives later). The lane keeps two units in flight (the
 # next one's copies up beside this one's down), whose staging the plan fits on the device, and queues at most two
 # sub-groups' copies up at a time, so the CPU's uploads for the next forward never wait behind a whole unit's.
 # The device also keeps the window's final gradient of the forward's last lane units (`lane_grads`: the ones the
