@@ -64,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 import torch.nn as nn
@@ -199,10 +200,32 @@ def infinity_step_times(cfg: GPTConfig, batch, device, warmup, steps, placement:
                                             intervals=intervals)
             steady_out["steady_median_s"] = median(intervals) if intervals else None
             steady_out["update_mode"] = type(engine.updates).__name__
+            steady_out.update(plan_counts(engine.plan))
         if nvme_bytes is not None:
             nvme_bytes.update(bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
                                              cuda=device.type == "cuda", kept=engine.kept_params))
         return times
+
+
+def plan_counts(plan) -> dict:
+    """What the planner kept on the device for a run: tail units (Note [tail units]), the device lane's units and
+    the units whose gradient it keeps (Note [device lane])."""
+    from infinity.memory.tier import Kind, Tier
+    return {"tail_units": sum(plan.tier(u, Kind.MASTER) is Tier.DEVICE for u in range(len(plan.units))),
+            "lane_units": len(plan.device_lane), "lane_grads": len(plan.lane_grads)}
+
+
+def diagnostic(case: str, name: str, run) -> dict:
+    """`run()`'s record; a diagnostic run (not no_clip or clip) that fails is logged with its traceback and recorded
+    as its error, and the case goes on: one new path must not cost the lease the case's other numbers."""
+    if name in ("no_clip", "clip"):
+        return run()
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 - logged and recorded, not swallowed
+        traceback.print_exc()
+        print(f"case {case} {name} failed: {e!r}", flush=True)
+        return {"error": repr(e)}
 
 
 def cpu_adam_floor(numel: int, repeats: int = 3) -> float:
@@ -259,7 +282,7 @@ def ratios(runs: dict, no_clip_s: float) -> dict:
     """The diagnostic runs' steady steps over the unclipped one (those that ran)."""
     return {f"{name}_over_{'no_clip' if name in ('spec_no_fire', 'clip_lane') else 'auto'}":
             runs[name]["steady_s"] / no_clip_s for name in ("clip_lane", "spec_no_fire", "all_cores", "bound")
-            if name in runs}
+            if "steady_s" in runs.get(name, {})}  # (a failed diagnostic run has its error instead)
 
 
 NEVER_FIRES = 1e9  # a clip that never fires: what speculating costs when it is not needed
@@ -282,12 +305,18 @@ def case_b(cfg, batch, device, args) -> dict:
                                           ("all_cores", 0.0, ALL_CORES, False), ("bound", 0.0, BOUND, False)):
         if name not in args.runs:
             continue
-        runs[name] = {}
-        times = infinity_step_times(cfg, batch, device, args.warmup, args.steps, OFFLOAD, grad_clip=clip,
-                                    steady_out=runs[name], overlap=overlap, synchronized=sync_too)
-        release(device)
-        if times:
-            runs[name]["step_s"] = median(times)
+
+        def run(clip=clip, overlap=overlap, sync_too=sync_too) -> dict:
+            out: dict = {}
+            try:
+                times = infinity_step_times(cfg, batch, device, args.warmup, args.steps, OFFLOAD, grad_clip=clip,
+                                            steady_out=out, overlap=overlap, synchronized=sync_too)
+            finally:
+                release(device)
+            if times:
+                out["step_s"] = median(times)
+            return out
+        runs[name] = diagnostic("b", name, run)
         print(f"case b {name}: {runs[name]}", flush=True)
     if args.profile:  # after the measured runs (the profile's own costs stay out of them): unclipped and clipping
         for name, clip in (("case_b", 0.0), ("case_b_clip", 1.0)):  # steady steps, as case l's: each update
@@ -359,7 +388,7 @@ def case_l(cfg, batch, device, args) -> dict:
     runs = tuple(r for r in runs if r[0] in args.runs)
     if args.profile:  # last, after the measured runs: unclipped, and clipping at 1.0 (its deferred schedule)
         runs += (("profiled", 0.0, {}), ("profiled_clip", 1.0, {}))
-    for name, clip, overlap in runs:
+    def run(name: str, clip: float, overlap: dict) -> dict:
         torch.manual_seed(0)
         with infinity.meta_init():
             model = LlamaForCausalLM(lcfg)
@@ -370,17 +399,22 @@ def case_l(cfg, batch, device, args) -> dict:
         if profiled:
             config["profile"] = {"enabled": True, "trace_dir": os.path.join(args.profile, "case_" + name.replace(
                 "profiled", "l"))}
-        engine = infinity.initialize(model, config, init_fn=fast_init(model._init_weights))
-        intervals: list = []
-        with engine:
-            ours = steady(lambda: (engine.backward(engine(input_ids=x, labels=x).loss), engine.step()), device,
-                          args.warmup, args.steps if not profiled else 2, finish=engine.synchronize,
-                          intervals=intervals)
-            mode = type(engine.updates).__name__
-        engine = model = None  # (collected by release)
-        release(device)
-        out[name] = {"steady_s": ours, "speed": theirs / ours, "tflops": 6 * numel * x.numel() / ours / 1e12,
-                     "update_mode": mode, "steady_median_s": median(intervals) if intervals else None}
+        try:
+            engine = infinity.initialize(model, config, init_fn=fast_init(model._init_weights))
+            intervals: list = []
+            with engine:
+                ours = steady(lambda: (engine.backward(engine(input_ids=x, labels=x).loss), engine.step()), device,
+                              args.warmup, args.steps if not profiled else 2, finish=engine.synchronize,
+                              intervals=intervals)
+                record = {"update_mode": type(engine.updates).__name__, **plan_counts(engine.plan)}
+        finally:
+            engine = model = None  # (collected by release)
+            release(device)
+        return {"steady_s": ours, "speed": theirs / ours, "tflops": 6 * numel * x.numel() / ours / 1e12,
+                "steady_median_s": median(intervals) if intervals else None, **record}
+
+    for name, clip, overlap in runs:
+        out[name] = diagnostic("l", name, lambda: run(name, clip, overlap))
         print(f"case l {name}: {out[name]}", flush=True)
     out.update(step_s=out["no_clip"]["steady_s"], steady_median_s=out["no_clip"]["steady_median_s"],
                floors={"torch_all_on_device": theirs},

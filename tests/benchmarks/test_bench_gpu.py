@@ -26,6 +26,21 @@ def test_bench_gpu_tiny_runs_and_reports_each_case(tmp_path):
     llama = out["l"]  # the Llama case: torch all on the device vs the offload shape, without and with clipping
     assert llama["speed"] == llama["torch_steady_s"] / llama["no_clip"]["steady_s"]
     assert llama["clip_over_no_clip"] == llama["clip"]["steady_s"] / llama["no_clip"]["steady_s"]
+    # what the planner kept on the device, per run (no GPU here: no tail units, no lane)
+    assert {k: llama["clip_lane"][k] for k in ("tail_units", "lane_units", "lane_grads")} == dict.fromkeys(
+        ("tail_units", "lane_units", "lane_grads"), 0)
+
+
+def test_a_failing_diagnostic_run_is_recorded_and_the_case_goes_on(capsys):
+    import bench_gpu
+
+    def failing():
+        raise RuntimeError("the lane broke")
+    assert bench_gpu.diagnostic("b", "clip_lane", failing) == {"error": "RuntimeError('the lane broke')"}
+    assert "the lane broke" in capsys.readouterr().err  # (its traceback, in the bench log)
+    with pytest.raises(RuntimeError):
+        bench_gpu.diagnostic("b", "clip", failing)  # the bars' own runs are not diagnostics
+    assert bench_gpu.ratios({"clip_lane": {"error": "x"}, "bound": {"steady_s": 2.0}}, 1.0) == {"bound_over_auto": 2.0}
 
 
 def test_bench_gpu_tiny_case_c_counts_the_disk(tmp_path):
