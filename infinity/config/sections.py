@@ -329,8 +329,10 @@ class OverlapConfig(Section):
         "uses last, their state copied up and back over PCIe, while the CPU's worker updates the forward's first "
         "units; the two take units from either end of the forward's order until they meet (Note [device lane]). "
         "Costs the device memory of two units' state and gradients; needs a GPU, optimizer_with_backward, and "
-        "gradients and optimizer state on the host tier. \"off\" (the default until measured on a GPU): the CPU "
-        "updates every host-state unit.", "enum", choices=("off", "on"))
+        "gradients and optimizer state on the host tier. Which units the GPU takes depends on timing, and its Adam "
+        "differs from the CPU's by a few ulps, so runs with it are not bitwise reproducible on a GPU. \"off\" "
+        "(the default until measured on a GPU): the CPU updates every host-state unit.", "enum",
+        choices=("off", "on"))
 
     def _check(self) -> None:
         if self.optimizer_cores == "bind" and not hasattr(os, "sched_setaffinity"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -70,6 +71,15 @@ def host_wait(event, why: str) -> None:
     """Block this thread until the work `event` marks is done (Note [host syncs])."""
     _note_sync(why)
     event.synchronize()
+
+
+def host_poll(event, why: str, interval_s: float = 2e-4) -> None:
+    """As `host_wait`, but looking every `interval_s` and sleeping between looks: a CUDA event's synchronize
+    spins a core while it waits, and the device lane's paced waits (Note [device lane]) would take one from the
+    CPU's Adam for the whole update."""
+    _note_sync(why)
+    while not event.query():
+        time.sleep(interval_s)
 
 
 def host_value(tensor: torch.Tensor, why: str) -> float:
@@ -209,13 +219,20 @@ class Streams:
     #   compute before that unit's next use (`wait_unit`, `wait_all`). Overlaps: backward (eager mode) or the
     #   next forward (deferred mode).
     update: object = None
+    # lane: the device lane's current stream (Note [device lane] in memory/placement.py): its Adam over state it
+    #   copied up, the parameters it writes. Its own, so the worker's parameter uploads (queued on update) never
+    #   wait behind the lane's waits for its copies up. Waits on: each batch's `submitted`, its copies up (h2d
+    #   `done`), the copies to the host of a kept gradient before unscaling it. Records: per unit an `updated`
+    #   event, as update does. Overlaps: the next forward (deferred mode).
+    lane: object = None
 
     @classmethod
     def for_device(cls, device: torch.device) -> "Streams":
         if device.type != "cuda":
             return cls(device=device)
         return cls(device=device, compute=torch.cuda.current_stream(device), h2d=torch.cuda.Stream(device),
-                   d2h=torch.cuda.Stream(device), comm=torch.cuda.Stream(device), update=torch.cuda.Stream(device))
+                   d2h=torch.cuda.Stream(device), comm=torch.cuda.Stream(device), update=torch.cuda.Stream(device),
+                   lane=torch.cuda.Stream(device))
 
     @property
     def is_cuda(self) -> bool:

@@ -225,6 +225,13 @@ class TieredMemoryManager:
             if shard.chunks[i].device_use is not None:
                 self.streams.wait_event(shard.chunks[i].device_use, stream)
 
+    def after_copies(self, unit: int, kind: Kind, chunk) -> None:
+        """This thread's current stream waits, on the device, for the copies that use these host chunks of
+        `kind`: a device tensor one of them reads is about to be rewritten (Note [device lane]: a kept gradient
+        the update unscales in place, after its copy to the host)."""
+        shard = self._shards[(unit, kind)]
+        self._order_device(shard, shard.chunk_ids(chunk), self.streams.current())
+
     def _copy_across(self, src: torch.Tensor, device: torch.device, dst: torch.Tensor | None = None,
                      dst_ready=None):
         """Issue a copy of `src` to `device` (into `dst`); returns (its Pending, the copy's done event).

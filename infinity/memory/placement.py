@@ -272,6 +272,13 @@ def with_tail(plan: Plan, setting, budgets: Budgets, defers_update: bool = False
 # lane units' gradients, within a quarter of the device memory the plan leaves free. Simulated in case b's H100
 # proportions (tests/device/test_simulated_schedule.py): the clipped step from 1.26x the unclipped one to 1.065x
 # (1.095x with no gradient kept or the master copied up; 1.082x with a whole unit's copies queued at once).
+# The lane runs on a stream of its own (Streams.lane), so the worker's parameter uploads never wait behind it; it
+# waits for its paced copies by polling (a CUDA event's synchronize would spin a core the CPU's Adam needs), and
+# for a kept gradient's copy to the host before the update unscales it in place. A step offers the lane all its
+# units at once (`OptimizerWorker.offering`): woken by the first offer, it would otherwise take whichever came
+# last so far. On a GPU the lane's units take the GPU's fused Adam (as tail units do: a few ulps from the CPU's)
+# and which units it takes depends on timing, so a run with the lane is not bitwise reproducible on a GPU (nor is
+# its resume); on the CPU, where the tests force it, it is.
 # Only units whose gradients and whole optimizer state are on the host tier, and whose parameters are not on
 # NVMe (their writes follow the fresh copies, Note [fresh parameters]); not speculated updates (their journal is
 # the CPU's); nothing without a GPU, where both would be the same cores.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infinity.device.streams import host_wait
+from infinity.device.streams import host_poll
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.pending import Pending
 from infinity.memory.placement import LANE_CHUNKS_IN_FLIGHT
@@ -124,6 +124,7 @@ class OffloadedOptimizer:
         assert first <= start and start + numel <= first + total, (u, task.chunk, chunk)
         view = grads.narrow(0, start - first, numel)
         m.streams.hold(view, m.streams.current())
+        m.after_copies(u, Kind.GRADS, chunk)  # (the update unscales it in place: after its copy to the host read it)
         return Pending(view)
 
     def _sources(self, u: int) -> dict[Kind, Kind]:
@@ -139,7 +140,7 @@ class OffloadedOptimizer:
         """Note [device lane]: at most LANE_CHUNKS_IN_FLIGHT tasks' copies up queued on the h2d stream, so the
         parameters the CPU's worker uploads for the next forward wait behind no more than that."""
         while len(self._copies_up) >= LANE_CHUNKS_IN_FLIGHT:
-            host_wait(self._copies_up.popleft(), "device lane pace")
+            host_poll(self._copies_up.popleft(), "device lane pace")
 
     def task_chunks(self, active: dict[int, list[Run]], units: list[Unit]) -> list[tuple[int, int]]:
         """(unit, chunk) of every task `step` would run, in its order (what to read ahead)."""

@@ -24,6 +24,7 @@ submitted.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import queue
 import threading
 from collections import deque
@@ -32,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from infinity.device.streams import Streams, bind_cores, bind_thread, budget_threads, host_wait
+from infinity.device.streams import Streams, bind_cores, bind_thread, budget_threads, host_poll
 from infinity.memory.placement import LANE_UNITS_IN_FLIGHT
 from infinity.optim.cpu_adam import Hypers
 from infinity.optim.offloaded import OffloadedOptimizer, Run
@@ -88,6 +89,20 @@ class _LaneShare:
         self._cond = threading.Condition()
         self._batches: list[_Batch] = []  # sorted by position
         self._closed = False
+        self._filling = False  # a step is offering its batches: the last one is not known yet
+
+    @contextlib.contextmanager
+    def filling(self):
+        """Offers made inside are taken only once all are made: the lane's first is then the forward's last unit,
+        not whichever was offered last when it woke (the submitting thread gives up the GIL between offers)."""
+        with self._cond:
+            self._filling = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._filling = False
+                self._cond.notify_all()
 
     def offer(self, batch: _Batch) -> None:
         with self._cond:
@@ -106,7 +121,7 @@ class _LaneShare:
     def take_last(self) -> _Batch | None:
         """The lane's next batch (the forward's last one left); None once closed."""
         with self._cond:
-            self._cond.wait_for(lambda: self._batches or self._closed)
+            self._cond.wait_for(lambda: (self._batches and not self._filling) or self._closed)
             return self._batches.pop() if self._batches else None
 
     def close(self) -> None:
@@ -184,6 +199,11 @@ class OptimizerWorker:
         if batch.lane:
             self._share.offer(batch)  # (before the queue: the lane may take it at once)
         self._queue.put(batch)
+
+    def offering(self):
+        """Context manager: the batches submitted inside for the lane are offered to it together (Note [device
+        lane]); without a lane, nothing."""
+        return self._share.filling() if self._share is not None else contextlib.nullcontext()
 
     def read_ahead_next(self, chunks: list[tuple[int, int]]) -> None:
         """After the batches submitted so far: read ahead the state of `chunks` (the next update's order)."""
@@ -296,6 +316,8 @@ class OptimizerWorker:
             split = len(backlog) if self.pipeline_batches else 1
             batches, backlog = backlog[:split], backlog[split:]
             batches = [b for b in batches if not b.lane or self._share.claim(b)]  # (else the lane has stepped it)
+            for b in batches:
+                b.grads = None  # a gradient kept for the lane: not the CPU's to read (its device memory goes now)
             if not batches:
                 continue
             batch = batches[0]
@@ -332,7 +354,7 @@ class OptimizerWorker:
 
     def _run_lane(self) -> None:
         bind_thread(self.lane.compute_device)
-        with self.streams.use(self.streams.update):  # Note [update stream]: the units' users wait for its events
+        with self.streams.use(self.streams.lane):  # (its own: Streams.lane) the units' users wait for its events
             self._lane_loop()
 
     def _lane_loop(self) -> None:
@@ -364,9 +386,11 @@ class OptimizerWorker:
                 kept = {units[0].index: batch.grads} if batch.grads is not None else None
                 self.lane.step(hyper=batch.hyper, grad_scale=batch.grad_scale, active=batch.active, units=units,
                                on_unit_done=done, kept_grads=kept)
+                batch.grads = kept = None  # (the device memory goes once its uses are done; the CPU's queue still
+                # holds this batch until it reaches it)
                 in_flight.append(self.streams.record(self.streams.d2h))  # (the copies back wait for the update)
                 while len(in_flight) >= LANE_UNITS_IN_FLIGHT:
-                    host_wait(in_flight.popleft(), "device lane pace")
+                    host_poll(in_flight.popleft(), "device lane pace")
             except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
                 self._error = e
                 for unit in units:

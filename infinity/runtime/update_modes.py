@@ -381,10 +381,12 @@ class DeferredUpdate(_OnWorker):
         hyper, grad_scale, flags, active = update
         order = self.put_order()
         self.manager.fresh.begin_update([u.index for u in order], blocking=True)  # the forward takes in order
-        for k, unit in enumerate(order):  # Note [device lane]: the lane's units the GPU may step instead
-            self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale, active={unit.index: active[unit.index]},
-                               after_unit=after_update(flags[unit.index], unit), position=k,
-                               lane=unit.index in self._lane, grads=kept.pop(unit.index, None))
+        with self.worker.offering():  # Note [device lane]: the lane's units the GPU may step instead, all offered
+            for k, unit in enumerate(order):
+                self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale,
+                                   active={unit.index: active[unit.index]},
+                                   after_unit=after_update(flags[unit.index], unit), position=k,
+                                   lane=unit.index in self._lane, grads=kept.pop(unit.index, None))
         self.worker.read_ahead_next(self.optimizer.task_chunks(active, order))  # the next update's, same order
         return True
 
