@@ -194,8 +194,9 @@ class OptimizerWorker:
             for unit in units:
                 self._queued[unit.index] += 1
                 self._done[unit.index].clear()
+        shared = lane and self._share is not None
         batch = _Batch(list(units), hyper, grad_scale, active, after_unit, self.streams.record(), journal, position,
-                       lane=lane and self._share is not None, grads=grads if lane and self._share is not None else None)
+                       lane=shared, grads=grads if shared else None)
         if batch.lane:
             self._share.offer(batch)  # (before the queue: the lane may take it at once)
         self._queue.put(batch)
@@ -320,37 +321,46 @@ class OptimizerWorker:
                 b.grads = None  # a gradient kept for the lane: not the CPU's to read (its device memory goes now)
             if not batches:
                 continue
-            batch = batches[0]
-            for b in batches:
-                self.streams.wait_event(b.submitted)  # the gradients were produced on the training thread's stream
-            if self._error is None:
-                batches = self._resolve(batches)
-            units = [u for b in batches for u in b.units]
-            if self._error is not None:  # sticky: no update runs on the state a failed one left
-                for unit in units:
-                    self._finished(unit)  # (their waits raise the error)
-                continue
-            active = {k: v for b in batches for k, v in b.active.items()}
-            after = {u.index: b.after_unit for b in batches for u in b.units}
+            self._step(self.optimizer, batches, before=self.read_ahead.issue_rest if self.read_ahead else None)
 
-            finished: set[int] = set()
+    def _step(self, optimizer: OffloadedOptimizer, batches: list[_Batch], before=None, after=None,
+              **kwargs) -> None:
+        """Step `batches` with `optimizer`, one pipeline: their gradients waited for on this thread's stream,
+        their active ranges resolved; `before()` and `after()` run beside the step (their errors are its
+        errors); `kwargs` go to the step. Units not stepped (resolved to None, or after an error: sticky, no
+        update runs on the state a failed one left) finish unstepped, their waits raising the error."""
+        journal = batches[0].journal  # (merged batches are one update: Note [merge only what the device has reached])
+        for b in batches:
+            self.streams.wait_event(b.submitted)  # the gradients were produced on the training thread's stream
+        if self._error is None:
+            batches = self._resolve(batches)
+        units = [u for b in batches for u in b.units]
+        if self._error is not None or not batches:
+            for unit in units:
+                self._finished(unit)  # (their waits raise the error)
+            return
+        active = {k: v for b in batches for k, v in b.active.items()}
+        after_unit = {u.index: b.after_unit for b in batches for u in b.units}
+        finished: set[int] = set()
 
-            def done(unit: Unit) -> None:
-                after[unit.index](unit)
-                self._updated[unit.index] = self.streams.record()  # users of the unit wait for this on the device
-                finished.add(unit.index)
-                self._finished(unit)
+        def done(unit: Unit) -> None:
+            after_unit[unit.index](unit)
+            self._updated[unit.index] = self.streams.record()  # users of the unit wait for this on the device
+            finished.add(unit.index)
+            self._finished(unit)
 
-            try:
-                if self.read_ahead is not None:
-                    self.read_ahead.issue_rest()  # Note [reads before writes]
-                self.optimizer.step(hyper=batch.hyper, grad_scale=batch.grad_scale, active=active, units=units,
-                                    on_unit_done=done, journal=batch.journal)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
-                self._error = e
-                for unit in units:
-                    if unit.index not in finished:
-                        self._finished(unit)
+        try:
+            if before is not None:
+                before()  # Note [reads before writes]
+            optimizer.step(hyper=batches[0].hyper, grad_scale=batches[0].grad_scale, active=active, units=units,
+                           on_unit_done=done, journal=journal, **kwargs)
+            if after is not None:
+                after()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+            self._error = e
+            for unit in units:
+                if unit.index not in finished:
+                    self._finished(unit)
 
     def _run_lane(self) -> None:
         bind_thread(self.lane.compute_device)
@@ -362,40 +372,18 @@ class OptimizerWorker:
         nothing waited for on this thread), and take the next once at most LANE_UNITS_IN_FLIGHT - 1 of its
         earlier batches' copies back are still running: the lane goes at PCIe's pace and holds that much staging."""
         in_flight: deque = deque()  # per batch stepped: an event after its copies back
+
+        def pace() -> None:
+            in_flight.append(self.streams.record(self.streams.d2h))  # (the copies back wait for the update)
+            while len(in_flight) >= LANE_UNITS_IN_FLIGHT:
+                host_poll(in_flight.popleft(), "device lane pace")
+
         while (batch := self._share.take_last()) is not None:
             assert batch.grads is None or len(batch.units) == 1, "a kept gradient is one unit's"
-            self.streams.wait_event(batch.submitted)
-            units = batch.units
-            if self._error is None:
-                resolved = self._resolve([batch])
-                if not resolved:
-                    continue
-            if self._error is not None:
-                for unit in units:
-                    self._finished(unit)
-                continue
-            finished: set[int] = set()
-
-            def done(unit: Unit, after=batch.after_unit) -> None:
-                after(unit)
-                self._updated[unit.index] = self.streams.record()
-                finished.add(unit.index)
-                self._finished(unit)
-
-            try:
-                kept = {units[0].index: batch.grads} if batch.grads is not None else None
-                self.lane.step(hyper=batch.hyper, grad_scale=batch.grad_scale, active=batch.active, units=units,
-                               on_unit_done=done, kept_grads=kept)
-                batch.grads = kept = None  # (the device memory goes once its uses are done; the CPU's queue still
-                # holds this batch until it reaches it)
-                in_flight.append(self.streams.record(self.streams.d2h))  # (the copies back wait for the update)
-                while len(in_flight) >= LANE_UNITS_IN_FLIGHT:
-                    host_poll(in_flight.popleft(), "device lane pace")
-            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
-                self._error = e
-                for unit in units:
-                    if unit.index not in finished:
-                        self._finished(unit)
+            kept = {batch.units[0].index: batch.grads} if batch.grads is not None else None
+            self._step(self.lane, [batch], after=pace, kept_grads=kept)
+            batch.grads = kept = None  # (its device memory goes once its uses are done; the CPU's queue still holds
+            # this batch until it reaches it)
 
     def _resolve(self, batches: list[_Batch]) -> list[_Batch]:
         """The batches with their active ranges resolved; those that resolve to None are done, unstepped."""
