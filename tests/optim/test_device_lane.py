@@ -52,10 +52,15 @@ class Stepping:
 
 
 def _submit_all(worker: OptimizerWorker, n: int, lane_from: int, done: dict) -> None:
-    for k in range(n):  # the next forward's order, as DeferredUpdate submits
-        worker.submit([SimpleNamespace(index=k, name=f"u{k}")], hyper=(), grad_scale=None, active={k: []},
-                      after_unit=lambda u: done.__setitem__(u.index, time.perf_counter()), position=k,
-                      lane=k >= lane_from)
+    with worker.offering():  # as DeferredUpdate offers: all of a step's units at once
+        for k in range(n):  # the next forward's order, as DeferredUpdate submits
+            _submit(worker, k, lane_from, done)
+
+
+def _submit(worker: OptimizerWorker, k: int, lane_from: int, done: dict) -> None:
+    worker.submit([SimpleNamespace(index=k, name=f"u{k}")], hyper=(), grad_scale=None, active={k: []},
+                  after_unit=lambda u: done.__setitem__(u.index, time.perf_counter()), position=k,
+                  lane=k >= lane_from)
 
 
 def test_the_cpu_takes_the_forwards_first_units_and_the_lane_its_last_each_once():
@@ -90,8 +95,7 @@ def test_the_lane_starts_from_the_forwards_last_unit_though_the_submitter_gives_
         worker = OptimizerWorker(Stepping(log, 0.002), n, streams=SlowRecord(torch.device("cpu")),
                                  lane=Stepping(log, 0.002))
         try:
-            with worker.offering():
-                _submit_all(worker, n, lane_from=6, done=done)
+            _submit_all(worker, n, lane_from=6, done=done)
             worker.wait_all()
         finally:
             worker.close()
