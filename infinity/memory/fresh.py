@@ -16,11 +16,14 @@ and no wait for the write. The copies take at most `budget` bytes:
 - An entry that leaves unused (stale, evicted, relieved, closed) is retired: its
   buffer returns to the pool once its write has landed (`reap`).
 
-Which chunks are kept is a function of the order of puts and takes, so the bytes a
-step moves stay predictable (`kept_chunks`, used by `traffic.bytes_per_step`):
-deferred (blocking): every chunk that fits the budget at all; otherwise a
-simulation of the puts of one update with no take in between (the forward starts
-after the update: synchronous step, or eager updates during backward).
+Which chunks are kept is predicted, so the bytes a step moves are the byte model's
+(`kept_chunks`, used by `traffic.bytes_per_step`): deferred (blocking): every chunk
+that fits the budget at all; otherwise a simulation of the puts of one update in its
+order with no take in between. Each update says the prediction at its start
+(`begin_update`) and only those chunks are kept: an eager update's last puts meet
+the next forward's first takes, and a backlog is stepped in forward order, so what
+the budget admits at each put depends on timing (a loaded machine kept one chunk
+more, a disk read less than the model said).
 
 No deadlock: the worker waits in `put` only in blocking mode, and the training
 thread, before it waits for the worker, relieves it: `relieve(unit)` (it is about
@@ -59,14 +62,22 @@ class FreshCopies:
         self.kept_bytes = 0
         self._blocking = False
         self._order: dict[int, int] = {}  # unit -> position in the current update's order
+        self._keep: frozenset[tuple[int, int]] | None = None  # what the current update keeps (None: what fits)
         self.hits = self.puts = self.refused = 0
 
     # ------------------------------------------------------------ modes (training thread)
-    def begin_update(self, units: list[int], *, blocking: bool) -> None:
-        """An update of `units` (in this order) starts; `blocking`: the forward will take in that order."""
+    def begin_update(self, units: list[int], *, blocking: bool, keep: frozenset[tuple[int, int]] | None) -> None:
+        """An update of `units` (in this order) starts; `blocking`: the forward will take in that order; `keep`: the
+        (unit, chunk)s it keeps, the prediction (`kept_chunks`; None: whatever the budget admits). Only those are
+        kept, whatever the order of the puts (the worker steps a backlog in forward order) and whatever the forward
+        takes meanwhile (an eager update's last units are put while the next forward takes the first): the bytes a
+        step reads are the byte model's. A copy of an earlier update's that nobody took and this one does not keep
+        leaves: its forward has run."""
         with self._cond:
-            self._order = {u: i for i, u in enumerate(units)}
-            self._blocking = blocking
+            self._order = {u: i for i, u in enumerate(units)} if blocking else {}  # (relieve: a blocking update's)
+            self._blocking, self._keep = blocking, keep
+            for key in [k for k in self._kept if keep is not None and k not in keep]:
+                self._retire(key)
             self._cond.notify_all()
 
     def relieve(self, unit: int) -> None:
@@ -93,10 +104,10 @@ class FreshCopies:
         with self._cond:
             self.puts += 1
             self._reap()
-            if nbytes > self.budget:
+            key = (unit, chunk)
+            if nbytes > self.budget or (self._keep is not None and key not in self._keep):
                 self.refused += 1
                 return False
-            key = (unit, chunk)
             if key in self._kept:
                 self._retire(key)  # an older version nobody took
             while self._blocking and self.kept_bytes + nbytes > self.budget:

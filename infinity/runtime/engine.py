@@ -304,7 +304,7 @@ class Engine:
     @property
     def kept_params(self) -> frozenset[tuple[int, int]]:
         """The (unit, chunk)s whose first fetch after an update reads the update's copy (Note [fresh parameters])."""
-        return self.updates.kept_params(self.compute_dtype.itemsize)
+        return self.updates.kept_params()
 
     def write_profile(self) -> None:
         """The profile so far to `[profile] trace_dir`/rank<N> (close() too, when steps were taken since)."""

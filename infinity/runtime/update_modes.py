@@ -117,7 +117,7 @@ class UpdateMode(abc.ABC):
         pass
 
     # ----------------------------------------------------------------- shared by the modes
-    def kept_params(self, itemsize: int) -> frozenset[tuple[int, int]]:
+    def kept_params(self) -> frozenset[tuple[int, int]]:
         """The (unit, chunk)s whose first parameter fetch after an update reads the copy the update kept
         (Note [fresh parameters]): every chunk that fits when the forward takes in the update's order,
         else those left after the puts in `put_order`."""
@@ -125,8 +125,13 @@ class UpdateMode(abc.ABC):
         order = [u for u in self.put_order() if m.tier(u.index, Kind.PARAMS) is Tier.NVME]
         chunks = [(u.index, m.optimizer_chunk(u.index, Kind.PARAMS, c)) for u in order  # the chunks it writes
                   for c in range(m.num_chunks(u.index))]
-        nbytes = {(u, c): m.chunk_span(u, c, Kind.PARAMS)[1] * itemsize for u, c in chunks}
+        nbytes = {(u, c): m.chunk_span(u, c, Kind.PARAMS)[1] * m.plan.compute_dtype.itemsize for u, c in chunks}
         return kept_chunks(nbytes, chunks, m.fresh.budget, blocking=self.forward_takes_in_order)
+
+    def _begin_puts(self) -> None:
+        """An update starts: the fresh copies keep what `kept_params` predicts (Note [fresh parameters])."""
+        self.manager.fresh.begin_update([u.index for u in self.put_order()], blocking=self.forward_takes_in_order,
+                                        keep=self.kept_params())
 
     def position(self, unit: Unit) -> int:
         """Where the next forward uses `unit` (Note [forward first] in optim/worker.py)."""
@@ -218,6 +223,7 @@ class InlineUpdate(UpdateMode):
         if update is None:
             return False
         hyper, grad_scale, flags, active = update
+        self._begin_puts()
         with self.profiler.wait(Link.CPU_OPTIMIZER, "update on the training thread"):  # (Note [step attribution])
             self.optimizer.step(hyper=hyper, grad_scale=grad_scale, active=active,
                                 on_unit_done=lambda u: after_update(flags[u.index], u)(u))
@@ -336,10 +342,18 @@ class _DuringBackward(_OnWorker):
 class EagerUpdate(_DuringBackward):
     """Each unit is submitted to the worker as soon as its gradient is final, during the last backward."""
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._open = False  # a window's first unit has been finalized
+
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
+        if not self._open:  # the window's update starts (its puts, during backward)
+            self._open = True
+            self._begin_puts()
         self._submit(unit, sumsq, self._issue_flags(unit), self.hyper())
 
     def step(self, norm: float, index: int) -> bool:
+        self._open = False
         if self._nonfinite is not None or not math.isfinite(norm):
             self.wait_all()  # (the worker finds which unit was not finite)
             bad, self._nonfinite = self._nonfinite, None
@@ -380,7 +394,7 @@ class DeferredUpdate(_OnWorker):
             return False
         hyper, grad_scale, flags, active = update
         order = self.put_order()
-        self.manager.fresh.begin_update([u.index for u in order], blocking=True)  # the forward takes in order
+        self._begin_puts()  # (blocking: the forward takes in this order)
         with self.worker.offering():  # Note [device lane]: the lane's units the GPU may step instead, all offered
             for k, unit in enumerate(order):
                 self.worker.submit([unit], hyper=hyper, grad_scale=grad_scale,
@@ -436,7 +450,7 @@ class SpeculativeUpdate(_DuringBackward):
         waiting = {u.index: reduced for u, reduced in deferred}
         hyper = self.hyper()
         order = self.forward_order()
-        self.manager.fresh.begin_update([u.index for u in order], blocking=True)  # the forward takes in order
+        self._begin_puts()  # (blocking: the forward takes in this order)
         for unit in order:  # the next forward waits per unit
             if unit.index in waiting:
                 flags = waiting[unit.index].wait()[0]
