@@ -435,7 +435,7 @@ def test_copies_to_the_device_are_waited_for_on_the_device(tmp_path, monkeypatch
             pending = manager.fetch(1, Kind.PARAMS, None, into=torch.empty(numel, dtype=torch.float32, device=META),
                                     urgent=True)
             deadline = time.monotonic() + 30
-            while ("record", "h2d") not in streams.log and time.monotonic() < deadline:
+            while ("end", "h2d") not in streams.log and time.monotonic() < deadline:
                 time.sleep(0.01)  # the read lands on the I/O thread, which issues the copy
             # the caller's stream is recorded at issue, and the copy the I/O thread issues waits for it
             assert streams.log == [("record", "current"), ("wait", "h2d"), ("use", "h2d"), ("record", "h2d"),

@@ -4,6 +4,7 @@ asyncio face, stats, config validation, aligned buffers."""
 import asyncio
 import gc
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -161,9 +162,9 @@ def test_future_api_and_stats(tmp_path):
         src = filled(1 << 20)
         fut = io.submit_write(src, tmp_path / "s.bin", 0)
         assert isinstance(fut, IOFuture)
-        seen = []
-        fut.add_done_callback(seen.append)
-        assert fut.wait() is None and fut.done() and seen == [fut]
+        seen, called = [], threading.Event()
+        fut.add_done_callback(lambda f: (seen.append(f), called.set()))  # (run by the I/O thread after the wake-up)
+        assert fut.wait() is None and fut.done() and called.wait(5) and seen == [fut]
         assert fut.exception() is None
         io.submit_read(torch.empty(1 << 20, dtype=torch.uint8), tmp_path / "s.bin", 0).wait()
         io.drain()

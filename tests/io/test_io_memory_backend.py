@@ -22,9 +22,9 @@ def data(n: int, seed: int = 0) -> torch.Tensor:
 def completion_order(backend: MemoryBackend, n: int) -> list[int]:
     order, guard = [], threading.Lock()
     with IOEngine(CFG, backend=backend) as io:
-        futs = [io.submit_write(data(100, i), f"/m/{i}", 0) for i in range(n)]
-        for i, f in enumerate(futs):
-            f.add_done_callback(lambda _, i=i: (guard.acquire(), order.append(i), guard.release()))
+        for i in range(n):  # (each callback attached at once: a late one on a done future would run in index order)
+            io.submit_write(data(100, i), f"/m/{i}", 0).add_done_callback(
+                lambda _, i=i: (guard.acquire(), order.append(i), guard.release()))
         io.drain()
     return order
 

@@ -39,16 +39,30 @@ class Stepping:
 
     compute_device = torch.device("cpu")
 
-    def __init__(self, log: list, seconds: float, fail_on: int | None = None):
+    def __init__(self, log: list, seconds: float, fail_on: int | None = None, started: threading.Event | None = None,
+                 after: tuple[threading.Event, int] | None = None):
         self.log, self.seconds, self.fail_on = log, seconds, fail_on
+        self.started = started  # set once it steps (the lane's)
+        self.after = after  # (event, k): units from k on wait for it (the CPU's: the lane runs first, however loaded)
 
     def step(self, *, units, on_unit_done, **_):
         for unit in units:
+            if self.started is not None:
+                self.started.set()
+            if self.after is not None and unit.index >= self.after[1]:
+                assert self.after[0].wait(10), "the lane never ran"
             if unit.index == self.fail_on:
                 raise RuntimeError(f"lane failed on u{unit.index}")
             time.sleep(self.seconds)
             self.log.append((threading.current_thread().name, unit.index))
             on_unit_done(unit)
+
+
+def _workers(log: list, seconds: float, lane_from: int, **lane) -> tuple[Stepping, Stepping]:
+    """The CPU's and the lane's: the CPU steps no lane unit before the lane has begun (a loaded machine may
+    schedule the lane late; on a GPU its units' state is still on the way up then)."""
+    started = threading.Event()
+    return (Stepping(log, seconds, after=(started, lane_from)), Stepping(log, seconds, started=started, **lane))
 
 
 def _submit_all(worker: OptimizerWorker, n: int, lane_from: int, done: dict) -> None:
@@ -65,7 +79,8 @@ def _submit(worker: OptimizerWorker, k: int, lane_from: int, done: dict) -> None
 
 def test_the_cpu_takes_the_forwards_first_units_and_the_lane_its_last_each_once():
     log, done, n = [], {}, 12
-    worker = OptimizerWorker(Stepping(log, 0.004), n, lane=Stepping(log, 0.004))
+    cpu, lane = _workers(log, 0.004, lane_from=2)
+    worker = OptimizerWorker(cpu, n, lane=lane)
     try:
         _submit_all(worker, n, lane_from=2, done=done)  # (units 0-1: not the lane's, the tail units' place)
         worker.wait_all()
@@ -92,8 +107,8 @@ def test_the_lane_starts_from_the_forwards_last_unit_though_the_submitter_gives_
 
     for _ in range(3):
         log, done, n = [], {}, 24
-        worker = OptimizerWorker(Stepping(log, 0.002), n, streams=SlowRecord(torch.device("cpu")),
-                                 lane=Stepping(log, 0.002))
+        cpu, lane = _workers(log, 0.002, lane_from=6)
+        worker = OptimizerWorker(cpu, n, streams=SlowRecord(torch.device("cpu")), lane=lane)
         try:
             _submit_all(worker, n, lane_from=6, done=done)
             worker.wait_all()
@@ -105,7 +120,8 @@ def test_the_lane_starts_from_the_forwards_last_unit_though_the_submitter_gives_
 
 def test_a_unit_the_lane_steps_is_waited_for_like_any_other():
     log, done, n = [], {}, 4
-    worker = OptimizerWorker(Stepping(log, 0.05), n, lane=Stepping(log, 0.05))
+    cpu, lane = _workers(log, 0.05, lane_from=0)
+    worker = OptimizerWorker(cpu, n, lane=lane)
     try:
         _submit_all(worker, n, lane_from=0, done=done)
         worker.wait_unit(n - 1)  # the lane's first
@@ -118,7 +134,8 @@ def test_a_unit_the_lane_steps_is_waited_for_like_any_other():
 
 def test_an_error_on_the_lane_is_raised_by_the_next_wait_and_nothing_runs_after_it():
     log, done, n = [], {}, 6
-    worker = OptimizerWorker(Stepping(log, 0.01), n, lane=Stepping(log, 0.01, fail_on=n - 1))
+    cpu, lane = _workers(log, 0.01, lane_from=0, fail_on=n - 1)
+    worker = OptimizerWorker(cpu, n, lane=lane)
     try:
         _submit_all(worker, n, lane_from=0, done=done)
         with pytest.raises(RuntimeError, match="lane failed on u5"):

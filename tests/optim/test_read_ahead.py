@@ -83,7 +83,11 @@ def test_checkpoint_loaded_meanwhile_makes_held_state_stale(tmp_path):
     train_steps(engine, recipe, 1, 3, 0, 1)
     ra = engine.updates.optimizer.state_read_ahead
     whole = engine.read_ahead_bytes
-    _wait_for(lambda: ra.held_bytes == whole and not ra._todo, "the read-ahead of step 4")
+    tasks = len(engine.updates.optimizer.task_chunks({u.index: u.steps.active_ranges([True] * len(u.grads.flags()))
+                                                      for u in engine.units}, engine.units))
+    # (the third update has taken its chunks: the read-ahead then holds the fourth's, not still the third's)
+    _wait_for(lambda: ra.hits + ra.misses == 3 * tasks and ra.held_bytes == whole and not ra._todo,
+              "the read-ahead of step 4")
     engine.load_checkpoint(str(tmp_path / "ckpt"))  # replaces every chunk the worker holds
     train_steps(engine, recipe, 1, 3, 0, 1)
     assert ra.stale > 0

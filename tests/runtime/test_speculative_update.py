@@ -93,22 +93,36 @@ def test_a_journal_with_room_for_some_units_speculates_those_and_defers_the_rest
         assert torch.equal(state[name], tensor), name
 
 
-def test_updates_start_during_backward_in_windows_whose_clip_fires(tmp_path):
+def test_updates_start_during_backward_in_windows_whose_clip_fires(tmp_path, monkeypatch):
     """The profile's trace: in every window (the clip fires in each), units' update spans begin before backward
     has ended, as without clipping; the redo ("adam again") follows step()."""
     recipe = Recipe(steps=3, accum=1, grad_clip=1e-3)  # fires at every step
     cfg = recipe.config(**DEVICE) | {"profile": {"enabled": True, "trace_dir": str(tmp_path / "trace")},
                                      "overlap": {"speculation": SPECULATE}}
     model = recipe.build()
-    # the first block's backward takes 50 ms more (the blocks after it are final by then): a backward long enough
-    # for the worker to be scheduled on a loaded machine, whatever the tiny model's own speed
-    model.blocks[0].register_full_backward_hook(lambda *_: time.sleep(0.05))
+    speculated = threading.Event()  # a speculated unit's update has been stepped (its span began and ended)
+    # the first block's backward waits for it (the blocks after it are final by then): the worker is scheduled
+    # during backward on a loaded machine too, whatever the tiny model's own speed; without updates during
+    # backward it never is, and the hook gives up after 10 s
+    model.blocks[0].register_full_backward_hook(lambda *_: [speculated.wait(10)] and None)
     engine = infinity.initialize(model, cfg)
+    step = engine.updates.optimizer.step
+
+    def signalling(*, on_unit_done=None, journal=None, **kwargs):
+        def done(unit):
+            if on_unit_done is not None:
+                on_unit_done(unit)
+            if journal is not None and journal.label == "adam":  # (the speculated update, not its redo)
+                speculated.set()
+        return step(on_unit_done=done, journal=journal, **kwargs)
+    monkeypatch.setattr(engine.updates.optimizer, "step", signalling)
     try:
         ends = []
         for micro_batches in recipe.batches():
             for x, y in micro_batches:
-                engine.backward(engine(x, y))
+                loss = engine(x, y)  # (it waited for every update of the window before: none sets the event now)
+                speculated.clear()
+                engine.backward(loss)
                 ends.append(time.perf_counter())  # backward has ended (the step's norm is not known yet)
                 engine.step()
         engine.synchronize()
