@@ -25,6 +25,7 @@ from infinity.machine.environment import resolve
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
 from infinity.models.gpt import GPT
+from infinity.optim.offloaded import OffloadedOptimizer
 from infinity.optim.worker import OptimizerWorker
 from infinity.profile import Link
 from infinity.profile.clock import TrainingClock
@@ -763,3 +764,30 @@ def test_updated_parameters_go_up_without_the_updating_thread_waiting(compute, o
             write.wait()  # (the master's disk write, which releases its staging buffer)
         manager.staging.host_buffer(16, torch.float32)
         assert manager.staging._after == [] and len(released) == len(set(released)) == 1 + (optimizer == "nvme")
+
+
+def test_a_kept_gradient_is_rewritten_only_after_its_copy_to_the_host_has_read_it(tmp_path, monkeypatch):
+    """Note [device lane]: the lane's fused Adam unscales a gradient the device kept in place, and that gradient's
+    copy to the host (on the d2h stream) reads the same device bytes: the lane's stream waits, on the device, for
+    that copy first, and holds the gradient until it has read it. No host sync."""
+    import infinity.optim.offloaded as offloaded
+    with recorded_manager(tmp_path, "host") as (manager, streams):
+        copies = []
+
+        def to_host(dst, src, wait=True):
+            copies.append(streams.record("d2h"))
+            return copies[-1]
+        monkeypatch.setattr(manager, "_to_host", to_host)
+        _, total = manager.chunk_span(1, None, Kind.GRADS)
+        grads = torch.empty(total, device=META)  # the unit's final gradient, stored to the host and kept
+        manager.store(1, Kind.GRADS, None, grads, release=False)
+        assert copies, "the gradient's copy to the host"
+        waited = []
+        monkeypatch.setattr(streams, "wait_event", lambda event, stream=None: waited.append((event, stream)))
+        lane = OffloadedOptimizer([], manager, META, on_device=True)
+        with count_host_syncs() as syncs:
+            chunk = lane._kept_chunk(offloaded._Task(SimpleNamespace(index=1), 0, ()), grads, None)
+        assert waited and {stream for _, stream in waited} == {"current"}, waited
+        assert {id(event) for event, _ in waited} <= {id(event) for event in copies}
+        assert streams.held[-1] == "current" and syncs == []
+        assert chunk.wait().numel() == manager.chunk_span(1, manager.optimizer_chunk(1, Kind.GRADS, 0), Kind.GRADS)[1]
