@@ -485,6 +485,51 @@ def test_worker_updates_on_its_own_stream_ordered_by_events():
     assert [e for e in log if e[0] == main] == [(main, "record", "current")] * 2 + [(main, "wait", "current")], log
 
 
+def test_the_device_lane_queues_its_work_on_its_own_stream():
+    """Note [device lane]: the lane thread's device work goes on the lane stream (not update, where the CPU
+    worker's parameter uploads would queue behind the lane's waits for its copies up), after waiting on the device
+    for the gradients; its copies back are paced by events on d2h; a unit it stepped is waited for on the device."""
+    log, lane_stepped = [], threading.Event()
+
+    class ThreadStreams(RecordingStreams):
+        def __init__(self):
+            super().__init__()
+            self.update, self.lane = "update", "lane"
+            self.log = _ByThread(log)
+
+    class _Optimizer:
+        compute_device = torch.device("cpu")
+
+        def __init__(self, on_lane: bool):
+            self.on_lane = on_lane
+
+        def step(self, *, units, on_unit_done, **_):
+            if not self.on_lane:
+                assert lane_stepped.wait(10)  # (the CPU's unit 0 until the lane has taken unit 1)
+            log.append((threading.current_thread().name, "step", units[0].index))
+            for unit in units:
+                on_unit_done(unit)
+            lane_stepped.set()
+
+    worker = OptimizerWorker(_Optimizer(False), num_units=2, streams=ThreadStreams(), lane=_Optimizer(True))
+    try:
+        with worker.offering():
+            for k in range(2):
+                worker.submit([SimpleNamespace(index=k)], hyper=None, grad_scale=None, active={k: [(0, 1, 1, 0)]},
+                              after_unit=lambda u: None, position=k, lane=k == 1)
+        worker.wait_unit(1)
+        worker.wait_unit(0)
+    finally:
+        worker.close()
+    lane, work, main = "infinity-lane", "infinity-optimizer", threading.current_thread().name
+    assert [e for e in log if e[0] == lane] == [(lane, "use", "lane"), (lane, "wait", "current"), (lane, "step", 1),
+                                               (lane, "record", "current"), (lane, "record", "d2h"),
+                                               (lane, "end", "lane")], log
+    assert [e for e in log if e[0] == work] == [(work, "use", "update"), (work, "wait", "current"), (work, "step", 0),
+                                               (work, "record", "current"), (work, "end", "update")], log
+    assert [e for e in log if e[0] == main][-2:] == [(main, "wait", "current")] * 2, log  # each unit's update event
+
+
 class _ByThread(list):
     """A log whose entries carry the name of the thread that appended them."""
 
