@@ -314,9 +314,7 @@ def with_device_lane(plan: Plan, setting: str, defers_update: bool, budgets: Bud
         return dataclasses.replace(plan, reasons=plan.reasons + (
             f"overlap.device_lane = \"on\": nothing is updated on the GPU: {why_not}",))
     staging = lane_staging_bytes(plan, units)
-    terms = {t: dict(v) for t, v in plan.working_terms.items()}
-    terms.setdefault(Tier.DEVICE, {})["device_lane"] = staging
-    lane = dataclasses.replace(plan, working_terms=terms, working=traffic.totals(terms), device_lane=tuple(units))
+    lane = traffic.with_working_term(plan, Tier.DEVICE, "device_lane", staging, device_lane=tuple(units))
     if _fits(lane.tier_totals(), budgets):
         free = budgets.device - plan.tier_totals()[Tier.DEVICE]
         raise PlacementError(
@@ -345,12 +343,10 @@ def with_lane_grads(plan: Plan, budgets: Budgets) -> Plan:
         taken += grad_bytes[u]
     if not kept:
         return plan
-    terms = {t: dict(v) for t, v in plan.working_terms.items()}
-    terms[Tier.DEVICE]["device_lane_grads"] = taken
     reason = (f"device lane: the final gradients of units {_ranges(sorted(kept))} ({_fmt(taken)}) stay on the device "
               f"for it, from their backward to the update (Note [device lane])")
-    return dataclasses.replace(plan, working_terms=terms, working=traffic.totals(terms), lane_grads=tuple(sorted(kept)),
-                               reasons=plan.reasons + (reason,))
+    return traffic.with_working_term(plan, Tier.DEVICE, "device_lane_grads", taken, lane_grads=tuple(sorted(kept)),
+                                     reasons=plan.reasons + (reason,))
 
 
 def _ranges(units: list[int]) -> str:

@@ -374,6 +374,13 @@ def totals(terms: dict[Tier, dict[str, int]]) -> dict[Tier, int]:
     return {t: sum(v.values()) for t, v in terms.items()}
 
 
+def with_working_term(plan: "Plan", tier: Tier, name: str, num_bytes: int, **fields) -> "Plan":
+    """`plan` with its working term `name` on `tier` set to `num_bytes` (and `fields` replaced)."""
+    terms = {t: dict(v) for t, v in plan.working_terms.items()}
+    terms.setdefault(tier, {})[name] = num_bytes
+    return dataclasses.replace(plan, working_terms=terms, working=totals(terms), **fields)
+
+
 def fresh_bytes(units: tuple[UnitSizes, ...], compute_itemsize: int, units_ahead: int, keep_written: bool,
                 params_on_nvme: Callable[[int], bool]) -> int:
     """Bytes the fresh copies may hold: `units_ahead + 1` of the largest parameter shards on NVMe that an
@@ -435,10 +442,9 @@ def _one_kind(plan: "Plan") -> int:
 
 def with_read_ahead(plan: "Plan", read_ahead: int) -> "Plan":
     """`plan` holding a state read-ahead of `read_ahead` bytes: its working term updated."""
-    terms = {t: dict(v) for t, v in plan.working_terms.items()}
-    host = terms.setdefault(Tier.HOST, {})
-    host["read_ahead"] = read_ahead_term(host.get("update_staging", 0), read_ahead, _one_kind(plan))
-    return dataclasses.replace(plan, working_terms=terms, working=totals(terms), read_ahead=read_ahead)
+    staging = plan.working_terms.get(Tier.HOST, {}).get("update_staging", 0)
+    return with_working_term(plan, Tier.HOST, "read_ahead", read_ahead_term(staging, read_ahead, _one_kind(plan)),
+                             read_ahead=read_ahead)
 
 
 # ---------------------------------------------------------------- the speculation's budget
@@ -486,9 +492,7 @@ def _explicit_host_bytes(key: str, setting: int, wanted: int, free: int, what: s
 
 def with_speculation(plan: "Plan", num_bytes: int) -> "Plan":
     """`plan` holding a speculation journal of `num_bytes` (a host working term)."""
-    terms = {t: dict(v) for t, v in plan.working_terms.items()}
-    terms.setdefault(Tier.HOST, {})["speculation"] = num_bytes
-    return dataclasses.replace(plan, working_terms=terms, working=totals(terms), speculation=num_bytes)
+    return with_working_term(plan, Tier.HOST, "speculation", num_bytes, speculation=num_bytes)
 
 
 def plan_report(plan: "Plan", parked: dict[Kind, Tier] | None = None) -> dict:

@@ -307,6 +307,12 @@ class _DuringBackward(_OnWorker):
         super().__init__(**kwargs)
         self._nonfinite: tuple[str, float] | None = None  # the first unit whose gradient was not finite
         self._predicted: dict[int, list[Run]] = {}  # this window's ranges by local flags (read-ahead)
+        self._open = False  # a window's first unit has been finalized (step() closes it)
+
+    def _opens_window(self) -> bool:
+        """Is this grads_final the window's first (its update starts during this backward)?"""
+        opens, self._open = not self._open, True
+        return opens
 
     def _issue_flags(self, unit: Unit) -> "_Flags":
         """The reduction of `unit`'s gradient flags (every rank, every unit, in the same place)."""
@@ -342,14 +348,9 @@ class _DuringBackward(_OnWorker):
 class EagerUpdate(_DuringBackward):
     """Each unit is submitted to the worker as soon as its gradient is final, during the last backward."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self._open = False  # a window's first unit has been finalized
-
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
-        if not self._open:  # the window's update starts (its puts, during backward)
-            self._open = True
-            self._begin_puts()
+        if self._opens_window():
+            self._begin_puts()  # (its puts, during backward)
         self._submit(unit, sumsq, self._issue_flags(unit), self.hyper())
 
     def step(self, norm: float, index: int) -> bool:
@@ -418,18 +419,16 @@ class SpeculativeUpdate(_DuringBackward):
     def __init__(self, *, journal: Journal, **kwargs):
         super().__init__(**kwargs)
         self.journal = journal
-        self._open = False  # a window's first unit has been finalized
         self._deferred: list[tuple[Unit, _Flags]] = []  # units left for step(), their flags' reduction issued
         self.fired = 0  # windows whose clip fired after speculating (redone)
 
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
         """Submit `unit`'s speculated update now (its norm and flags read on the worker: Note [host syncs]), or
         keep it for step() when the journal has no room for it."""
-        if not self._open:  # a new window: the journal's last users (the previous window's updates) are done
+        if self._opens_window():  # the journal's last users (the previous window's updates) are done
             for index in self.journal.entries:
                 self.worker.wait_unit(index)
             self.journal.clear()
-            self._open = True
         reduced = self._issue_flags(unit)
         entry = self.journal.reserve(unit.index, unit.steps.counts)
         if entry is None:
