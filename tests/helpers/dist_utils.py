@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import socket
+import tempfile
 import traceback
 
 import torch
@@ -13,17 +14,22 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free now, for a launcher that must be told one before it starts (torchrun's multi-node rendezvous):
+    another process may take it before the launcher binds it. Where a launcher can choose its own port
+    (`torchrun --standalone`) or no port is needed (`run_distributed`'s file store), use that instead."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+def _worker(rank: int, world_size: int, store: str, fn, args, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # the ranks meet in a file, not on a port chosen in advance (which another process can take between
+        # the choice and the bind); gloo's own connections then use ports the kernel gives them
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(result, buf)  # bytes, not shared-memory tensor handles that die with this process
@@ -48,8 +54,9 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
     """`fn(rank, world_size, *args)` on each rank (a module-level function); results by rank."""
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+    rendezvous = tempfile.TemporaryDirectory(prefix="infinity-ranks-")
+    store = os.path.join(rendezvous.name, "store")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, store, fn, args, queue), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -67,6 +74,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 240.0) -> list:
             p.join(timeout=5 if not errors else 0.5)
             if p.is_alive():
                 p.kill()
+        rendezvous.cleanup()
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -12,7 +12,6 @@ datasets = pytest.importorskip("datasets")
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 import infinity  # noqa: E402
-from dist_utils import free_port  # noqa: E402
 from infinity.hf import InfinityTrainer  # noqa: E402
 from infinity.hf.trainer import run_line  # noqa: E402
 
@@ -320,8 +319,8 @@ def test_torchrun_two_ranks_gloo_equals_one_process_on_the_global_batch(tmp_path
 
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), str(root / "examples" / "hf_trainer.py"), "--out", str(tmp_path / "dist"),
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(root / "examples" / "hf_trainer.py"), "--out", str(tmp_path / "dist"),
                            "--steps", "6"], env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = json.loads((tmp_path / "dist" / "losses.json").read_text())

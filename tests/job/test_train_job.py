@@ -6,7 +6,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 import infinity
+from dist_utils import free_port
 from infinity.config.sections import ConfigError
 from infinity.job.data import Batches, load_tokens, split
 from infinity.job.train import TRAIN_DEFAULTS, Job, load_job, overlap_efficiency, to_toml, train
@@ -185,12 +185,6 @@ def test_overlap_efficiency_shows_when_a_profiler_reports_it():
     assert overlap_efficiency(engine) == 0.8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -222,9 +216,9 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path):
     """torchrun --nnodes 2 (rendezvous on 127.0.0.1) and --nproc-per-node 2 give the same losses."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same kernels, so the same floating-point sums
     common = TINY + ["run.steps=4", f"run.dir={tmp_path}", "run.eval_every=2"]
-    one = _torchrun(["--nproc-per-node", "2", "--master-port", str(_free_port())], common + ["run.name=one"], env)
+    one = _torchrun(["--nproc-per-node", "2", "--standalone"], common + ["run.name=one"], env)
     assert one.wait(timeout=180) == 0, one.stderr.read()
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"  # both nodes must be told it
     nodes = [_torchrun(["--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", endpoint, "--rdzv-id", "infinity-test"], common + ["run.name=two"], env)
              for r in range(2)]
