@@ -187,7 +187,8 @@ def _config(args) -> int:
         print(job_defaults_text())
         return 0
     job = load_job(args.config, args.overrides)
-    print(to_toml(job.engine_config(os.path.join(job.run.dir, "<run>")), job))
+    run_dir = os.path.join(job.run.dir, "<run>")
+    print(to_toml(job.engine_config(run_dir), job, run_dir))
     return 0
 
 
@@ -243,9 +244,10 @@ def _job_estimate(args, overrides, custom, plans: int = 3):
     from infinity.job import estimate as est
     from infinity.job.train import build_model, load_job
     job = load_job(args.config, overrides)
-    config = job.engine_config(os.path.join(job.run.dir, "<run>"))
+    run_dir = os.path.join(job.run.dir, "<run>")
+    config = job.engine_config(run_dir)
     from infinity.machine.preflight import check_nvme_paths
-    check_nvme_paths(list(config.nvme.paths), created_at_start=True)  # unusable swap paths: exit 2 (Note [nvme paths])
+    check_nvme_paths(list(config.nvme.paths), created_at_start=job.created_swap(run_dir))  # exit 2: Note [nvme paths]
     make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model, job.lora))
     if job.run.batch_size % args.world_size:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "

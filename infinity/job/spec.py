@@ -214,11 +214,28 @@ class Job:
             opt.setdefault("warmup_steps", min(20, self.run.steps // 10))
         if opt.get("schedule", "constant") != "constant":
             opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))
-        merged.setdefault("nvme", {}).setdefault("paths", [os.path.join(run_dir, "swap")])
-        merged["profile"].setdefault("trace_dir", os.path.join(run_dir, "profile"))
-        if self.run.checkpoint:  # preflight counts keep_last + 1 checkpoints on the run directory's disk
-            merged.setdefault("checkpoint", {}).setdefault("dir", run_dir)
+        for section, table in self.run_paths(run_dir).items():
+            merged.setdefault(section, {}).update(table)
         return Config.from_dict(merged)
+
+    def run_paths(self, run_dir: str) -> dict[str, dict]:
+        """Note [run paths]: the engine paths the job derives from its run directory where the user set none:
+        the swap files in <run>/swap (the only swap path the job creates: one the user names must exist), the
+        profile in <run>/profile, and the checkpoints (for preflight's space check) in <run>. config.toml
+        names them only in comments, so that a run trained again from it (`--config runs/<old>/config.toml`)
+        derives its own and never writes into the old run's directory."""
+        user = self.engine_keys
+        derived = {"nvme": {"paths": [os.path.join(run_dir, "swap")]},
+                   "profile": {"trace_dir": os.path.join(run_dir, "profile")}}
+        if self.run.checkpoint:
+            derived["checkpoint"] = {"dir": run_dir}
+        return {section: {k: v for k, v in table.items() if k not in user.get(section, {})}
+                for section, table in derived.items() if any(k not in user.get(section, {}) for k in table)}
+
+    def created_swap(self, run_dir: str) -> list[str]:
+        """The swap paths the job creates at start: its own <run>/swap, unless nvme.paths is set (Note [run
+        paths])."""
+        return list(self.run_paths(run_dir).get("nvme", {}).get("paths", []))
 
 
 def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Job:
@@ -289,12 +306,15 @@ def job_defaults_text() -> str:
     return "\n".join(lines)
 
 
-def to_toml(config: Config, job: Job) -> str:
-    """The resolved config as TOML (engine sections, then the job's)."""
+def to_toml(config: Config, job: Job, run_dir: str) -> str:
+    """The resolved config as TOML (engine sections, then the job's); the paths derived from `run_dir` only as
+    comments (Note [run paths])."""
     lines = ["# Resolved by infinity train; train again with: infinity train --config <this file>", ""]
     tables = {**config.to_dict(), **{name: getattr(job, _field(name)).to_dict() for name in JOB_SECTIONS}}
+    derived = job.run_paths(run_dir)
     for section, table in tables.items():
         lines.append(f"[{section}]")
-        lines += [f"{key} = {show(value)}" for key, value in table.items()]
+        lines += [f"# {key} = {show(value)}  (from the run directory: a run trained from this file gets its own)"
+                  if key in derived.get(section, {}) else f"{key} = {show(value)}" for key, value in table.items()]
         lines.append("")
     return "\n".join(lines)

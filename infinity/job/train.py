@@ -181,9 +181,9 @@ def _open_run_dir(job: Job, resume: Resume | None, rank: int, world: int) -> Run
     return run or RunDir(Path(path), created=False, fd=None)
 
 
-def _make_dirs(config: Config, run_dir: Path) -> None:
+def _make_dirs(config: Config, job: Job, run_dir: Path) -> None:
     from infinity.machine.preflight import prepare_nvme_paths
-    prepare_nvme_paths(list(config.nvme.paths))  # a path that is a file: exit 2 naming it (Note [nvme paths])
+    prepare_nvme_paths(list(config.nvme.paths), job.created_swap(str(run_dir)))  # exit 2 naming a bad one
     if (run_dir / "swap").is_dir() and str(run_dir / "swap") in config.nvme.paths:
         os.chmod(run_dir / "swap", 0o700)  # the swap files hold the model's state: private to the job's user
 
@@ -199,11 +199,11 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
     result = Result(run_dir=run_dir, status="starting", steps=start, losses=[], val_loss=None, seconds=0.0)
     try:
         config = job.engine_config(str(run_dir))
-        _make_dirs(config, run_dir)
+        _make_dirs(config, job, run_dir)
         say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0, first_step=start)
         earlier: list[float] = []
         if rank == 0 and resume is None:
-            atomic_write(run_dir / "config.toml", to_toml(config, job))
+            atomic_write(run_dir / "config.toml", to_toml(config, job, str(run_dir)))
         _measure_links(config, world)
         bundle = build_model(job.model, job.lora)
         engine = infinity.initialize(bundle.model, config, init_fn=bundle.init_fn, weights=bundle.weights)
@@ -213,7 +213,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             count_as_written(engine, [str(p) for step, p in run_checkpoints(run_dir) if step <= start],
                              engine.optimizer_steps)  # the run's periodic and final ones: keep_last goes on
             if rank == 0:  # only now: a resume that fails to start leaves the run's files as they were
-                atomic_write(run_dir / "config.toml", to_toml(config, job))
+                atomic_write(run_dir / "config.toml", to_toml(config, job, str(run_dir)))
                 dropped = trim_metrics(run_dir / "metrics.jsonl", start)  # steps after the checkpoint: trained again
                 if dropped:
                     say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")

@@ -14,8 +14,8 @@ Note [nvme paths]: a swap path must be a writable directory. `check_nvme_path` i
 answer: a file (or a path below a file) is refused naming it, a missing path is refused
 (or, where the job creates it at start, accepted when its nearest existing parent is a
 writable directory), an unwritable directory is refused after a probe file fails. The
-engine (`check_nvme_paths`), the job (`prepare_nvme_paths`, which then creates them) and
-`infinity estimate` (`check_disks`) all ask it.
+engine (`check_nvme_paths`), the job (`prepare_nvme_paths`, which then creates its own <run>/swap and no
+path the user named: Note [run paths]) and `infinity estimate` (`check_disks`) all ask it.
 
 Note [checkpoint space]: a checkpoint holds, for every rank, the fp32 master and both Adam
 moments of every optimizer sub-group and its frozen parameters in the compute dtype (none when
@@ -35,6 +35,7 @@ import os
 import resource
 import shutil
 import tempfile
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,11 +118,11 @@ def _raise_failed(checks: list[Check]) -> None:
         raise PreflightError("\n".join(f"{c.detail}: {c.fix}" for c in failed))
 
 
-def check_nvme_paths(paths: list[str], *, created_at_start: bool = False) -> int:
-    """Every swap path is a writable directory, or with `created_at_start` can be created as one (else
-    PreflightError naming the path, the problem and the fix); returns the free bytes over their distinct
+def check_nvme_paths(paths: list[str], *, created_at_start: Collection[str] = ()) -> int:
+    """Every swap path is a writable directory, or, if it is one of `created_at_start`, can be created as one
+    (else PreflightError naming the path, the problem and the fix); returns the free bytes over their distinct
     filesystems."""
-    _raise_failed([check_nvme_path(p, created_at_start=created_at_start) for p in paths])
+    _raise_failed([check_nvme_path(p, created_at_start=p in created_at_start) for p in paths])
     free, seen = 0, set()
     for path in paths:
         where = _existing_parent(path)
@@ -132,11 +133,11 @@ def check_nvme_paths(paths: list[str], *, created_at_start: bool = False) -> int
     return free
 
 
-def prepare_nvme_paths(paths: list[str]) -> None:
-    """For a job that creates its swap directories: check them (PreflightError naming a path that is a file
-    or cannot be created), then create them."""
-    check_nvme_paths(paths, created_at_start=True)
-    for path in paths:
+def prepare_nvme_paths(paths: list[str], created_at_start: Collection[str]) -> None:
+    """For a job that creates its own swap directory: check every path (PreflightError naming one that is a
+    file, missing and not the job's own, or cannot be created), then create the job's own."""
+    check_nvme_paths(paths, created_at_start=created_at_start)
+    for path in created_at_start:
         os.makedirs(path, exist_ok=True)
 
 

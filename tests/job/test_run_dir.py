@@ -211,3 +211,32 @@ def test_an_nvme_path_that_is_a_file_exits_2_and_leaves_nothing(tmp_path, capsys
     code, err = train(capsys, tmp_path / "runs", "r", "--set", f'nvme.paths=["{tmp_path / "afile"}"]')
     assert code == EXIT_USAGE and "afile" in err and "Traceback" not in err, err
     assert not (tmp_path / "runs" / "r").exists()
+
+
+def test_a_run_trained_again_from_its_config_toml_leaves_the_old_run_as_it_was(tmp_path, capsys):
+    """Note [run paths]: config.toml names the swap, profile and checkpoint paths only in comments, so the new run
+    derives its own (they pointed into the old run, whose profile the new one overwrote)."""
+    root = tmp_path / "runs"
+    code, err = train(capsys, root, "a", "--set", "profile.enabled=true", "--set", "run.checkpoint_every=2")
+    assert code == 0, err
+    before = {p: p.read_bytes() for p in (root / "a").rglob("*") if p.is_file() and p.name != LOCK}
+    assert any(p.parent.name == "rank0" and p.name == "summary.json" for p in before)
+    code = main(["train", "--config", str(root / "a" / "config.toml"), "--set", "run.name=b", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    after = {p: p.read_bytes() for p in (root / "a").rglob("*") if p.is_file() and p.name != LOCK}
+    assert after == before and not (root / "a" / "swap").exists()
+    assert (root / "b" / "profile" / "rank0" / "summary.json").is_file()
+    assert (root / "b" / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_a_swap_path_the_user_names_must_exist_the_job_creates_only_its_own(tmp_path, capsys):
+    """A typo or an unmounted NVMe must not put the swap files on whatever disk holds the path's parent."""
+    missing = tmp_path / "not-mounted" / "nvme0"
+    for command in ("train", "estimate"):
+        code, err = train(capsys, tmp_path / "runs", "r", "--set", f'nvme.paths=["{missing}"]') if command == "train" \
+            else (main(["estimate", *TINY[:-1], "--set", f'nvme.paths=["{missing}"]']), capsys.readouterr().err)
+        assert code == EXIT_USAGE and "does not exist" in err and f"mkdir -p {missing}" in err, (command, err)
+        assert "Traceback" not in err and not missing.parent.exists() and not (tmp_path / "runs" / "r").exists()
+    missing.mkdir(parents=True)
+    code, err = train(capsys, tmp_path / "runs", "r", "--set", f'nvme.paths=["{missing}"]')
+    assert code == 0, err

@@ -77,9 +77,9 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     job = load_job(None, ["run.steps=9", "precision.compute_dtype=bf16"])
     config = job.engine_config(str(tmp_path))
     path = tmp_path / "config.toml"
-    path.write_text(to_toml(config, job))
+    path.write_text(to_toml(config, job, str(tmp_path)))
     again = load_job(path)
-    assert again.engine_config("ignored") == config
+    assert again.engine_config(str(tmp_path)) == config
     assert (again.run, again.model, again.data) == (job.run, job.model, job.data)
 
 
