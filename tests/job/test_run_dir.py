@@ -240,3 +240,36 @@ def test_a_swap_path_the_user_names_must_exist_the_job_creates_only_its_own(tmp_
     missing.mkdir(parents=True)
     code, err = train(capsys, tmp_path / "runs", "r", "--set", f'nvme.paths=["{missing}"]')
     assert code == 0, err
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Makes a directory unwritable even for root (chattr +i; chmod for other users); undone after the test."""
+    made = []
+
+    def make(path: Path) -> None:
+        if os.geteuid() != 0:
+            path.chmod(0o555)
+        elif subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+            pytest.skip("needs chattr +i (root on a filesystem with immutable inodes)")
+        made.append(path)
+
+    yield make
+    for path in made:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+        path.chmod(0o755)
+
+
+def test_resuming_a_run_whose_directory_is_read_only_exits_2_naming_it(tmp_path, capsys, read_only):
+    """Even with the swap elsewhere (what the swap check's message suggests), a resume writes into the run."""
+    root = tmp_path / "runs"
+    code, err = train(capsys, root, "ro", "--set", "run.checkpoint_every=2")
+    assert code == 0, err
+    (tmp_path / "swap").mkdir()
+    read_only(root / "ro")
+    code = main(["train", "--resume", str(root / "ro"), "--set", "run.steps=6", "--quiet", "--set",
+                 f'nvme.paths=["{tmp_path / "swap"}"]'])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and f"run directory {root / 'ro'} is not writable" in err and "Traceback" not in err, err
+    assert "--set run.name=<new name>" in err
