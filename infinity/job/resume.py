@@ -28,6 +28,7 @@ from pathlib import Path
 from infinity.config.options import ConfigError, parse_override, show
 from infinity.config.sections import Config
 from infinity.job.build import TOKENIZER_IDENTITY_FILES
+from infinity.job.run_dir import refuse_if_in_use
 from infinity.job.spec import Job, load_job
 from infinity.state.checkpoint_load import verify
 from io_engine import atomic_write
@@ -194,14 +195,14 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         raise ConfigError(f"--resume {path}: no such directory; give a run directory (runs/<name>, the one holding "
                           f"config.toml) or one of its checkpoints (runs/<name>/checkpoint)")
     damaged: list[tuple[Path, str]] = []
-    if (given / "config.toml").is_file():
-        run_dir = given
+    run_dir = next((d for d in (given, given.parent, given.parent.parent) if (d / "config.toml").is_file()), None)
+    if run_dir is None:
+        raise ConfigError(f"--resume {path}: neither a run directory (no config.toml in it) nor a checkpoint "
+                          f"inside one; give the directory infinity train created (runs/<name>)")
+    refuse_if_in_use(run_dir)  # a live run (perhaps with no checkpoint yet): say so (Note [run directory lock])
+    if run_dir == given:
         checkpoint, damaged = newest_intact(run_dir)
     else:
-        run_dir = next((d for d in (given.parent, given.parent.parent) if (d / "config.toml").is_file()), None)
-        if run_dir is None:
-            raise ConfigError(f"--resume {path}: neither a run directory (no config.toml in it) nor a checkpoint "
-                              f"inside one; give the directory infinity train created (runs/<name>)")
         from infinity.state.checkpoint_load import read_manifest
         read_manifest(str(given))  # a CheckpointError that says what is wrong with it
         checkpoint = given

@@ -120,15 +120,36 @@ def _lock(path: Path) -> int:
         os.close(fd)
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
-        try:
-            holder = (path / LOCK).read_text().strip() or "?"
-        except OSError:
-            holder = "?"
-        raise ConfigError(f"run directory {path} is in use by another infinity train job (pid {holder}): wait for "
-                          f"it to finish or stop it (kill {holder}), or choose another run.name") from None
+        raise _in_use(path) from None
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # names the holder in the refusal above
     except OSError:
         pass  # a full disk: the lock holds without the pid
     return fd
+
+
+def _in_use(path: Path) -> ConfigError:
+    try:
+        holder = (path / LOCK).read_text().strip() or "?"
+    except OSError:
+        holder = "?"
+    return ConfigError(f"run directory {path} is in use by another infinity train job (pid {holder}): wait for it "
+                       f"to finish or stop it (kill {holder}), or choose another run.name")
+
+
+def refuse_if_in_use(path: Path) -> None:
+    """The lock's ConfigError if a live job holds `path` (a resume asks first: a live run that has saved no
+    checkpoint yet is in use, not missing one); takes nothing."""
+    try:
+        fd = os.open(path / LOCK, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no job has used it since it was made
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise _in_use(path) from None
+        raise
+    finally:
+        os.close(fd)

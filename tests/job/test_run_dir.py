@@ -273,3 +273,20 @@ def test_resuming_a_run_whose_directory_is_read_only_exits_2_naming_it(tmp_path,
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and f"run directory {root / 'ro'} is not writable" in err and "Traceback" not in err, err
     assert "--set run.name=<new name>" in err
+
+
+def test_resuming_a_live_run_that_has_no_checkpoint_yet_names_the_job_using_it(tmp_path, capsys):
+    """The lock is asked first: 'no checkpoint found' (and its advice to start again) was wrong for a run that
+    another job is still training (checkpoint_every = 0 saves only at the end)."""
+    root = tmp_path / "runs"
+    code, err = train(capsys, root, "live", "--set", "run.checkpoint=false")
+    assert code == 0, err
+    held = RunDir.existing(root / "live")  # as the live job holds it
+    try:
+        code = main(["train", "--resume", str(root / "live"), "--quiet"])
+        err = capsys.readouterr().err
+        assert code == EXIT_USAGE and f"pid {os.getpid()}" in err and "in use by another" in err, err
+    finally:
+        held.release()
+    code = main(["train", "--resume", str(root / "live"), "--quiet"])
+    assert code == EXIT_USAGE and "no checkpoint found" in capsys.readouterr().err
