@@ -416,8 +416,12 @@ class CheckpointConfig(Section):
                                         "unchanged to load (Note [pretrained references]). false: copy them into "
                                         "every checkpoint (in the compute dtype), which then stands alone.", "bool")
     dir: str = option("", "Directory the checkpoints are saved under (`infinity train` sets it to the run directory). "
-                      "Preflight checks that its disk holds keep_last + 1 checkpoints of every rank on the node, "
+                      "Preflight checks that its disk holds the checkpoints kept (see saves) of every rank on the "
+                      "node, "
                       "besides any swap on the same disk (Note [checkpoint space]); \"\" = not checked.", "path")
+    saves: int = option(0, "How many checkpoints the run will save (`infinity train` sets it from run.steps and "
+                        "run.checkpoint_every). Preflight counts min(keep_last + 1, saves) of them on the disk, or, "
+                        "with keep_last = 0 (keep all), every one; 0 = not known: keep_last + 1.", "int", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -196,10 +196,11 @@ class Job:
         from infinity.job.finetune_defaults import pretrained_defaults
         return pretrained_defaults(self.model.pretrained, self.lora.r, self.engine_keys)
 
-    def engine_config(self, run_dir: str) -> Config:
+    def engine_config(self, run_dir: str, start: int = 0) -> Config:
         """The engine Config: user keys over TRAIN_DEFAULTS over Config(). Unless set, swap files go to
         <run_dir>/swap, the profile (spans, overlap summary, chart) to <run_dir>/profile, and the checkpoints
-        (for preflight's space check: checkpoint.dir) to <run_dir>."""
+        (for preflight's space check: checkpoint.dir, with the count of those saved after step `start`) to
+        <run_dir> (Note [run paths])."""
         user = self.engine_keys
         merged = {s: dict(v) for s, v in TRAIN_DEFAULTS.items()}
         if user.get("placement", {}).get("policy") == "auto":
@@ -214,28 +215,31 @@ class Job:
             opt.setdefault("warmup_steps", min(20, self.run.steps // 10))
         if opt.get("schedule", "constant") != "constant":
             opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))
-        for section, table in self.run_paths(run_dir).items():
+        for section, table in self.run_derived(run_dir, start).items():
             merged.setdefault(section, {}).update(table)
         return Config.from_dict(merged)
 
-    def run_paths(self, run_dir: str) -> dict[str, dict]:
-        """Note [run paths]: the engine paths the job derives from its run directory where the user set none:
-        the swap files in <run>/swap (the only swap path the job creates: one the user names must exist), the
-        profile in <run>/profile, and the checkpoints (for preflight's space check) in <run>. config.toml
-        names them only in comments, so that a run trained again from it (`--config runs/<old>/config.toml`)
-        derives its own and never writes into the old run's directory."""
+    def run_derived(self, run_dir: str, start: int = 0) -> dict[str, dict]:
+        """Note [run paths]: the engine keys the job derives from its run where the user set none: the swap
+        files in <run>/swap (the only swap path the job creates: one the user names must exist), the profile in
+        <run>/profile, the checkpoints in <run> and how many this run saves after step `start` (preflight's space
+        check: with keep_last = 0 every one stays). config.toml names them only in comments, so that a run
+        trained again from it (`--config runs/<old>/config.toml`) derives its own and never writes into the old
+        run's directory, and a resumed run counts the saves still to come."""
         user = self.engine_keys
-        derived = {"nvme": {"paths": [os.path.join(run_dir, "swap")]},
-                   "profile": {"trace_dir": os.path.join(run_dir, "profile")}}
+        derived: dict[str, dict] = {"nvme": {"paths": [os.path.join(run_dir, "swap")]},
+                                    "profile": {"trace_dir": os.path.join(run_dir, "profile")}}
         if self.run.checkpoint:
-            derived["checkpoint"] = {"dir": run_dir}
+            every, steps = self.run.checkpoint_every, self.run.steps
+            periodic = max(0, (steps - 1) // every - start // every) if every else 0  # the last step: the final one
+            derived["checkpoint"] = {"dir": run_dir, "saves": periodic + 1}
         return {section: {k: v for k, v in table.items() if k not in user.get(section, {})}
                 for section, table in derived.items() if any(k not in user.get(section, {}) for k in table)}
 
     def created_swap(self, run_dir: str) -> list[str]:
         """The swap paths the job creates at start: its own <run>/swap, unless nvme.paths is set (Note [run
         paths])."""
-        return list(self.run_paths(run_dir).get("nvme", {}).get("paths", []))
+        return list(self.run_derived(run_dir).get("nvme", {}).get("paths", []))
 
 
 def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Job:
@@ -311,7 +315,7 @@ def to_toml(config: Config, job: Job, run_dir: str) -> str:
     comments (Note [run paths])."""
     lines = ["# Resolved by infinity train; train again with: infinity train --config <this file>", ""]
     tables = {**config.to_dict(), **{name: getattr(job, _field(name)).to_dict() for name in JOB_SECTIONS}}
-    derived = job.run_paths(run_dir)
+    derived = job.run_derived(run_dir)
     for section, table in tables.items():
         lines.append(f"[{section}]")
         lines += [f"# {key} = {show(value)}  (from the run directory: a run trained from this file gets its own)"

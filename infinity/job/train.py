@@ -198,7 +198,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
     start = resume.step if resume else 0
     result = Result(run_dir=run_dir, status="starting", steps=start, losses=[], val_loss=None, seconds=0.0)
     try:
-        config = job.engine_config(str(run_dir))
+        config = job.engine_config(str(run_dir), start)
         _make_dirs(config, job, run_dir)
         say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0, first_step=start)
         earlier: list[float] = []

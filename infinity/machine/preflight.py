@@ -24,9 +24,10 @@ as the rank file places it (4 KiB-aligned, or 64-byte-aligned under 4 KiB), the 
 states, and on rank 0 the manifest (infinity/state/checkpoint.py; rank 0's copy of the model's
 buffers is not counted: the plan does not know them, and they are small beside the state). While
 one is written the `keep_last` before it stay on disk, so the checkpoint directory's
-filesystem must hold keep_last + 1 of them for every rank of the node (keep_last = 0 keeps
-all: one is counted, and every later save needs as much again). `[checkpoint] dir` names
-the directory (`infinity train` sets it to the run directory); unset, nothing is checked.
+filesystem must hold keep_last + 1 of them for every rank of the node, or as many as the run saves
+(`checkpoint.saves`, which `infinity train` sets) when that is fewer, or, with keep_last = 0 (keep all),
+every one it saves (unknown, `saves = 0`: one is counted, and every later save needs as much again).
+`[checkpoint] dir` names the directory (`infinity train` sets it to the run directory); unset, nothing is checked.
 """
 
 from __future__ import annotations
@@ -166,7 +167,10 @@ def checkpoint_metadata(plan: Plan) -> int:
 
 def checkpoints_kept(config: Config) -> int:
     """How many checkpoints are on disk at once while one is written (Note [checkpoint space])."""
-    return config.checkpoint.keep_last + 1 if config.checkpoint.keep_last else 1
+    keep, saves = config.checkpoint.keep_last, config.checkpoint.saves
+    if keep:
+        return min(keep + 1, saves) if saves else keep + 1
+    return max(1, saves)
 
 
 def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, checkpoint_dir: str = "",
@@ -201,8 +205,8 @@ def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, che
             [f"{checkpoints} checkpoint(s) of {_fmt(checkpoint_bytes)} per rank = {_fmt(ckpt)}"] if ckpt else [])
         fixes = (["add more nvme.paths (stripes) or keep more state in RAM (placement.* = \"host\" or policy = "
                   "\"auto\")"] if swap else []) + (
-            ["lower [checkpoint] keep_last, or save checkpoints on another disk (checkpoint.dir; for "
-             "`infinity train`, run.dir)"] if ckpt else [])
+            ["keep fewer checkpoints ([checkpoint] keep_last = N keeps the newest N), or save checkpoints on "
+             "another disk (checkpoint.dir; for `infinity train`, run.dir)"] if ckpt else [])
         checks.append(Check(f"free disk on {', '.join(names)}", swap + ckpt <= free,
                             f"{' + '.join(parts)} for {local_world_size} rank(s) needs {_fmt(swap + ckpt)}, "
                             f"{_fmt(free)} free", "free space there, " + ", or ".join(fixes)))

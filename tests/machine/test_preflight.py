@@ -134,8 +134,28 @@ def test_swap_and_checkpoints_on_one_disk_need_room_for_both(tmp_path, monkeypat
 def test_estimate_reports_the_checkpoint_space(tmp_path):
     from infinity.job import estimate as est
     from infinity.job.train import build_model, load_job
-    job = load_job(None, [*SMALL[1::2], "placement.optimizer=host", "placement.params=host"])
+    job = load_job(None, [*SMALL[1::2], "placement.optimizer=host", "placement.params=host",
+                         "run.steps=40", "run.checkpoint_every=5"])
     config = job.engine_config("unused").with_overrides([f'checkpoint.dir="{tmp_path}"', "checkpoint.keep_last=3"])
     result = est.estimate(lambda: build_model(job.model), config, batch_size=1, seq_len=16)
     disk = next(c for c in result.checks if c.name.startswith("free disk on"))
     assert disk.ok and "4 checkpoint(s)" in disk.detail and f"checkpoints in {tmp_path}" in disk.name
+
+
+@pytest.mark.parametrize("steps,every,start", [(40, 5, 0), (40, 5, 20), (41, 5, 3), (7, 0, 0), (10, 10, 0)])
+def test_a_job_counts_the_checkpoints_it_saves_so_preflight_holds_them_all(steps, every, start, tmp_path):
+    """With keep_last = 0 (keep all) the disk must hold every checkpoint the run saves (one was counted, and a
+    run that passed preflight failed at its fourth save); the count as the loop saves them: every
+    checkpoint_every steps after `start`, but the last step's is the final one."""
+    from infinity.job.spec import load_job
+    job = load_job(None, [f"run.steps={steps}", f"run.checkpoint_every={every}"])
+    saved = [s for s in range(start + 1, steps + 1) if every and s % every == 0 and s != steps] + ["final"]
+    config = job.engine_config(str(tmp_path), start)
+    assert config.checkpoint.saves == len(saved)
+    assert pf.checkpoints_kept(config) == len(saved)
+    for keep in (1, 2, 50):
+        kept = load_job(None, [f"run.steps={steps}", f"run.checkpoint_every={every}",
+                               f"checkpoint.keep_last={keep}"]).engine_config(str(tmp_path), start)
+        assert pf.checkpoints_kept(kept) == min(keep + 1, len(saved))
+    assert pf.checkpoints_kept(infinity.Config.from_dict({"checkpoint": {"keep_last": 2}})) == 3  # saves unknown
+    assert pf.checkpoints_kept(infinity.Config()) == 1
