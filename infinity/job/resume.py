@@ -46,6 +46,7 @@ class Resume:
     step: int  # training steps done: the next batch is the one of this step index
     elapsed_s: float  # training time of the run so far
     damaged: tuple = ()  # (path, why) of newer checkpoints found damaged: set aside once the resume starts
+    changes: tuple = ()  # "section.key: old -> new" for each engine key that differs from the run's config.toml
 
     def damaged_note(self) -> str | None:
         """The line saying which damaged checkpoints were passed over and why (Note [damaged checkpoint])."""
@@ -60,7 +61,17 @@ def train_position(job: Job, config: Config, step: int, elapsed_s: float, world:
     """The user state saved with every checkpoint of the job (Note [resume])."""
     return {"train": {"step": step, "elapsed_s": elapsed_s, "world_size": world,
                       "model": job.model_identity(), "batches": _batch_keys(job, config),
-                      "pretrained_files": pretrained_fingerprint(job.model.pretrained)}}
+                      "pretrained_files": pretrained_fingerprint(job.model.pretrained),
+                      "data_files": data_fingerprint(job)}}
+
+
+def data_fingerprint(job: Job) -> dict[str, str]:
+    """Note [changed data file]: SHA-256 of the data files the batches are drawn from (data.path, data.val_path;
+    not the shipped corpus). `--resume` refuses a file whose bytes changed since the checkpoint: the batches after
+    it would not be the run's, and the run would mix two datasets without a word (its keys alone are the same)."""
+    from infinity.job.tokenized import file_sha256
+    return {key: file_sha256(path) for key, path in (("data.path", job.data.path), ("data.val_path", job.data.val_path))
+            if path and os.path.isfile(path)}
 
 
 # What a pretrained directory's model and tokens are, besides its weights (Note [moved pretrained directory])
@@ -250,14 +261,26 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
             raise ConfigError(f"--resume {path}: {key} = {show(value)}, but the run trained with {key} = "
                               f"{show(saved_batches[key])}, so the batches after the checkpoint would differ from "
                               f"the run's: resume with the run's value (drop the --set or --config that changes it)")
+    saved_data = position.get("data_files", {})
+    for key, digest in data_fingerprint(job).items():
+        if key in saved_data and saved_data[key] != digest:
+            raise ConfigError(f"--resume {path}: {key} = {show(getattr(job.data, key.split('.')[1]))} has changed "
+                              f"since the checkpoint (its SHA-256 differs), so the batches after it would not be "
+                              f"the run's: restore the run's file, or train a new run on the new data (infinity "
+                              f"train --config {run_dir / 'config.toml'} --set run.name=<new name>)")
     from infinity.state.checkpoint_load import check_references
     check_references(str(checkpoint), job.model.pretrained or None)  # Note [pretrained references]: files still there
     if job.run.steps <= position["step"]:
         raise ConfigError(f"--resume {path}: the checkpoint is at step {position['step']} and run.steps = "
                           f"{job.run.steps}: nothing to train; --set run.steps=N with N > {position['step']} to "
                           f"train further")
+    before = _relocate(load_job(run_dir / "config.toml"), run_dir).engine_config(str(run_dir)).to_dict()
+    derived, after = job.run_derived(str(run_dir)), config.to_dict()  # (the run's own paths and saves: not news)
+    changes = tuple(f"{section}.{key}: {show(old)} -> {show(after[section][key])}"
+                    for section, table in before.items() for key, old in table.items()
+                    if after[section][key] != old and key not in derived.get(section, {}))
     return job, Resume(run_dir=run_dir, checkpoint=checkpoint, step=position["step"],
-                       elapsed_s=float(position.get("elapsed_s", 0.0)), damaged=tuple(damaged))
+                       elapsed_s=float(position.get("elapsed_s", 0.0)), damaged=tuple(damaged), changes=changes)
 
 
 def _relocate(job: Job, run_dir: Path) -> Job:

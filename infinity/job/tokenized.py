@@ -12,6 +12,7 @@ or setting tokenizes again, under a new key. Only tensors are read back (safeten
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -28,7 +29,8 @@ CACHE_DIR = ".infinity-tokens"  # beside the data file (Note [tokenized data cac
 CACHE_FORMAT = 1
 
 
-def _sha256(path: Path) -> str:
+@functools.lru_cache(maxsize=16)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -36,12 +38,19 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_sha256(path: Path | str) -> str:
+    """SHA-256 of a file's bytes, read once per process while its size and mtime stay the same (the cache key of
+    tokenized data, and what a checkpoint records of the data files: Note [changed data file])."""
+    st = os.stat(path)
+    return _file_sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
 def cache_key(data_file: Path, tokenizer_where: str, settings: dict) -> str:
     """The key of a data file's token ids (Note [tokenized data cache])."""
     import transformers
-    files = {name: _sha256(Path(tokenizer_where, name)) for name in TOKENIZER_IDENTITY_FILES
+    files = {name: file_sha256(Path(tokenizer_where, name)) for name in TOKENIZER_IDENTITY_FILES
              if os.path.isfile(os.path.join(tokenizer_where, name))}
-    payload = {"format": CACHE_FORMAT, "data": _sha256(data_file), "tokenizer": files, "settings": settings,
+    payload = {"format": CACHE_FORMAT, "data": file_sha256(data_file), "tokenizer": files, "settings": settings,
                "transformers": transformers.__version__}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 

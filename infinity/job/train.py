@@ -224,6 +224,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             if resume.damaged_note():
                 say.note(resume.damaged_note())
             say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")
+            if resume.changes:
+                say.note("changed from the run's config.toml: " + "; ".join(resume.changes))
             o = config.optimizer
             if o.schedule != "constant" and job.run.steps > o.total_steps:
                 say.note(f"note: the learning rate reaches its final value at optimizer.total_steps = {o.total_steps} "

@@ -213,3 +213,29 @@ def test_resume_names_what_is_missing(tmp_path, finished, capsys):
     code = main(["train", "--resume", str(tmp_path / "killed"), "--quiet"])
     err = capsys.readouterr().err
     assert code == EXIT_USAGE and "no checkpoint found in" in err and "Traceback" not in err
+
+
+def test_a_data_file_whose_bytes_changed_since_the_checkpoint_is_refused(tmp_path):
+    """Note [changed data file]: the same data.path with other bytes would give other batches after the
+    checkpoint, silently; the same bytes (touched, or copied back) resume."""
+    data = tmp_path / "notes.txt"
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(400))
+    data.write_text(text)
+    run_job(tmp_path, "d", "run.steps=2", f"data.path={data}")
+    data.write_text(text.replace("fox", "cat"))
+    with pytest.raises(ConfigError, match=r'data.path = .*notes.txt" has changed since the checkpoint'):
+        load_resume(tmp_path / "d", None, ["run.steps=4"])
+    data.write_text(text)  # the run's bytes again (a new mtime)
+    job, resume = load_resume(tmp_path / "d", None, ["run.steps=4"])
+    assert resume.step == 2
+
+
+def test_a_resume_names_every_engine_key_it_changes(finished):
+    """Placement, the optimizer's settings and the like may change on resume, but not silently: each key that
+    differs from the run's config.toml is listed (the progress prints them)."""
+    config_toml = (finished / "config.toml").read_text()
+    lr = next(line.split(" = ")[1] for line in config_toml.splitlines() if line.startswith("lr = "))
+    _, same = load_resume(finished, None, ["run.steps=8", "run.eval_every=2"])
+    assert same.changes == ()
+    _, resume = load_resume(finished, None, ["run.steps=8", "optimizer.lr=0.01", "placement.optimizer=host"])
+    assert set(resume.changes) == {f"optimizer.lr: {lr} -> 0.01", 'placement.optimizer: "nvme" -> "host"'}
