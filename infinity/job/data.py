@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from infinity.config.options import ConfigError, Section, option
+from infinity.config.options import ConfigError, Section, option, show
 
 VOCAB_SIZE = 256  # byte-level
 SHIPPED = "kjv"
@@ -56,6 +56,23 @@ class DataConfig(Section):
                               '"refuse" stops with the record\'s line.', "enum", choices=("right", "refuse"))
     val_path: str = option("", "A file of validation records (same format); empty: the last data.val_fraction of "
                            "the records.", "path")
+
+    def check_format_keys(self) -> None:
+        """Note [no silent keys]: a data key that data.format (resolved: Note [data format from the records])
+        does not read is an error when set, not a setting that silently does nothing."""
+        unused = {"text": ("prompt_field", "completion_field", "messages_field", "train_on_prompt", "packing",
+                           "truncation", "val_path"),
+                  "completion": ("messages_field",), "chat": ("prompt_field", "completion_field")}[self.format]
+        given = [k for k in unused + (("val_fraction",) if self.val_path else ()) if not self._is_default(k)]
+        if not given:
+            return
+        key = given[0]
+        why = ("data.val_path holds the validation records: no fraction is held out" if key == "val_fraction" else
+               "plain text: every token trains, and the last data.val_fraction is held out for validation; the "
+               "record keys are for \"completion\" and \"chat\" data" if self.format == "text" else
+               "that key is for the other record format")
+        raise ConfigError(f'data.{key} = {show(getattr(self, key))} has no effect with data.format = '
+                          f'"{self.format}" ({why}): remove {", ".join("data." + k for k in given)}')
 
 
 def corpus_path(path: str) -> Path:

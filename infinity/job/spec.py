@@ -282,8 +282,21 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
         raise ConfigError(f"model.lora.r = {job.lora.r} needs model.pretrained = <a Hugging Face model directory>: "
                           f"LoRA adapts a pretrained model's weights (from random weights, train them all: "
                           f"remove model.lora.r)")
+    _check_export_keys(job)
     job.engine_config(os.path.join(job.run.dir, "<run>"))  # validate now, before any directory exists
     return job
+
+
+def _check_export_keys(job: Job) -> None:
+    """Note [no silent keys]: the export keys act only on a fine-tuned model that is exported."""
+    given = [k for k in ("export", "export_dtype") if not job.run._is_default(k)]
+    if given and not job.model.pretrained:
+        raise ConfigError(f"run.{given[0]} = {show(getattr(job.run, given[0]))} has no effect without "
+                          f"model.pretrained (only a fine-tuned pretrained model is exported to <run>/export; export "
+                          f"a checkpoint with infinity.state.export.export_checkpoint, docs/export.md): remove it")
+    if not job.run.export and not job.run._is_default("export_dtype"):
+        raise ConfigError(f"run.export_dtype = {show(job.run.export_dtype)} has no effect with run.export = false: "
+                          f"remove one of them")
 
 
 def _check_section(section: str) -> None:

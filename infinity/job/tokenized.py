@@ -157,9 +157,11 @@ def resolve_data_format(job: Job) -> tuple[Job, str | None]:
 
     from infinity.job.samples import resolve_format
     fmt, said = resolve_format(job.data)
-    if fmt == job.data.format:
-        return job, None
-    return dataclasses.replace(job, data=dataclasses.replace(job.data, format=fmt)), said
+    changed = fmt != job.data.format
+    if changed:
+        job = dataclasses.replace(job, data=dataclasses.replace(job.data, format=fmt))
+    job.data.check_format_keys()  # only now is the format known
+    return job, said if changed else None
 
 
 def _cached_samples(job: Job, tokenizer, where: str, path: str) -> list:

@@ -245,3 +245,32 @@ def test_default_train_finishes_in_5_minutes_with_the_loss_falling(tmp_path):
     summary = json.loads((tmp_path / "default" / "summary.json").read_text())
     measured, predicted = summary["peak_rss_bytes"], summary["predicted"]["peak_rss_bytes"]
     assert abs(predicted - measured) <= 0.15 * measured, (predicted >> 20, measured >> 20)  # Note [heap release]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["run.export_dtype=bf16"], "run.export_dtype = \"bf16\" has no effect without model.pretrained"),
+    (["run.export=false"], "run.export = false has no effect without model.pretrained"),
+])
+def test_export_keys_without_a_pretrained_model_are_refused(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_job(None, overrides)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("fmt,overrides,needle", [
+    ("text", ["data.packing=true"], 'data.packing = true has no effect with data.format = "text"'),
+    ("text", ["data.truncation=refuse"], 'data.truncation = "refuse" has no effect'),
+    ("text", ["data.train_on_prompt=true", "data.messages_field=x"],
+     "remove data.messages_field, data.train_on_prompt"),
+    ("text", ["data.val_path=v.txt"], "data.val_path = "),
+    ("completion", ["data.messages_field=conv"], 'data.messages_field = "conv" has no effect with data.format = "c'),
+    ("chat", ["data.prompt_field=q"], 'data.prompt_field = "q" has no effect with data.format = "chat"'),
+    ("chat", ["data.val_path=v.jsonl", "data.val_fraction=0.2"], "data.val_fraction = 0.2 has no effect"),
+])
+def test_data_keys_the_format_does_not_read_are_refused(fmt, overrides, needle, tmp_path):
+    """Note [no silent keys]: each was accepted and did nothing (text ignores every record key and val_path)."""
+    from infinity.job.tokenized import resolve_data_format
+    job = load_job(None, [f"data.format={fmt}", *overrides])
+    with pytest.raises(ConfigError) as e:
+        resolve_data_format(job)
+    assert needle in str(e.value)
