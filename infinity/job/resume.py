@@ -328,6 +328,10 @@ def earlier_tokens(path: Path) -> int:
 
 
 
+# the error itself is printed after this line (by whoever catches it) and is summary.json's "error"
+FIX_FIRST = "fix the error (printed next; \"error\" in summary.json), then "
+
+
 def stopped_summary(run_dir: Path, status: str, steps: int, error: BaseException) -> dict:
     """summary.json of a run that stopped before its end: the error, and the checkpoint to continue from
     (none is named when the run has none: then its training is lost, and it says so)."""
@@ -336,11 +340,11 @@ def stopped_summary(run_dir: Path, status: str, steps: int, error: BaseException
     if found:
         step, path = found[-1]
         what = (f"the latest complete checkpoint is {path} (step {step}); "
-                f"{'fix the cause above, then ' if status == 'failed' else ''}continue with: "
+                f"{FIX_FIRST if status == 'failed' else ''}continue with: "
                 f"infinity train --resume {run_dir}")
     else:
         what = (f"this run has no complete checkpoint, so the {steps} step(s) it trained are lost; "
-                f"{'fix the cause above, then ' if status == 'failed' else ''}start again with: infinity train "
+                f"{FIX_FIRST if status == 'failed' else ''}start again with: infinity train "
                 f"--config {run_dir / 'config.toml'} --set run.name=<new name> (run.checkpoint_every = N saves "
                 f"a checkpoint every N steps)")
     return {"status": status, "steps": steps, "error": message if status == "failed" else "stopped by a second "
