@@ -618,15 +618,21 @@ class Config:
         return "\n".join(rows)
 
     @staticmethod
-    def defaults_text() -> str:
-        """A TOML document of every key at its default, each preceded by a comment of its meaning."""
-        lines = ["# infinity configuration: every key at its default value.", ""]
+    def defaults_text(*, commented: bool = False, values: dict | None = None, header: str = "") -> str:
+        """A TOML document of every key at its default, each preceded by a comment of its meaning. `commented`:
+        every key line commented out (a copy of the document then sets nothing); `values`: {section: {key:
+        value}} shown instead of the default, which is named beside it (a front end's own defaults)."""
+        lines = [header or "# infinity configuration: every key at its default value.", ""]
         for section, cls in SECTIONS.items():
             lines.append(f"# {cls.__doc__}")
             lines.append(f"[{section}]")
             for f in dataclasses.fields(cls):
                 help_text = f"{f.metadata['help']} ({type_name(f.metadata)})"
                 lines.extend(textwrap.wrap(help_text, width=88, initial_indent="# ", subsequent_indent="# "))
-                lines.append(f"{f.name} = {show(render_default(f.default, f.metadata))}")
+                default = show(render_default(f.default, f.metadata))
+                own = (values or {}).get(section, {})
+                line = (f"{f.name} = {show(own[f.name])}  # the engine's default: {default}" if f.name in own
+                        else f"{f.name} = {default}")
+                lines.append(("# " if commented else "") + line)
             lines.append("")
         return "\n".join(lines)

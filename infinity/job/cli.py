@@ -183,7 +183,14 @@ def _config(args) -> int:
     from infinity.config.sections import Config
     from infinity.job.train import job_defaults_text, load_job, to_toml
     if args.defaults:
-        print(Config.defaults_text())
+        from infinity.job.spec import DECAY_DEFAULTS, TRAIN_DEFAULTS
+        shown = {s: dict(t) for s, t in TRAIN_DEFAULTS.items()}
+        shown["optimizer"].update(DECAY_DEFAULTS)
+        print(Config.defaults_text(commented=True, values=shown, header=(
+            "# infinity train: every engine key, commented out (a copy of this file changes nothing: uncomment what\n"
+            "# you set), at infinity train's defaults where they differ from the engine's. Some are derived from\n"
+            "# the job when unset (warmup_steps, total_steps, a pretrained model's fine-tuning lr, nvme.paths,\n"
+            "# profile.trace_dir): set one and it is fixed.")))
         print(job_defaults_text())
         return 0
     job = load_job(args.config, args.overrides)
