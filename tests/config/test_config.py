@@ -15,7 +15,7 @@ BAD = [
     ({"optimizer": {"learning_rate": 1e-3}}, [], "optimizer.learning_rate", "valid keys of [optimizer]"),
     ({"optimizer": {"weight_decy": 0.1}}, [], "optimizer.weight_decy", 'did you mean "weight_decay"'),
     ({"train": {"lr": 1e-3}}, [], "train.lr", 'did you mean "optimizer.lr"'),
-    ({"lr": 1e-3}, [], "lr = 0.001 is a key outside any section", "it is a key of [optimizer]: write it under [optimizer]"),
+    ({"lr": 1e-3}, [], "lr = 0.001 is a key outside any section", "write it under [optimizer]"),
     ({"placement": {"param": "host"}}, [], "placement.param", 'did you mean "params"'),
     ({}, ["optimizer.betass=[0.9, 0.99]"], "optimizer.betass", 'did you mean "betas"'),
     ({}, ["optimizer"], "override 'optimizer'", "section.key=value"),
