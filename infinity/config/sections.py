@@ -459,10 +459,20 @@ SECTIONS: dict[str, type[Section]] = {
 }
 
 
+# The sections of an `infinity train` job file that are not the engine's (infinity.job.spec.JOB_SECTIONS, whose
+# names these are: a test keeps the two equal); Config.from_file meeting one says the file is a job file.
+JOB_FILE_SECTIONS = ("run", "model", "data")
+
+
 def unknown_key(name: str, section: str | None) -> ConfigError:
     """Error for an unknown section (section=None) or key, with the closest valid name."""
     if section is None:
         where, valid = f"[{name}]", list(SECTIONS)
+        if name in JOB_FILE_SECTIONS:
+            return ConfigError(f"unknown section {where}: [run], [model] and [data] make this an `infinity train` "
+                               f"job file (a run's config.toml is one), which `infinity train --config FILE` reads; "
+                               f"infinity.Config reads the engine's sections only ({', '.join(valid)}): leave the "
+                               f"job's sections out, or train with `infinity train --config FILE`")
         owners = [s for s, cls in SECTIONS.items() if name in _keys(cls)]
         hint = f' (did you mean "{owners[0]}.{name}"?)' if owners else did_you_mean(name, valid)
         return ConfigError(f"unknown section {where}{hint}; valid sections: {', '.join(valid)}")
@@ -476,6 +486,16 @@ def unknown_key(name: str, section: str | None) -> ConfigError:
 
 def _keys(cls: type[Section]) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
+
+
+def key_outside_sections(key: str, value: Any, sections: dict[str, type]) -> ConfigError:
+    """Error for a TOML key before any [section] line (`steps = 3` at the top of the file): where it belongs,
+    when one of `sections` (name: dataclass) has a key of that name."""
+    owners = [s for s, cls in sections.items() if key in [f.name for f in dataclasses.fields(cls)]]
+    where = (f"it is a key of [{owners[0]}]: write it under [{owners[0]}]" if owners else
+             f"no section has a key {key!r}; valid sections: {', '.join(sections)}")
+    return ConfigError(f"{key} = {show(value)} is a key outside any section (above the first [section] line); "
+                       f"{where}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -524,6 +544,8 @@ class Config:
             raise ConfigError(f"config: expected a table of sections, got {type(data).__name__}")
         merged: dict[str, dict[str, Any]] = {}
         for section, table in data.items():
+            if section not in SECTIONS and not isinstance(table, dict):
+                raise key_outside_sections(section, table, SECTIONS)
             if section not in SECTIONS:
                 raise unknown_key(section, None)
             if not isinstance(table, dict):
@@ -564,6 +586,9 @@ class Config:
                 data = tomllib.load(f)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path}: cannot read it ({e.strerror}); give the path of a TOML file "
+                              f"(`infinity config --defaults` prints every key)") from None
         try:
             return cls.from_dict(data, overrides)
         except ConfigError as e:

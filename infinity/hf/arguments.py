@@ -86,7 +86,10 @@ def _as_config(infinity_config) -> Config:
         return infinity_config
     if isinstance(infinity_config, dict):
         return Config.from_dict(infinity_config)
-    return Config.from_file(infinity_config)
+    try:
+        return Config.from_file(infinity_config)
+    except ConfigError as e:  # (the file's own error, said as the argument that named it)
+        raise ConfigError(f"infinity_config={str(infinity_config)!r}: {e}") from None
 
 
 def engine_config_for(args, infinity_config=None) -> Config:

@@ -140,10 +140,22 @@ def need_transformers(what: str, alternative: str):
     return transformers
 
 
+def check_pretrained_dir(cfg: ModelConfig) -> None:
+    """model.pretrained names a directory (the first check of it, before its files are looked for)."""
+    where = f"model.pretrained = {cfg.pretrained!r}"
+    if os.path.isfile(cfg.pretrained):
+        raise ConfigError(f"{where} is a file, not a directory: give the directory save_pretrained wrote (here "
+                          f"probably {os.path.dirname(cfg.pretrained)!r})")
+    if not os.path.isdir(cfg.pretrained):
+        raise ConfigError(f"{where}: no such directory; give the directory save_pretrained wrote (config.json, the "
+                          f"weights and the tokenizer)")
+
+
 def _pretrained(cfg: ModelConfig, lora: LoraConfig, scope, layers: int | None = None) -> ModelBundle:
     """The Hugging Face model of model.pretrained on the meta device, LoRA-wrapped with [model.lora] r > 0, its
     weights to be read from the directory (Note [fine-tuning job])."""
     where = f"model.pretrained = {cfg.pretrained!r}"
+    check_pretrained_dir(cfg)
     transformers = need_transformers(where, "or leave model.pretrained unset")
     if not os.path.isfile(os.path.join(cfg.pretrained, "config.json")):
         raise ConfigError(f"{where}: no config.json in it; give a directory written by save_pretrained (config.json "
@@ -256,7 +268,10 @@ TOKENIZER_IDENTITY_FILES = (*TOKENIZER_FILES, "tokenizer_config.json", "merges.t
 def tokenizer_dir(cfg: ModelConfig) -> str | None:
     """The directory whose tokenizer tokenizes the job's data, or None for bytes (Note [fine-tuning job]); a
     pretrained directory without a tokenizer is refused unless model.tokenizer = "bytes" says bytes."""
-    if not cfg.pretrained or cfg.tokenizer == "bytes":
+    if not cfg.pretrained:
+        return None
+    check_pretrained_dir(cfg)
+    if cfg.tokenizer == "bytes":
         return None
     if not any(os.path.isfile(os.path.join(cfg.pretrained, name)) for name in TOKENIZER_FILES):
         raise ConfigError(f"model.pretrained = {cfg.pretrained!r}: no tokenizer in it (none of "

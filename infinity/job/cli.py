@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "exposed wait (medians).")
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<time>), its profile/ or profile/rankN")
     p.add_argument("--json", action="store_true", help="the summary.json of every rank")
-    p.add_argument("--steps", type=int, default=10, metavar="N", help="step rows to show, the last ones (default 10)")
+    p.add_argument("--steps", type=_step_rows, default=10, metavar="N",
+                   help="step rows to show, the last N (default 10; 0: none, only the median step and the links)")
 
     p = sub.add_parser("bench-links", help="measure (or show the cached) link rates used by the auto policy")
     p.add_argument("--dir", default=None, help="directory on the swap disk (default: the temp directory)")
@@ -105,6 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench-io", help="disk throughput of io_engine (python -m io_engine.bench)", add_help=False)
     return ap
+
+
+def _step_rows(text: str) -> int:
+    """`infinity profile --steps N`: a count of rows, 0 or more."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of steps: give 0 or more (e.g. --steps 20)")
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,6 +368,10 @@ def profile_summaries(run_dir: str) -> dict[str, dict]:
     RUN_DIR/profile/rank<N>/summary.json (the job's layout, profile.trace_dir), or a profile directory
     itself, or one rank's directory. A ConfigError names what is missing and how to get it."""
     from infinity.config.sections import ConfigError
+    if os.path.isfile(run_dir):
+        raise ConfigError(f"infinity profile {run_dir}: a file; give a directory: a run directory (runs/<time>), "
+                          f"its profile/ or profile/rank<N>, or an HF Trainer's output_dir; here probably "
+                          f"`infinity profile {_enclosing_run(run_dir)}`")
     found: dict[str, dict] = {}
     for base in (os.path.join(run_dir, "profile"), run_dir):
         if os.path.isdir(base):
@@ -383,6 +399,19 @@ def profile_summaries(run_dir: str) -> dict[str, dict]:
                       f"profiler; train with --set profile.enabled=true")
 
 
+def _enclosing_run(path: str) -> str:
+    """The run directory a file lies in: the nearest directory above it with a profile/ or a config.toml (the
+    job's), else the file's own directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while True:
+        if os.path.isdir(os.path.join(directory, "profile")) or os.path.isfile(os.path.join(directory, "config.toml")):
+            return os.path.relpath(directory) if not os.path.isabs(path) else directory
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return os.path.dirname(path) or "."
+        directory = parent
+
+
 def _trainer_output(path: str) -> bool:
     """A Hugging Face Trainer's output_dir (or one of its checkpoint-N folders), not a job's run directory."""
     if os.path.isfile(os.path.join(path, "config.toml")):
@@ -398,6 +427,12 @@ def _profile(args) -> int:
         print(json.dumps(summaries, indent=1))
         return 0
     print("\n\n".join(format_summary(s, last=args.steps) for s in summaries.values()))
+    from infinity.job.resume import profile_segments
+    profile_dir = os.path.join(args.run_dir, "profile")
+    segments = profile_segments(profile_dir if os.path.isdir(profile_dir) else args.run_dir)
+    if segments:  # Note [profile segments]: the run was resumed; the profiles of its earlier segments
+        print("the profiles of the run's earlier segments (before each resume): "
+              + ", ".join(f"infinity profile {p}" for p in segments))
     return 0
 
 

@@ -48,13 +48,14 @@ class Resume:
     damaged: tuple = ()  # (path, why) of newer checkpoints found damaged: set aside once the resume starts
     changes: tuple = ()  # "section.key: old -> new" for each engine key that differs from the run's config.toml
 
-    def damaged_note(self) -> str | None:
-        """The line saying which damaged checkpoints were passed over and why (Note [damaged checkpoint])."""
+    def damaged_note(self, kept: list[Path]) -> str | None:
+        """The line saying which damaged checkpoints were passed over and why, and the names `set_aside` gave
+        them (`kept`, its answer) (Note [damaged checkpoint])."""
         if not self.damaged:
             return None
         what = "; ".join(f"{path} is damaged ({why})" for path, why in self.damaged)
         return (f"{what}: resuming from {self.checkpoint} (step {self.step}), the newest intact checkpoint; the "
-                f"damaged one{'s' if len(self.damaged) > 1 else ''} kept as <name>{DAMAGED_SUFFIX}")
+                f"damaged one{'s' if len(self.damaged) > 1 else ''} kept as {', '.join(str(p) for p in kept)}")
 
 
 def train_position(job: Job, config: Config, step: int, elapsed_s: float, world: int) -> dict:
@@ -146,6 +147,36 @@ def set_aside(damaged) -> list[Path]:
             os.rename(path, target)
             moved.append(target)
     return moved
+
+
+def keep_profile_segment(trace_dir: str) -> Path | None:
+    """Note [profile segments]: before a resumed run profiles, the profile of the run so far (trace_dir's
+    rank<N>/ directories) moves to trace_dir/segment-<its first step>/ (a suffix when that exists), so the new
+    segment's files do not overwrite it; `infinity profile RUN` shows the newest segment and names the others.
+    Returns the segment's directory, None when there was no profile."""
+    base = Path(trace_dir)
+    ranks = sorted(p for p in base.glob("rank*") if p.is_dir()) if base.is_dir() else []
+    if not ranks:
+        return None
+    try:
+        steps = json.loads((ranks[0] / "summary.json").read_text())["steps"]
+        first = min(s["step"] for s in steps if s.get("step") is not None)
+    except (OSError, ValueError, KeyError, TypeError):
+        first = "unknown"  # (a profile cut short: kept all the same)
+    target, n = base / f"segment-{first}", 1
+    while target.exists():
+        target, n = base / f"segment-{first}-{n}", n + 1
+    target.mkdir()
+    for rank in ranks:
+        os.rename(rank, target / rank.name)
+    return target
+
+
+def profile_segments(trace_dir: str) -> list[Path]:
+    """The earlier segments' profiles kept in trace_dir (Note [profile segments]), oldest first."""
+    base = Path(trace_dir)
+    found = [p for p in base.glob("segment-*") if p.is_dir()] if base.is_dir() else []
+    return sorted(found, key=lambda p: os.stat(p).st_mtime)
 
 
 def _position_of(path: Path) -> dict | None:

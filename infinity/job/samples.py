@@ -55,22 +55,26 @@ class Sample:
 
 # ---------------------------------------------------------------- reading
 
-def read_records(path: str) -> list[tuple[str, dict]]:
-    """(where, record) of each record of a local file; `where` is "FILE line N" (jsonl) or "FILE record N"."""
+def read_records(path: str, key: str = "data.path") -> list[tuple[str, dict]]:
+    """(where, record) of each record of a local file; `where` is "FILE line N" (jsonl) or "FILE record N";
+    `key`: the setting that named the file (data.path, data.val_path), as its errors name it."""
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"{key} = {path!r} is a directory: point it at a .jsonl, .json, .parquet or .arrow file "
+                          f"inside it")
     if not file.is_file():
-        raise ConfigError(f"data.path = {path!r}: no such file; point it at a local .jsonl, .json, .parquet or "
+        raise ConfigError(f"{key} = {path!r}: no such file; point it at a local .jsonl, .json, .parquet or "
                           f".arrow file")
     kind = FILE_KINDS.get(file.suffix.lower())
     if kind is None:
-        raise ConfigError(f"data.path = {path!r}: data.format needs a .jsonl, .json, .parquet or .arrow file; "
+        raise ConfigError(f"{key} = {path!r}: data.format needs a .jsonl, .json, .parquet or .arrow file; "
                           f'rename or convert it, or set data.format = "text" to train on it as plain text')
     if file.suffix.lower() == ".jsonl":
         return list(_jsonl(file))
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"data.path = {path!r}: reading {file.suffix} files needs Hugging Face datasets: "
+        raise ConfigError(f"{key} = {path!r}: reading {file.suffix} files needs Hugging Face datasets: "
                           f'pip install "infinity[hf]"') from None
     try:
         table = datasets.load_dataset(kind, data_files=str(file), split="train")
@@ -103,8 +107,9 @@ def _jsonl(file: Path):
 
 
 def _field(record: dict, name: str, key: str, where: str, kind: type) -> Any:
-    if name not in record:
-        raise DataError(f"{where}: no field {name!r} (it has {sorted(record)}); add it, or set data.{key} to "
+    if record.get(name) is None:  # (a .json/.parquet record read by datasets has every column: None where missing)
+        present = sorted(k for k, v in record.items() if v is not None)
+        raise DataError(f"{where}: no field {name!r} (it has {present}); add it, or set data.{key} to "
                         f"the field's name")
     value = record[name]
     if not isinstance(value, kind):
@@ -245,15 +250,16 @@ def _common(prefix: list[int], ids: list[int]) -> int:
     return n
 
 
-def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str | None = None) -> list[Sample]:
-    """The samples of `path` (default data.path) in data.format."""
+def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str | None = None,
+                 key: str = "data.path") -> list[Sample]:
+    """The samples of `path` (default data.path) in data.format; `key`: the setting that named the file."""
     if data.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f'data.format = "chat": the tokenizer in {tokenizer_where} has no chat template; save '
                           f"one with it (tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR)), or use "
                           f'data.format = "completion"')
     render = render_chat if data.format == "chat" else render_completion
     samples = []
-    for where, record in read_records(path or data.path):
+    for where, record in read_records(path or data.path, key):
         sample = _limit(render(tokenizer, record, data, where), seq_len, data.truncation, where)
         if len(sample.ids) >= 2 and any(t != IGNORE for t in sample.labels[1:]):
             samples.append(sample)

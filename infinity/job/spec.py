@@ -50,7 +50,7 @@ from infinity.config.options import (
     show,
     type_name,
 )
-from infinity.config.sections import SECTIONS, Config
+from infinity.config.sections import SECTIONS, Config, key_outside_sections
 from infinity.job.data import VOCAB_SIZE, DataConfig
 
 # ---------------------------------------------------------------- job config
@@ -254,6 +254,8 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
             raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); give the path of a TOML file") from None
     tables: dict[str, dict] = {}
     for section, table in data.items():
+        if section not in SECTIONS and section not in JOB_SECTIONS and not isinstance(table, dict):
+            raise key_outside_sections(section, table, {**JOB_SECTIONS, **SECTIONS})
         _check_section(section)
         if not isinstance(table, dict):
             raise ConfigError(f"[{section}] = {show(table)}: a section must be a table, e.g. [{section}] on its "
@@ -270,9 +272,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
         table = tables.pop(name, {})
         for key in table:
             if key not in {f.name for f in dataclasses.fields(cls)}:
-                valid = [f.name for f in dataclasses.fields(cls)]
-                raise ConfigError(f"unknown key {name}.{key}{did_you_mean(key, valid)}; valid keys of [{name}]: "
-                                  f"{', '.join(valid)}")
+                raise _unknown_job_key(name, key, table[key])
         job_parts[_field(name)] = cls(**table)
     if job_parts["model"].pretrained:  # config.toml (train again, --resume) then names it from anywhere
         job_parts["model"] = dataclasses.replace(job_parts["model"],
@@ -297,6 +297,21 @@ def _check_export_keys(job: Job) -> None:
     if not job.run.export and not job.run._is_default("export_dtype"):
         raise ConfigError(f"run.export_dtype = {show(job.run.export_dtype)} has no effect with run.export = false: "
                           f"remove one of them")
+
+
+def _unknown_job_key(section: str, key: str, value: Any) -> ConfigError:
+    """Error for a key no job section `section` has; a sub-table's name (model.lora) given as a key says how to
+    write the table."""
+    tables = [name.rsplit(".", 1)[-1] for name in JOB_SECTIONS if name.startswith(section + ".")]
+    if key in tables:
+        example = dataclasses.fields(JOB_SECTIONS[f"{section}.{key}"])[0].name
+        return ConfigError(f"{section}.{key} = {show(value)}: {section}.{key} is a table, not a key: write "
+                           f"[{section}.{key}] on its own line, then its keys, e.g. {example} = {show(value)} "
+                           f"(--set {section}.{key}.{example}={show(value)}; `infinity config --defaults` lists them)")
+    valid = [f.name for f in dataclasses.fields(JOB_SECTIONS[section])]
+    tables_text = "".join(f", and the table [{section}.{t}]" for t in tables)
+    return ConfigError(f"unknown key {section}.{key}{did_you_mean(key, valid + tables)}; valid keys of "
+                       f"[{section}]: {', '.join(valid)}{tables_text}")
 
 
 def _check_section(section: str) -> None:

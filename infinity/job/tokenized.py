@@ -141,7 +141,7 @@ def sample_batches(job: Job, rank: int = 0, world: int = 1):
     tokenizer = _tokenizer(job, where)
     samples = _cached_samples(job, tokenizer, where, job.data.path)
     if job.data.val_path:
-        train, val = samples, _cached_samples(job, tokenizer, where, job.data.val_path)
+        train, val = samples, _cached_samples(job, tokenizer, where, job.data.val_path, "data.val_path")
     else:
         train, val = split_samples(samples, job.data.val_fraction, job.data.path)
     compute = job.engine_config(".").precision.compute_dtype
@@ -164,7 +164,7 @@ def resolve_data_format(job: Job) -> tuple[Job, str | None]:
     return job, said if changed else None
 
 
-def _cached_samples(job: Job, tokenizer, where: str, path: str) -> list:
+def _cached_samples(job: Job, tokenizer, where: str, path: str, key: str = "data.path") -> list:
     """load_samples of `path`, through the cache (Note [tokenized data cache]): ids and labels of all samples
     end to end, and each sample's length."""
     from infinity.job.samples import Sample, load_samples
@@ -174,13 +174,13 @@ def _cached_samples(job: Job, tokenizer, where: str, path: str) -> list:
                 "truncation": d.truncation, "seq_len": job.model.seq_len}
 
     def tokenize() -> dict[str, torch.Tensor]:
-        samples = load_samples(d, tokenizer, where, job.model.seq_len, path)
+        samples = load_samples(d, tokenizer, where, job.model.seq_len, path, key)
         return {"ids": torch.tensor([t for s in samples for t in s.ids], dtype=torch.int32),
                 "labels": torch.tensor([t for s in samples for t in s.labels], dtype=torch.int32),
                 "lengths": torch.tensor([len(s.ids) for s in samples], dtype=torch.int64)}
     file = Path(path)
     if not file.is_file():
-        return load_samples(d, tokenizer, where, job.model.seq_len, path)  # its error names the path
+        return load_samples(d, tokenizer, where, job.model.seq_len, path, key)  # its error names the path
     saved = cached(file, where, settings, tokenize)
     ids, labels = saved["ids"].tolist(), saved["labels"].tolist()
     out, at = [], 0

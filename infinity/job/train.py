@@ -69,6 +69,7 @@ from infinity.job.resume import (
     Resume,
     earlier_losses,
     earlier_tokens,
+    keep_profile_segment,
     run_checkpoints,
     set_aside,
     stopped_summary,
@@ -212,6 +213,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             assert saved.get("step") == start, f"{resume.checkpoint} is at step {saved.get('step')}, not {start}"
             count_as_written(engine, [str(p) for step, p in run_checkpoints(run_dir) if step <= start],
                              engine.optimizer_steps)  # the run's periodic and final ones: keep_last goes on
+            kept = []  # the damaged checkpoints' new names (rank 0 renames them)
             if rank == 0:  # only now: a resume that fails to start leaves the run's files as they were
                 atomic_write(run_dir / "config.toml", to_toml(config, job, str(run_dir)))
                 dropped = trim_metrics(run_dir / "metrics.jsonl", start)  # steps after the checkpoint: trained again
@@ -219,10 +221,11 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                     say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")
                 earlier = earlier_losses(run_dir / "metrics.jsonl")
                 result.tokens_before = earlier_tokens(run_dir / "metrics.jsonl")
-                set_aside(resume.damaged)  # kept, not deleted; their steps are saved again (Note [damaged checkpoint])
+                kept = set_aside(resume.damaged)  # kept, their steps saved again (Note [damaged checkpoint])
+                keep_profile_segment(config.profile.trace_dir)  # Note [profile segments]
             barrier(default_group())
-            if resume.damaged_note():
-                say.note(resume.damaged_note())
+            if resume.damaged_note(kept):
+                say.note(resume.damaged_note(kept))
             say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")
             if resume.changes:
                 say.note("changed from the run's config.toml: " + "; ".join(resume.changes))

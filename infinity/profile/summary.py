@@ -254,9 +254,20 @@ def parts_text(row: dict) -> str:
             f" + unattributed {_ms(row['unattributed_s'])} ({_percent(_ratio(row['unattributed_s'], row['step_s']))})")
 
 
+def _covered(steps: list[dict]) -> str:
+    """Which steps of the run the profile holds, numbered as metrics.jsonl numbers them (from 1): a profile
+    that starts later is the segment since a resume (the earlier steps are not in it)."""
+    numbers = [s["step"] for s in steps if s.get("step") is not None]
+    if not numbers:
+        return ""
+    first, last = min(numbers), max(numbers)
+    return (f" (steps {first}-{last} of the run" + (f": the segment since the resume at step {first - 1})"
+                                                      if first > 1 else ")"))
+
+
 def format_summary(summary: dict, last: int | None = None) -> str:
-    """A human-readable table: the median step's split, one row per step (the `last` ones only, when given),
-    then one row per link (medians)."""
+    """A human-readable table: which steps it covers, the median step's split, one row per step (the `last`
+    ones only, when given; 0: none), then one row per link (medians)."""
     median = summary.get("median")
     if median is None:
         return f"profile rank {summary.get('rank', 0)}: no steps, no spans"
@@ -266,7 +277,8 @@ def format_summary(summary: dict, last: int | None = None) -> str:
                 f"{_ms(median['exposed_s'])} ms; this summary predates the step's split into parts: profile the "
                 f"run again to see where each millisecond goes")
     lines = [
-        f"profile rank {summary['rank']}: {summary['num_steps']} step(s), median step {_ms(median['step_s'])} ms, "
+        f"profile rank {summary['rank']}: {summary['num_steps']} step(s){_covered(summary['steps'])}, median step "
+        f"{_ms(median['step_s'])} ms, "
         f"compute {_ms(median['compute_s'])} ms, exposed {_ms(median['exposed_s'])} ms, "
         f"host {_ms(median['host_s'])} ms, unattributed {_ms(median['unattributed_s'])} ms, "
         f"overlap efficiency {_percent(median['overlap_efficiency'])} (compute / step), "
@@ -284,7 +296,7 @@ def format_summary(summary: dict, last: int | None = None) -> str:
     steps = summary["steps"]
     if last is not None and len(steps) > last:
         lines.append(f"{'...':>6} ({len(steps) - last} earlier step(s) not shown; the median is over all of them)")
-        steps = steps[-last:]
+        steps = steps[len(steps) - last:]  # (not steps[-last:]: last = 0 shows none)
     for s in steps:
         step = "all" if s["step"] is None else str(s["step"])
         lines.append(f"{step:>6} {_ms(s['step_s']):>10} {_ms(s['compute_s']):>11} {_ms(s['exposed_s']):>11} "

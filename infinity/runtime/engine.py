@@ -283,7 +283,7 @@ class Engine:
             return False
         self.optimizer_steps += 1
         self.optimizer.stepped()  # (a torch LR scheduler on it checks this)
-        self.clock.stepped(self.optimizer_steps - 1)
+        self.clock.stepped(self.optimizer_steps)  # numbered from 1, as metrics.jsonl and the progress line are
         return True
 
     @property

@@ -15,7 +15,7 @@ BAD = [
     ({"optimizer": {"learning_rate": 1e-3}}, [], "optimizer.learning_rate", "valid keys of [optimizer]"),
     ({"optimizer": {"weight_decy": 0.1}}, [], "optimizer.weight_decy", 'did you mean "weight_decay"'),
     ({"train": {"lr": 1e-3}}, [], "train.lr", 'did you mean "optimizer.lr"'),
-    ({"lr": 1e-3}, [], "[lr]", 'did you mean "optimizer.lr"'),
+    ({"lr": 1e-3}, [], "lr = 0.001 is a key outside any section", "write it under [optimizer]"),
     ({"placement": {"param": "host"}}, [], "placement.param", 'did you mean "params"'),
     ({}, ["optimizer.betass=[0.9, 0.99]"], "optimizer.betass", 'did you mean "betas"'),
     ({}, ["optimizer"], "override 'optimizer'", "section.key=value"),
@@ -166,6 +166,21 @@ def test_from_file_errors_name_the_file(tmp_path):
         Config.from_file(path)
     path.write_text("[optimizer]\nlrr = 1e-3\n")
     with pytest.raises(ConfigError, match=r"bad.toml: unknown key optimizer.lrr \(did you mean \"lr\"\?\)"):
+        Config.from_file(path)
+
+
+def test_from_file_names_a_missing_file_a_job_file_and_a_key_outside_sections(tmp_path):
+    with pytest.raises(ConfigError, match=r"config file .*nope.toml: cannot read it \(No such file or directory\); "
+                                          r"give the path of a TOML file"):
+        Config.from_file(tmp_path / "nope.toml")
+    path = tmp_path / "config.toml"  # what `infinity train` writes in a run directory: a job file
+    path.write_text("[optimizer]\nlr = 1e-3\n[run]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"unknown section \[run\]: \[run\], \[model\] and \[data\] make this an "
+                                          r"`infinity train` job file .*`infinity train --config FILE` reads; "
+                                          r"infinity.Config reads the engine's sections only"):
+        Config.from_file(path)
+    path.write_text("lr = 1e-3\n")
+    with pytest.raises(ConfigError, match=r"lr = 0.001 is a key outside any section .*it is a key of \[optimizer\]"):
         Config.from_file(path)
 
 

@@ -173,6 +173,16 @@ def test_infinity_config_cannot_contradict_the_arguments(tmp_path):
                         infinity_config={"optimizer": {"lr": 1.0}})
 
 
+def test_a_missing_infinity_config_file_is_named(tmp_path):
+    """infinity_config="nope.toml" (no such file): a ConfigError naming the argument, the path and the fix, as the
+    CLI's --config (not a bare FileNotFoundError)."""
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(infinity.ConfigError, match=rf"infinity_config='{missing}': config file {missing}: cannot "
+                                                   r"read it \(No such file or directory\); give the path of a TOML"):
+        InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path), train_dataset=lm_dataset(4),
+                        infinity_config=missing)
+
+
 def test_an_epochs_shorter_last_window_is_the_trainers(tmp_path):
     """7 batches per epoch with gradient_accumulation_steps = 3: windows of 3, 3 and 1, two epochs; the Trainer
     scales the short window by its own length and steps it (Note [accumulation windows])."""

@@ -80,3 +80,24 @@ def test_lora_targets_all_linear_and_hint_with_the_models_own_names(dirs, target
         with pytest.raises(ConfigError, match="c_attn") as e:
             build_model(model, lora)
         assert "v_proj" not in str(e.value)
+
+
+@pytest.mark.parametrize("tokenizer", ["auto", "bytes"])
+def test_a_missing_or_file_pretrained_path_is_named_before_its_files(dirs, tmp_path, tokenizer):
+    """model.pretrained that is no directory, or a file in one (its model.safetensors): said as such, not as a
+    directory without a tokenizer or a config.json."""
+    from infinity.config.sections import ConfigError
+    from infinity.job.build import build_model
+    from infinity.job.train import job_batches, load_job
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 200)
+    cases = ((tmp_path / "nope", "': no such directory; give the directory save_pretrained wrote"),
+             (dirs / "good" / "model.safetensors", f"' is a file, not a directory: give the directory "
+                                                   f"save_pretrained wrote (here probably '{dirs / 'good'}')"))
+    for where, needle in cases:
+        job = load_job(None, [f"model.pretrained={where}", f"model.tokenizer={tokenizer}", f"data.path={corpus}",
+                              "model.seq_len=8", "run.batch_size=2", f"run.dir={tmp_path}"])
+        for step in (lambda: job_batches(job), lambda: build_model(job.model, job.lora)):
+            with pytest.raises(ConfigError) as e:
+                step()
+            assert str(e.value).startswith(f"model.pretrained = '{where}{needle}"), e.value

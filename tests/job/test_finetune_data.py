@@ -181,6 +181,36 @@ def test_bad_completion_data_names_the_line(tmp_path, llama, content, match):
         load_samples(data(path=str(tmp_path / "x.jsonl"), format="completion"), tok, "t", 64)
 
 
+def test_a_json_array_record_without_the_field_says_no_field_as_jsonl_does(tmp_path, llama):
+    """A .json file (one JSON array, read by datasets: a record lacking a column gets None there) names the
+    missing field as a .jsonl file does, not as a NoneType value."""
+    pytest.importorskip("datasets")
+    _, _, tok = llama
+    records = [{"prompt": "a", "completion": " b"}] * 5 + [{"prompt": "c"}]
+    (tmp_path / "x.json").write_text(json.dumps(records))
+    with pytest.raises(DataError, match=r"x.json record 6: no field 'completion' \(it has \['prompt'\]\); add it, or "
+                                        r"set data.completion_field"):
+        load_samples(data(path=str(tmp_path / "x.json"), format="completion"), tok, "t", 64)
+
+
+def test_missing_data_files_name_the_key_that_set_them(tmp_path, llama):
+    from infinity.job.train import job_batches, load_job
+    path, _, _ = llama
+    train_f = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{i} plus 1?", "completion": f" {i + 1}."}
+                                                  for i in range(10)])
+    common = [f"model.pretrained={path}", "data.format=completion", "model.seq_len=32", "run.batch_size=2",
+              f"run.dir={tmp_path}"]
+    for sets, needle in (([f"data.path={train_f}", f"data.val_path={tmp_path / 'nope.jsonl'}"],
+                          f"data.val_path = '{tmp_path / 'nope.jsonl'}': no such file"),
+                         ([f"data.path={tmp_path}"], f"data.path = '{tmp_path}' is a directory: point it at a "
+                                                     f".jsonl, .json, .parquet or .arrow file inside it"),
+                         ([f"data.path={train_f}", f"data.val_path={tmp_path}"],
+                          f"data.val_path = '{tmp_path}' is a directory")):
+        with pytest.raises(ConfigError) as e:
+            job_batches(load_job(None, common + sets))
+        assert needle in str(e.value)
+
+
 def test_bad_chat_data_names_the_line(tmp_path, llama):
     _, _, tok = llama
     bad = {"messages": [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]}

@@ -73,6 +73,33 @@ def test_bad_job_keys_name_the_key_and_the_fix(overrides, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("text,needle", [
+    # a key above the first [section] line: where it belongs, not "unknown section [steps]"
+    ("steps = 3\n[run]\nbatch_size = 2\n", "steps = 3 is a key outside any section (above the first [section] "
+                                             "line); it is a key of [run]: write it under [run]"),
+    ("lr = 1e-3\n", "it is a key of [optimizer]: write it under [optimizer]"),
+    ("stepz = 3\n", "no section has a key 'stepz'"),
+    # the sub-table given as a key: how to write the table
+    ("[model]\nlora = 4\n", "model.lora is a table, not a key: write [model.lora] on its own line, then its "
+                             "keys, e.g. r = 4"),
+    ("[model]\nlorra = 4\n", "valid keys of [model]: pretrained, kind, n_layer, d_model, n_head, n_kv_head, "
+                              "ffn_dim, tokenizer, seq_len, vocab_size, and the table [model.lora]"),
+])
+def test_misplaced_keys_in_a_job_file_say_where_they_belong(tmp_path, text, needle):
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_job(path)
+    assert needle in str(e.value)
+
+
+def test_the_job_sections_are_the_ones_the_engine_config_names():
+    """Config.from_file names a job file by JOB_FILE_SECTIONS: the job's own sections (and their tables)."""
+    from infinity.config.sections import JOB_FILE_SECTIONS
+    from infinity.job.spec import JOB_SECTIONS
+    assert set(JOB_FILE_SECTIONS) == {name.split(".")[0] for name in JOB_SECTIONS}
+
+
 def test_resolved_config_round_trips_through_toml(tmp_path):
     job = load_job(None, ["run.steps=9", "precision.compute_dtype=bf16"])
     config = job.engine_config(str(tmp_path))

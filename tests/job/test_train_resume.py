@@ -115,6 +115,7 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(tmp_path
     said = [line for line in (out.out + out.err).splitlines() if "is damaged" in line]
     assert len(said) == 1 and str(run / "checkpoint") in said[0] and "step-00000004 (step 4)" in said[0], said
     assert (run / "checkpoint.damaged" / "rank00000.bin").read_bytes() == damaged  # kept as it was
+    assert said[0].endswith(f"kept as {run / 'checkpoint.damaged'}"), said  # its real name
     assert_same_training(tmp_path / "whole", run, tmp_path, from_step=0)  # steps 5 and 6 trained again
 
     explicit = tmp_path / "explicit"
@@ -124,6 +125,26 @@ def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(tmp_path
     assert resume.step == 2 and {p.name for p, _ in resume.damaged} == {"checkpoint", "step-00000004"}
     with pytest.raises(ConfigError, match=f"the checkpoint is damaged .*infinity train --resume {explicit}$"):
         load_resume(explicit / "checkpoints" / "step-00000004", None, [f"run.steps={N}"])
+
+
+def test_a_resumed_run_keeps_the_earlier_segments_profile(tmp_path, capsys):
+    """Note [profile segments]: the profile of the steps before a resume moves to profile/segment-<first step>;
+    the new profile holds the steps since, numbered as metrics.jsonl, and `infinity profile` says so."""
+    run_job(tmp_path, "r", f"run.steps={N // 2}", "profile.enabled=true")
+    run = tmp_path / "r"
+    code = main(["train", "--resume", str(run), "--set", f"run.steps={N}", "--quiet"])
+    assert code == 0, capsys.readouterr().err
+    def steps(profile: Path) -> list[int]:
+        return [s["step"] for s in json.loads((profile / "rank0" / "summary.json").read_text())["steps"]]
+    assert steps(run / "profile" / "segment-1") == list(range(1, N // 2 + 1))
+    assert steps(run / "profile") == list(range(N // 2 + 1, N + 1)) == [r["step"] for r in metrics(run)][N // 2:]
+    capsys.readouterr()
+    assert main(["profile", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"(steps {N // 2 + 1}-{N} of the run: the segment since the resume at step {N // 2})" in out
+    assert f"infinity profile {run / 'profile' / 'segment-1'}" in out
+    assert main(["profile", str(run / "profile" / "segment-1")]) == 0
+    assert f"(steps 1-{N // 2} of the run)" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # (CI: the Ctrl-C stop in test_train_job, the resumed run's exactness above)

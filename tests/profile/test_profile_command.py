@@ -44,6 +44,10 @@ def test_profile_command_prints_the_summary_and_json(profiled_run):
     summary = json.loads((run_dir / "profile" / "rank0" / "summary.json").read_text())
     rows = [line.split() for line in out.stdout.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [int(r[0]) for r in rows] == [s["step"] for s in summary["steps"][-3:]]
+    # the profile numbers steps as metrics.jsonl does (from 1), and says which it covers
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in summary["steps"]] == [r["step"] for r in records] == list(range(1, 15))
+    assert "14 step(s) (steps 1-14 of the run)" in out.stdout
     assert f"{summary['median']['step_s'] * 1e3:.2f}" in out.stdout
     median = summary["median"]  # Note [step attribution]: the printed split is the summary's, and it adds up
     assert f"median step ({median['step']}): step {median['step_s'] * 1e3:.2f} ms = compute " in out.stdout
@@ -62,6 +66,66 @@ def test_a_summary_without_the_split_still_prints():
             "on_demand_fetches": 0, "links": {}}
     text = format_summary({"rank": 0, "num_steps": 1, "steps": [step], "median": step})
     assert "median step 100.00 ms" in text and "profile the run again" in text
+
+
+def _tiny_profile(root, count):
+    """A run directory whose profile holds `count` steps numbered from 1, as the job writes them."""
+    rank = root / "profile" / "rank0"
+    rank.mkdir(parents=True)
+    step = {"step_s": 0.1, "compute_s": 0.1, "exposed_s": 0.0, "host_s": 0.0, "unattributed_s": 0.0,
+            "attributed": 1.0, "overlap_efficiency": 1.0, "on_demand_fetches": 0, "host_syncs": 0,
+            "host_syncs_training": None, "host_syncs_by_reason": {}, "links": {},
+            "parts": {"compute": 0.1, "exposed": {}, "host": {}, "unattributed": 0.0}}
+    steps = [dict(step, step=i) for i in range(1, count + 1)]
+    (rank / "summary.json").write_text(json.dumps({"rank": 0, "num_steps": count, "steps": steps,
+                                                   "median": dict(steps[0], step=1)}))
+    (root / "metrics.jsonl").write_text("")
+    return root
+
+
+def _step_rows(text: str) -> list[int]:
+    return [int(line.split()[0]) for line in text.splitlines() if line.strip() and line.split()[0].isdigit()]
+
+
+@pytest.mark.parametrize("count,shown", [(5, [3, 4, 5]), (3, [1, 2, 3])])
+def test_steps_shows_the_last_n(tmp_path, capsys, count, shown):
+    from infinity.job.cli import main
+    assert main(["profile", str(_tiny_profile(tmp_path, count)), "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert _step_rows(out) == shown
+    assert ("2 earlier step(s) not shown" in out) == (count == 5)
+
+
+def test_steps_zero_shows_no_rows_and_a_negative_count_is_refused(tmp_path, capsys):
+    from infinity.job.cli import main
+    run = _tiny_profile(tmp_path, 5)
+    assert main(["profile", str(run), "--steps", "0"]) == 0
+    out = capsys.readouterr().out
+    assert _step_rows(out) == [] and "5 earlier step(s) not shown" in out and "median step (1)" in out
+    for bad in ("-1", "two"):
+        with pytest.raises(SystemExit) as exit:
+            main(["profile", str(run), "--steps", bad])
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and "give 0 or more" in err and "Traceback" not in err
+
+
+def test_a_later_first_step_says_it_is_the_segment_since_a_resume():
+    step = {"step": 31, "step_s": 0.1, "compute_s": 0.1, "exposed_s": 0.0, "host_s": 0.0, "unattributed_s": 0.0,
+            "attributed": 1.0, "overlap_efficiency": 1.0, "on_demand_fetches": 0, "host_syncs": 0,
+            "host_syncs_training": None, "host_syncs_by_reason": {}, "links": {},
+            "parts": {"compute": 0.1, "exposed": {}, "host": {}, "unattributed": 0.0}}
+    steps = [dict(step, step=i) for i in range(31, 41)]
+    text = format_summary({"rank": 0, "num_steps": 10, "steps": steps, "median": steps[0]})
+    assert "10 step(s) (steps 31-40 of the run: the segment since the resume at step 30)" in text
+
+
+def test_a_file_given_for_the_run_directory_is_named(tmp_path):
+    """`infinity profile RUN/metrics.jsonl`: exit 2 saying it wants a directory, naming the run's."""
+    run = _tiny_profile(tmp_path / "r", 2)
+    for path in (run / "metrics.jsonl", run / "profile" / "rank0" / "summary.json"):
+        out = _cli("profile", str(path))
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert "a file; give a directory" in out.stderr and f"`infinity profile {run}`" in out.stderr
 
 
 def test_profile_command_names_a_missing_profile(tmp_path):
