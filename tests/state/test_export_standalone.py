@@ -98,7 +98,9 @@ def test_job_export_is_in_the_source_dtype_with_its_tokenizer_and_chat_template(
     assert loaded.dtype == want
     x = torch.tensor([tokenizer("in the beginning god")["input_ids"]])
     bundle = build_model(job.model, job.lora)
-    engine = infinity.initialize(bundle.model, HOST, weights=bundle.weights)
+    groups = {**HOST, "optimizer": {**HOST.get("optimizer", {}),
+                                    "no_decay": list(job.engine_config("r").optimizer.no_decay)}}
+    engine = infinity.initialize(bundle.model, groups, weights=bundle.weights)  # the job's parameter groups
     with engine, torch.no_grad():
         engine.load_checkpoint(str(tmp_path / "r" / "checkpoint"))
         engine.eval()
