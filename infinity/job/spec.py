@@ -263,10 +263,17 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
         tables[section] = dict(table)
     if isinstance(tables.get("model", {}).get("lora"), dict):
         tables["model.lora"] = tables["model"].pop("lora")  # [model.lora] is a table inside [model] in TOML
+    set_shape = []  # model shape keys given with --set: refused with model.pretrained even at their defaults
     for item in overrides:
         section, key, value = parse_override(item)
         _check_section(section)
         tables.setdefault(section, {})[key] = value
+        if section == "model" and key in ModelConfig.SHAPE:
+            set_shape.append(key)
+    if set_shape and tables.get("model", {}).get("pretrained"):
+        raise ConfigError(f"--set model.{set_shape[0]}: with model.pretrained the model's kind and shape come from "
+                          f"{tables['model']['pretrained']}/config.json; drop "
+                          f"{', '.join('--set model.' + k for k in set_shape)}")
     job_parts = {}
     for name, cls in JOB_SECTIONS.items():
         table = tables.pop(name, {})

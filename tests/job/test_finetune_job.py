@@ -191,6 +191,8 @@ def test_bad_fine_tune_settings_name_the_key_and_the_fix(pretrained, tmp_path):
                              num_attention_heads=2).save_pretrained(small)
     cases = [
         ([f"model.pretrained={pretrained}", "model.n_layer=8"], "with model.pretrained the model's kind and shape"),
+        ([f"model.pretrained={pretrained}", "model.n_layer=4"], "--set model.n_layer: with model.pretrained"),
+        ([f"model.pretrained={pretrained}", "model.vocab_size=256"], "drop --set model.vocab_size"),
         (["model.lora.r=8"], "model.lora.r = 8 needs model.pretrained"),
         ([f"model.pretrained={pretrained}", "model.lora.alpha=32"], "model.lora.r = 0 (no LoRA)"),
         ([f"model.pretrained={pretrained}", "model.lora.target=[\"q_proj\"]"],
