@@ -417,8 +417,7 @@ class CheckpointConfig(Section):
                                         "every checkpoint (in the compute dtype), which then stands alone.", "bool")
     dir: str = option("", "Directory the checkpoints are saved under (`infinity train` sets it to the run directory). "
                       "Preflight checks that its disk holds the checkpoints kept (see saves) of every rank on the "
-                      "node, "
-                      "besides any swap on the same disk (Note [checkpoint space]); \"\" = not checked.", "path")
+                      "node, besides any swap on the same disk (Note [checkpoint space]); \"\" = not checked.", "path")
     saves: int = option(0, "How many checkpoints the run will save (`infinity train` sets it from run.steps and "
                         "run.checkpoint_every). Preflight counts min(keep_last + 1, saves) of them on the disk, or, "
                         "with keep_last = 0 (keep all), every one; 0 = not known: keep_last + 1.", "int", ge=0)
@@ -491,7 +490,7 @@ def _keys(cls: type[Section]) -> list[str]:
 def key_outside_sections(key: str, value: Any, sections: dict[str, type]) -> ConfigError:
     """Error for a TOML key before any [section] line (`steps = 3` at the top of the file): where it belongs,
     when one of `sections` (name: dataclass) has a key of that name."""
-    owners = [s for s, cls in sections.items() if key in [f.name for f in dataclasses.fields(cls)]]
+    owners = [s for s, cls in sections.items() if key in _keys(cls)]
     where = (f"it is a key of [{owners[0]}]: write it under [{owners[0]}]" if owners else
              f"no section has a key {key!r}; valid sections: {', '.join(sections)}")
     return ConfigError(f"{key} = {show(value)} is a key outside any section (above the first [section] line); "

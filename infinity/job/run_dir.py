@@ -21,7 +21,6 @@ import fcntl
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -80,14 +79,12 @@ class RunDir:
     def existing(cls, path: Path) -> "RunDir":
         """The directory of a run being resumed, locked; swap files a killed job left in its swap folder
         are removed (under the lock no live job uses them, and they would hold the disk's space)."""
-        try:
-            with tempfile.NamedTemporaryFile(dir=path, prefix=".infinity-probe-"):
-                pass
-        except OSError as e:
+        from infinity.machine.preflight import write_error
+        if (e := write_error(path)) is not None:
             raise ConfigError(f"run directory {path} is not writable ({e.strerror}): a resumed run writes its "
                               f"config.toml, metrics and checkpoints there; make it writable (chmod u+w, or "
                               f"chattr -i), or train again into a new run: infinity train --config "
-                              f"{path / 'config.toml'} --set run.name=<new name>") from None
+                              f"{path / 'config.toml'} --set run.name=<new name>")
         run = cls(path, False, _lock(path))
         swap = path / SWAP
         for stale in swap.glob("*.swp") if swap.is_dir() else ():

@@ -102,15 +102,22 @@ def check_nvme_path(path: str, *, created_at_start: bool = False) -> Check:
     if where != Path(path).resolve() and not created_at_start:
         return Check(name, False, f"{path} does not exist or is not a directory",
                      f"create it (mkdir -p {path}) or {fix_dir}")
-    try:
-        with tempfile.NamedTemporaryFile(dir=where, prefix=".infinity-probe-"):
-            pass
-    except OSError as e:
+    if (e := write_error(where)) is not None:
         return Check(name, False, f"{where} is not writable ({e.strerror}): swap files cannot be created there",
                      f"make {where} writable, or create a writable directory on a fast local disk (mkdir -p) "
                      f"and point nvme.paths at it")
     note = " (created at start)" if where != Path(path).resolve() else ""
     return Check(name, True, f"a writable directory{note}")
+
+
+def write_error(directory: str | os.PathLike) -> OSError | None:
+    """Why a file cannot be created in `directory` (a probe file made and removed), None when it can: the
+    permission bits alone do not say (root, read-only mounts, immutable directories)."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".infinity-probe-"):
+            return None
+    except OSError as e:
+        return e
 
 
 def _raise_failed(checks: list[Check]) -> None:
