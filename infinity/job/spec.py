@@ -353,7 +353,7 @@ def to_toml(config: Config, job: Job, run_dir: str) -> str:
     derived = job.run_derived(run_dir)
     for section, table in tables.items():
         lines.append(f"[{section}]")
-        lines += [f"# {key} = {show(value)}  (from the run directory: a run trained from this file gets its own)"
+        lines += [f"# {key} = {show(value)}  (derived for the run: a run trained from this file derives its own)"
                   if key in derived.get(section, {}) else f"{key} = {show(value)}" for key, value in table.items()]
         lines.append("")
     return "\n".join(lines)
