@@ -349,18 +349,20 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
                 loss = loss_of(engine, x, y, tokens_per_step)
             engine.backward(loss, num_items_in_batch=tokens_per_step)
             total += loss.detach().double()
-        engine.step()
+        lr = lr_at(engine.optimizer_steps, config.optimizer)  # this window's update's (updates skipped not counted)
+        applied = engine.step()
         with part.host("log"):  # (eval and checkpoint inside are named as such: Note [step attribution])
             mean_loss, stopping = _reduce_step(total, stop.raised, device, engine.world_size)
             seconds = time.perf_counter() - t0
             recent = (recent + [seconds])[-10:]
             if step % job.run.log_every == 0 or step <= 2 or step == job.run.steps:
                 overlap = overlap_efficiency(engine)  # summarizing the spans costs time: not every step
-            record = {"step": step, "loss": mean_loss, "lr": lr_at(step - 1, config.optimizer),
+            record = {"step": step, "loss": mean_loss, "lr": lr,
                       "grad_norm": engine.last_grad_norm, "step_time_s": seconds,
                       "tokens_per_s": tokens_per_step / seconds, "tokens_per_step": tokens_per_step,
                       "tokens": result.tokens + tokens_per_step,
-                      "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap}
+                      "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap,
+                      **({} if applied else {"skipped": True})}  # (fp16 overflow, train.on_nonfinite = "skip")
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
                                          f"optimizer.warmup_steps")

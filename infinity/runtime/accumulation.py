@@ -28,6 +28,7 @@ class AccumulationWindow:
 
     def __init__(self, length: int):
         self.length = length
+        self.steps = 0  # windows step() closed, their update applied or skipped: the caller's step count
         self.taken_in_window = 0  # backward passes of the open window so far
         self.closed = False  # the last backward ended a window and step() has not applied it yet
         self._end_now = False
@@ -62,6 +63,7 @@ class AccumulationWindow:
 
     def stepped(self) -> None:
         self.closed = False
+        self.steps += 1
 
     @property
     def between_windows(self) -> bool:

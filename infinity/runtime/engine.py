@@ -279,12 +279,12 @@ class Engine:
         all_reduce_sum(sumsq, self.env.group)
         norm = math.sqrt(host_value(sumsq, "grad norm")) / self.scaler.scale  # clipping and skipping need it
         self.last_grad_norm = norm
-        if not self.updates.step(norm, self.optimizer_steps):
-            return False
-        self.optimizer_steps += 1
-        self.optimizer.stepped()  # (a torch LR scheduler on it checks this)
-        self.clock.stepped(self.optimizer_steps)  # numbered from 1, as metrics.jsonl and the progress line are
-        return True
+        applied = self.updates.step(norm, self.optimizer_steps)
+        if applied:
+            self.optimizer_steps += 1
+            self.optimizer.stepped()  # (a torch LR scheduler on it checks this)
+        self.clock.stepped(self.window.steps)  # from 1, skipped steps too, as metrics.jsonl and the progress line
+        return applied
 
     @property
     def lr(self) -> list[float]:

@@ -364,7 +364,7 @@ def begin_save(engine, path: str, user_state: dict | None, background: bool) -> 
         "format": FORMAT, "world_size": engine.world_size, "compute_dtype": engine.config.precision.compute_dtype,
         "zero_stage": engine.config.zero.stage,
         "units": model_layout(engine.units), "config": engine.config.to_dict(),
-        "optimizer_steps": engine.optimizer_steps, "micro_step": engine.micro_step,
+        "optimizer_steps": engine.optimizer_steps, "micro_step": engine.micro_step, "windows": engine.window.steps,
         "param_steps": [u.steps.counts for u in engine.units],
         "param_groups": engine.groups.record(),  # names, hyper-parameters, current lrs (checked at load)
         "loss_scale": {"scale": engine.scaler.scale, "clean_steps": engine.scaler._clean_steps,

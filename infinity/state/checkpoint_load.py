@@ -264,6 +264,7 @@ def load(engine, path: str) -> dict:
     engine.groups.restore_lrs(manifest.get("param_groups"))  # as torch's Optimizer.load_state_dict does
     engine.micro_step = manifest["micro_step"]
     engine.window.taken_in_window, engine.window.closed = 0, False  # (saved between windows, after the step)
+    engine.window.steps = manifest.get("windows", manifest["optimizer_steps"])  # (before 2026-11-27: no "windows")
     scale = manifest["loss_scale"]
     engine.scaler.scale, engine.scaler._clean_steps = scale["scale"], scale["clean_steps"]
     engine.scaler.skipped_steps = scale["skipped_steps"]

@@ -202,6 +202,23 @@ def test_run_directory_and_losses_match_plain_pytorch(tmp_path):
         train(job, verbose=False)
 
 
+def test_skipped_steps_are_marked_and_the_lr_is_the_applied_updates(tmp_path):
+    """fp16 steps that overflow are skipped: metrics.jsonl marks them, its lr is the schedule's at the count of
+    updates applied before (the engine's schedule skips them too, as HF's does), and the profile numbers every
+    step as metrics.jsonl does."""
+    from infinity.optim.schedule import lr_at
+    job = load_job(None, TINY + ["run.steps=6", f"run.dir={tmp_path}", "run.name=r", "precision.compute_dtype=fp16",
+                                 "precision.initial_loss_scale=1048576", "optimizer.warmup_steps=4"])
+    train(job, verbose=False)
+    records = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [not math.isfinite(r["grad_norm"]) for r in records]
+    assert 0 < sum(skipped) < len(records) and [r.get("skipped", False) for r in records] == skipped
+    cfg = job.engine_config(str(tmp_path / "r")).optimizer
+    assert [r["lr"] for r in records] == [lr_at(sum(not s for s in skipped[:i]), cfg) for i in range(len(records))]
+    profile = json.loads((tmp_path / "r" / "profile" / "rank0" / "summary.json").read_text())
+    assert [s["step"] for s in profile["steps"]] == [r["step"] for r in records]
+
+
 def test_overlap_efficiency_shows_when_a_profiler_reports_it():
     class Engine:
         pass

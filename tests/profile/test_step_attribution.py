@@ -190,3 +190,29 @@ class _CudaLooking:
 
     def __getattr__(self, name):
         return getattr(self._streams, name)
+
+
+def test_a_skipped_step_is_a_step_of_the_profile_numbered_as_the_callers(tmp_path):
+    """The profile numbers steps as the caller counts them (metrics.jsonl: every window, its update applied or
+    skipped), not by applied updates: a skipped non-finite step is its own profile step, and the steps after
+    it keep their numbers, through a checkpoint's save and load too."""
+    import math
+    recipe = Recipe(steps=4, accum=1)
+    config = recipe.config() | {"train": {"grad_accum_steps": 1, "on_nonfinite": "skip"},
+                                "profile": {"enabled": True}}
+    applied = []
+    with infinity.initialize(recipe.build(), config) as engine:
+        for i, ((x, y),) in enumerate(recipe.batches()[:3]):
+            loss = engine(x, y)
+            engine.backward(loss * math.nan if i == 1 else loss)
+            applied.append(engine.step())
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+        profiled = [mark.step for mark in engine.profiler.steps()]
+    assert applied == [True, False, True] and profiled == [1, 2]  # (step 3 ends when the next begins)
+    with infinity.initialize(recipe.build(), config) as engine:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+        for (x, y), in recipe.batches()[3:]:
+            engine.backward(engine(x, y))
+            engine.step()
+        engine.clock.close()
+        assert [mark.step for mark in engine.profiler.steps()] == [4] and engine.optimizer_steps == 3
