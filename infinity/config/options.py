@@ -19,12 +19,17 @@ from typing import Any, ClassVar, Iterable
 from io_engine import sizes
 from io_engine.sizes import format_size
 
-__all__ = ["ConfigError", "Section", "check_range", "coerce", "did_you_mean", "format_size", "option", "parse_override",
-           "parse_size", "render_default", "show", "type_name"]
+__all__ = ["ConfigError", "Section", "SettingWarning", "check_range", "coerce", "did_you_mean", "format_size",
+           "option", "parse_override", "parse_size", "render_default", "show", "type_name"]
 
 
 class ConfigError(ValueError):
     """A configuration value a user must change; the message names the key and the fix."""
+
+
+class SettingWarning(UserWarning):
+    """A setting that does nothing in this run (Note [inert setting] in infinity/memory/placement.py): said when
+    the engine starts, not ignored; the message names the key, why, and what to change."""
 
 
 # ---------------------------------------------------------------- sizes

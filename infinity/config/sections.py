@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Iterable
 from infinity.config.options import (
     ConfigError,
     Section,
+    SettingWarning,
     did_you_mean,
     format_size,
     option,
@@ -44,6 +45,7 @@ from infinity.config.options import (
 __all__ = [
     "Config",
     "ConfigError",
+    "SettingWarning",
     "OptimizerConfig",
     "PrecisionConfig",
     "PlacementConfig",

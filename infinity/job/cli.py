@@ -31,6 +31,7 @@ import importlib
 import json
 import os
 import sys
+import warnings
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -162,6 +163,32 @@ def _command(argv: list[str] | None) -> int:
         sys.argv = ["infinity bench-io", *argv[1:]]
         return bench.main() or 0
     args = build_parser().parse_args(argv)
+    try:  # (torch loads in here, not before: a Ctrl-C while it loads is caught too, Note [light package import])
+        return _run(args)
+    except KeyboardInterrupt:
+        print(f"infinity {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args) -> int:
+    from infinity.config.sections import SettingWarning
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_for(SettingWarning, f"infinity {args.command}: warning: ",
+                                             warnings.showwarning)
+        return _dispatch(args)
+
+
+def _one_line_for(category, prefix: str, show):
+    """A `warnings.showwarning` that prints warnings of `category` as one line (Note [inert setting]), others as
+    `show` does."""
+    def one_line(message, cat, filename, lineno, file=None, line=None):
+        if not issubclass(cat, category):
+            return show(message, cat, filename, lineno, file, line)
+        print(f"{prefix}{message}", file=sys.stderr if file is None else file)
+    return one_line
+
+
+def _dispatch(args) -> int:
     from infinity.config.sections import ConfigError
     from infinity.machine.preflight import PreflightError
     from infinity.memory.placement import PlacementError
@@ -169,14 +196,10 @@ def _command(argv: list[str] | None) -> int:
     from infinity.state.weights import WeightsError
     try:
         return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links,
-                "profile": _profile}[
-            args.command](args)
+                "profile": _profile}[args.command](args)
     except (ConfigError, PlacementError, PreflightError, CheckpointError, WeightsError) as e:  # bad input: exit 2
         print(f"infinity {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"infinity {args.command}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 def _train(args) -> int:

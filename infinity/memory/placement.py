@@ -69,6 +69,7 @@ class Plan:
     device_lane: tuple[int, ...] = ()  # units a deferred update may step on the GPU (Note [device lane]); in working
     lane_grads: tuple[int, ...] = ()  # of those, the units whose final gradient the device keeps for it; in working
     reasons: tuple[str, ...] = ()
+    inert: tuple[str, ...] = ()  # settings that do nothing in this plan, also in reasons (Note [inert setting])
     unit_reasons: tuple[dict[str, str], ...] = ()  # per unit: group -> why it is on its tier (auto policy)
     state_dtype: StateDtype = StateDtype.FP32  # `[optimizer] state_dtype` (Note [16-bit optimizer state])
 
@@ -191,9 +192,9 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     plan = traffic.with_read_ahead(plan, traffic.resolve_read_ahead(read_ahead, plan, budgets) if read_ahead else 0)
     plan = traffic.with_speculation(plan, traffic.resolve_speculation(speculation, plan, budgets) if speculation else 0)
     if speculation and not traffic.speculated_units(plan, not budgets.shared_ram):
-        plan = dataclasses.replace(plan, reasons=plan.reasons + (  # (a setting that cannot act is said, not ignored)
-            f"overlap.speculation = {_fmt(int(speculation))}: no unit is speculated (units with parameters or "
-            f"optimizer state on NVMe, or the optimizer on the GPU, never are: Note [speculative update])",))
+        plan = with_inert(plan, f"overlap.speculation = {_fmt(int(speculation))}: no unit is speculated (units "
+                                f"with parameters or optimizer state on NVMe, or the optimizer on the GPU, never "
+                                f"are: Note [speculative update])")
     assert not _fits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
     return with_device_lane(plan, device_lane, defers_update, budgets)
 
@@ -300,9 +301,19 @@ def lane_staging_bytes(plan: Plan, units: list[int]) -> int:
     return sum(per_unit[:LANE_UNITS_IN_FLIGHT])
 
 
+# Note [inert setting]: a setting the plan cannot act on (overlap.device_lane = "on" without a GPU, or where the
+# update does not wait for the norm; an overlap.speculation no unit can use) is not an error: the same job file
+# runs on the GPU machine it was written for and on a CPU one trying it. It is not ignored either: the plan says
+# it in its reasons (`infinity estimate`), and `initialize` warns with a SettingWarning naming the key and why
+# (runtime/planning.py), which the `infinity` command prints as one line, "infinity train: warning: ...".
+def with_inert(plan: Plan, line: str) -> Plan:
+    """`plan` saying that a setting does nothing in it (Note [inert setting])."""
+    return dataclasses.replace(plan, reasons=plan.reasons + (line,), inert=plan.inert + (line,))
+
+
 def with_device_lane(plan: Plan, setting: str, defers_update: bool, budgets: Budgets) -> Plan:
     """`plan` with its device lane (Note [device lane]) for `overlap.device_lane` = `setting`: the units, and their
-    staging as a device working term; a setting that cannot act is said in the reasons."""
+    staging as a device working term; a setting that cannot act is said (Note [inert setting])."""
     if setting == "off":
         return plan
     units = lane_units(plan)
@@ -311,8 +322,7 @@ def with_device_lane(plan: Plan, setting: str, defers_update: bool, budgets: Bud
                if not defers_update else
                "no unit has its gradients and optimizer state on the host tier" if not units else None)
     if why_not is not None:
-        return dataclasses.replace(plan, reasons=plan.reasons + (
-            f"overlap.device_lane = \"on\": nothing is updated on the GPU: {why_not}",))
+        return with_inert(plan, f"overlap.device_lane = \"on\": nothing is updated on the GPU: {why_not}")
     staging = lane_staging_bytes(plan, units)
     lane = traffic.with_working_term(plan, Tier.DEVICE, "device_lane", staging, device_lane=tuple(units))
     if _fits(lane.tier_totals(), budgets):

@@ -7,7 +7,9 @@ plan's NVMe state needs.
 
 from __future__ import annotations
 
-from infinity.config.sections import Config
+import warnings
+
+from infinity.config.sections import Config, SettingWarning
 from infinity.machine.environment import ProcessEnv, resolve_budgets
 from infinity.memory.placement import Plan, plan_for_config
 from infinity.memory.tier import Tier
@@ -29,6 +31,8 @@ def plan_units(units: list[Unit], regions, cfg: Config, env: ProcessEnv, weights
     auto = cfg.placement.policy == "auto"  # the swap disk's rates measured once per machine, then cached
     rates = rates_for_plan(cfg, env.device, measure=True) if auto else None
     plan = plan_for_config(sizes, cfg, budgets, rates=rates)
+    for line in plan.inert:  # Note [inert setting]
+        warnings.warn(f"{line}; the setting does nothing in this run", SettingWarning, stacklevel=2)
     read_ahead = resolve_read_ahead(cfg, plan, budgets)
     referenced = cfg.checkpoint.reference_pretrained and weights is not None and weights.holds_every_frozen(units)
     require(preflight(plan, None, cfg, local_world_size=env.local_world_size, cuda=env.device.type == "cuda",

@@ -150,3 +150,55 @@ def test_module_entry_point_and_bench_io_passthrough():
     out = subprocess.run([sys.executable, "-m", "infinity", "bench-io", "--help"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "--dir" in out.stdout
+
+
+INTERRUPT_TORCH = """
+import sys
+class Interrupt:  # Ctrl-C arriving while torch loads
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, Interrupt())
+import infinity, infinity.config.sections, infinity.job.cli, io_engine.sizes
+assert "torch" not in sys.modules, "importing the package, its config or its command loaded torch"
+sys.exit(infinity.job.cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("argv", [["train"], ["estimate"], ["config"]])
+def test_a_ctrl_c_while_torch_loads_exits_130_without_a_traceback(argv, tmp_path):
+    """Note [light package import]: the command parses its arguments before torch loads, and a KeyboardInterrupt
+    from torch's import (the first ~1.3 s of every command) is the clean "interrupted" exit, not a traceback."""
+    out = subprocess.run([sys.executable, "-c", INTERRUPT_TORCH, *argv], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 130, out.stderr
+    assert out.stderr.strip() == f"infinity {argv[0]}: interrupted"
+
+
+def test_the_package_names_load_on_first_use():
+    import infinity
+    import io_engine
+    from infinity.runtime.engine import initialize
+    assert infinity.initialize is initialize and "initialize" in dir(infinity) and "Config" in infinity.__all__
+    assert io_engine.parse_size("1 KiB") == 1024
+    with pytest.raises(AttributeError, match="no attribute 'initialise'"):
+        infinity.initialise
+
+
+def test_a_setting_that_does_nothing_is_one_line_other_warnings_as_python_prints_them(capsys, monkeypatch):
+    """Note [inert setting]: the engine's SettingWarning (tests/optim/test_device_lane.py) reaches the user of
+    the command as one line naming the command; any other warning keeps Python's format."""
+    import warnings
+
+    from infinity.config.sections import SettingWarning
+    from infinity.job import cli
+
+    def dispatch(args):
+        warnings.warn('overlap.device_lane = "on": nothing is updated on the GPU', SettingWarning, stacklevel=2)
+        warnings.warn("something else", UserWarning, stacklevel=2)
+        return 0
+    monkeypatch.setattr(cli, "_dispatch", dispatch)
+    with pytest.warns(UserWarning, match="something else") as other:  # (pytest records what Python would print)
+        code, _, err = run(capsys, "train")
+    assert code == 0 and [w.category for w in other] == [UserWarning]
+    assert err.splitlines() == ['infinity train: warning: overlap.device_lane = "on": nothing is updated on the GPU']

@@ -14,9 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import infinity
 import infinity.memory.placement as placement_module
 from engine_runs import engine_run
-from infinity.config.sections import Config
+from infinity.config.sections import Config, SettingWarning
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.pending import Pending
 from infinity.memory.placement import (
@@ -231,7 +232,20 @@ def test_a_lane_that_cannot_act_is_said(case):
     plan = _plan(**kwargs)
     assert plan.device_lane == ()
     said = [r for r in plan.reasons if r.startswith('overlap.device_lane = "on": nothing is updated on the GPU')]
-    assert len(said) == 1, plan.reasons
+    assert len(said) == 1 and plan.inert == tuple(said), plan.reasons  # Note [inert setting]
+
+
+@pytest.mark.parametrize("lane", ["on", "off"])
+def test_initialize_warns_of_a_setting_that_does_nothing(lane, recwarn):
+    """Note [inert setting]: on this CPU the lane cannot act; the engine says so when it starts (the job prints
+    the warning as one line: tests/job/test_cli.py), and says nothing when the lane is off."""
+    recipe = Recipe(steps=1)  # (grad_clip 0.5: the update waits for the norm)
+    config = recipe.config(params="host", grads="host", optimizer="host") | {"overlap": {"device_lane": lane}}
+    infinity.initialize(recipe.build(), config).close()
+    said = [str(w.message) for w in recwarn if issubclass(w.category, SettingWarning)]
+    assert said == ([] if lane == "off" else [
+        'overlap.device_lane = "on": nothing is updated on the GPU: no GPU (the CPU would run both); the setting '
+        'does nothing in this run'])
 
 
 def test_a_lane_without_room_on_the_device_is_refused_with_the_fix():
