@@ -179,12 +179,13 @@ def _run(args) -> int:
 
 
 def _one_line_for(category, prefix: str, show):
-    """A `warnings.showwarning` that prints warnings of `category` as one line (Note [inert setting]), others as
-    `show` does."""
+    """A `warnings.showwarning` that prints warnings of `category` as one line (Note [inert setting]), on the
+    first rank only (torchrun's RANK: every rank plans the same run), others as `show` does."""
     def one_line(message, cat, filename, lineno, file=None, line=None):
         if not issubclass(cat, category):
             return show(message, cat, filename, lineno, file, line)
-        print(f"{prefix}{message}", file=sys.stderr if file is None else file)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{prefix}{message}", file=sys.stderr if file is None else file)
     return one_line
 
 

@@ -202,3 +202,7 @@ def test_a_setting_that_does_nothing_is_one_line_other_warnings_as_python_prints
         code, _, err = run(capsys, "train")
     assert code == 0 and [w.category for w in other] == [UserWarning]
     assert err.splitlines() == ['infinity train: warning: overlap.device_lane = "on": nothing is updated on the GPU']
+    monkeypatch.setenv("RANK", "1")  # (the other ranks of a torchrun job: said once, by rank 0)
+    with pytest.warns(UserWarning, match="something else"):
+        code, _, err = run(capsys, "train")
+    assert code == 0 and err == ""
