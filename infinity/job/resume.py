@@ -172,6 +172,17 @@ def keep_profile_segment(trace_dir: str) -> Path | None:
     return target
 
 
+def keep_profile_segments(trace_dir: str, rank: int, local_rank: int, barrier) -> None:
+    """Every rank's part of `keep_profile_segment` (Note [profile segments]): rank 0 moves the rank directories
+    it sees; then, after `barrier()`, the first rank of each other node moves those its node still sees: none
+    where the run directory is shared, the node's own where each node has its own disk."""
+    if rank == 0:
+        keep_profile_segment(trace_dir)
+    barrier()
+    if rank != 0 and local_rank == 0:
+        keep_profile_segment(trace_dir)
+
+
 def profile_segments(trace_dir: str) -> list[Path]:
     """The earlier segments' profiles kept in trace_dir (Note [profile segments]), oldest first."""
     base = Path(trace_dir)

@@ -69,7 +69,7 @@ from infinity.job.resume import (
     Resume,
     earlier_losses,
     earlier_tokens,
-    keep_profile_segment,
+    keep_profile_segments,
     run_checkpoints,
     set_aside,
     stopped_summary,
@@ -222,8 +222,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                 earlier = earlier_losses(run_dir / "metrics.jsonl")
                 result.tokens_before = earlier_tokens(run_dir / "metrics.jsonl")
                 kept = set_aside(resume.damaged)  # kept, their steps saved again (Note [damaged checkpoint])
-                keep_profile_segment(config.profile.trace_dir)  # Note [profile segments]
-            barrier(default_group())
+            keep_profile_segments(config.profile.trace_dir, rank, int(os.environ.get("LOCAL_RANK", "0")),
+                                  lambda: barrier(default_group()))  # Note [profile segments]
             if resume.damaged_note(kept):
                 say.note(resume.damaged_note(kept))
             say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")

@@ -147,6 +147,36 @@ def test_a_resumed_run_keeps_the_earlier_segments_profile(tmp_path, capsys):
     assert f"(steps 1-{N // 2} of the run)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("disks", ["one per node", "shared"])
+def test_every_node_keeps_its_earlier_profile_segment(tmp_path, disks):
+    """Note [profile segments] on two nodes of two ranks each (threads for ranks, a barrier for the collective):
+    where each node has its own run directory, the second node's profile moves too (rank 0 sees only its own
+    node's); where the directory is shared, rank 0 moves all four and the other node finds nothing to move."""
+    import threading
+
+    from infinity.job.resume import keep_profile_segments
+    nodes = [tmp_path / "node0", tmp_path / "node1"] if disks == "one per node" else [tmp_path / "shared"] * 2
+    for rank in range(4):
+        own = nodes[rank // 2] / "profile" / f"rank{rank}"
+        own.mkdir(parents=True)
+        (own / "summary.json").write_text(json.dumps({"steps": [{"step": 1}, {"step": 2}]}))
+    gate, errors = threading.Barrier(4), []
+
+    def rank_of(rank: int) -> None:
+        try:
+            keep_profile_segments(str(nodes[rank // 2] / "profile"), rank, rank % 2, gate.wait)
+        except BaseException as e:  # (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=rank_of, args=(r,)) for r in range(4)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert not errors
+    for node in set(nodes):
+        held = sorted(p.relative_to(node / "profile").as_posix() for p in (node / "profile").rglob("rank*"))
+        ranks = range(4) if disks == "shared" else range(2 * nodes.index(node), 2 * nodes.index(node) + 2)
+        assert held == [f"segment-1/rank{r}" for r in ranks]
+
+
 @pytest.mark.slow  # (CI: the Ctrl-C stop in test_train_job, the resumed run's exactness above)
 def test_ctrl_c_then_resume_matches_the_uninterrupted_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the same kernels in every process, so the same sums
