@@ -32,11 +32,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: give 1 or more")
 
     swap = tempfile.mkdtemp(prefix="infinity-swap-")
     config = infinity.Config.from_dict({
         "optimizer": {"lr": 1e-3, "weight_decay": 0.1, "grad_clip": 1.0, "schedule": "cosine",
-                      "warmup_steps": 10, "total_steps": args.steps},
+                      "warmup_steps": min(10, args.steps // 10), "total_steps": args.steps},
         "placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"},
         "nvme": {"paths": [swap]},
     })

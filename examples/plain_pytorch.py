@@ -44,10 +44,12 @@ def main() -> None:
                     help="tier of parameters, gradients and optimizer state")
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args()
+    if args.steps < 1:
+        ap.error(f"--steps {args.steps}: give 1 or more")
 
     swap = tempfile.mkdtemp(prefix="infinity-swap-")
     config = infinity.Config.from_dict({
-        "optimizer": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": 10, "total_steps": args.steps},
+        "optimizer": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": min(10, args.steps // 10), "total_steps": args.steps},
         "placement": {"params": args.placement, "grads": args.placement, "optimizer": args.placement},
         "nvme": {"paths": [swap]},
     })
