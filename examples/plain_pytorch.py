@@ -49,7 +49,8 @@ def main() -> None:
 
     swap = tempfile.mkdtemp(prefix="infinity-swap-")
     config = infinity.Config.from_dict({
-        "optimizer": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": min(10, args.steps // 10), "total_steps": args.steps},
+        "optimizer": {"lr": 1e-3, "schedule": "cosine", "warmup_steps": min(10, args.steps // 10),
+                      "total_steps": args.steps},
         "placement": {"params": args.placement, "grads": args.placement, "optimizer": args.placement},
         "nvme": {"paths": [swap]},
     })
