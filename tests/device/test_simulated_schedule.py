@@ -476,24 +476,25 @@ def test_the_device_lane_brings_a_deferred_step_within_a_tenth_of_the_unclipped_
 LANE_L = {"lane_up": 8, "lane_chunks": 6, "lane_grad": 2}  # (16 bytes up a 2-byte parameter; 12 with the gradient kept)
 
 
-def test_with_clipping_the_planner_keeps_two_thirds_on_the_device_and_the_lane_takes_the_rest():
-    """Note [tail units]: when the update waits for the norm, "auto" keeps up to two thirds of the elements' state on
+def test_with_clipping_the_planner_keeps_four_fifths_on_the_device_and_the_lane_takes_the_rest():
+    """Note [tail units]: when the update waits for the norm, "auto" keeps up to four fifths of the elements' state on
     the device (half otherwise): the CPU's whole update of the host units then hides behind the forward of the
     others. Against the unclipped step (half a tail), in the H100's proportions: case b's clipped step 1.26x with
-    half, 1.10x with two thirds, 1.00x with the device lane too; case l's 1.42x, 1.16x, 1.00x."""
+    half, 1.10x with two thirds (the share before), 1.00x with four fifths, with the device lane too; case l's
+    1.42x, 1.16x, 0.98x (its forward waits for fewer host units than the unclipped step's), 0.98x."""
     for case, elements, lane in ((CASE_B_H100, 1_310_000_000, LANE_B), (CASE_L, 1_120_000_000, LANE_L)):
         n = case["units"]
         half = planned_tail_units(n, elements)
         more, kept = planned(n, elements, defers=True, lane=True)
-        assert more == -(-2 * n // 3) > half == -(-n // 2) and kept == (n - more) // 2, (half, more, kept)
+        assert more == -(-4 * n // 5) > half == -(-n // 2) and kept == (n - more) // 2, (half, more, kept)
         eager = simulate(case | {"tail": half})["step"]
         deferred_half = simulate(case | {"tail": half}, deferred=True)["step"]
         deferred = simulate(case | {"tail": more}, deferred=True)["step"]
         with_lane = simulate(case | lane | {"tail": more, "lane_kept": kept}, deferred=True, lane=True)["step"]
-        assert with_lane <= 1.05 * eager < 1.1 * eager < deferred_half and deferred < deferred_half, (
-            eager, deferred_half, deferred, with_lane)
-        if case is CASE_B_H100:
-            assert deferred <= 1.1 * eager, (deferred, eager)
+        assert with_lane <= 1.02 * eager < 1.1 * eager < deferred_half, (eager, deferred_half, with_lane)
+        assert deferred <= 1.02 * eager, (deferred, eager)
+        two_thirds = simulate(case | {"tail": -(-2 * n // 3)}, deferred=True)["step"]
+        assert 1.05 * eager < two_thirds, (two_thirds, eager)  # (the share before: 1.10x, 1.16x)
 
 
 def test_the_device_lane_helps_the_bf16_llama_less():
