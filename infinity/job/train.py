@@ -212,7 +212,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             saved = engine.load_checkpoint(str(resume.checkpoint)).get("train", {})
             assert saved.get("step") == start, f"{resume.checkpoint} is at step {saved.get('step')}, not {start}"
             count_as_written(engine, [str(p) for step, p in run_checkpoints(run_dir) if step <= start],
-                             engine.optimizer_steps)  # the run's periodic and final ones: keep_last goes on
+                             start)  # the run's periodic and final ones (job steps are windows): keep_last goes on
             kept = []  # the damaged checkpoints' new names (rank 0 renames them)
             if rank == 0:  # only now: a resume that fails to start leaves the run's files as they were
                 atomic_write(run_dir / "config.toml", to_toml(config, job, str(run_dir)))

@@ -152,12 +152,18 @@ def continue_run(engine, path: str, manifest: dict) -> None:
         return
     engine.run_id = run_id
     parent = os.path.dirname(path)
-    count_as_written(engine, [os.path.join(parent, name) for name in os.listdir(parent)], manifest["optimizer_steps"])
+    count_as_written(engine, [os.path.join(parent, name) for name in os.listdir(parent)], saved_step(manifest))
+
+
+def saved_step(manifest: dict) -> int:
+    """Where in its run a checkpoint was saved: the windows stepped, skipped ones too (two checkpoints around an
+    fp16 overflow have the same count of applied updates); a checkpoint from before 2026-11-27 has only that."""
+    return manifest.get("windows", manifest.get("optimizer_steps", 0))
 
 
 def count_as_written(engine, paths: list[str], up_to_step: int) -> None:
-    """Those of `paths` that are checkpoints of the engine's run at or before optimizer step `up_to_step`
-    count toward `keep_last` as if the engine had written them (oldest first)."""
+    """Those of `paths` that are checkpoints of the engine's run saved at or before step `up_to_step` (windows:
+    `saved_step`) count toward `keep_last` as if the engine had written them (oldest first)."""
     earlier = []
     for other in paths:
         try:
@@ -165,6 +171,6 @@ def count_as_written(engine, paths: list[str], up_to_step: int) -> None:
                 saved = json.load(f)
         except (OSError, ValueError):
             continue
-        if saved.get("run_id") == engine.run_id and saved.get("optimizer_steps", 0) <= up_to_step:
-            earlier.append((saved.get("optimizer_steps", 0), os.path.basename(other) == "checkpoint", other))
+        if saved.get("run_id") == engine.run_id and saved_step(saved) <= up_to_step:
+            earlier.append((saved_step(saved), os.path.basename(other) == "checkpoint", other))
     engine._saved_checkpoints = [p for _, _, p in sorted(earlier)]

@@ -41,6 +41,7 @@ from infinity.state.checkpoint_files import (
     load_buffers,
     load_verified,
     restore_buffers,
+    saved_step,
     set_rng_state,
 )
 from infinity.state.references import REF_KIND, PretrainedReader, Reference
@@ -264,7 +265,7 @@ def load(engine, path: str) -> dict:
     engine.groups.restore_lrs(manifest.get("param_groups"))  # as torch's Optimizer.load_state_dict does
     engine.micro_step = manifest["micro_step"]
     engine.window.taken_in_window, engine.window.closed = 0, False  # (saved between windows, after the step)
-    engine.window.steps = manifest.get("windows", manifest["optimizer_steps"])  # (before 2026-11-27: no "windows")
+    engine.window.steps = saved_step(manifest)
     scale = manifest["loss_scale"]
     engine.scaler.scale, engine.scaler._clean_steps = scale["scale"], scale["clean_steps"]
     engine.scaler.skipped_steps = scale["skipped_steps"]

@@ -228,3 +228,28 @@ def test_keep_last_holds_across_resumes(tmp_path):
                 step += 1
                 e.save_checkpoint(str(ckpts / f"step-{step:03d}"), user_state={"step": step})
         assert sorted(os.listdir(ckpts)) == [f"step-{step - 1:03d}", f"step-{step:03d}"], restart
+
+
+def test_keep_last_orders_checkpoints_by_step_through_skipped_updates(tmp_path):
+    """Two checkpoints around a skipped (non-finite) step hold the same count of applied updates; resumed from the
+    first, the second is after it, not "written before": keep_last must not count it and then prune the one the
+    run was loaded from (checkpoints are ordered by the windows stepped, Note [a resumed run keeps its
+    checkpoints in bounds])."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+    config = {"optimizer": {"lr": 1e-2}, "checkpoint": {"keep_last": 2}, "train": {"on_nonfinite": "skip"}}
+    ckpts = tmp_path / "ckpts"
+    torch.manual_seed(0)
+    with infinity.initialize(BatchNormNet(), config) as e:
+        for step, scale in ((1, 1.0), (2, float("nan"))):
+            e.backward(e(x, y) * scale)
+            e.step()
+            e.save_checkpoint(str(ckpts / f"step-{step:03d}"))
+        assert e.optimizer_steps == 1
+    torch.manual_seed(0)
+    with infinity.initialize(BatchNormNet(), config) as e:
+        e.load_checkpoint(str(ckpts / "step-001"))
+        e.backward(e(x, y))
+        e.step()
+        e.save_checkpoint(str(ckpts / "step-002b"))
+    assert sorted(os.listdir(ckpts)) == ["step-001", "step-002", "step-002b"]
