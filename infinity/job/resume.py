@@ -282,7 +282,8 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         if section == "run" and key in ("dir", "name"):
             raise ConfigError(f"--set {item}: a resumed run continues in its own directory {run_dir}; drop it (to "
                               f"branch into a new run, copy the run directory and resume the copy)")
-    job = load_job(config_path if config_path is not None else run_dir / "config.toml", overrides)
+    job = load_job(config_path if config_path is not None else run_dir / "config.toml", overrides,
+                   run_config=config_path is None)
     job = _relocate(job, run_dir)
     config = job.engine_config(str(run_dir))
     saved_model, saved_batches = position.get("model", {}), position.get("batches", {})
@@ -316,7 +317,8 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         raise ConfigError(f"--resume {path}: the checkpoint is at step {position['step']} and run.steps = "
                           f"{job.run.steps}: nothing to train; --set run.steps=N with N > {position['step']} to "
                           f"train further")
-    before = _relocate(load_job(run_dir / "config.toml"), run_dir).engine_config(str(run_dir)).to_dict()
+    before = _relocate(load_job(run_dir / "config.toml", run_config=True), run_dir)
+    before = before.engine_config(str(run_dir)).to_dict()
     derived, after = job.run_derived(str(run_dir)), config.to_dict()  # (the run's own paths and saves: not news)
     changes = tuple(f"{section}.{key}: {show(old)} -> {show(after[section][key])}"
                     for section, table in before.items() for key, old in table.items()

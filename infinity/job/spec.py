@@ -242,8 +242,9 @@ class Job:
         return list(self.run_derived(run_dir).get("nvme", {}).get("paths", []))
 
 
-def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> Job:
-    """Read a job file (or none: the defaults) and apply `section.key=value` overrides."""
+def load_job(path: str | os.PathLike | None = None, overrides: list[str] = (), *, run_config: bool = False) -> Job:
+    """Read a job file (or none: the defaults) and apply `section.key=value` overrides. `run_config`: `path` is
+    the config.toml of a run directory, as infinity train wrote it (Note [pretrained shape keys])."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -263,17 +264,16 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
         tables[section] = dict(table)
     if isinstance(tables.get("model", {}).get("lora"), dict):
         tables["model.lora"] = tables["model"].pop("lora")  # [model.lora] is a table inside [model] in TOML
-    set_shape = []  # model shape keys given with --set: refused with model.pretrained even at their defaults
+    in_file = [k for k in ModelConfig.SHAPE if k in tables.get("model", {})]
+    set_shape = []  # model shape keys given with --set
     for item in overrides:
         section, key, value = parse_override(item)
         _check_section(section)
         tables.setdefault(section, {})[key] = value
         if section == "model" and key in ModelConfig.SHAPE:
             set_shape.append(key)
-    if set_shape and tables.get("model", {}).get("pretrained"):
-        raise ConfigError(f"--set model.{set_shape[0]}: with model.pretrained the model's kind and shape come from "
-                          f"{tables['model']['pretrained']}/config.json; drop "
-                          f"{', '.join('--set model.' + k for k in set_shape)}")
+    _refuse_shape_beside_pretrained(tables.get("model", {}), [k for k in in_file if k not in set_shape], set_shape,
+                                    path, run_config)
     job_parts = {}
     for name, cls in JOB_SECTIONS.items():
         table = tables.pop(name, {})
@@ -292,6 +292,31 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = ()) -
     _check_export_keys(job)
     job.engine_config(os.path.join(job.run.dir, "<run>"))  # validate now, before any directory exists
     return job
+
+
+# Note [pretrained shape keys]: with model.pretrained the model's kind and shape come from its config.json, so a
+# shape key beside it (model.n_layer, ...) would be ignored: it is refused, at any value, in a job file as with
+# --set (a value equal to the built-in model's default is not a sign that it was not meant). `infinity config
+# --defaults` and the run's config.toml write the shape keys commented out where they do not apply, so a copy of
+# either is a valid job file. A run directory's config.toml written before 2026-11-27 holds them at their
+# defaults: read as the run's own (`run_config`, --resume) those are dropped; trained again with --config,
+# the message says which lines to remove.
+def _refuse_shape_beside_pretrained(model: dict, in_file: list[str], set_shape: list[str], path, run_config: bool):
+    pretrained = model.get("pretrained")
+    if not pretrained:
+        return
+    if set_shape:
+        raise ConfigError(f"--set model.{set_shape[0]}: with model.pretrained the model's kind and shape come from "
+                          f"{pretrained}/config.json; drop {', '.join('--set model.' + k for k in set_shape)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    if run_config:  # (an older infinity train wrote them, at their defaults)
+        for key in [k for k in in_file if model[k] == defaults[k]]:
+            del model[key]
+            in_file.remove(key)
+    if in_file:
+        raise ConfigError(f"model.{in_file[0]} = {show(model[in_file[0]])} in {path}: with model.pretrained the "
+                          f"model's kind and shape come from {pretrained}/config.json; remove "
+                          f"{', '.join('model.' + k for k in in_file)} from [model]")
 
 
 def _check_export_keys(job: Job) -> None:
@@ -340,7 +365,9 @@ def job_defaults_text() -> str:
         for f in dataclasses.fields(cls):
             lines += textwrap.wrap(f"{f.metadata['help']} ({type_name(f.metadata)})", width=88,
                                    initial_indent="# ", subsequent_indent="# ")
-            lines.append(f"{f.name} = {show(render_default(f.default, f.metadata))}")
+            line = f"{f.name} = {show(render_default(f.default, f.metadata))}"
+            lines.append(f"# {line}  # the built-in model's; not with model.pretrained (Note [pretrained shape keys])"
+                         if cls is ModelConfig and f.name in ModelConfig.SHAPE else line)
         lines.append("")
     return "\n".join(lines)
 
@@ -351,9 +378,12 @@ def to_toml(config: Config, job: Job, run_dir: str) -> str:
     lines = ["# Resolved by infinity train; train again with: infinity train --config <this file>", ""]
     tables = {**config.to_dict(), **{name: getattr(job, _field(name)).to_dict() for name in JOB_SECTIONS}}
     derived = job.run_derived(run_dir)
+    unused = {"model": dict.fromkeys(ModelConfig.SHAPE)} if job.model.pretrained else {}
     for section, table in tables.items():
         lines.append(f"[{section}]")
         lines += [f"# {key} = {show(value)}  (derived for the run: a run trained from this file derives its own)"
-                  if key in derived.get(section, {}) else f"{key} = {show(value)}" for key, value in table.items()]
+                  if key in derived.get(section, {}) else
+                  f"# {key} = {show(value)}  (from model.pretrained's config.json: Note [pretrained shape keys])"
+                  if key in unused.get(section, {}) else f"{key} = {show(value)}" for key, value in table.items()]
         lines.append("")
     return "\n".join(lines)

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 import infinity  # noqa: E402
 from infinity.config.sections import ConfigError  # noqa: E402
 from infinity.job.resume import load_resume  # noqa: E402
+from infinity.job.spec import ModelConfig  # noqa: E402
 from infinity.job.train import build_model, job_batches, load_job, train  # noqa: E402
 
 SMALL = ["model.seq_len=32", "run.batch_size=4", "run.eval_every=0", "run.eval_batches=1", "optimizer.lr=1e-2",
@@ -144,6 +145,16 @@ def test_resume_continues_a_lora_run_and_refuses_another_model(pretrained, corpu
     job = _job(pretrained, corpus, tmp_path, "run.steps=2", "model.lora.r=2")
     train(job, verbose=False)
     run = tmp_path / "r"
+    # Note [pretrained shape keys]: config.toml holds the shape keys commented out; before 2026-11-27 it held them
+    # at the built-in model's defaults: such a run still resumes, but trained again with --config it is refused
+    text = (run / "config.toml").read_text()
+    shape_lines = [line for line in text.splitlines() if "Note [pretrained shape keys]" in line]
+    assert [line.split()[1] for line in shape_lines] == list(ModelConfig.SHAPE)
+    old = "\n".join(line[2:].split("  (")[0] if line in shape_lines else line for line in text.splitlines())
+    (run / "config.toml").write_text(old)
+    with pytest.raises(ConfigError, match=r"model.kind = \"gpt\" in .*config.toml: with model.pretrained .*remove "
+                                          r"model.kind, model.n_layer, .*model.vocab_size from \[model\]"):
+        load_job(run / "config.toml")
     refused = ((["model.lora.r=4"], "model.lora.r = 4, but the checkpoint was trained with model.lora.r = 2"),
                (["model.pretrained=/elsewhere"], "model.pretrained"),
                (['model.lora.targets=["q_proj"]'], "model.lora.targets"))
@@ -183,6 +194,18 @@ def test_a_lora_runs_checkpoint_refers_to_the_pretrained_directory_and_resume_re
     again, resume = load_resume(tmp_path / "r", None, ["run.steps=3"])  # same sizes: found as the load reads it
     with pytest.raises(CheckpointError, match="differ from those it was saved with"):
         train(again, verbose=False, resume=resume)
+
+
+def test_a_shape_key_beside_pretrained_in_a_job_file_is_refused_at_any_value(pretrained, tmp_path):
+    """Note [pretrained shape keys]: `n_layer = 4` beside model.pretrained would be ignored (the shape comes from
+    config.json), even though 4 is the built-in model's default: refused, naming the file and the key."""
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(f'[model]\npretrained = "{pretrained}"\nn_layer = 4\n')
+    with pytest.raises(ConfigError, match=rf"model.n_layer = 4 in {re.escape(str(job_file))}: with model.pretrained "
+                                          rf".*remove model.n_layer from \[model\]"):
+        load_job(job_file)
+    job_file.write_text(f'[model]\npretrained = "{pretrained}"\nseq_len = 32\n')  # (not a shape key)
+    assert load_job(job_file).model.seq_len == 32
 
 
 def test_bad_fine_tune_settings_name_the_key_and_the_fix(pretrained, tmp_path):
