@@ -210,8 +210,8 @@ class Job:
         for section, table in user.items():
             merged.setdefault(section, {}).update(table)
         opt = merged["optimizer"]
-        if "schedule" not in user.get("optimizer", {}):
-            opt.update(DECAY_DEFAULTS)
+        if "schedule" not in user.get("optimizer", {}):  # (a min_lr_ratio the user set stays: it is theirs)
+            opt.update({k: v for k, v in DECAY_DEFAULTS.items() if k not in user.get("optimizer", {})})
             opt.setdefault("warmup_steps", min(20, self.run.steps // 10))
         if opt.get("schedule", "constant") != "constant":
             opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))
