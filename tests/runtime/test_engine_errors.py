@@ -97,3 +97,50 @@ def test_nonfinite_gradients_skip_when_configured():
         x, y = Recipe().batches()[0][0]
         engine.backward(engine(x, y))
         assert engine.step() is True, "the next window trains normally"
+
+
+class _HeadInRoot(torch.nn.Module):
+    """Blocks in a ModuleList, an untied head in the root unit: a plain backward reaches a root gradient first."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+
+@pytest.mark.parametrize("build", [lambda: Recipe().build(), _HeadInRoot], ids=["gpt", "head_in_root"])
+def test_plain_loss_backward_is_refused_and_leaves_nothing_behind(build):
+    # Note [plain backward]: loss.backward() used to run silently and train nothing (step() returned False). The
+    # refusal must leave no gradient behind: two steps after it equal, bitwise, two steps of an engine that never
+    # saw it (whose parity with torch.optim.AdamW test_engine_parity.py checks); two, since Adam's first step
+    # does not see a gradient's scale
+    g = torch.Generator().manual_seed(1)
+    if build is _HeadInRoot:
+        batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
+    else:
+        batches = [step[0] for step in Recipe(steps=2).batches()]
+    cfg = {"optimizer": {"lr": 1e-2}, "overlap": {"optimizer_with_backward": False}}
+    trained = []
+    for misuse in (True, False):
+        torch.manual_seed(0)
+        with infinity.initialize(build(), cfg) as engine:
+            if misuse:
+                with pytest.raises(RuntimeError, match=r"call engine.backward\(loss\) instead"):
+                    engine(*batches[0]).backward()
+            for batch in batches:
+                engine.backward(engine(*batch))
+                assert engine.step() is True
+            trained.append(engine.full_state_dict())
+    for name, value in trained[1].items():
+        assert torch.equal(trained[0][name], value), name
+
+
+def test_unit_classes_that_match_nothing_are_a_config_error():
+    # was a ValueError: `infinity train --set units.classes='["NoSuchBlock"]'` printed a traceback, not exit 2
+    with pytest.raises(infinity.ConfigError, match=r"units.classes = \['NoSuchBlock'\] matches no module.*'Block'"):
+        infinity.initialize(Recipe().build(), {"units": {"classes": ["NoSuchBlock"]}})
