@@ -144,3 +144,14 @@ def test_unit_classes_that_match_nothing_are_a_config_error():
     # was a ValueError: `infinity train --set units.classes='["NoSuchBlock"]'` printed a traceback, not exit 2
     with pytest.raises(infinity.ConfigError, match=r"units.classes = \['NoSuchBlock'\] matches no module.*'Block'"):
         infinity.initialize(Recipe().build(), {"units": {"classes": ["NoSuchBlock"]}})
+
+
+def test_an_unwritable_profile_directory_is_refused_at_start(tmp_path):
+    # it was found at close, after the training: a completed `infinity train` ended in a traceback, exit 1
+    (tmp_path / "file").write_text("")
+    cfg = {"profile": {"enabled": True, "trace_dir": str(tmp_path / "file" / "trace")}}
+    refused = r"(?s)profile.trace_dir = .*file is a file.*profile.enabled = false"
+    with pytest.raises(infinity.PreflightError, match=refused):
+        infinity.initialize(Recipe().build(), cfg)
+    cfg["profile"]["trace_dir"] = str(tmp_path / "new" / "trace")  # not there yet: created when written
+    infinity.initialize(Recipe().build(), cfg).close()
