@@ -41,7 +41,7 @@ from infinity.runtime.chunked_loss import kept_whole, loss_forward
 from infinity.runtime.colocate import FORWARD, Colocation, mid_step, named_full_parameters
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import GraphHooks, UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
-from infinity.runtime.inference import InferenceForwards
+from infinity.runtime.inference import InferenceForwards, unclaimed
 from infinity.runtime.loss_scale import LossScaler
 from infinity.runtime.materialize import buffers_to, materialize_units
 from infinity.runtime.optimizer_surface import EngineOptimizer, LearningRates
@@ -496,5 +496,5 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, *,
     schedule`, until `engine.set_lr` or a torch scheduler on `engine.optimizer` takes over (Note [who sets
     the lr] in optimizer_surface.py).
     """
-    return Engine(model, Config.of(config), init_fn=init_fn, lr_schedule=lr_schedule, group=group, weights=weights,
-                  strict=strict, param_groups=param_groups)
+    return Engine(unclaimed(model), Config.of(config), init_fn=init_fn, lr_schedule=lr_schedule, group=group,
+                  weights=weights, strict=strict, param_groups=param_groups)

@@ -121,6 +121,17 @@ class GradCounter:
         self.fired = False
 
 
+class _ReleaseAtClose:
+    """A handle whose remove(), at the engine's close, releases the unit's parameter views (Note [released
+    parameters] in units/sharded_param.py)."""
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+
+    def remove(self) -> None:
+        self.unit.release_views()
+
+
 def install_unit_hooks(
     unit: Unit, callbacks: UnitCallbacks, with_module_hooks: bool = True
 ) -> tuple[list, GradCounter]:
@@ -185,6 +196,7 @@ def install_unit_hooks(
             return None
 
         handles.append(module.register_forward_hook(post))
+    handles.append(_ReleaseAtClose(unit))
     counter = GradCounter(unit, callbacks.grads_ready, callbacks.in_backward)
     for p in unit.trainable_params():
         handles.append(p.register_post_accumulate_grad_hook(counter.on_grad))

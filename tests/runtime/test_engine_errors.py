@@ -155,3 +155,42 @@ def test_an_unwritable_profile_directory_is_refused_at_start(tmp_path):
         infinity.initialize(Recipe().build(), cfg)
     cfg["profile"]["trace_dir"] = str(tmp_path / "new" / "trace")  # not there yet: created when written
     infinity.initialize(Recipe().build(), cfg).close()
+
+
+def test_a_model_in_an_open_engine_is_refused_until_closed():
+    # Note [one engine per model]: a second initialize of the same model (a notebook cell run again) was accepted,
+    # and both engines then failed at their first forward with a message about engine.module(...)
+    recipe = Recipe()
+    model = recipe.build()
+    x, y = recipe.batches()[0][0]
+    engine = infinity.initialize(model, recipe.config())
+    with pytest.raises(RuntimeError, match=r"already in an open Engine.*call close\(\)"):
+        infinity.initialize(model, recipe.config())
+    engine.backward(engine(x, y))  # the first engine is untouched
+    engine.close()
+    with infinity.initialize(model, recipe.config()) as again:  # closed: the model (now trained) starts anew
+        again.backward(again(x, y))
+
+
+def test_parameters_the_engine_frees_are_released_at_close(tmp_path):
+    # Note [released parameters]: with parameters on NVMe a read of one after close (or between steps of the
+    # model's own, outside a forward) read the freed unsharded buffer: the process died of a segfault
+    recipe = Recipe()
+    x, y = recipe.batches()[0][0]
+    model = recipe.build()
+    cfg = recipe.config(params="nvme", grads="host", optimizer="host") | {"nvme": {"paths": [str(tmp_path)]}}
+    with infinity.initialize(model, cfg) as engine:
+        engine.backward(engine(x, y))
+        engine.step()
+    assert all(p.numel() == 0 for p in model.parameters()), "empty, not views of freed bytes (checked before a read)"
+    with torch.no_grad():
+        assert float(sum(p.sum() for p in model.parameters())) == 0.0  # reads them: no crash
+    with pytest.raises(RuntimeError, match=r"released its parameters.*build the model again"):
+        infinity.initialize(model, cfg)
+    kept = recipe.build()  # stored whole on the compute device: the parameters alias the trained values
+    with infinity.initialize(kept, recipe.config(params="host", grads="host", optimizer="host")) as engine:
+        engine.backward(engine(x, y))
+        engine.step()
+        trained = engine.full_state_dict()
+    for name, p in kept.named_parameters():
+        assert torch.equal(p, trained[name]), name
