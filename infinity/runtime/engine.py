@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from infinity.config.sections import Config
 from infinity.device.collectives import all_reduce_sum
-from infinity.device.dtypes import DTYPES
+from infinity.device.dtypes import DTYPES, dtype_of
 from infinity.device.process_group import broadcast_object
 from infinity.device.streams import Streams, host_value, listen_host_syncs
 from infinity.machine.environment import resolve
@@ -398,7 +398,7 @@ class Engine:
         (each unit is gathered). At most one unit's full values exist at a time beside the engine's own."""
         self._check_open("engine.named_full_parameters", ("params", "optimizer"))
         self.wait_for_checkpoint()  # a background save may be reading the same master extents
-        dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or self.compute_dtype)
+        dtype = dtype_of(dtype) if isinstance(dtype, str) else (dtype or self.compute_dtype)
         return named_full_parameters(self.module, self.units, self.manager, self.tiling, dtype, merge_lora,
                                      settled=self.updates.settled)
 
