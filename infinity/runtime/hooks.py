@@ -121,6 +121,20 @@ class GradCounter:
         self.fired = False
 
 
+def _state_dict_guard(unit: Unit) -> Callable:
+    """Note [model state_dict]: between steps a unit's parameters that do not alias a stored tensor (on NVMe, on
+    the host beside a GPU, partitioned at stage 3) view a buffer of zero bytes: `torch.save(model.state_dict())`
+    wrote storages of no bytes without a word, and the file failed only when loaded. A user's state_dict (not
+    keep_vars: the engine reads keys and buffers with keep_vars=True) of such a unit is refused, naming the
+    engine's calls; an aliased unit's holds the trained values and is allowed."""
+    def hook(_module, _prefix, keep_vars) -> None:
+        if not keep_vars and not unit.values_readable():
+            raise RuntimeError(f"model.state_dict(): the parameters of {unit.name} are held by the engine (sharded "
+                               f"or off the device), not in the model: use engine.full_state_dict(), "
+                               f"engine.save_checkpoint(path) or engine.export_state_dict(path)")
+    return hook
+
+
 class _ReleaseAtClose:
     """A handle whose remove(), at the engine's close, releases the unit's parameter views (Note [released
     parameters] in units/sharded_param.py)."""
@@ -197,6 +211,8 @@ def install_unit_hooks(
 
         handles.append(module.register_forward_hook(post))
     handles.append(_ReleaseAtClose(unit))
+    owners = {id(module): module for slot in unit.slots for module, _attr in slot.owners}
+    handles += [module.register_state_dict_pre_hook(_state_dict_guard(unit)) for module in owners.values()]
     counter = GradCounter(unit, callbacks.grads_ready, callbacks.in_backward)
     for p in unit.trainable_params():
         handles.append(p.register_post_accumulate_grad_hook(counter.on_grad))

@@ -260,6 +260,10 @@ class Unit:
             self.ctx.unsharded.shrink(self.index, self._storage)
             self._move(UnitState.SHARDED)
 
+    def values_readable(self) -> bool:
+        """Whether its parameters' views hold values now: aliased to the stored tensor, or unsharded."""
+        return self.aliased or self.flat_numel == 0 or self.state is UnitState.UNSHARDED
+
     def release_views(self) -> None:
         """At the engine's close: parameters viewing the unsharded buffer become empty (Note [released
         parameters] in sharded_param.py); aliased ones keep their values."""

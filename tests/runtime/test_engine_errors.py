@@ -194,3 +194,27 @@ def test_parameters_the_engine_frees_are_released_at_close(tmp_path):
         trained = engine.full_state_dict()
     for name, p in kept.named_parameters():
         assert torch.equal(p, trained[name]), name
+
+
+def test_model_state_dict_of_parameters_the_engine_holds_is_refused(tmp_path):
+    # Note [model state_dict]: torch.save(model.state_dict()) with parameters on NVMe wrote storages of no bytes,
+    # found only when the file was loaded
+    recipe = Recipe()
+    window = recipe.batches()[0]
+    model = recipe.build()
+    cfg = recipe.config(params="nvme", grads="host", optimizer="host") | {"nvme": {"paths": [str(tmp_path)]}}
+    with infinity.initialize(model, cfg) as engine:
+        for x, y in window:
+            engine.backward(engine(x, y))
+        assert engine.step()
+        with pytest.raises(RuntimeError, match=r"model.state_dict\(\): the parameters of .* engine.full_state_dict"):
+            model.state_dict()
+        assert set(engine.full_state_dict()) == set(recipe.build().state_dict())  # the engine's own still work
+        engine.save_checkpoint(str(tmp_path / "ckpt"))
+    kept = recipe.build()  # aliased to the stored values: the model's state_dict is the trained weights
+    with infinity.initialize(kept, recipe.config(params="host", grads="host", optimizer="host")) as engine:
+        for x, y in window:
+            engine.backward(engine(x, y))
+        assert engine.step()
+        trained, own = engine.full_state_dict(), kept.state_dict()
+        assert all(torch.equal(own[k], v) for k, v in trained.items())
