@@ -83,6 +83,11 @@ class RunConfig(Section):
                                 '(torch_dtype), else fp32; or "fp32", "bf16", "fp16". config.json says the dtype '
                                 'written.', "enum", choices=("auto", "fp32", "bf16", "fp16"))
 
+    def _check(self) -> None:
+        if "/" in self.name or os.sep in self.name or self.name in (".", ".."):
+            raise ConfigError(f"run.name = {show(self.name)}: the name of one directory under run.dir, without "
+                              f"'/' (to put runs elsewhere, set run.dir)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(Section):
