@@ -126,13 +126,22 @@ def _state_dict_guard(unit: Unit) -> Callable:
     the host beside a GPU, partitioned at stage 3) view a buffer of zero bytes: `torch.save(model.state_dict())`
     wrote storages of no bytes without a word, and the file failed only when loaded. A user's state_dict (not
     keep_vars: the engine reads keys and buffers with keep_vars=True) of such a unit is refused, naming the
-    engine's calls; an aliased unit's holds the trained values and is allowed."""
+    engine's calls; an aliased unit's holds the trained values and is allowed. A user's `model.load_state_dict()`
+    is refused for every unit (`_refuse_load`): it reached the compute-dtype parameters only, never the masters."""
     def hook(_module, _prefix, keep_vars) -> None:
         if not keep_vars and not unit.values_readable():
             raise RuntimeError(f"model.state_dict(): the parameters of {unit.name} are held by the engine (sharded "
                                f"or off the device), not in the model: use engine.full_state_dict(), "
                                f"engine.save_checkpoint(path) or engine.export_state_dict(path)")
     return hook
+
+
+def _refuse_load(*_args) -> None:
+    """Note [model state_dict]: a load into the module's parameters would write the compute-dtype values only
+    (the engine's fp32 masters and Adam state unchanged: the next step undoes it), or into freed bytes."""
+    raise RuntimeError("model.load_state_dict() on a model in an open Engine would not reach its fp32 master "
+                       "weights: load weights with infinity.initialize(model, config, weights=PATH) or "
+                       "engine.load_checkpoint(path)")
 
 
 class _ReleaseAtClose:
@@ -213,6 +222,7 @@ def install_unit_hooks(
     handles.append(_ReleaseAtClose(unit))
     owners = {id(module): module for slot in unit.slots for module, _attr in slot.owners}
     handles += [module.register_state_dict_pre_hook(_state_dict_guard(unit)) for module in owners.values()]
+    handles += [module.register_load_state_dict_pre_hook(_refuse_load) for module in owners.values()]
     counter = GradCounter(unit, callbacks.grads_ready, callbacks.in_backward)
     for p in unit.trainable_params():
         handles.append(p.register_post_accumulate_grad_hook(counter.on_grad))

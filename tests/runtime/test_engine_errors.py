@@ -199,7 +199,7 @@ def test_parameters_the_engine_frees_are_released_at_close(tmp_path):
 
 def test_model_state_dict_of_parameters_the_engine_holds_is_refused(tmp_path):
     # Note [model state_dict]: torch.save(model.state_dict()) with parameters on NVMe wrote storages of no bytes,
-    # found only when the file was loaded
+    # found only when the file was loaded; model.load_state_dict() never reached the masters
     recipe = Recipe()
     window = recipe.batches()[0]
     model = recipe.build()
@@ -219,3 +219,6 @@ def test_model_state_dict_of_parameters_the_engine_holds_is_refused(tmp_path):
         assert engine.step()
         trained, own = engine.full_state_dict(), kept.state_dict()
         assert all(torch.equal(own[k], v) for k, v in trained.items())
+        # loading into it wrote the compute-dtype parameters only, under masters the next step would write back
+        with pytest.raises(RuntimeError, match=r"load_state_dict\(\) on a model in an open Engine.*weights="):
+            kept.load_state_dict(recipe.build().state_dict())
