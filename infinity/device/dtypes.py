@@ -8,7 +8,10 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 
 
 def dtype_of(name: str) -> torch.dtype:
-    """The torch dtype of `precision.compute_dtype` = `name` (validated by the config)."""
+    """The torch dtype of `precision.compute_dtype` = `name` (validated by the config), or of a dtype a user
+    names to an engine call (ValueError naming the choices)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r}: use one of {', '.join(map(repr, DTYPES))} or a torch dtype")
     return DTYPES[name]
 
 

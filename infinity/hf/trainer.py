@@ -230,6 +230,14 @@ class InfinityTrainerMixin:
             raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r} has no {ENGINE_CHECKPOINT}/ "
                               f"engine checkpoint: resume from a checkpoint-N folder an Infinity trainer saved")
 
+    def _load_best_model(self) -> None:
+        """`load_best_model_at_end`: the best checkpoint-N's engine checkpoint. The Trainer's own load wrote the
+        exported weights into the module's parameters: the engine's forward ran the best weights (where the
+        parameters alias its stored ones) while its fp32 masters stayed the last step's, and save_model then
+        exported the last step's weights as the best."""
+        self._load_from_checkpoint(self.state.best_model_checkpoint)  # (refuses a folder without infinity/)
+        self.engine.load_checkpoint(os.path.join(self.state.best_model_checkpoint, ENGINE_CHECKPOINT))
+
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None:
             return

@@ -187,9 +187,12 @@ def stage_row(stage: int, sizes, config: Config, budgets: Budgets, cluster: Clus
         plan = plan_for_config(sizes, config, budgets, rates=rates)
     except (PlacementError, ConfigError) as e:  # ConfigError: an explicit read-ahead that does not fit
         row.fits, row.error = False, str(e)
-        if config.placement.policy == "static":  # its bytes all the same: the same tiers, no budget
+        if config.placement.policy == "static":  # its bytes all the same: the same tiers, no budget, and no
+            # tail units: "auto" takes them within the device's room, unlimited here (a 70B at stage 0 had 824 GiB)
             unlimited = dataclasses.replace(budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
-            plan = plan_for_config(sizes, config, unlimited, rates=rates)
+            own = config if config.placement.tail_units != "auto" else dataclasses.replace(
+                config, placement=dataclasses.replace(config.placement, tail_units=0))
+            plan = plan_for_config(sizes, own, unlimited, rates=rates)
     if plan is None:
         return row
     if row.fits and activations:  # Note [estimate table]: the activations count in "fits"

@@ -83,6 +83,11 @@ class RunConfig(Section):
                                 '(torch_dtype), else fp32; or "fp32", "bf16", "fp16". config.json says the dtype '
                                 'written.', "enum", choices=("auto", "fp32", "bf16", "fp16"))
 
+    def _check(self) -> None:
+        if "/" in self.name or os.sep in self.name or self.name in (".", ".."):
+            raise ConfigError(f"run.name = {show(self.name)}: the name of one directory under run.dir, without "
+                              f"'/' (to put runs elsewhere, set run.dir)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(Section):
@@ -210,8 +215,8 @@ class Job:
         for section, table in user.items():
             merged.setdefault(section, {}).update(table)
         opt = merged["optimizer"]
-        if "schedule" not in user.get("optimizer", {}):
-            opt.update(DECAY_DEFAULTS)
+        if "schedule" not in user.get("optimizer", {}):  # (a min_lr_ratio the user set stays: it is theirs)
+            opt.update({k: v for k, v in DECAY_DEFAULTS.items() if k not in user.get("optimizer", {})})
             opt.setdefault("warmup_steps", min(20, self.run.steps // 10))
         if opt.get("schedule", "constant") != "constant":
             opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))

@@ -32,6 +32,11 @@ write the report and checkpoint as on completion. A second Ctrl-C stops at once;
 summary.json then says "aborted" and names the checkpoint to resume from. A run
 that fails after it started (a save that found no space, a diverged loss) writes
 summary.json too: status "failed", the error, and the checkpoint to resume from.
+The flag's handlers stay from the first step to the end of the cleanup (the final
+save, summary.json, close, the swap removed): when one rank of a torchrun job dies,
+torchrun sends the others SIGTERM at once, and a rank that had just left the loop
+with the lost peer's error used to die of it before writing summary.json or
+removing its swap files.
 
 Note [resume] (checkpoints carry the training position; `--resume`): infinity/job/resume.py.
 """
@@ -113,13 +118,15 @@ class StopFlag:
         self.raised = False
         self._previous = {}
 
-    def __enter__(self) -> "StopFlag":
+    def install(self) -> None:
+        """The handlers, from the first step until `restore` (after the run's cleanup: Note [clean stop])."""
+        if self._previous:  # (installed already)
+            return
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: signals stay as they are
                 pass
-        return self
 
     def _handle(self, signum, frame) -> None:
         if self.raised:
@@ -128,9 +135,11 @@ class StopFlag:
         print(f"\n{signal.Signals(signum).name}: stopping after this step (again to stop now)", file=sys.stderr,
               flush=True)
 
-    def __exit__(self, *exc) -> None:
+    def restore(self) -> None:
+        """The handlers there were before `install`."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
 
 # ---------------------------------------------------------------- the run
@@ -198,6 +207,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
     run_dir, engine, say = run.path, None, None
     start = resume.step if resume else 0
     result = Result(run_dir=run_dir, status="starting", steps=start, losses=[], val_loss=None, seconds=0.0)
+    stop = StopFlag()  # entered before the first step, left after the cleanup (Note [clean stop])
     try:
         config = job.engine_config(str(run_dir), start)
         _make_dirs(config, job, run_dir)
@@ -241,7 +251,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         say.note(f"{bundle.description}, {len(engine.units)} units, world size {world}, device {engine.device}, "
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])
-        with StopFlag() as stop, (run_dir / "metrics.jsonl").open("a") if rank == 0 else _Null() as metrics:
+        stop.install()
+        with (run_dir / "metrics.jsonl").open("a") if rank == 0 else _Null() as metrics:
             _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
                   elapsed_before=resume.elapsed_s if resume else 0.0)
         result.losses = earlier + result.losses  # the whole run's (rank 0 reads the earlier ones from metrics.jsonl)
@@ -274,6 +285,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                 swap_dir = run_dir / "swap"
                 if swap_dir.is_dir() and not any(swap_dir.iterdir()):
                     shutil.rmtree(swap_dir, ignore_errors=True)
+            stop.restore()
     return result
 
 

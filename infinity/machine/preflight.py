@@ -110,6 +110,17 @@ def check_nvme_path(path: str, *, created_at_start: bool = False) -> Check:
     return Check(name, True, f"a writable directory{note}")
 
 
+def check_trace_dir(path: str) -> Check:
+    """Whether the profiler's `profile.trace_dir` is (or can be created as) a writable directory: it is written
+    at close, after the training, where a failure used to end a completed run with a traceback."""
+    where = _existing_parent(path)
+    problem = (f"{where} is a file" if not where.is_dir()
+               else (f"{where} is not writable ({e.strerror})" if (e := write_error(where)) is not None else None))
+    return Check("profile directory", problem is None,
+                 f"profile.trace_dir = {path!r}: {problem}" if problem else "a writable directory",
+                 "set profile.trace_dir to a writable directory, or profile.enabled = false")
+
+
 def write_error(directory: str | os.PathLike) -> OSError | None:
     """Why a file cannot be created in `directory` (a probe file made and removed), None when it can: the
     permission bits alone do not say (root, read-only mounts, immutable directories)."""

@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from infinity.config.sections import Config
 from infinity.device.collectives import all_reduce_sum
-from infinity.device.dtypes import DTYPES
+from infinity.device.dtypes import DTYPES, dtype_of
 from infinity.device.process_group import broadcast_object
 from infinity.device.streams import Streams, host_value, listen_host_syncs
 from infinity.machine.environment import resolve
@@ -41,7 +41,7 @@ from infinity.runtime.chunked_loss import kept_whole, loss_forward
 from infinity.runtime.colocate import FORWARD, Colocation, mid_step, named_full_parameters
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import GraphHooks, UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
-from infinity.runtime.inference import InferenceForwards
+from infinity.runtime.inference import InferenceForwards, unclaimed
 from infinity.runtime.loss_scale import LossScaler
 from infinity.runtime.materialize import buffers_to, materialize_units
 from infinity.runtime.optimizer_surface import EngineOptimizer, LearningRates
@@ -398,7 +398,7 @@ class Engine:
         (each unit is gathered). At most one unit's full values exist at a time beside the engine's own."""
         self._check_open("engine.named_full_parameters", ("params", "optimizer"))
         self.wait_for_checkpoint()  # a background save may be reading the same master extents
-        dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or self.compute_dtype)
+        dtype = dtype_of(dtype) if isinstance(dtype, str) else (dtype or self.compute_dtype)
         return named_full_parameters(self.module, self.units, self.manager, self.tiling, dtype, merge_lora,
                                      settled=self.updates.settled)
 
@@ -496,5 +496,5 @@ def initialize(model: nn.Module, config: Config | dict | str | None = None, *,
     schedule`, until `engine.set_lr` or a torch scheduler on `engine.optimizer` takes over (Note [who sets
     the lr] in optimizer_surface.py).
     """
-    return Engine(model, Config.of(config), init_fn=init_fn, lr_schedule=lr_schedule, group=group, weights=weights,
-                  strict=strict, param_groups=param_groups)
+    return Engine(unclaimed(model), Config.of(config), init_fn=init_fn, lr_schedule=lr_schedule, group=group,
+                  weights=weights, strict=strict, param_groups=param_groups)

@@ -77,17 +77,38 @@ def to_device(tree, device: torch.device):
     return tree_map(move, tree)
 
 
+# Note [plain backward]: `loss.backward()` instead of `engine.backward(loss)` (the mistake docs/loop.md warns of)
+# used to run silently and train nothing: no window counted, so step() was a no-op returning False, step after
+# step. Every hook that a backward reaches first (a unit's pre-backward, a root parameter's gradient) now refuses
+# a backward that is not the engine's, before any gradient is taken into a unit's buffers; the one gradient torch
+# had already accumulated on a root parameter is dropped, or the next backward would add to it.
+PLAIN_BACKWARD = ("loss.backward() on the output of engine(...): call engine.backward(loss) instead (it scales the "
+                  "loss for accumulation and reduces the gradients; this backward trained nothing)")
+
+
+def pre_backward_hook(callbacks: UnitCallbacks, unit: Unit) -> Callable:
+    """The hook on a unit's outputs' gradients: unshard it before its backward (Note [plain backward])."""
+    def hook(_grads) -> None:
+        if not callbacks.in_backward():
+            raise RuntimeError(PLAIN_BACKWARD)
+        callbacks.pre_backward(unit)
+    return hook
+
+
 class GradCounter:
     """Counts, per backward, the unit's trainable parameters whose gradient has accumulated."""
 
-    def __init__(self, unit: Unit, grads_ready: Callable[[Unit], None]):
-        self.unit, self.grads_ready = unit, grads_ready
+    def __init__(self, unit: Unit, grads_ready: Callable[[Unit], None], in_backward: Callable[[], bool]):
+        self.unit, self.grads_ready, self.in_backward = unit, grads_ready, in_backward
         self.slot_of = {id(s.param): s for s in unit.slots if s.requires_grad}
         self.expected = len(self.slot_of)
         self.seen: set[int] = set()
         self.fired = False  # grads_ready was called in this backward
 
     def on_grad(self, param: nn.Parameter) -> None:
+        if not self.in_backward():  # Note [plain backward]
+            param.grad = None
+            raise RuntimeError(PLAIN_BACKWARD)
         self.unit.grads.absorb(self.slot_of[id(param)])
         self.seen.add(id(param))
         if len(self.seen) == self.expected and not self.fired:
@@ -98,6 +119,40 @@ class GradCounter:
         """At the end of a backward: parameters that got no gradient start from zero next time."""
         self.seen.clear()
         self.fired = False
+
+
+def _state_dict_guard(unit: Unit) -> Callable:
+    """Note [model state_dict]: between steps a unit's parameters that do not alias a stored tensor (on NVMe, on
+    the host beside a GPU, partitioned at stage 3) view a buffer of zero bytes: `torch.save(model.state_dict())`
+    wrote storages of no bytes without a word, and the file failed only when loaded. A user's state_dict (not
+    keep_vars: the engine reads keys and buffers with keep_vars=True) of such a unit is refused, naming the
+    engine's calls; an aliased unit's holds the trained values and is allowed. A user's `model.load_state_dict()`
+    is refused for every unit (`_refuse_load`): it reached the compute-dtype parameters only, never the masters."""
+    def hook(_module, _prefix, keep_vars) -> None:
+        if not keep_vars and not unit.values_readable():
+            raise RuntimeError(f"model.state_dict(): the parameters of {unit.name} are held by the engine (sharded "
+                               f"or off the device), not in the model: use engine.full_state_dict(), "
+                               f"engine.save_checkpoint(path) or engine.export_state_dict(path)")
+    return hook
+
+
+def _refuse_load(*_args) -> None:
+    """Note [model state_dict]: a load into the module's parameters would write the compute-dtype values only
+    (the engine's fp32 masters and Adam state unchanged: the next step undoes it), or into freed bytes."""
+    raise RuntimeError("model.load_state_dict() on a model in an open Engine would not reach its fp32 master "
+                       "weights: load weights with infinity.initialize(model, config, weights=PATH) or "
+                       "engine.load_checkpoint(path)")
+
+
+class _ReleaseAtClose:
+    """A handle whose remove(), at the engine's close, releases the unit's parameter views (Note [released
+    parameters] in units/sharded_param.py)."""
+
+    def __init__(self, unit: Unit):
+        self.unit = unit
+
+    def remove(self) -> None:
+        self.unit.release_views()
 
 
 def install_unit_hooks(
@@ -154,18 +209,21 @@ def install_unit_hooks(
                 if callbacks.post_recompute(u):  # released: fetched again before its backward (reentrant: on
                     needing = tensors_needing_grad(output)  # these outputs; non-reentrant: the forward's)
                     if needing:
-                        callbacks.keep_hook(register_multi_grad_hook(
-                            needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any"))
+                        callbacks.keep_hook(register_multi_grad_hook(needing, pre_backward_hook(callbacks, u),
+                                                                     mode="any"))
                 return None
             callbacks.post_forward(u)
             needing = tensors_needing_grad(output)
             if needing:
-                callbacks.keep_hook(register_multi_grad_hook(
-                    needing, lambda _grads, uu=u: callbacks.pre_backward(uu), mode="any"))
+                callbacks.keep_hook(register_multi_grad_hook(needing, pre_backward_hook(callbacks, u), mode="any"))
             return None
 
         handles.append(module.register_forward_hook(post))
-    counter = GradCounter(unit, callbacks.grads_ready)
+    handles.append(_ReleaseAtClose(unit))
+    owners = {id(module): module for slot in unit.slots for module, _attr in slot.owners}
+    handles += [module.register_state_dict_pre_hook(_state_dict_guard(unit)) for module in owners.values()]
+    handles += [module.register_load_state_dict_pre_hook(_refuse_load) for module in owners.values()]
+    counter = GradCounter(unit, callbacks.grads_ready, callbacks.in_backward)
     for p in unit.trainable_params():
         handles.append(p.register_post_accumulate_grad_hook(counter.on_grad))
     return handles, counter

@@ -20,6 +20,7 @@ training that follows exactly as if they had not run.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -27,7 +28,39 @@ from torch import nn
 
 from infinity.runtime.hooks import tensors_needing_grad, to_device
 from infinity.runtime.prefetch import Prefetcher
+from infinity.units.sharded_param import RELEASED
 from infinity.units.unit import Unit
+
+# Note [one engine per model]: a second `infinity.initialize` of a model whose engine is still open (a notebook
+# cell run again) used to be accepted: it sharded the model again under the first engine's hooks, and both
+# engines then failed at their first forward with a message about `engine.module(...)`. The hooks on the whole
+# model claim it for the engine's life; `initialize` refuses a claimed model, naming close(), and a closed one
+# whose parameters its engine released (Note [released parameters] in units/sharded_param.py).
+_CLAIMED: weakref.WeakSet = weakref.WeakSet()  # the models of open engines
+
+
+def unclaimed(model: nn.Module) -> nn.Module:
+    """`model`, if no open engine holds it (Note [one engine per model])."""
+    if model in _CLAIMED:
+        raise RuntimeError("this model is already in an open Engine (an earlier infinity.initialize): call close() "
+                           "on that engine first, or initialize a new model")
+    if any(RELEASED.get(id(p)) is p for p in model.parameters()):
+        raise RuntimeError("this model's engine was closed and released its parameters (stored on NVMe or "
+                           "partitioned, not in the model): build the model again (infinity.meta_init) and load the "
+                           "weights (initialize(..., weights=) from an export, or engine.load_checkpoint)")
+    return model
+
+
+class _Claim:
+    """A handle whose remove() (at the engine's close) releases the model (Note [one engine per model])."""
+
+    def __init__(self, model: nn.Module):
+        _CLAIMED.add(model)
+        self._model = weakref.ref(model)
+
+    def remove(self) -> None:
+        if (model := self._model()) is not None:
+            _CLAIMED.discard(model)
 
 
 class InferenceForwards:
@@ -40,7 +73,7 @@ class InferenceForwards:
         self._engine_call = False  # engine(batch) is running its own forward: these hooks stand aside
         self._holding = False  # inside generate: the root stays unsharded between forwards
         self._depth = 0  # nested forwards of the hooked modules (a PEFT wrapper around its base model)
-        self.handles = []
+        self.handles = [_Claim(module)]
         for m in _generating_modules(module):
             self.handles += [m.register_forward_pre_hook(self._before),
                              m.register_forward_hook(self._after, always_call=True)]  # (after an error too)

@@ -23,7 +23,7 @@ def plan_units(units: list[Unit], regions, cfg: Config, env: ProcessEnv, weights
     """The plan and the read-ahead bytes; the checkpoint space leaves out the frozen weights when `weights`
     will be referenced (Note [pretrained references])."""
     from infinity.machine.link_rates import rates_for_plan
-    from infinity.machine.preflight import check_nvme_paths, preflight, require
+    from infinity.machine.preflight import check_nvme_paths, check_trace_dir, preflight, require
     sizes = unit_sizes(units, cfg.optimizer.sub_group_size,
                        recomputed_units(regions, cfg.activation.checkpoint, cfg.prefetch.units_ahead))
     nvme_free = check_nvme_paths(list(cfg.nvme.paths)) if cfg.nvme.paths else 0
@@ -35,8 +35,9 @@ def plan_units(units: list[Unit], regions, cfg: Config, env: ProcessEnv, weights
         warnings.warn(f"{line}; the setting does nothing in this run", SettingWarning, stacklevel=2)
     read_ahead = resolve_read_ahead(cfg, plan, budgets)
     referenced = cfg.checkpoint.reference_pretrained and weights is not None and weights.holds_every_frozen(units)
-    require(preflight(plan, None, cfg, local_world_size=env.local_world_size, cuda=env.device.type == "cuda",
-                      frozen_referenced=referenced))
+    checks = preflight(plan, None, cfg, local_world_size=env.local_world_size, cuda=env.device.type == "cuda",
+                       frozen_referenced=referenced)
+    require(checks + ([check_trace_dir(cfg.profile.trace_dir)] if cfg.profile.enabled else []))
     return plan, read_ahead
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from infinity.config.sections import ConfigError
 from infinity.memory.traffic import UnitSizes
 from infinity.units.context import UnitContext
 from infinity.units.sharded_param import collect_slots, layout
@@ -74,7 +75,7 @@ def _walk(model: nn.Module, classes: list[str]) -> tuple[list[tuple[str, nn.Modu
     walk("", model)
     if classes and not found:
         present = sorted({type(m).__name__ for m in model.modules()})
-        raise ValueError(f"units.classes = {classes} matches no module of the model; its module classes are "
+        raise ConfigError(f"units.classes = {classes} matches no module of the model; its module classes are "
                          f"{present}: list the class of the repeated block (e.g. the transformer layer)")
     return found, split_found
 

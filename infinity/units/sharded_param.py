@@ -8,6 +8,7 @@ unsharded, zero bytes otherwise.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,25 @@ def layout(slots: list[ParamSlot]) -> int:
         offset += slot.numel
         trainable += slot.numel if slot.requires_grad else 0
     return trainable
+
+
+RELEASED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> a parameter `release` emptied
+
+
+def release(slots: list[ParamSlot]) -> None:
+    """Note [released parameters]: at the engine's close, a unit whose parameters view its unsharded buffer (not
+    a stored tensor: parameters on NVMe, or on the host with a GPU, or partitioned over ranks) has that buffer's
+    bytes freed: a parameter read after close (`model.w.sum()`, a call of the model) read freed memory, and
+    the process died of a segfault. The modules get parameters on the meta device instead, of the same shapes
+    and dtypes (as `meta_init` makes them: counting them still works; their values are gone, and a call of the
+    model fails on the meta device); parameters aliasing a stored tensor keep the trained values."""
+    for slot in slots:
+        released = nn.Parameter(torch.empty(slot.shape, dtype=slot.param.dtype, device="meta"),
+                                requires_grad=slot.requires_grad)
+        slot.param = released
+        for module, attr in slot.owners:
+            module._parameters[attr] = released
+        RELEASED[id(released)] = released  # initialize refuses a model holding one (by id: == compares values)
 
 
 def install(slots: list[ParamSlot], flat: torch.Tensor) -> None:

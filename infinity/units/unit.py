@@ -45,7 +45,7 @@ from infinity.memory.tier import Kind, Tier
 from infinity.profile import Link
 from infinity.units.context import UnitContext
 from infinity.units.gradients import UnitGradients
-from infinity.units.sharded_param import ParamSlot, install
+from infinity.units.sharded_param import ParamSlot, install, release
 from infinity.units.steps import UnitSteps
 
 
@@ -259,6 +259,16 @@ class Unit:
         if self.state is UnitState.UNSHARDED:
             self.ctx.unsharded.shrink(self.index, self._storage)
             self._move(UnitState.SHARDED)
+
+    def values_readable(self) -> bool:
+        """Whether its parameters' views hold values now: aliased to the stored tensor, or unsharded."""
+        return self.aliased or self.flat_numel == 0 or self.state is UnitState.UNSHARDED
+
+    def release_views(self) -> None:
+        """At the engine's close: parameters viewing the unsharded buffer become empty (Note [released
+        parameters] in sharded_param.py); aliased ones keep their values."""
+        if not self.aliased:
+            release(self.slots)
 
     def trainable_params(self) -> list[nn.Parameter]:
         return [s.param for s in self.slots if s.requires_grad]

@@ -122,6 +122,21 @@ def test_resume_from_checkpoint_is_bitwise(tmp_path):
     resumed.engine.close()
 
 
+def test_load_best_model_at_end_loads_the_best_checkpoint_into_the_engine(tmp_path):
+    """The Trainer's own load wrote the best weights into the module's parameters only: the engine's masters
+    (what save_model exports) stayed the last step's. At this learning rate the eval loss rises after the first
+    evaluation, so the best checkpoint is not the last."""
+    kw = dict(max_steps=6, gradient_accumulation_steps=1, eval_steps=2, save_strategy="steps", save_steps=2,
+              load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=False,
+              learning_rate=0.3)  # too high: the eval loss rises after the first evaluation
+    trainer = run(InfinityTrainer, tmp_path, lm_dataset(12), lm_dataset(4, seed=2), **kw)
+    best = trainer.state.best_model_checkpoint
+    assert not best.endswith("checkpoint-6"), best
+    loaded, want = trainer.engine.full_state_dict(), LlamaForCausalLM.from_pretrained(best).state_dict()
+    assert all(torch.equal(loaded[k], want[k]) for k in loaded)
+    trainer.engine.close()
+
+
 def test_gradient_checkpointing_is_the_engines_units(tmp_path):
     train = lm_dataset(16)
     kw = dict(max_steps=6, eval_strategy="no", gradient_accumulation_steps=1)

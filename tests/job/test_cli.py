@@ -12,7 +12,7 @@ import tomllib
 import pytest
 import torch.nn as nn
 
-from infinity.config.sections import Config
+from infinity.config.sections import Config, ConfigError
 from infinity.job.cli import EXIT_USAGE, main
 from infinity.job.spec import DECAY_DEFAULTS, TRAIN_DEFAULTS, ModelConfig, load_job
 from infinity.job.train import JOB_SECTIONS
@@ -76,6 +76,16 @@ def test_config_shows_the_resolved_job(capsys):
     parsed = tomllib.loads(out)
     assert code == 0 and parsed["run"]["steps"] == 12 and parsed["optimizer"]["lr"] == 1e-3
     assert parsed["optimizer"]["total_steps"] == 12 and parsed["placement"]["params"] == "nvme"
+
+
+def test_a_decay_key_set_without_a_schedule_is_kept_and_checked():
+    # the job's cosine default used to overwrite min_lr_ratio: --set optimizer.min_lr_ratio=0.5 trained to 10%
+    # of lr, and 1.5 (over lr) passed unchecked
+    opt = load_job(None, ["optimizer.min_lr_ratio=0.5"]).engine_config("r").optimizer
+    assert (opt.schedule, opt.min_lr_ratio) == ("cosine", 0.5)
+    assert load_job(None).engine_config("r").optimizer.min_lr_ratio == DECAY_DEFAULTS["min_lr_ratio"]
+    with pytest.raises(ConfigError, match="optimizer.min_lr_ratio = 1.5: must be <= 1.0"):
+        load_job(None, ["optimizer.min_lr_ratio=1.5"]).engine_config("r")
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -142,3 +142,16 @@ def test_cli_stages(tmp_path, monkeypatch, capsys):
     assert "multiple of the node count" in capsys.readouterr().err
     assert main(args + ["--stages", "--hardware", "nope"]) == 2
     assert "dgx-h100" in capsys.readouterr().err
+
+
+def test_a_stage_that_does_not_fit_shows_its_placements_bytes_without_tail_units(tmp_path):
+    """The bytes of a placement that does not fit are planned without budgets; tail_units = "auto" then took
+    half of the trainable state onto a device of unlimited room (a 70B at stage 0 showed 824 GiB on an 80 GB
+    GPU). Its bytes are the placement's own: params on the device, gradients and optimizer on the host."""
+    psi = num_params()
+    cfg = infinity.Config.from_dict({"placement": {"params": "device", "grads": "host", "optimizer": "host"},
+                                     "precision": {"compute_dtype": "bf16"}})
+    row = report(cfg, 1, budgets=Budgets(device=1000, host=1 << 40, nvme=0)).rows[0]
+    assert not row.fits and "device tier needs" in row.error
+    pad = 18 * len(est.unit_sizes_of(build_model(SMALL).model, cfg, 1))
+    assert abs(row.state[Tier.DEVICE] - 2 * psi) <= pad and abs(row.state[Tier.HOST] - 16 * psi) <= pad, row.state

@@ -290,3 +290,29 @@ def test_resuming_a_live_run_that_has_no_checkpoint_yet_names_the_job_using_it(t
         held.release()
     code = main(["train", "--resume", str(root / "live"), "--quiet"])
     assert code == EXIT_USAGE and "no checkpoint found" in capsys.readouterr().err
+
+
+def test_a_sigterm_after_a_failure_still_writes_the_summary(tmp_path, capsys, monkeypatch):
+    # Note [clean stop]: one rank of a torchrun job died; the others left the loop with its error, and torchrun's
+    # SIGTERM, sent at once, killed them before summary.json was written and the swap files removed
+    def reduce(loss, stop, device, world):
+        raise RuntimeError("Connection closed by peer")  # what gloo says when another rank is gone
+    monkeypatch.setattr(train_mod, "_reduce_step", reduce)
+    real_summary = train_mod.stopped_summary
+
+    def summary_after_sigterm(*args):
+        os.kill(os.getpid(), signal.SIGTERM)  # torchrun's, during the cleanup
+        return real_summary(*args)
+    monkeypatch.setattr(train_mod, "stopped_summary", summary_after_sigterm)
+
+    def killed(signum, frame):  # stands in for the default action (death), so that a regression fails the test
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, killed)
+    try:
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            train(capsys, tmp_path, "r")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "Connection closed by peer" in summary["error"]
+    assert not (tmp_path / "r" / "swap").exists(), "the swap files are removed"

@@ -66,6 +66,8 @@ def test_auto_policy_and_constant_schedule_drop_the_job_defaults_they_contradict
     (["data.val_fraction=0.9"], "data.val_fraction = 0.9: must be < 0.5"),
     (["placement.params=disk"], 'placement.params = "disk"'),
     (["model.n_kv_head=2"], 'only llama has grouped-query attention; remove it or set model.kind = "llama"'),
+    (["run.name=../elsewhere"], "run.name = \"../elsewhere\": the name of one directory under run.dir"),  # was
+    (["run.name=a/b"], "without '/'"),  # created outside run.dir, or an error naming run.dir
 ])
 def test_bad_job_keys_name_the_key_and_the_fix(overrides, needle):
     with pytest.raises(ConfigError) as e:

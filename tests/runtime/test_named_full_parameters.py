@@ -66,3 +66,12 @@ def test_lora_merged_is_peft_merge(tmp_path):
     assert merged.keys() == dict(ref.named_parameters()).keys(), "the base model's names"
     for k, v in merged.items():
         assert torch.equal(v, want[k]), k
+
+
+def test_a_dtype_name_it_does_not_know_is_named_with_the_choices():
+    # was a bare KeyError: 'half'
+    from reference import Recipe
+    with infinity.initialize(Recipe().build(), {}) as engine:
+        with pytest.raises(ValueError, match=r"dtype 'half': use one of 'fp32', 'bf16', 'fp16' or a torch dtype"):
+            engine.named_full_parameters(dtype="half")
+        assert next(iter(engine.named_full_parameters(dtype="bf16")))[1].dtype == torch.bfloat16
