@@ -417,7 +417,8 @@ class CheckpointConfig(Section):
                                         "checked at load), not copied: the checkpoint needs that directory "
                                         "unchanged to load (Note [pretrained references]). false: copy them into "
                                         "every checkpoint (in the compute dtype), which then stands alone.", "bool")
-    dir: str = option("", "Directory the checkpoints are saved under (`infinity train` sets it to the run directory). "
+    dir: str = option("", "Directory the checkpoints are saved under (`infinity train` sets it to the run directory, "
+                      "and refuses another: its checkpoints live in the run). "
                       "Preflight checks that its disk holds the checkpoints kept (see saves) of every rank on the "
                       "node, besides any swap on the same disk (Note [checkpoint space]); \"\" = not checked.", "path")
     saves: int = option(0, "How many checkpoints the run will save (`infinity train` sets it from run.steps and "

@@ -55,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from infinity.config.options import show
 from infinity.config.sections import Config, ConfigError
 from infinity.device.process_group import (
     barrier,
@@ -201,6 +202,11 @@ def _make_dirs(config: Config, job: Job, run_dir: Path) -> None:
 def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) -> Result:
     import infinity
 
+    given = job.engine_keys.get("checkpoint", {}).get("dir")
+    if given:  # Note [no silent keys]: the job saves where --resume finds them; the key would move only preflight
+        raise ConfigError(f"checkpoint.dir = {show(given)}: infinity train saves its checkpoints in the run directory "
+                          f"(<run>/checkpoint, <run>/checkpoints/); remove checkpoint.dir, and to put the run on "
+                          f"another disk set run.dir there")
     job, format_said = resolve_data_format(job)  # Note [data format from the records]
     batches = job_batches(job, rank, world)  # bad data settings fail before any work
     run = _open_run_dir(job, resume, rank, world)

@@ -320,3 +320,15 @@ def test_data_keys_the_format_does_not_read_are_refused(fmt, overrides, needle, 
     with pytest.raises(ConfigError) as e:
         resolve_data_format(job)
     assert needle in str(e.value)
+
+
+def test_a_checkpoint_dir_the_job_would_not_save_under_is_refused(tmp_path):
+    """Note [no silent keys]: infinity train saves its checkpoints in the run directory (where --resume finds
+    them); checkpoint.dir moved only preflight's space check, so a user's other disk was checked and unused."""
+    job = load_job(None, TINY + ["run.steps=1", f"run.dir={tmp_path}", "run.name=r",
+                                 f"checkpoint.dir={tmp_path / 'elsewhere'}"])
+    with pytest.raises(ConfigError, match=r"checkpoint.dir = .*elsewhere.*: infinity train saves its checkpoints in "
+                                          r"the run directory .*remove checkpoint.dir, and to put the run on another "
+                                          r"disk set run.dir there"):
+        train(job, verbose=False)
+    assert not (tmp_path / "r").exists()
