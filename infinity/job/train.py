@@ -117,6 +117,7 @@ class StopFlag:
 
     def __init__(self):
         self.raised = False
+        self.training = True  # False once the loop has ended: a signal then cuts the cleanup short, not a step
         self._previous = {}
 
     def install(self) -> None:
@@ -133,8 +134,8 @@ class StopFlag:
         if self.raised:
             raise KeyboardInterrupt
         self.raised = True
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (again to stop now)", file=sys.stderr,
-              flush=True)
+        what = "stopping after this step" if self.training else "finishing the report, checkpoint and cleanup"
+        print(f"\n{signal.Signals(signum).name}: {what} (again to stop now)", file=sys.stderr, flush=True)
 
     def restore(self) -> None:
         """The handlers there were before `install`."""
@@ -259,8 +260,11 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])
         stop.install()
         with (run_dir / "metrics.jsonl").open("a") if rank == 0 else _Null() as metrics:
-            _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
-                  elapsed_before=resume.elapsed_s if resume else 0.0)
+            try:
+                _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
+                      elapsed_before=resume.elapsed_s if resume else 0.0)
+            finally:
+                stop.training = False
         result.losses = earlier + result.losses  # the whole run's (rank 0 reads the earlier ones from metrics.jsonl)
         _finish(job, config, engine, bundle, run_dir, result, world, rank, say, resume)
     except BaseException as e:

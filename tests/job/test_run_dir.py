@@ -316,3 +316,5 @@ def test_a_sigterm_after_a_failure_still_writes_the_summary(tmp_path, capsys, mo
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["status"] == "failed" and "Connection closed by peer" in summary["error"]
     assert not (tmp_path / "r" / "swap").exists(), "the swap files are removed"
+    err = capsys.readouterr().err  # (the loop had ended: no "stopping after this step")
+    assert "SIGTERM: finishing the report, checkpoint and cleanup (again to stop now)" in err, err
