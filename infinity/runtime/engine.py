@@ -187,7 +187,7 @@ class Engine:
         self._check_open("engine(...)", FORWARD)
         self.clock.forward_begins()
         with self.clock.host("engine", start=self.clock.call_begins()):
-            args, kwargs = to_device((args, kwargs), self.env.device)
+            args, kwargs = to_device((args, kwargs), self.env.device, self.compute_dtype)  # Note [input dtype]
         root = self.units[0]
         self.graph_hooks.forward_begins(backward_pending=self._backward_pending)
         self._pre_forward(root)  # (waits for the root's update first, with overlap)

@@ -66,15 +66,26 @@ def tensors_needing_grad(output) -> list[torch.Tensor]:
     return [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def to_device(tree, device: torch.device):
-    """`tree` (tensors in nested lists, tuples, dicts) with every tensor on `device`; the rest as is.
+def to_device(tree, device: torch.device, dtype: torch.dtype | None = None):
+    """`tree` (tensors in nested lists, tuples, dicts) with every tensor on `device`; the rest as is. With `dtype`
+    (the compute dtype: Note [input dtype]) its floating-point tensors are cast to it.
 
     Inputs from pinned memory are copied asynchronously on the current (compute) stream, which
     is the stream that reads them next.
     """
     def move(x):
-        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x
+        if not isinstance(x, torch.Tensor):
+            return x
+        to = dtype if dtype is not None and x.is_floating_point() else x.dtype
+        return x.to(device, to, non_blocking=True) if x.device != device or x.dtype != to else x
     return tree_map(move, tree)
+
+
+# Note [input dtype]: the parameters compute in `precision.compute_dtype`; a floating-point input in another dtype
+# (fp32 features or embeddings into a bf16 model) failed in the first layer with torch's "mat1 and mat2 must have
+# the same dtype". As FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True) does, `engine(...)` casts every
+# floating-point tensor argument to the compute dtype; integer ones (token ids, labels) and the caller's loss on
+# the output are untouched.
 
 
 # Note [plain backward]: `loss.backward()` instead of `engine.backward(loss)` (the mistake docs/loop.md warns of)

@@ -45,3 +45,25 @@ def test_fp16_follows_fp32():
     engine, losses = train(recipe, {"compute_dtype": "fp16", "initial_loss_scale": 1024.0})
     engine.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=0, atol=0.02)
+
+
+def test_floating_inputs_are_cast_to_the_compute_dtype():
+    """Note [input dtype]: fp32 features into a bf16 model computed as bf16 (they failed in the first Linear with
+    "mat1 and mat2 must have the same dtype"); integer inputs keep theirs. Against the same model in bf16 by hand."""
+    class Regressor(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+        def forward(self, x, index):
+            return self.b(torch.relu(self.a(x)))[index]
+
+    torch.manual_seed(0)
+    model = Regressor()
+    reference = Regressor().to(torch.bfloat16)
+    reference.load_state_dict(model.state_dict())
+    x, index = torch.randn(4, 8), torch.tensor([2, 0])
+    with infinity.initialize(model, {"precision": {"compute_dtype": "bf16"}}) as engine, torch.no_grad():
+        out = engine(x, index)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, reference(x.to(torch.bfloat16), index))
