@@ -388,7 +388,7 @@ def to_toml(config: Config, job: Job, run_dir: str) -> str:
         lines.append(f"[{section}]")
         lines += [f"# {key} = {show(value)}  (derived for the run: a run trained from this file derives its own)"
                   if key in derived.get(section, {}) else
-                  f"# {key} = {show(value)}  (from model.pretrained's config.json: Note [pretrained shape keys])"
+                  f"# {key} = {show(value)}  (unused: model.pretrained's config.json gives it)"
                   if key in unused.get(section, {}) else f"{key} = {show(value)}" for key, value in table.items()]
         lines.append("")
     return "\n".join(lines)

@@ -148,7 +148,7 @@ def test_resume_continues_a_lora_run_and_refuses_another_model(pretrained, corpu
     # Note [pretrained shape keys]: config.toml holds the shape keys commented out; before 2026-11-27 it held them
     # at the built-in model's defaults: such a run still resumes, but trained again with --config it is refused
     text = (run / "config.toml").read_text()
-    shape_lines = [line for line in text.splitlines() if "Note [pretrained shape keys]" in line]
+    shape_lines = [line for line in text.splitlines() if "(unused: model.pretrained's config.json" in line]
     assert [line.split()[1] for line in shape_lines] == list(ModelConfig.SHAPE)
     old = "\n".join(line[2:].split("  (")[0] if line in shape_lines else line for line in text.splitlines())
     (run / "config.toml").write_text(old)
