@@ -179,9 +179,9 @@ class PlacementConfig(Section):
     tail_units: int | str = option(
         "auto", "Units the next forward uses first whose gradients and optimizer state are kept on the device, so "
         "their update runs on the GPU and the forward does not wait for the CPU's (Note [tail units]): a count, 0 "
-        "for none, or \"auto\": on a GPU, the first units up to half of the trainable elements (four fifths when "
-        "the update waits for the global norm: clipping), within half the device memory the plan leaves free (none "
-        "without a GPU).", "int_or_auto", ge=0, example=4)
+        "for none, or \"auto\": on a GPU, the first units up to four fifths of the trainable elements (nineteen "
+        "twentieths when the update waits for the global norm: clipping), within half the device memory the plan "
+        "leaves free (none without a GPU).", "int_or_auto", ge=0, example=4)
 
     def _check(self) -> None:
         if self.policy != "auto":

@@ -205,20 +205,23 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
 # waits for the CPU (tests/device/test_simulated_schedule.py: 1.23x the floors). Keeping the gradients and
 # optimizer state of those first units on the device makes their update a GPU kernel (it runs where the state
 # lives: optim/offloaded.py) and leaves the CPU less to do (the simulation: 6 of 24 units, 1.04x). "auto" takes
-# the forward-first units (index order: the root, then the blocks) up to half of the trainable elements,
+# the forward-first units (index order: the root, then the blocks) up to four fifths of the trainable elements,
 # within half of the device memory the plan leaves free (the other half for activations, which the planner does
 # not know), on a GPU only; a count is taken as it is (a PlacementError if it does not fit), without one too.
-# Half, not the quarter first chosen: on an H100 (the 1.12B Llama in bf16 of bench_gpu's case l) the CPU's update
-# of the other three quarters took 0.29 s of a 0.42 s step, against 0.13 s of backward to hide it in.
-# Four fifths when the update waits for the global norm (clipping: Note [speculation default]): then no update
-# runs during backward, and the CPU's whole update of the host units must hide behind the forward of the tail
-# units instead. Simulated in the H100's proportions, against the unclipped step (half a tail): case b's clipped
-# step 1.26x with half, 1.10x with two thirds (the share of the sixth to eighth sessions), 1.02x with three
-# quarters, 1.00x with four fifths (also with the device lane, Note [device lane]); case l's 1.42x, 1.16x, 1.03x,
-# 0.98x. Four fifths, the smallest share at the unclipped step in both, leaves a margin for what the simulation
-# misses (on the H100 with half: 1.31x measured, 1.26x simulated). Memory is the other limit, unchanged: within
-# half of what the plan leaves free, so where the device is short the share is what fits, and the lane helps.
-TAIL_SHARE = {False: 1 / 2, True: 4 / 5}  # "auto": up to this share of the trainable elements, by defers_update
+# The share was a quarter, then half (an H100's 1.12B Llama in bf16, bench_gpu's case l: the CPU's update of three
+# quarters took 0.29 s of a 0.42 s step), then four fifths after the H200's lease of 2026-11-27: there the same
+# Llama's step with half was 1.8x torch's all-on-device step (the CPU's update of the other half, ~250 ms with its
+# bf16 cast, paced it) and 0.95x with four fifths; case b's went from 0.357 to 0.351 s (1.04x its floors). A unit
+# more on the device costs the GPU ~0.5 ms of fused Adam and takes ~14-22 ms off the CPU.
+# Nineteen twentieths when the update waits for the global norm (clipping: Note [speculation default]): then no
+# update runs during backward, and the CPU's whole update of the host units must hide behind the forward of the
+# tail units instead. On the H200, clipped over unclipped (four fifths): case b 1.05x with four fifths, 1.015x
+# with nine tenths, 1.008x with nineteen twentieths; case l 1.27x, 1.10x, 1.03x (benchmarks/RESULTS.md). The
+# simulation (tests/device/test_simulated_schedule.py, in the H200's and the H100's proportions) shows the same
+# shape, though it does not tell nine tenths from nineteen twentieths (1.00x both; measured 1.10x and 1.03x).
+# Memory is the other limit, unchanged: within half of what the plan leaves free, so where the device is short
+# the share is what fits, and the device lane (Note [device lane]) helps the clipped step.
+TAIL_SHARE = {False: 4 / 5, True: 19 / 20}  # "auto": up to this share of the trainable elements, by defers_update
 
 
 def with_tail(plan: Plan, setting, budgets: Budgets, defers_update: bool = False) -> Plan:
