@@ -271,6 +271,12 @@ def case_a(cfg, batch, device, args) -> dict:
 OFFLOAD = {"params": "device", "grads": "host", "optimizer": "host"}  # the ZeRO-Offload shape
 
 
+def offload(args) -> dict:
+    """Cases b and l's placement: the ZeRO-Offload shape, with --tail-units' setting (Note [tail units]; a count
+    stands for a device that holds no more, where "auto" would keep more)."""
+    return OFFLOAD | {"tail_units": args.tail_units}
+
+
 RUNS = ("no_clip", "clip", "clip_lane", "spec_no_fire", "all_cores", "bound")  # of cases b and l (--runs)
 # (no_clip and clip always run)
 ALL_CORES = {"optimizer_threads": torch.get_num_threads(), "optimizer_cores": "none"}
@@ -309,7 +315,7 @@ def case_b(cfg, batch, device, args) -> dict:
         def run(clip=clip, overlap=overlap, sync_too=sync_too) -> dict:
             out: dict = {}
             try:
-                times = infinity_step_times(cfg, batch, device, args.warmup, args.steps, OFFLOAD, grad_clip=clip,
+                times = infinity_step_times(cfg, batch, device, args.warmup, args.steps, offload(args), grad_clip=clip,
                                             steady_out=out, overlap=overlap, synchronized=sync_too)
             finally:
                 release(device)
@@ -321,7 +327,7 @@ def case_b(cfg, batch, device, args) -> dict:
     if args.profile:  # after the measured runs (the profile's own costs stay out of them): unclipped and clipping
         for name, clip in (("case_b", 0.0), ("case_b_clip", 1.0)):  # steady steps, as case l's: each update
             # overlapping the next forward (a synchronize per step would show the update after backward alone)
-            infinity_step_times(cfg, batch, device, 1, 2, OFFLOAD, profile_dir=os.path.join(args.profile, name),
+            infinity_step_times(cfg, batch, device, 1, 2, offload(args), profile_dir=os.path.join(args.profile, name),
                                 grad_clip=clip, steady_out={}, synchronized=False)
             release(device)
     floors = {
@@ -393,7 +399,7 @@ def case_l(cfg, batch, device, args) -> dict:
         with infinity.meta_init():
             model = LlamaForCausalLM(lcfg)
         config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": clip},
-                  "placement": OFFLOAD, "precision": {"compute_dtype": "bf16" if bf16 else "fp32"},
+                  "placement": offload(args), "precision": {"compute_dtype": "bf16" if bf16 else "fp32"},
                   "overlap": overlap}
         profiled = name.startswith("profiled")
         if profiled:
@@ -543,6 +549,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny", action="store_true", help="a tiny model and one timed step (smoke test)")
     ap.add_argument("--runs", default=",".join(RUNS), help="cases b and l: which of %s to run (no_clip and clip "
                     "always run)" % ", ".join(RUNS))
+    ap.add_argument("--tail-units", default="auto", type=lambda v: v if v == "auto" else int(v),
+                    help='cases b and l: placement.tail_units ("auto", or a count: a device that holds no more)')
     ap.add_argument("--json", default=None)
     return ap
 

@@ -69,3 +69,13 @@ def test_bench_gpu_tiny_case_d_runs_deepspeed(tmp_path):
     out = bench_gpu.main(["--tiny", "--device", "cpu", "--cases", "d"])
     d = out["d"]
     assert d["deepspeed_step_s"] > 0 and d["ratio"] == d["step_s"] / d["deepspeed_step_s"]
+
+
+def test_a_count_of_tail_units_reaches_cases_b_and_l():
+    """--tail-units stands for a device that holds no more than that count (the memory-bound tail a lease
+    measures: docs/benchmarks.md); a count is taken without a GPU too (Note [tail units])."""
+    import bench_gpu
+    out = bench_gpu.main(["--tiny", "--device", "cpu", "--cases", "b,l", "--runs", "no_clip,clip",
+                          "--tail-units", "1"])
+    assert out["b"]["runs"]["no_clip"]["tail_units"] == out["l"]["no_clip"]["tail_units"] == 1
+    assert out["b"]["b_clip"]["tail_units"] == out["l"]["clip"]["tail_units"] == 1
