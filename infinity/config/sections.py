@@ -181,7 +181,8 @@ class PlacementConfig(Section):
         "their update runs on the GPU and the forward does not wait for the CPU's (Note [tail units]): a count, 0 "
         "for none, or \"auto\": on a GPU, the first units up to four fifths of the trainable elements (nineteen "
         "twentieths when the update waits for the global norm: clipping), within half the device memory the plan "
-        "leaves free (none without a GPU).", "int_or_auto", ge=0, example=4)
+        "and the activations (memory.activation_reserve) leave free (none without a GPU).", "int_or_auto", ge=0,
+        example=4)
 
     def _check(self) -> None:
         if self.policy != "auto":
@@ -206,6 +207,11 @@ class MemoryConfig(Section):
     host_budget: int | str = option("auto", 'Host RAM for training state: a size ("100GiB") or "auto" '
                                      "(available RAM detected at initialize).", "size_or_auto", gt=0,
                                      example="100GiB")
+    activation_reserve: int | str = option(
+        "auto", 'Device memory the planner leaves for activations before it keeps "auto" tail units on the device '
+        '(placement.tail_units, Note [tail units]): a size, or "auto": what the forward keeps for backward under '
+        "[activation], traced by `infinity train` on a GPU and by `infinity estimate`; where nothing traced it (the "
+        "engine API alone), half of the free device memory.", "size_or_auto", ge=0, example="20GiB")
     release_heap: bool = option(False, "Give the C heap's free pages back to the OS once per optimizer step (glibc "
                                 "malloc_trim): without a GPU the peak RSS stays at one step's, as `infinity estimate` "
                                 "predicts, instead of creeping up as freed activations fragment the heap; costs the "

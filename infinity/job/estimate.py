@@ -266,6 +266,14 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     return est
 
 
+def traced_activations(make_model: Callable, config: Config, *, batch_size: int, seq_len: int, depth=None) -> int:
+    """The device bytes one micro-batch's forward keeps for backward under `config`'s [activation], as the estimate
+    counts them (Note [activation estimate]): what "auto" tail units leave free (Note [tail units])."""
+    from infinity.job.estimate_model import model_facts
+    trace = model_facts(make_model, depth).tracer(config, seq_len)(batch_size)
+    return activation_bytes(trace, config.activation)["device"]
+
+
 def staging_pool_bytes(plan: Plan) -> int:
     """Host staging bytes the update's pool ends up holding: the plan's `update_staging` term
     (Note [working memory] in memory/traffic.py, a replay of OffloadedOptimizer's buffer requests)."""

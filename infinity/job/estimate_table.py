@@ -121,7 +121,8 @@ def plan_of(ctx: Context, config: Config, tiers, *, world_size: int | None = Non
     sizes = cache[key]
     try:
         if tiers is None:  # the auto policy plans against the budgets it has
-            plan = plan_for_config(sizes, config, ctx.budgets, rates=ctx.rates)
+            budgets = ctx.budgets.reserving(_activation_bytes(ctx, config.activation)["device"])
+            plan = plan_for_config(sizes, config, budgets, rates=ctx.rates)  # (tail units leave the activations)
         else:  # the same sizes (the same object: sizes_of caches them) and arguments plan the same
             unlimited = dataclasses.replace(ctx.budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
             args = (config.precision.compute_dtype, tuple(tiers), unlimited, config.prefetch.units_ahead,

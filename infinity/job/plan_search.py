@@ -118,7 +118,8 @@ def judge(ctx: Context, applied: Applied) -> Verdict:
     tiers = _tiers_of(config)
     row = make_row(ctx, config, "configured", tiers, sizes_cache={sizes_key(config, ctx.world_size): sizes})
     try:
-        plan, error = plan_for_config(sizes, config, budgets, rates=ctx.plan_rates or ctx.rates), None
+        planned = budgets.reserving(ctx.activations_of(config.activation)["device"])  # (Note [tail units])
+        plan, error = plan_for_config(sizes, config, planned, rates=ctx.plan_rates or ctx.rates), None
     except (PlacementError, ConfigError) as e:
         plan, error = None, str(e)
         if row is not None and row.over:

@@ -183,8 +183,9 @@ def stage_row(stage: int, sizes, config: Config, budgets: Budgets, cluster: Clus
     row = StageRow(stage=stage, name=st.name, state=None, fits=True, error=None,
                    comm_elements=reduced + gathered, comm_bytes=reduced * 4 + gathered * csize)
     plan: Plan | None = None
-    try:
-        plan = plan_for_config(sizes, config, budgets, rates=rates)
+    try:  # tail units leave the activations (Note [tail units])
+        plan = plan_for_config(sizes, config, budgets.reserving(activations["device"]) if activations else budgets,
+                               rates=rates)
     except (PlacementError, ConfigError) as e:  # ConfigError: an explicit read-ahead that does not fit
         row.fits, row.error = False, str(e)
         if config.placement.policy == "static":  # its bytes all the same: the same tiers, no budget, and no

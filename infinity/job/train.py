@@ -43,6 +43,7 @@ Note [resume] (checkpoints carry the training position; `--resume`): infinity/jo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -224,7 +225,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             atomic_write(run_dir / "config.toml", to_toml(config, job, str(run_dir)))
         _measure_links(config, world)
         bundle = build_model(job.model, job.lora)
-        engine = infinity.initialize(bundle.model, config, init_fn=bundle.init_fn, weights=bundle.weights)
+        engine = infinity.initialize(bundle.model, reserve_activations(job, config, world, torch.cuda.is_available()),
+                                     init_fn=bundle.init_fn, weights=bundle.weights)
         if resume is not None:
             saved = engine.load_checkpoint(str(resume.checkpoint)).get("train", {})
             assert saved.get("step") == start, f"{resume.checkpoint} is at step {saved.get('step')}, not {start}"
@@ -328,6 +330,21 @@ def _measure_links(config: Config, world: int) -> None:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             link_rates(config.nvme.paths[0], io_config=config.io)
         barrier(default_group())
+
+
+def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Config:
+    """`config` with `memory.activation_reserve` at the traced activations of a micro-batch, where "auto" tail
+    units would otherwise guess half the free device memory for them (Note [tail units]: on a GPU, both "auto"):
+    a plan that fits without tail units then fits with them. The run's config.toml keeps "auto"."""
+    if not cuda or config.placement.tail_units != "auto" or config.memory.activation_reserve != "auto":
+        return config
+    from infinity.job import estimate as est
+    from infinity.job.estimate_model import job_depth
+    acts = est.traced_activations(lambda: build_model(job.model, job.lora), config,
+                                  batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
+                                  depth=job_depth(job.model, job.lora,
+                                                  own_llama=not config.activation.loss_chunk_tokens))
+    return dataclasses.replace(config, memory=dataclasses.replace(config.memory, activation_reserve=acts))
 
 
 def _estimate(job: Job, config: Config, world: int, say: Progress):

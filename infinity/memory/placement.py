@@ -48,6 +48,12 @@ class Budgets:
     nvme: int  # free bytes on the swap paths (0 when none configured)
     shared_ram: bool = False
     ram: int | None = None  # with shared_ram: the RAM detected for this rank, which device + host must fit together
+    activations: int | None = None  # device bytes left for activations by tail units (None: not known)
+
+    def reserving(self, activations: int) -> Budgets:
+        """These budgets with the traced `activations` (device bytes) left by tail units, unless a size was set
+        (memory.activation_reserve: Note [tail units])."""
+        return self if self.activations is not None else dataclasses.replace(self, activations=activations)
 
     @property
     def shared_limit(self) -> int:
@@ -206,8 +212,12 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
 # optimizer state of those first units on the device makes their update a GPU kernel (it runs where the state
 # lives: optim/offloaded.py) and leaves the CPU less to do (the simulation: 6 of 24 units, 1.04x). "auto" takes
 # the forward-first units (index order: the root, then the blocks) up to four fifths of the trainable elements,
-# within half of the device memory the plan leaves free (the other half for activations, which the planner does
-# not know), on a GPU only; a count is taken as it is (a PlacementError if it does not fit), without one too.
+# within half of the device memory the plan and the activations leave free, on a GPU only; a count is taken as it
+# is (a PlacementError if it does not fit, the activations left out), without one too. The activations are
+# `memory.activation_reserve`: a size, or "auto": `infinity train` on a GPU and `infinity estimate` trace them
+# (Budgets.reserving); the engine API alone does not know them and keeps half of the free memory for them, as
+# every plan did before 2026-11-27, when a plan that fit without tail units could not fit with them (the 70B of
+# docs/scaling.md on 50 GB: 50.08 GiB needed of 46.57; tests/job/test_estimate_stages.py).
 # The share was a quarter, then half (an H100's 1.12B Llama in bf16, bench_gpu's case l: the CPU's update of three
 # quarters took 0.29 s of a 0.42 s step), then four fifths after the H200's lease of 2026-11-27: there the same
 # Llama's step with half was 1.8x torch's all-on-device step (the CPU's update of the other half, ~250 ms with its
@@ -219,8 +229,8 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
 # with nine tenths, 1.008x with nineteen twentieths; case l 1.27x, 1.10x, 1.03x (benchmarks/RESULTS.md). The
 # simulation (tests/device/test_simulated_schedule.py, in the H200's and the H100's proportions) shows the same
 # shape, though it does not tell nine tenths from nineteen twentieths (1.00x both; measured 1.10x and 1.03x).
-# Memory is the other limit, unchanged: within half of what the plan leaves free, so where the device is short
-# the share is what fits, and the device lane (Note [device lane]) helps the clipped step.
+# Memory is the other limit: where the device is short the share is what fits, and the device lane
+# (Note [device lane]) helps the clipped step.
 TAIL_SHARE = {False: 4 / 5, True: 19 / 20}  # "auto": up to this share of the trainable elements, by defers_update
 
 
@@ -231,7 +241,11 @@ def with_tail(plan: Plan, setting, budgets: Budgets, defers_update: bool = False
     if setting == 0 or (auto and budgets.shared_ram):
         return plan
     free = budgets.device - plan.tier_totals()[Tier.DEVICE]
-    room = free // 2 if auto else free
+    acts = budgets.activations
+    if auto:  # half of what the activations leave (half of all, for them too, when they are not known)
+        room = free // 2 if acts is None else max(0, free - acts) // 2
+    else:
+        room = free - (acts or 0)
     share = sum(u.numel(Kind.MASTER) for u in plan.units) * TAIL_SHARE[defers_update]
     tiers, taken, elements, last = list(plan.tiers), 0, 0, -1
     for u, sizes in enumerate(plan.units):
@@ -246,7 +260,8 @@ def with_tail(plan: Plan, setting, budgets: Budgets, defers_update: bool = False
             raise PlacementError(
                 f"placement.tail_units = {setting} needs {_fmt(taken + cost)} of device memory for the first "
                 f"{u + 1} units' gradients and optimizer state, but the plan leaves {_fmt(free)} under "
-                f'memory.device_budget: lower it, or set it to "auto"')
+                f"memory.device_budget" + (f", {_fmt(acts)} of it for activations" if acts else "") +
+                ': lower it, or set it to "auto"')
         tiers[u] = {k: Tier.DEVICE if k is not Kind.PARAMS else t for k, t in tiers[u].items()}
         taken, elements, last = taken + cost, elements + sizes.numel(Kind.MASTER), u
     if last < 0 or taken == 0:

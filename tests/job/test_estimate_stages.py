@@ -12,8 +12,8 @@ from infinity.job import scaling
 from infinity.job.cli import main
 from infinity.job.train import ModelConfig, build_model
 from infinity.memory.cost_model import LinkRates
-from infinity.memory.placement import Budgets
-from infinity.memory.tier import Tier
+from infinity.memory.placement import Budgets, plan_for_config
+from infinity.memory.tier import Kind, Tier
 from stage_formulas import FORMULAS
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # one link-rate cache for the module (conftest.py)
@@ -155,3 +155,34 @@ def test_a_stage_that_does_not_fit_shows_its_placements_bytes_without_tail_units
     assert not row.fits and "device tier needs" in row.error
     pad = 18 * len(est.unit_sizes_of(build_model(SMALL).model, cfg, 1))
     assert abs(row.state[Tier.DEVICE] - 2 * psi) <= pad and abs(row.state[Tier.HOST] - 16 * psi) <= pad, row.state
+
+
+def test_auto_tail_units_leave_the_traced_activations_their_room():
+    """Note [tail units]: "auto" took half of the free device memory, the other half assumed for the activations,
+    which the planner did not know; a stage that fits without tail units then did not fit with them (the 70B of
+    docs/scaling.md on 50 GB: 50.08 GiB needed of 46.57). The estimate now plans them within half of what its
+    traced activations leave: on a device with the plan's parameters, the activations and a little more, no tail
+    unit, and the stage fits, as it does with tail_units = 0."""
+    cfg = infinity.Config.from_dict({"placement": {"params": "device", "grads": "host", "optimizer": "host"}})
+    roomy = Budgets(device=1 << 40, host=1 << 40, nvme=0)
+    base = scaling.estimate_stages(lambda: build_model(SMALL), cfg, scaling.Cluster(1, 1), budgets=roomy,
+                                   trace=True, cuda=True, batch_size=8, seq_len=16)
+    acts = est.activation_bytes(base.trace, cfg.activation)["device"]
+    units = est.unit_sizes_of(build_model(SMALL).model, cfg, 1)
+    without = cfg.with_overrides(["placement.tail_units=0"])
+    params = plan_for_config(units, without, roomy).tier_totals()[Tier.DEVICE]  # (parameters, working buffers)
+    first = 16 * units[0].numel(Kind.MASTER)  # the first unit's gradients and optimizer state
+    assert acts > 2 * first  # (what the device must hold besides: the activations, more than a tail unit)
+    tight = Budgets(device=params + acts + first // 2, host=1 << 40, nvme=0)
+    for own in (cfg, without):
+        rep = scaling.estimate_stages(lambda: build_model(SMALL), own, scaling.Cluster(1, 1), budgets=tight,
+                                      trace=True, cuda=True, batch_size=8, seq_len=16)
+        assert all(row.fits for row in rep.rows), [(row.stage, row.error) for row in rep.rows]
+        assert all(plan_for_config(units, own, tight.reserving(acts)).tier(u, Kind.MASTER) is Tier.HOST
+                   for u in range(len(units)))
+    unknown = Budgets(device=tight.device, host=1 << 40, nvme=0)  # the half rule, kept where nothing was traced
+    plan = plan_for_config(units, cfg, unknown)
+    assert plan.tier(0, Kind.MASTER) is Tier.DEVICE  # (it would take the first unit: the overflow this prevents)
+    assert plan.tier_totals()[Tier.DEVICE] + acts > tight.device
+    assert plan_for_config(units, cfg, unknown.reserving(acts)).tier(0, Kind.MASTER) is Tier.HOST
+    assert unknown.reserving(acts).reserving(0).activations == acts  # (a size set first stays)

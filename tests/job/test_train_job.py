@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import infinity
 from dist_utils import free_port
 from infinity.config.sections import ConfigError
 from infinity.job.data import Batches, load_tokens, split
-from infinity.job.train import TRAIN_DEFAULTS, Job, load_job, overlap_efficiency, to_toml, train
+from infinity.job.train import TRAIN_DEFAULTS, Job, build_model, load_job, overlap_efficiency, to_toml, train
 
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "run.batch_size=4",
         "run.eval_batches=1", "run.eval_every=0"]
@@ -332,3 +333,27 @@ def test_a_checkpoint_dir_the_job_would_not_save_under_is_refused(tmp_path):
                                           r"disk set run.dir there"):
         train(job, verbose=False)
     assert not (tmp_path / "r").exists()
+
+
+def test_on_a_gpu_the_job_leaves_auto_tail_units_the_traced_activations():
+    """Note [tail units]: on a GPU `infinity train` traces the micro-batch's activations before initialize and sets
+    memory.activation_reserve to them, so "auto" tail units plan within what they leave (the engine alone keeps
+    half the free memory for them); equal to what `infinity estimate` traces for the run. Not on a CPU (no tail
+    units there), not over a size the user set, not without "auto" tail units; the run's config.toml keeps "auto"."""
+    from infinity.job import estimate as est
+    from infinity.job.train import reserve_activations
+    offload = ["placement.params=device", "placement.grads=host", "placement.optimizer=host"]
+    job = load_job(None, TINY + offload)
+    config = job.engine_config("x")
+    assert reserve_activations(job, config, 1, cuda=False) is config
+    reserved = reserve_activations(job, config, 1, cuda=True)
+    traced = est.estimate(lambda: build_model(job.model, job.lora), config, batch_size=job.run.batch_size,
+                          seq_len=job.model.seq_len, cuda=False)
+    assert reserved.memory.activation_reserve == est.activation_bytes(traced.trace, config.activation)["device"] > 0
+    assert dataclasses.replace(reserved, memory=config.memory) == config  # (nothing else changed)
+    wide = load_job(None, TINY + offload + ["run.batch_size=8"])
+    wider = reserve_activations(wide, wide.engine_config("x"), 1, cuda=True)
+    assert wider.memory.activation_reserve > reserved.memory.activation_reserve  # (per micro-batch: it grows)
+    for other in (["memory.activation_reserve=1MiB"], ["placement.tail_units=0"]):
+        own = load_job(None, TINY + offload + other).engine_config("x")
+        assert reserve_activations(load_job(None, TINY + offload + other), own, 1, cuda=True) is own
