@@ -179,12 +179,16 @@ def _run(args) -> int:
 
 
 def _one_line_for(category, prefix: str, show):
-    """A `warnings.showwarning` that prints warnings of `category` as one line (Note [inert setting]), on the
-    first rank only (torchrun's RANK: every rank plans the same run), others as `show` does."""
+    """A `warnings.showwarning` that prints warnings of `category` as one line (Note [inert setting]), each once
+    (the job reads its config in more than one place), on the first rank only (torchrun's RANK: every rank plans
+    the same run), others as `show` does."""
+    said: set[str] = set()
+
     def one_line(message, cat, filename, lineno, file=None, line=None):
         if not issubclass(cat, category):
             return show(message, cat, filename, lineno, file, line)
-        if os.environ.get("RANK", "0") == "0":
+        if os.environ.get("RANK", "0") == "0" and str(message) not in said:
+            said.add(str(message))
             print(f"{prefix}{message}", file=sys.stderr if file is None else file)
     return one_line
 

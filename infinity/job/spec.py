@@ -36,6 +36,7 @@ import json
 import math
 import os
 import tomllib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -43,6 +44,7 @@ from typing import Any, ClassVar
 from infinity.config.options import (
     ConfigError,
     Section,
+    SettingWarning,
     did_you_mean,
     option,
     parse_override,
@@ -220,6 +222,10 @@ class Job:
             opt.setdefault("warmup_steps", min(20, self.run.steps // 10))
         if opt.get("schedule", "constant") != "constant":
             opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))
+        if (warmup := opt.get("warmup_steps", 0)) > self.run.steps:  # (each optimizer step is one of run.steps)
+            warnings.warn(f"optimizer.warmup_steps = {warmup} is more than run.steps = {self.run.steps}: the learning "
+                          f"rate never reaches optimizer.lr (the last step's is {self.run.steps}/{warmup} of it); "
+                          f"lower warmup_steps or raise run.steps", SettingWarning, stacklevel=2)
         for section, table in self.run_derived(run_dir, start).items():
             merged.setdefault(section, {}).update(table)
         return Config.from_dict(merged)

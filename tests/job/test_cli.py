@@ -212,7 +212,11 @@ def test_a_setting_that_does_nothing_is_one_line_other_warnings_as_python_prints
     def dispatch(args):
         warnings.warn('overlap.device_lane = "on": nothing is updated on the GPU', SettingWarning, stacklevel=2)
         warnings.warn("something else", UserWarning, stacklevel=2)
+        again()  # (the same warning from another place: the job reads its config twice; said once)
         return 0
+
+    def again():
+        warnings.warn('overlap.device_lane = "on": nothing is updated on the GPU', SettingWarning, stacklevel=1)
     monkeypatch.setattr(cli, "_dispatch", dispatch)
     with pytest.warns(UserWarning, match="something else") as other:  # (pytest records what Python would print)
         code, _, err = run(capsys, "train")

@@ -357,3 +357,20 @@ def test_on_a_gpu_the_job_leaves_auto_tail_units_the_traced_activations():
     for other in (["memory.activation_reserve=1MiB"], ["placement.tail_units=0"]):
         own = load_job(None, TINY + offload + other).engine_config("x")
         assert reserve_activations(load_job(None, TINY + offload + other), own, 1, cuda=True) is own
+
+
+def test_a_warmup_longer_than_the_run_is_warned():
+    """optimizer.warmup_steps = 50 in a 2-step run: the job made total_steps 51 and the learning rate never left
+    the warmup (2/50 of lr at the end), without a word. Now a SettingWarning (the command prints it as one line:
+    Note [inert setting]); the default warmup (min(20, steps / 10)) and a warmup as long as the run are quiet."""
+    import warnings as w
+
+    from infinity.config.sections import SettingWarning
+    from infinity.optim.schedule import lr_at
+    with pytest.warns(SettingWarning, match=r"warmup_steps = 50 is more than run.steps = 2: .* never reaches"):
+        config = load_job(None, TINY + ["run.steps=2", "optimizer.warmup_steps=50"]).engine_config("x")
+    assert lr_at(1, config.optimizer) < config.optimizer.lr / 10  # (what it warns about: the run's last lr)
+    with w.catch_warnings():
+        w.simplefilter("error", SettingWarning)
+        load_job(None, TINY + ["run.steps=2"]).engine_config("x")
+        load_job(None, TINY + ["run.steps=2", "optimizer.warmup_steps=2"]).engine_config("x")
