@@ -51,13 +51,14 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from infinity.config.options import show
-from infinity.config.sections import Config, ConfigError
+from infinity.config.sections import Config, ConfigError, SettingWarning
 from infinity.device.process_group import (
     barrier,
     broadcast_object,
@@ -340,10 +341,17 @@ def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Con
         return config
     from infinity.job import estimate as est
     from infinity.job.estimate_model import job_depth
-    acts = est.traced_activations(lambda: build_model(job.model, job.lora), config,
-                                  batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
-                                  depth=job_depth(job.model, job.lora,
-                                                  own_llama=not config.activation.loss_chunk_tokens))
+    try:
+        acts = est.traced_activations(lambda: build_model(job.model, job.lora), config,
+                                      batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
+                                      depth=job_depth(job.model, job.lora,
+                                                      own_llama=not config.activation.loss_chunk_tokens))
+    except Exception as e:  # noqa: BLE001 - the run goes on with the engine's own rule, and says so
+        warnings.warn(f"the activations could not be traced ({type(e).__name__}: {e}): \"auto\" tail units keep "
+                      f"half of the free device memory for them; set memory.activation_reserve to a size (`infinity "
+                      f"estimate` shows the activations) or placement.tail_units to a count", SettingWarning,
+                      stacklevel=2)
+        return config
     return dataclasses.replace(config, memory=dataclasses.replace(config.memory, activation_reserve=acts))
 
 

@@ -374,3 +374,20 @@ def test_a_warmup_longer_than_the_run_is_warned():
         w.simplefilter("error", SettingWarning)
         load_job(None, TINY + ["run.steps=2"]).engine_config("x")
         load_job(None, TINY + ["run.steps=2", "optimizer.warmup_steps=2"]).engine_config("x")
+
+
+def test_activations_that_cannot_be_traced_leave_the_engines_rule_and_say_so(monkeypatch):
+    """A model the estimator cannot trace must not stop `infinity train` on a GPU: the engine's half rule
+    (Note [tail units]) and a SettingWarning naming the error and the two settings that decide instead."""
+    from infinity.config.sections import SettingWarning
+    from infinity.job import estimate as est
+    from infinity.job.train import reserve_activations
+
+    def untraceable(*args, **kwargs):
+        raise NotImplementedError("an operator the trace does not know")
+    monkeypatch.setattr(est, "traced_activations", untraceable)
+    job = load_job(None, TINY + ["placement.params=device", "placement.grads=host", "placement.optimizer=host"])
+    config = job.engine_config("x")
+    with pytest.warns(SettingWarning, match=r"could not be traced \(NotImplementedError: an operator .*"
+                                            r"memory.activation_reserve"):
+        assert reserve_activations(job, config, 1, cuda=True) is config
