@@ -391,3 +391,23 @@ def test_activations_that_cannot_be_traced_leave_the_engines_rule_and_say_so(mon
     with pytest.warns(SettingWarning, match=r"could not be traced \(NotImplementedError: an operator .*"
                                             r"memory.activation_reserve"):
         assert reserve_activations(job, config, 1, cuda=True) is config
+
+
+@pytest.mark.gpu
+def test_gpu_the_job_plans_auto_tail_units_beside_its_traced_activations(tmp_path, monkeypatch):
+    """On a GPU, `infinity train` hands initialize the traced activations (reserve_activations), and the engine's
+    tail units are planned in what they leave: the plan says so; the run trains (Note [tail units])."""
+    seen = {}
+    real = infinity.initialize
+
+    def initialize(model, config, **kw):
+        seen["engine"] = engine = real(model, config, **kw)
+        return engine
+    monkeypatch.setattr(infinity, "initialize", initialize)
+    job = load_job(None, TINY + ["run.steps=2", f"run.dir={tmp_path}", "run.name=r", "placement.params=device",
+                                 "placement.grads=host", "placement.optimizer=host"])
+    assert train(job, verbose=False).status == "completed"
+    engine = seen["engine"]
+    assert engine.config.memory.activation_reserve > 0
+    said = [r for r in engine.plan.reasons if r.startswith("tail units:")]
+    assert said and "left for the activations" in said[0] and "not traced" not in said[0], engine.plan.reasons
