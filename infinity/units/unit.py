@@ -45,7 +45,7 @@ from infinity.memory.tier import Kind, Tier
 from infinity.profile import Link
 from infinity.units.context import UnitContext
 from infinity.units.gradients import UnitGradients
-from infinity.units.sharded_param import ParamSlot, install, release
+from infinity.units.sharded_param import ParamSlot, install, point_at, point_away, release
 from infinity.units.steps import UnitSteps
 
 
@@ -134,6 +134,7 @@ class Unit:
         the unit's values have been stored in its shards)."""
         install(self.slots, self._flat())
         self._storage.resize_(0)  # set_ grew the storage to the view's size; sharded means zero bytes
+        point_away(self.slots)  # Note [parameters between steps]
 
     # ----------------------------------------------------------------- views
     def _flat(self) -> torch.Tensor:
@@ -170,6 +171,7 @@ class Unit:
         if self._storage.nbytes() == 0:
             self.ctx.unsharded.grow(self.index, self._storage, self._nbytes)
             self.peak_unsharded = max(self.peak_unsharded, self._nbytes)
+            point_at(self.slots, self._flat())
         # The shard lands in its own slot of the unsharded buffer; the all-gather fills the rest in place.
         into = self._own_slot() if self.ctx.stage.gathers_params else self._flat()
         self._pending = manager.fetch(self.index, Kind.PARAMS, None, into=into, urgent=True)
@@ -251,14 +253,17 @@ class Unit:
             self._gathered(manager)  # the collective writes the buffer until it completes (and was issued once)
         else:
             return
-        self.ctx.unsharded.shrink(self.index, self._storage)
-        self._move(UnitState.SHARDED)
+        self._free()
 
     def reshard(self) -> None:
         """Free the unsharded buffer (its bytes go back: the storage holds zero bytes)."""
         if self.state is UnitState.UNSHARDED:
-            self.ctx.unsharded.shrink(self.index, self._storage)
-            self._move(UnitState.SHARDED)
+            self._free()
+
+    def _free(self) -> None:
+        self.ctx.unsharded.shrink(self.index, self._storage)
+        point_away(self.slots)  # Note [parameters between steps]
+        self._move(UnitState.SHARDED)
 
     def values_readable(self) -> bool:
         """Whether its parameters' views hold values now: aliased to the stored tensor, or unsharded."""
