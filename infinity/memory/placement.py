@@ -213,7 +213,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
 # lives: optim/offloaded.py) and leaves the CPU less to do (the simulation: 6 of 24 units, 1.04x). "auto" takes
 # the forward-first units (index order: the root, then the blocks) up to four fifths of the trainable elements,
 # within half of the device memory the plan and the activations leave free, on a GPU only; a count is taken as it
-# is (a PlacementError if it does not fit, the activations left out), without one too. The activations are
+# is (a PlacementError if it does not fit beside the activations), without one too. The activations are
 # `memory.activation_reserve`: a size, or "auto": `infinity train` on a GPU and `infinity estimate` trace them
 # (Budgets.reserving); the engine API alone does not know them and keeps half of the free memory for them, as
 # every plan did before 2026-11-27, when a plan that fit without tail units could not fit with them (the 70B of
