@@ -522,3 +522,15 @@ def test_the_device_lane_helps_the_bf16_llama_less():
     deferred = simulate(case | {"tail": tail}, deferred=True)["step"]
     lane = simulate(case | {"tail": tail}, deferred=True, lane=True)
     assert 1.1 * eager < lane["step"] < 0.9 * deferred and len(lane["lane"]) >= 3, (eager, deferred, lane)
+
+
+def test_a_count_above_the_units_keeps_them_all_and_says_so():
+    """placement.tail_units = 99 on a model of 5 units keeps all 5 (a count is taken as it is, without a GPU too),
+    and the plan's reason says the count was more than the units (it passed without a word)."""
+    sizes = tuple(UnitSizes.uniform(f"u{u}", 1000) for u in range(5))
+    budgets = Budgets(device=1 << 30, host=1 << 30, nvme=0, shared_ram=True, ram=2 << 30)
+    plan = plan_placement(sizes, torch.float32, policy="static", budgets=budgets, units_ahead=2,
+                          static={"params": "device", "grads": "host", "optimizer": "host"}, tail_units=99)
+    assert all(plan.tier(u, Kind.MASTER) is Tier.DEVICE for u in range(5))
+    said = [r for r in plan.reasons if r.startswith("tail units:")]
+    assert said and "placement.tail_units = 99 is more than the 5 units: all are kept" in said[0], plan.reasons
