@@ -218,6 +218,11 @@ class MemoryConfig(Section):
                                 "next step faulting its pages in again (~15% of a small CPU-only step). `infinity "
                                 "train` sets it (Note [heap release]).", "bool")
 
+    @property
+    def reserved_activations(self) -> int | None:
+        """The size set in activation_reserve, or None for "auto" (traced where the job or the estimate can)."""
+        return None if self.activation_reserve == "auto" else int(self.activation_reserve)
+
 
 @dataclass(frozen=True, kw_only=True)
 class NvmeConfig(Section):

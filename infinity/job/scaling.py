@@ -100,11 +100,13 @@ class Hardware:
                                     device_adam=self.device_adam, matmul_flops=self.flops, source=self.name)
 
     def budgets(self, config: Config, per_node: int) -> Budgets:
-        """A rank's budgets on this hardware; `memory.*_budget` set to a size wins over the preset."""
+        """A rank's budgets on this hardware; `memory.*_budget` set to a size wins over the preset, as does
+        `memory.activation_reserve` over the traced activations."""
         mem = config.memory
         device = self.device_bytes if mem.device_budget == "auto" else int(mem.device_budget)
         host = self.host_bytes // per_node if mem.host_budget == "auto" else int(mem.host_budget)
-        return Budgets(device=device, host=host, nvme=self.nvme_bytes // per_node)
+        return Budgets(device=device, host=host, nvme=self.nvme_bytes // per_node,
+                       activations=mem.reserved_activations)
 
 
 G, T = 10**9, 10**12

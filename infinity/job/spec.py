@@ -222,10 +222,6 @@ class Job:
             opt.setdefault("warmup_steps", min(20, self.run.steps // 10))
         if opt.get("schedule", "constant") != "constant":
             opt.setdefault("total_steps", max(self.run.steps, opt.get("warmup_steps", 0) + 1))
-        if (warmup := opt.get("warmup_steps", 0)) > self.run.steps:  # (each optimizer step is one of run.steps)
-            warnings.warn(f"optimizer.warmup_steps = {warmup} is more than run.steps = {self.run.steps}: the learning "
-                          f"rate never reaches optimizer.lr (the last step's is {self.run.steps}/{warmup} of it); "
-                          f"lower warmup_steps or raise run.steps", SettingWarning, stacklevel=2)
         for section, table in self.run_derived(run_dir, start).items():
             merged.setdefault(section, {}).update(table)
         return Config.from_dict(merged)
@@ -301,7 +297,11 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = (), *
                           f"LoRA adapts a pretrained model's weights (from random weights, train them all: "
                           f"remove model.lora.r)")
     _check_export_keys(job)
-    job.engine_config(os.path.join(job.run.dir, "<run>"))  # validate now, before any directory exists
+    config = job.engine_config(os.path.join(job.run.dir, "<run>"))  # validate now, before any directory exists
+    if (warmup := config.optimizer.warmup_steps) > job.run.steps:  # (each optimizer step is one of run.steps)
+        warnings.warn(f"optimizer.warmup_steps = {warmup} is more than run.steps = {job.run.steps}: the learning rate "
+                      f"never reaches optimizer.lr (the last step's is {job.run.steps}/{warmup} of it); lower "
+                      f"warmup_steps or raise run.steps", SettingWarning, stacklevel=2)
     return job
 
 

@@ -78,7 +78,5 @@ def resolve_budgets(memory_cfg, device: torch.device, local_world_size: int, nvm
         if memory_cfg.host_budget != "auto" and host_budget > vm.total:
             raise ConfigError(f"memory.host_budget = {format_size(host_budget, exact=False)} is more than this "
                               f'machine has ({ram}): set it to at most that, or "auto"')
-    reserve = memory_cfg.activation_reserve
     return Budgets(device=device_budget, host=host_budget, nvme=nvme_free // max(1, local_world_size),
-                   shared_ram=shared, ram=available if shared else None,
-                   activations=None if reserve == "auto" else int(reserve))
+                   shared_ram=shared, ram=available if shared else None, activations=memory_cfg.reserved_activations)

@@ -266,10 +266,13 @@ def with_tail(plan: Plan, setting, budgets: Budgets, defers_update: bool = False
         taken, elements, last = taken + cost, elements + sizes.numel(Kind.MASTER), u
     if last < 0 or taken == 0:
         return plan
-    room_said = (f"; placement.tail_units = {setting} is more than the {len(plan.units)} units: all are kept"
-                 if not auto and setting > len(plan.units) else "" if not auto else
-                 f"; {_fmt(acts)} left for the activations" if acts is not None else
-                 "; half the free device memory left for the activations, not traced")
+    if not auto:
+        room_said = f"; placement.tail_units = {setting} is more than the {len(plan.units)} units: all are kept" \
+            if setting > len(plan.units) else ""
+    elif acts is None:
+        room_said = "; half the free device memory left for the activations, not traced"
+    else:
+        room_said = f"; {_fmt(acts)} left for the activations"
     reason = (f"tail units: gradients and optimizer of units 0-{last} ({elements:,} trainable elements, "
               f"{_fmt(taken)}) on the device: the next forward's first units are updated there (Note [tail units])"
               + room_said)

@@ -171,7 +171,7 @@ class Unit:
         if self._storage.nbytes() == 0:
             self.ctx.unsharded.grow(self.index, self._storage, self._nbytes)
             self.peak_unsharded = max(self.peak_unsharded, self._nbytes)
-            point_at(self.slots, self._flat())
+            point_at(self.slots, self._flat())  # (after grow: a view made over zero bytes would grow the storage)
         # The shard lands in its own slot of the unsharded buffer; the all-gather fills the rest in place.
         into = self._own_slot() if self.ctx.stage.gathers_params else self._flat()
         self._pending = manager.fetch(self.index, Kind.PARAMS, None, into=into, urgent=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import infinity
 from infinity.job import estimate as est
@@ -186,3 +187,15 @@ def test_auto_tail_units_leave_the_traced_activations_their_room():
     assert plan.tier_totals()[Tier.DEVICE] + acts > tight.device
     assert plan_for_config(units, cfg, unknown.reserving(acts)).tier(0, Kind.MASTER) is Tier.HOST
     assert unknown.reserving(acts).reserving(0).activations == acts  # (a size set first stays)
+
+
+def test_a_set_activation_reserve_wins_on_a_preset_machine_as_on_this_one():
+    """memory.activation_reserve set to a size is what tail units leave on --hardware's budgets too (it was
+    ignored there: the preset's budgets came without it), and on this machine's; "auto" leaves it to the trace."""
+    from infinity.machine.environment import resolve_budgets
+    sized = infinity.Config.from_dict({"memory": {"activation_reserve": "1MiB"}})
+    assert scaling.HARDWARE["dgx-h100"].budgets(sized, 8).activations == 1 << 20
+    assert resolve_budgets(sized.memory, torch.device("cpu"), 1, 0).activations == 1 << 20
+    auto = infinity.Config()
+    assert scaling.HARDWARE["dgx-h100"].budgets(auto, 8).activations is None
+    assert scaling.HARDWARE["dgx-h100"].budgets(auto, 8).reserving(5).activations == 5
