@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import write_json  # noqa: E402
 
-from infinity.job.estimate_largest import LADDERS, MODES  # noqa: E402
+from infinity.plan.largest import LADDERS, MODES  # noqa: E402
 
 
 def answer(estimate_path: str, family: str, mode: str) -> dict:

@@ -549,7 +549,7 @@ def fitting_placements(args) -> dict:
     """Which static uniform placements fit the budgets, decided as `initialize` decides it.
 
     The model is built on the meta device and split into units as `initialize` splits it
-    (`infinity.job.estimate.unit_sizes_of`); the budgets are resolved as the engine resolves them
+    (`infinity.plan.estimate.unit_sizes_of`); the budgets are resolved as the engine resolves them
     (`memory.*_budget`, the free memory detected now, the free space of the swap directory's
     filesystem); each of the 27 placements is planned by `plan_for_config`. Returns
     {"fitting": [P/G/O, ...], "not_fitting": {P/G/O: the planner's message}, "budgets": {...}}.
@@ -559,10 +559,10 @@ def fitting_placements(args) -> dict:
     import torch
 
     import infinity
-    from infinity.job.estimate import resolve_budgets_for, unit_sizes_of
     from infinity.machine.preflight import check_nvme_paths
     from infinity.memory.placement import PlacementError, plan_for_config
     from infinity.models.gpt import GPT
+    from infinity.plan.estimate import resolve_budgets_for, unit_sizes_of
     with infinity.meta_init():
         model = GPT(model_config(args))
     base = infinity.Config.from_dict(infinity_config(args, "auto", args.dir))

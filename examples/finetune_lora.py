@@ -31,7 +31,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import infinity
-from infinity.job.data import VOCAB_SIZE, Batches, DataConfig
+from infinity.config.job import VOCAB_SIZE, DataConfig
+from infinity.data.batches import Batches
 
 
 def make_pretrained(path: str, seq_len: int) -> None:

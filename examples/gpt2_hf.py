@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import infinity
-from infinity.job.data import VOCAB_SIZE, Batches, DataConfig
+from infinity.config.job import VOCAB_SIZE, DataConfig
+from infinity.data.batches import Batches
 
 
 def main() -> None:

@@ -27,7 +27,8 @@ import tempfile
 import torch.distributed as dist
 
 import infinity
-from infinity.job.data import VOCAB_SIZE, Batches, DataConfig
+from infinity.config.job import VOCAB_SIZE, DataConfig
+from infinity.data.batches import Batches
 from infinity.models import GPT, GPTConfig, gpt_init
 
 

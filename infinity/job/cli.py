@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "collectives, bytes per link and the predicted step (docs/scaling.md)")
     p.add_argument("--nodes", type=int, default=None, metavar="M",
                    help="the world size spread over M nodes (implies --stages): network bytes split into intra- "
-                        "and inter-node (Note [link model] in infinity/job/scaling.py)")
+                        "and inter-node (Note [link model] in infinity/plan/scaling.py)")
     p.add_argument("--hardware", default=None, metavar="NAME",
                    help="price --stages on a preset node instead of this machine (implies --stages): "
                         "dgx2 | dgx-h100 (their budgets and link rates: docs/scaling.md)")
@@ -209,7 +209,8 @@ def _dispatch(args) -> int:
 
 def _train(args) -> int:
     from infinity.job.resume import load_resume
-    from infinity.job.train import load_job, train
+    from infinity.job.spec import load_job
+    from infinity.job.train import train
     resume = None
     if args.resume:
         job, resume = load_resume(args.resume, args.config, args.overrides)
@@ -221,7 +222,7 @@ def _train(args) -> int:
 
 def _config(args) -> int:
     from infinity.config.sections import Config
-    from infinity.job.train import job_defaults_text, load_job, to_toml
+    from infinity.job.spec import job_defaults_text, load_job, to_toml
     if args.defaults:
         from infinity.job.spec import DECAY_DEFAULTS, TRAIN_DEFAULTS
         shown = {s: dict(t) for s, t in TRAIN_DEFAULTS.items()}
@@ -241,7 +242,7 @@ def _config(args) -> int:
 
 def _estimate(args) -> int:
     from infinity.config.sections import ConfigError
-    from infinity.job import estimate as est
+    from infinity.plan import estimate as est
     overrides = list(args.overrides) + ([f"model.seq_len={args.seq_len}"] if args.seq_len is not None else [])
     custom = None
     if args.model and ":" in args.model:
@@ -265,8 +266,8 @@ def _estimate(args) -> int:
 def _largest(args, overrides, custom) -> int:
     """Note [largest model]: bisect the family's ladder, each rung judged by the estimate of this job."""
     from infinity.config.sections import ConfigError
-    from infinity.job import estimate_largest as largest
-    from infinity.job.train import load_job
+    from infinity.job.spec import load_job
+    from infinity.plan import largest
     if args.largest not in largest.LADDERS:
         raise ConfigError(f"--largest {args.largest}: not a model family; one of {', '.join(largest.LADDERS)}")
     if custom or args.stages or args.nodes or args.hardware:
@@ -288,8 +289,9 @@ def _largest(args, overrides, custom) -> int:
 def _job_estimate(args, overrides, custom, plans: int = 3):
     """The Estimate of the job with `overrides` (None when --stages printed its own report); `plans`: how many."""
     from infinity.config.sections import ConfigError
-    from infinity.job import estimate as est
-    from infinity.job.train import build_model, load_job
+    from infinity.job.spec import load_job
+    from infinity.models.build import build_model
+    from infinity.plan import estimate as est
     job = load_job(args.config, overrides)
     run_dir = os.path.join(job.run.dir, "<run>")
     config = job.engine_config(run_dir)
@@ -305,14 +307,14 @@ def _job_estimate(args, overrides, custom, plans: int = 3):
 
     def apply(sets: list[str]):
         """The job with a plan's `--set` lines after the user's, loaded and checked as `infinity train` would."""
-        from infinity.job.plan_search import Applied
+        from infinity.plan.search import Applied
         planned = load_job(args.config, overrides + [*sets])
         if planned.run.batch_size % args.world_size:
             raise ConfigError(f"run.batch_size = {planned.run.batch_size} is not divisible by --world-size "
                               f"{args.world_size}")
         return Applied(planned.engine_config(os.path.join(planned.run.dir, "<run>")),
                        planned.run.batch_size // args.world_size)
-    from infinity.job.estimate_model import job_depth
+    from infinity.plan.traced import job_depth
     return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                         batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
                         remeasure=args.remeasure, apply=apply,
@@ -326,8 +328,9 @@ def _lora_option(job, custom, args, overrides, own_llama: bool):
     """For a pretrained model trained whole: the `--set` line that trains LoRA adapters instead, and its model."""
     if custom or not job.model.pretrained or job.lora.r:
         return None
-    from infinity.job.estimate_model import job_depth
-    from infinity.job.train import build_model, load_job
+    from infinity.job.spec import load_job
+    from infinity.models.build import build_model
+    from infinity.plan.traced import job_depth
     sets = ["model.lora.r=16"]
     lora_job = load_job(args.config, overrides + sets)
     return sets, lambda: build_model(lora_job.model, lora_job.lora), job_depth(lora_job.model, lora_job.lora,
@@ -336,7 +339,7 @@ def _lora_option(job, custom, args, overrides, own_llama: bool):
 
 def _estimate_stages(args, make, config, job) -> int:
     from infinity.config.sections import ConfigError
-    from infinity.job import scaling
+    from infinity.plan import scaling
     nodes = args.nodes or 1
     if args.nproc_per_node and args.nproc_per_node * nodes != args.world_size:
         raise ConfigError(f"--nproc-per-node {args.nproc_per_node} x --nodes {nodes} != --world-size "
@@ -364,7 +367,7 @@ def _custom_model(spec: str):
     import torch.nn as nn
 
     from infinity.config.sections import ConfigError
-    from infinity.job.train import ModelBundle
+    from infinity.models.build import ModelBundle
     from infinity.runtime.materialize import meta_init
     module_name, _, attr = spec.partition(":")
     try:

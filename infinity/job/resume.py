@@ -27,9 +27,9 @@ from pathlib import Path
 
 from infinity.config.options import ConfigError, parse_override, show
 from infinity.config.sections import Config
-from infinity.job.build import TOKENIZER_IDENTITY_FILES
 from infinity.job.run_dir import refuse_if_in_use
 from infinity.job.spec import Job, load_job
+from infinity.models.build import TOKENIZER_IDENTITY_FILES
 from infinity.state.checkpoint_load import verify
 from io_engine import atomic_write
 
@@ -70,7 +70,7 @@ def data_fingerprint(job: Job) -> dict[str, str]:
     """Note [changed data file]: SHA-256 of the data files the batches are drawn from (data.path, data.val_path;
     not the shipped corpus). `--resume` refuses a file whose bytes changed since the checkpoint: the batches after
     it would not be the run's, and the run would mix two datasets without a word (its keys alone are the same)."""
-    from infinity.job.tokenized import file_sha256
+    from infinity.data.tokenized import file_sha256
     return {key: file_sha256(path) for key, path in (("data.path", job.data.path), ("data.val_path", job.data.val_path))
             if path and os.path.isfile(path)}
 

@@ -33,138 +33,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import tomllib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
+from infinity.config.job import JOB_SECTIONS, DataConfig, LoraConfig, ModelConfig, RunConfig
 from infinity.config.options import (
     ConfigError,
-    Section,
     SettingWarning,
     did_you_mean,
-    option,
     parse_override,
     render_default,
     show,
     type_name,
 )
 from infinity.config.sections import SECTIONS, Config, key_outside_sections
-from infinity.job.data import VOCAB_SIZE, DataConfig
 
 # ---------------------------------------------------------------- job config
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig(Section):
-    """The training run of `infinity train`: length, batch, run directory, reporting."""
-
-    SECTION: ClassVar[str] = "run"
-
-    steps: int = option(300, "Optimizer steps to train.", "int", ge=1)
-    batch_size: int = option(16, "Sequences per micro-batch over all ranks (each rank takes batch_size / "
-                              "world size).", "int", ge=1)
-    dir: str = option("runs", "Directory that holds run directories.", "str")
-    name: str = option("auto", 'Name of this run\'s directory under run.dir; "auto" = the start time '
-                        "(YYYYmmdd-HHMMSS).", "str")
-    eval_every: int = option(100, "Steps between validation losses (0 = only at the end).", "int", ge=0)
-    eval_batches: int = option(4, "Batches per validation loss.", "int", ge=1)
-    log_every: int = option(10, "Steps between progress lines when the output is not a terminal.", "int", ge=1)
-    checkpoint: bool = option(True, "Save a final checkpoint into the run directory (when the engine "
-                               "supports checkpoints).", "bool")
-    checkpoint_every: int = option(0, "Steps between checkpoints saved into checkpoints/step-<N> of the run "
-                                    "directory, for `infinity train --resume` after a crash (0 = only the final "
-                                    "one; [checkpoint] keep_last limits how many stay).", "int", ge=0)
-    export: bool = option(True, "With model.pretrained: at the end, write the trained model into <run>/export as a "
-                           "Hugging Face directory (config.json, safetensors shards, the tokenizer files of "
-                           "model.pretrained) for from_pretrained.", "bool")
-    export_dtype: str = option("auto", 'dtype of the exported weights: "auto" = the pretrained config\'s dtype '
-                                '(torch_dtype), else fp32; or "fp32", "bf16", "fp16". config.json says the dtype '
-                                'written.', "enum", choices=("auto", "fp32", "bf16", "fp16"))
-
-    def _check(self) -> None:
-        if "/" in self.name or os.sep in self.name or self.name in (".", ".."):
-            raise ConfigError(f"run.name = {show(self.name)}: the name of one directory under run.dir, without "
-                              f"'/' (to put runs elsewhere, set run.dir)")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig(Section):
-    """The model `infinity train` builds (on the meta device; nothing is downloaded)."""
-
-    SECTION: ClassVar[str] = "model"
-    SHAPE: ClassVar[tuple[str, ...]] = ("kind", "n_layer", "d_model", "n_head", "n_kv_head", "ffn_dim", "vocab_size")
-
-    pretrained: str = option("", "A Hugging Face model directory (config.json and safetensors weights, as "
-                              "save_pretrained writes it) to fine-tune; its config gives the model's kind and shape "
-                              "(leave the shape keys below unset), its weights are streamed into the tiers. \"\" = "
-                              "train the model below from random weights.", "path")
-
-    kind: str = option("gpt", '"gpt": infinity.models.GPT; "gpt2" / "llama": the Hugging Face transformers '
-                        "model built from a config (pip install transformers).", "enum",
-                        choices=("gpt", "gpt2", "llama"))
-    n_layer: int = option(4, "Transformer blocks (one unit each).", "int", ge=1)
-    d_model: int = option(128, "Hidden size.", "int", ge=8)
-    n_head: int = option(4, "Attention heads (must divide d_model).", "int", ge=1)
-    n_kv_head: int = option(0, "Key/value heads of llama (grouped-query attention); 0 = n_head.", "int", ge=0)
-    ffn_dim: int = option(0, "MLP hidden size; 0 = 4 * d_model (gpt, gpt2) or the llama default.", "int", ge=0)
-    tokenizer: str = option("auto", 'With model.pretrained: "auto" tokenizes data.path with the tokenizer saved in '
-                             'that directory (a directory without one is refused); "bytes": each byte is its own '
-                             "token id (0..255; the vocabulary must have at least 256 ids). Without model.pretrained "
-                             "the data is always bytes.", "enum", choices=("auto", "bytes"))
-    seq_len: int = option(128, "Tokens (bytes, or the pretrained tokenizer's tokens) per training sequence.", "int",
-                          ge=2)
-    vocab_size: int = option(VOCAB_SIZE, "Vocabulary size; the data is bytes, so at least 256.", "int",
-                              ge=VOCAB_SIZE)
-
-    def _check(self) -> None:
-        if self.pretrained:
-            given = [k for k in self.SHAPE if not self._is_default(k)]
-            if given:
-                raise ConfigError(f"model.{given[0]} = {show(getattr(self, given[0]))}: with model.pretrained the "
-                                  f"model's kind and shape come from {self.pretrained}/config.json; remove "
-                                  f"{', '.join('model.' + k for k in given)}")
-            return
-        if self.d_model % self.n_head:
-            raise ConfigError(f"model.n_head = {self.n_head}: must divide model.d_model = {self.d_model}; "
-                              f"e.g. n_head = {math.gcd(self.d_model, 8) or 1}")
-        kv = self.n_kv_head or self.n_head
-        if self.kind == "llama" and self.n_head % kv:
-            raise ConfigError(f"model.n_kv_head = {self.n_kv_head}: must divide model.n_head = {self.n_head}")
-        if self.kind != "llama" and self.n_kv_head:
-            raise ConfigError(f"model.n_kv_head = {self.n_kv_head}: only llama has grouped-query attention; "
-                              f'remove it or set model.kind = "llama"')
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoraConfig(Section):
-    """LoRA adapters on the pretrained model (PEFT's LoraConfig; pip install peft); r = 0: no LoRA."""
-
-    SECTION: ClassVar[str] = "model.lora"
-
-    r: int = option(0, "Rank of the LoRA adapters; 0 = no LoRA (every weight of the model trains). Needs "
-                     "model.pretrained.", "int", ge=0)
-    alpha: float = option(16.0, "LoRA scaling numerator (the adapters' output is scaled by alpha / r).", "float",
-                          gt=0.0)
-    dropout: float = option(0.0, "Dropout on the adapters' input.", "float", ge=0.0, lt=1.0)
-    targets: tuple = option((), 'Names of the modules to adapt (PEFT target_modules, e.g. ["q_proj", "v_proj"]); '
-                             "[] = PEFT's default for the model's kind.", "strs", unique=True)
-    merge: bool = option(True, "Export the adapters merged into the base weights (a plain model); false: the "
-                          "adapters alone, as PEFT's save_pretrained writes them.", "bool")
-
-    def _check(self) -> None:
-        if not self.r:
-            given = [k for k in ("alpha", "dropout", "targets", "merge") if not self._is_default(k)]
-            if given:
-                raise ConfigError(f"model.lora.{given[0]} = {show(getattr(self, given[0]))} but "
-                                  f"model.lora.r = 0 (no LoRA): set model.lora.r (e.g. 8) or remove it")
-
-
-JOB_SECTIONS: dict[str, type[Section]] = {"run": RunConfig, "model": ModelConfig, "model.lora": LoraConfig,
-                                          "data": DataConfig}
 
 
 def _field(section: str) -> str:

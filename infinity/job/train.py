@@ -59,6 +59,8 @@ import torch
 
 from infinity.config.options import show
 from infinity.config.sections import Config, ConfigError, SettingWarning
+from infinity.data.batches import Batches
+from infinity.data.tokenized import job_batches, resolve_data_format
 from infinity.device.process_group import (
     barrier,
     broadcast_object,
@@ -68,8 +70,6 @@ from infinity.device.process_group import (
     rank_and_world,
 )
 from infinity.device.streams import host_value, to_host
-from infinity.job.build import ModelBundle, build_model  # noqa: F401 - re-exported with the spec below
-from infinity.job.data import Batches
 from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
 from infinity.job.resume import (
     FINAL_CHECKPOINT,
@@ -85,20 +85,8 @@ from infinity.job.resume import (
     trim_metrics,
 )
 from infinity.job.run_dir import RunDir, write_json
-from infinity.job.spec import (  # noqa: F401 - re-exported: infinity.job.train is where users and tests find the job
-    DECAY_DEFAULTS,
-    EXPORT,
-    JOB_SECTIONS,
-    TRAIN_DEFAULTS,
-    Job,
-    LoraConfig,
-    ModelConfig,
-    RunConfig,
-    job_defaults_text,
-    load_job,
-    to_toml,
-)
-from infinity.job.tokenized import job_batches, resolve_data_format
+from infinity.job.spec import EXPORT, Job, to_toml
+from infinity.models.build import ModelBundle, build_model
 from infinity.optim.schedule import lr_at
 from infinity.profile import NullProfiler
 from infinity.state.checkpoint import count_as_written
@@ -339,8 +327,8 @@ def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Con
     a plan that fits without tail units then fits with them. The run's config.toml keeps "auto"."""
     if not cuda or config.placement.tail_units != "auto" or config.memory.activation_reserve != "auto":
         return config
-    from infinity.job import estimate as est
-    from infinity.job.estimate_model import job_depth
+    from infinity.plan import estimate as est
+    from infinity.plan.traced import job_depth
     try:
         acts = est.traced_activations(lambda: build_model(job.model, job.lora), config,
                                       batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
@@ -358,8 +346,8 @@ def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Con
 def _estimate(job: Job, config: Config, world: int, say: Progress):
     """What `infinity estimate` predicts for this run (run after training, so it does not add to the
     measured peak memory)."""
-    from infinity.job import estimate as est
-    from infinity.job.estimate_model import job_depth
+    from infinity.plan import estimate as est
+    from infinity.plan.traced import job_depth
     try:  # (as `infinity estimate` makes it: the same figures, without torch._dynamo's import: Note [small twin])
         return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
                             batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,

@@ -217,7 +217,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
 # `memory.activation_reserve`: a size, or "auto": `infinity train` on a GPU and `infinity estimate` trace them
 # (Budgets.reserving); the engine API alone does not know them and keeps half of the free memory for them, as
 # every plan did before 2026-11-27, when a plan that fit without tail units could not fit with them (the 70B of
-# docs/scaling.md on 50 GB: 50.08 GiB needed of 46.57; tests/job/test_estimate_stages.py).
+# docs/scaling.md on 50 GB: 50.08 GiB needed of 46.57; tests/plan/test_estimate_stages.py).
 # The share was a quarter, then half (an H100's 1.12B Llama in bf16, bench_gpu's case l: the CPU's update of three
 # quarters took 0.29 s of a 0.42 s step), then four fifths after the H200's lease of 2026-11-27: there the same
 # Llama's step with half was 1.8x torch's all-on-device step (the CPU's update of the other half, ~250 ms with its

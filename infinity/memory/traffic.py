@@ -38,7 +38,7 @@ The read-ahead's budget is part of the plan: "auto" takes half of the host memor
 plan leaves free under the budgets, so a host budget bounds it (`resolve_read_ahead`).
 Activations are not known when planning; `infinity estimate` traces them (Note [peak memory]).
 
-Note [peak memory] (`infinity.job.estimate.peak_terms`): the predicted peak of one rank's process memory (RSS without
+Note [peak memory] (`infinity.plan.estimate.peak_terms`): the predicted peak of one rank's process memory (RSS without
 a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
 named terms:
 

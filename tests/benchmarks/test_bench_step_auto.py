@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import infinity
-from infinity.job.estimate import unit_sizes_of
 from infinity.memory.placement import Budgets, PlacementError, plan_placement
 from infinity.models.gpt import GPT
+from infinity.plan.estimate import unit_sizes_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_step  # noqa: E402

@@ -68,9 +68,9 @@ def test_bad_pretrained_directory_exits_2_with_one_message(dirs, tmp_path, case,
 
 @pytest.mark.parametrize("targets,ok", [(("all-linear",), True), (("q_proj",), False)])
 def test_lora_targets_all_linear_and_hint_with_the_models_own_names(dirs, targets, ok):
+    from infinity.config.job import LoraConfig, ModelConfig
     from infinity.config.sections import ConfigError
-    from infinity.job.build import build_model
-    from infinity.job.spec import LoraConfig, ModelConfig
+    from infinity.models.build import build_model
     model = ModelConfig(pretrained=str(dirs / "gpt2"), seq_len=8)
     lora = LoraConfig(r=4, targets=targets)
     if ok:  # every Linear / Conv1D but the head, as PEFT resolves "all-linear"
@@ -87,8 +87,9 @@ def test_a_missing_or_file_pretrained_path_is_named_before_its_files(dirs, tmp_p
     """model.pretrained that is no directory, or a file in one (its model.safetensors): said as such, not as a
     directory without a tokenizer or a config.json."""
     from infinity.config.sections import ConfigError
-    from infinity.job.build import build_model
-    from infinity.job.train import job_batches, load_job
+    from infinity.job.spec import load_job
+    from infinity.job.train import job_batches
+    from infinity.models.build import build_model
     corpus = tmp_path / "c.txt"
     corpus.write_text("hello world\n" * 200)
     cases = ((tmp_path / "nope", "': no such directory; give the directory save_pretrained wrote"),

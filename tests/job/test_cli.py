@@ -12,10 +12,10 @@ import tomllib
 import pytest
 import torch.nn as nn
 
+from infinity.config.job import JOB_SECTIONS, ModelConfig
 from infinity.config.sections import Config, ConfigError
 from infinity.job.cli import EXIT_USAGE, main
-from infinity.job.spec import DECAY_DEFAULTS, TRAIN_DEFAULTS, ModelConfig, load_job
-from infinity.job.train import JOB_SECTIONS
+from infinity.job.spec import DECAY_DEFAULTS, TRAIN_DEFAULTS, load_job
 from infinity.machine import link_rates
 from infinity.memory.cost_model import LinkRates
 

@@ -13,10 +13,13 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 import infinity  # noqa: E402
+from infinity.config.job import ModelConfig  # noqa: E402
 from infinity.config.sections import ConfigError  # noqa: E402
+from infinity.data.tokenized import job_batches  # noqa: E402
 from infinity.job.resume import load_resume  # noqa: E402
-from infinity.job.spec import ModelConfig  # noqa: E402
-from infinity.job.train import build_model, job_batches, load_job, train  # noqa: E402
+from infinity.job.spec import load_job  # noqa: E402
+from infinity.job.train import train  # noqa: E402
+from infinity.models.build import build_model  # noqa: E402
 
 SMALL = ["model.seq_len=32", "run.batch_size=4", "run.eval_every=0", "run.eval_batches=1", "optimizer.lr=1e-2",
          "optimizer.warmup_steps=0"]
@@ -45,7 +48,7 @@ def _tokenizer(vocab_size: int):
     """A byte-level BPE tokenizer trained here on the corpus's first lines (no download)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from infinity.job.data import load_tokens
+    from infinity.data.batches import load_tokens
     text = bytes(load_tokens("kjv")[:20_000].numpy()).decode("utf-8", errors="replace")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -58,7 +61,7 @@ def _tokenizer(vocab_size: int):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     """The shipped corpus's first 200 kB: tokenizing all of it takes seconds per run."""
-    from infinity.job.data import load_tokens
+    from infinity.data.batches import load_tokens
     path = tmp_path_factory.mktemp("corpus") / "head.txt"
     path.write_bytes(bytes(load_tokens("kjv")[:200_000].numpy()))
     return path
@@ -258,7 +261,7 @@ def test_the_lora_example_runs_and_its_loss_falls(tmp_path):
 
 
 def test_the_data_is_tokenized_by_the_pretrained_tokenizer_or_bytes(pretrained, corpus, tmp_path):
-    from infinity.job.data import load_tokens
+    from infinity.data.batches import load_tokens
     job = _job(pretrained, corpus, tmp_path)
     text = "".join(bytes(load_tokens(str(corpus))[:1000].numpy()).decode().splitlines(keepends=True)[:3])
     ids = transformers.AutoTokenizer.from_pretrained(pretrained)(text)["input_ids"]

@@ -17,8 +17,10 @@ import torch
 import infinity
 from dist_utils import free_port
 from infinity.config.sections import ConfigError
-from infinity.job.data import Batches, load_tokens, split
-from infinity.job.train import TRAIN_DEFAULTS, Job, build_model, load_job, overlap_efficiency, to_toml, train
+from infinity.data.batches import Batches, load_tokens, split
+from infinity.job.spec import TRAIN_DEFAULTS, Job, load_job, to_toml
+from infinity.job.train import overlap_efficiency, train
+from infinity.models.build import build_model
 
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "run.batch_size=4",
         "run.eval_batches=1", "run.eval_every=0"]
@@ -98,8 +100,8 @@ def test_misplaced_keys_in_a_job_file_say_where_they_belong(tmp_path, text, need
 
 def test_the_job_sections_are_the_ones_the_engine_config_names():
     """Config.from_file names a job file by JOB_FILE_SECTIONS: the job's own sections (and their tables)."""
+    from infinity.config.job import JOB_SECTIONS
     from infinity.config.sections import JOB_FILE_SECTIONS
-    from infinity.job.spec import JOB_SECTIONS
     assert set(JOB_FILE_SECTIONS) == {name.split(".")[0] for name in JOB_SECTIONS}
 
 
@@ -316,7 +318,7 @@ def test_export_keys_without_a_pretrained_model_are_refused(overrides, needle):
 ])
 def test_data_keys_the_format_does_not_read_are_refused(fmt, overrides, needle, tmp_path):
     """Note [no silent keys]: each was accepted and did nothing (text ignores every record key and val_path)."""
-    from infinity.job.tokenized import resolve_data_format
+    from infinity.data.tokenized import resolve_data_format
     job = load_job(None, [f"data.format={fmt}", *overrides])
     with pytest.raises(ConfigError) as e:
         resolve_data_format(job)
@@ -340,8 +342,8 @@ def test_on_a_gpu_the_job_leaves_auto_tail_units_the_traced_activations():
     memory.activation_reserve to them, so "auto" tail units plan within what they leave (the engine alone keeps
     half the free memory for them); equal to what `infinity estimate` traces for the run. Not on a CPU (no tail
     units there), not over a size the user set, not without "auto" tail units; the run's config.toml keeps "auto"."""
-    from infinity.job import estimate as est
     from infinity.job.train import reserve_activations
+    from infinity.plan import estimate as est
     offload = ["placement.params=device", "placement.grads=host", "placement.optimizer=host"]
     job = load_job(None, TINY + offload)
     config = job.engine_config("x")
@@ -380,8 +382,8 @@ def test_activations_that_cannot_be_traced_leave_the_engines_rule_and_say_so(mon
     """A model the estimator cannot trace must not stop `infinity train` on a GPU: the engine's half rule
     (Note [tail units]) and a SettingWarning naming the error and the two settings that decide instead."""
     from infinity.config.sections import SettingWarning
-    from infinity.job import estimate as est
     from infinity.job.train import reserve_activations
+    from infinity.plan import estimate as est
 
     def untraceable(*args, **kwargs):
         raise NotImplementedError("an operator the trace does not know")

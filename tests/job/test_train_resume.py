@@ -18,7 +18,8 @@ import torch
 from infinity.config.sections import ConfigError
 from infinity.job.cli import EXIT_USAGE, main
 from infinity.job.resume import load_resume
-from infinity.job.train import load_job, train
+from infinity.job.spec import load_job
+from infinity.job.train import train
 from infinity.state.checkpoint import PARTIAL_MARKER
 from infinity.state.export import export_checkpoint
 

@@ -53,8 +53,9 @@ def test_an_nvme_path_that_is_a_file_exits_2_from_train_and_estimate(a_file, tmp
 
 
 def test_estimate_report_names_the_file_instead_of_missing_paths(a_file):
-    from infinity.job import estimate as est
-    from infinity.job.train import build_model, load_job
+    from infinity.job.spec import load_job
+    from infinity.models.build import build_model
+    from infinity.plan import estimate as est
     job = load_job(None, [*SMALL[1::2], "placement.optimizer=nvme", f'nvme.paths=["{a_file}"]'])
     result = est.estimate(lambda: build_model(job.model), job.engine_config("unused"), batch_size=1, seq_len=16)
     assert not result.ok and result.plan is None
@@ -132,8 +133,9 @@ def test_swap_and_checkpoints_on_one_disk_need_room_for_both(tmp_path, monkeypat
 
 
 def test_estimate_reports_the_checkpoint_space(tmp_path):
-    from infinity.job import estimate as est
-    from infinity.job.train import build_model, load_job
+    from infinity.job.spec import load_job
+    from infinity.models.build import build_model
+    from infinity.plan import estimate as est
     job = load_job(None, [*SMALL[1::2], "placement.optimizer=host", "placement.params=host",
                          "run.steps=40", "run.checkpoint_every=5"])
     config = job.engine_config("unused").with_overrides([f'checkpoint.dir="{tmp_path}"', "checkpoint.keep_last=3"])

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import infinity
-from infinity.job import estimate as est
-from infinity.job.train import ModelConfig, build_model
+from infinity.config.job import ModelConfig
 from infinity.memory.cost_model import LinkRates
 from infinity.memory.placement import Budgets, plan_for_config
 from infinity.memory.tier import OPTIMIZER_KINDS, Kind, Tier
+from infinity.models.build import build_model
+from infinity.plan import estimate as est
 
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
 SMALL = ModelConfig(n_layer=3, d_model=64, n_head=4, seq_len=16, vocab_size=300)

@@ -376,9 +376,10 @@ def test_kind_dtype_is_the_one_answer():
 @pytest.mark.parametrize("placement", [NVME_HOST_NVME, HOST], ids=["nvme-host-nvme", "host"])
 def test_the_estimate_predicts_the_engines_bytes(placement, tmp_path):
     """`infinity estimate` plans as the engine does: its bytes per tier and kind are the engine's, exactly."""
-    from infinity.job import estimate as est
-    from infinity.job.train import ModelConfig, build_model
+    from infinity.config.job import ModelConfig
     from infinity.memory.cost_model import LinkRates
+    from infinity.models.build import build_model
+    from infinity.plan import estimate as est
     rates = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
     small = ModelConfig(n_layer=2, d_model=48, n_head=4, seq_len=16, vocab_size=300)
     for sd in ("bf16", "bf16_master"):

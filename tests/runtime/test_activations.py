@@ -189,8 +189,8 @@ def test_estimate_predicts_the_saved_bytes_the_engine_measures():
     meta trace picks another attention kernel than the CPU run (it saves the attention probabilities, 15 KiB
     more per block here), so the totals agree to 15%; the inputs and the offloaded bytes exactly."""
     from infinity.config.sections import ActivationConfig
-    from infinity.job import estimate as est
     from infinity.memory.cost_model import step_flops
+    from infinity.plan import estimate as est
     model = GPT(TINY)
     trace = est.trace_step(model, lambda m, x, y: m(x, y), RECIPE.micro_batch, TINY.seq_len, list(model.blocks))
     none, _ = _saved("none", "none")

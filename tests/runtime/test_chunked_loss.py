@@ -154,7 +154,8 @@ def test_through_the_engine_with_params_on_nvme_equals_unchunked_training(build,
 
 
 def test_the_training_job_with_loss_chunk_tokens_gives_the_unchunked_jobs_losses(tmp_path, monkeypatch):
-    from infinity.job.train import load_job, train
+    from infinity.job.spec import load_job
+    from infinity.job.train import train
     from infinity.runtime import chunked_loss
     calls = []
 
@@ -178,9 +179,10 @@ def test_the_training_job_with_loss_chunk_tokens_gives_the_unchunked_jobs_losses
 
 
 def test_estimate_counts_the_logits_the_chunked_loss_does_not_keep():
+    from infinity.config.job import ModelConfig
     from infinity.config.sections import Config
-    from infinity.job.estimate import estimate
-    from infinity.job.train import ModelConfig, build_model
+    from infinity.models.build import build_model
+    from infinity.plan.estimate import estimate
     vocab, seq = 4096, 64
     model = ModelConfig(kind="llama", vocab_size=vocab, d_model=16, n_layer=1, n_head=2, seq_len=seq)
 

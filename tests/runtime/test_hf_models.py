@@ -19,7 +19,10 @@ transformers = __import__("transformers") if os.environ.get("CI") else pytest.im
 
 import infinity  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
-from infinity.job.train import ModelConfig, build_model, load_job, train  # noqa: E402
+from infinity.config.job import ModelConfig  # noqa: E402
+from infinity.job.spec import load_job  # noqa: E402
+from infinity.job.train import train  # noqa: E402
+from infinity.models.build import build_model  # noqa: E402
 
 VOCAB, SEQ = 96, 16
 

@@ -325,9 +325,10 @@ def test_engine_optimizer_surface():
 
 def test_estimate_shows_groups_with_the_same_bytes(tmp_path):
     """`infinity estimate` takes `[optimizer] no_decay`, reports each group's counts, and plans the same bytes."""
-    from infinity.job import estimate as est
-    from infinity.job.train import ModelConfig, build_model
+    from infinity.config.job import ModelConfig
     from infinity.memory.cost_model import LinkRates
+    from infinity.models.build import build_model
+    from infinity.plan import estimate as est
     rates = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="t")
     small = ModelConfig(n_layer=2, d_model=48, n_head=4, seq_len=16, vocab_size=300)
     results = {}

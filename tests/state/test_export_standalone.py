@@ -74,8 +74,9 @@ def _pretrained_bf16(root):
 @pytest.mark.parametrize("export_dtype,want", [("auto", torch.bfloat16), ("fp32", torch.float32)])
 def test_job_export_is_in_the_source_dtype_with_its_tokenizer_and_chat_template(tmp_path, monkeypatch,
                                                                                  export_dtype, want):
-    from infinity.job.train import build_model, load_job
+    from infinity.job.spec import load_job
     from infinity.job.train import train as train_job
+    from infinity.models.build import build_model
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
     src = _pretrained_bf16(tmp_path / "src")
     assert "chat_template.jinja" in os.listdir(src)

@@ -16,63 +16,14 @@ from __future__ import annotations
 
 import gzip
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from infinity.config.options import ConfigError, Section, option, show
+from infinity.config.job import SHIPPED, DataConfig
+from infinity.config.options import ConfigError
 
-VOCAB_SIZE = 256  # byte-level
-SHIPPED = "kjv"
 SHIPPED_PATH = Path(__file__).resolve().parents[1] / "corpus" / "kjv.txt.gz"
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig(Section):
-    """Text corpus and batching of `infinity train` (byte-level tokens, vocabulary 256)."""
-
-    SECTION: ClassVar[str] = "data"
-
-    path: str = option(SHIPPED, 'Text file to train on (plain or .gz), or "kjv" for the corpus shipped in '
-                        "infinity/corpus/kjv.txt.gz (King James Bible, public domain).", "str")
-    val_fraction: float = option(0.05, "Fraction of the corpus (its tail) held out for the validation loss.",
-                                  "float", gt=0.0, lt=0.5, example=0.05)
-    seed: int = option(1234, "Seed of the batch sampler (independent of train.seed, which seeds the weights).",
-                        "int", ge=0)
-    format: str = option("text", '"text": data.path is plain text (bytes, or the pretrained tokenizer\'s tokens); '
-                          '"completion": records with a prompt and a completion field; "chat": records with a '
-                          "list of messages rendered by the tokenizer's chat template (docs/finetune-data.md).",
-                          "enum", choices=("text", "completion", "chat"))
-    prompt_field: str = option("prompt", 'Field of the prompt in format = "completion" records.', "str")
-    completion_field: str = option("completion", 'Field of the completion in format = "completion" records.', "str")
-    messages_field: str = option("messages", 'Field of the message list in format = "chat" records.', "str")
-    train_on_prompt: bool = option(False, "Score the prompt / non-assistant turns too (false: the loss counts only "
-                                    "completions and assistant turns; labels -100 elsewhere).", "bool")
-    packing: bool = option(False, "Pack several records in one row of model.seq_len tokens (each sees only "
-                            "itself: block-diagonal attention); false: one record per row, padded.", "bool")
-    truncation: str = option("right", 'A record longer than model.seq_len + 1 tokens: "right" cuts its end, '
-                              '"refuse" stops with the record\'s line.', "enum", choices=("right", "refuse"))
-    val_path: str = option("", "A file of validation records (same format); empty: the last data.val_fraction of "
-                           "the records.", "path")
-
-    def check_format_keys(self) -> None:
-        """Note [no silent keys]: a data key that data.format (resolved: Note [data format from the records])
-        does not read is an error when set, not a setting that silently does nothing."""
-        unused = {"text": ("prompt_field", "completion_field", "messages_field", "train_on_prompt", "packing",
-                           "truncation", "val_path"),
-                  "completion": ("messages_field",), "chat": ("prompt_field", "completion_field")}[self.format]
-        given = [k for k in unused + (("val_fraction",) if self.val_path else ()) if not self._is_default(k)]
-        if not given:
-            return
-        key = given[0]
-        why = ("data.val_path holds the validation records: no fraction is held out" if key == "val_fraction" else
-               "plain text: every token trains, and the last data.val_fraction is held out for validation; the "
-               "record keys are for \"completion\" and \"chat\" data" if self.format == "text" else
-               "that key is for the other record format")
-        raise ConfigError(f'data.{key} = {show(getattr(self, key))} has no effect with data.format = '
-                          f'"{self.format}" ({why}): remove {", ".join("data." + k for k in given)}')
 
 
 def corpus_path(path: str) -> Path:

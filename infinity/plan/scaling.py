@@ -36,11 +36,11 @@ from typing import Callable
 
 from infinity.config.sections import Config, ConfigError
 from infinity.device.dtypes import dtype_of
-from infinity.job.estimate import Trace, resolve_budgets_for, trace_step, unit_sizes_of
 from infinity.memory import cost_model
 from infinity.memory.placement import Budgets, PlacementError, Plan, overflows, plan_for_config
 from infinity.memory.stages import STAGES, stage_for
 from infinity.memory.tier import Tier
+from infinity.plan.estimate import Trace, resolve_budgets_for, trace_step, unit_sizes_of
 from io_engine import format_size
 
 NETWORK = ("intra_node", "inter_node")
@@ -264,7 +264,7 @@ def estimate_stages(make_model: Callable, config: Config, cluster: Cluster, *, h
                     keep=kept_whole(loss_forward(config.activation, copy.model)))  # as initialize
         traced = trace_step(copy.model, copy.loss, batch_size, seq_len,  # (a split block's activations: whole)
                             [m for _, m in activation_modules(copy.model, list(config.units.classes))])
-    from infinity.job.estimate import activation_terms
+    from infinity.plan.estimate import activation_terms
     acts = activation_terms(traced, config.activation)
     activations = {"device": acts["saved"] + acts["recompute"] + traced.largest_saved_bytes, "host": acts["host"]}
     flops = traced.flops if traced.flops else 6.0 * num_params * batch_size * seq_len

@@ -12,7 +12,7 @@ wraps it (`PeftModelForCausalLM`: the same names, the base frozen, fp32 adapters
 scaling) when its targets are its blocks' linears (`lora_targets`); anything else goes to transformers / PEFT,
 and the job's own checks of the directory (vocabulary, positions, the packages installed) are made the same.
 It is the estimator's only: the job trains transformers' model. What it must equal is transformers' (and
-PEFT's) under the estimate: tests/job/test_estimate_fast.py holds every figure of the estimate (units, table,
+PEFT's) under the estimate: tests/plan/test_estimate_fast.py holds every figure of the estimate (units, table,
 trace, plans, peak) equal to the one of transformers' model, with and without grouped-query attention, and of a
 pretrained directory with PEFT's LoRA, so a transformers or PEFT release that changes what they save fails that
 test. It covers the default attention (`sdpa`, causal, no mask: the job's batches have no padding) and the

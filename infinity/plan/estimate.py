@@ -25,13 +25,13 @@ from typing import Callable
 import torch
 
 from infinity.config.sections import ActivationConfig, Config
-from infinity.job.estimate_model import Trace, group_counts, trace_step, tracer, unit_sizes_of  # noqa: F401 (its home)
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
 from infinity.machine.preflight import Check, check_disks, checkpoint_bytes, preflight
 from infinity.memory import cost_model
 from infinity.memory.placement import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
+from infinity.plan.traced import Trace, group_counts, trace_step, tracer, unit_sizes_of  # noqa: F401 (its home)
 from io_engine import format_size
 
 
@@ -191,7 +191,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     and its model. `depth` (estimate_model.Depth): the model's blocks repeat; it is estimated from shallow
     copies (Note [deepened estimate]). `plans`: how many plans to show (each is judged again).
     """
-    from infinity.job.estimate_model import model_facts
+    from infinity.plan.traced import model_facts
     local = local_world_size or world_size
     cuda = torch.cuda.is_available() if cuda is None else cuda
     facts = model_facts(make_model, depth)
@@ -216,8 +216,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         lambda c: resolve_budgets_for(c, local_world_size=local, cuda=cuda, nvme_free=nvme_free,
                                       check_machine=world_size == 1))
     budgets = budgets_of(config)
-    from infinity.job import estimate_table as table
-    from infinity.job import plan_search
+    from infinity.plan import search as plan_search
+    from infinity.plan import table
     # a pretrained model's frozen weights are all read from its safetensors files: its checkpoints refer to them
     # (Note [pretrained references]), as initialize's own preflight counts them (runtime/planning.py)
     referenced = config.checkpoint.reference_pretrained and getattr(bundle, "weights", None) is not None
@@ -269,7 +269,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
 def traced_activations(make_model: Callable, config: Config, *, batch_size: int, seq_len: int, depth=None) -> int:
     """The device bytes one micro-batch's forward keeps for backward under `config`'s [activation], as the estimate
     counts them (Note [activation estimate]): what "auto" tail units leave free (Note [tail units])."""
-    from infinity.job.estimate_model import model_facts
+    from infinity.plan.traced import model_facts
     trace = model_facts(make_model, depth).tracer(config, seq_len)(batch_size)
     return activation_bytes(trace, config.activation)["device"]
 
@@ -379,9 +379,9 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
         if est.trace.error:
             lines.append(f"  activations not traced ({est.trace.error})")
         lines.append("")
-    from infinity.job.estimate_table import format_table
+    from infinity.plan.table import format_table
     lines += format_table(est.table, est.faster)
-    from infinity.job.plan_search import format_plans
+    from infinity.plan.search import format_plans
     lines += format_plans(est.plans, est.searched, est.budget_raised) + [""]
     lines.append("preflight:")
     lines += [f"  {c.line()}" for c in est.checks]

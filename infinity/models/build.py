@@ -11,9 +11,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from infinity.config.job import VOCAB_SIZE, LoraConfig, ModelConfig
 from infinity.config.options import ConfigError, show
-from infinity.job.data import VOCAB_SIZE
-from infinity.job.spec import LoraConfig, ModelConfig
 from infinity.runtime.chunked_loss import token_loss
 
 
@@ -99,7 +98,7 @@ def llama_ffn(cfg: ModelConfig) -> int:
 def estimator_llama(cfg: ModelConfig, layers: int | None = None, sizes: dict | None = None) -> ModelBundle:
     """The `[model]` Llama shape as the estimator's torch-only copy (Note [estimator's Llama]), on the meta device;
     with `sizes` (estimate_llama.copy_sizes) at those sizes, its small twin (Note [small twin])."""
-    from infinity.job.estimate_llama import LlamaForCausalLM, copy_dims
+    from infinity.models.llama import LlamaForCausalLM, copy_dims
     from infinity.runtime.materialize import meta_init
     dims = copy_dims(sizes) if sizes else {"vocab": cfg.vocab_size, "d": cfg.d_model, "heads": cfg.n_head,
                                            "kv_heads": cfg.n_kv_head or cfg.n_head, "ffn": llama_ffn(cfg)}
@@ -122,7 +121,7 @@ def gpt_sizes(cfg: ModelConfig) -> dict | None:
 
 def llama_sizes(cfg: ModelConfig) -> dict | None:
     """A `[model]` Llama shape's sizes as its small twin's symbols (Note [small twin]); None: it has no twin."""
-    from infinity.job.estimate_llama import copy_sizes
+    from infinity.models.llama import copy_sizes
     return copy_sizes(cfg.vocab_size, cfg.d_model, cfg.n_head, cfg.n_kv_head or cfg.n_head, llama_ffn(cfg))
 
 
@@ -206,7 +205,7 @@ def estimator_pretrained_llama(cfg: ModelConfig, lora: LoraConfig, hf: dict, fie
     (estimate_llama.copy_sizes) at those sizes, its small twin (Note [small twin])."""
     from importlib.util import find_spec
 
-    from infinity.job import estimate_llama as copy
+    from infinity.models import llama as copy
     from infinity.runtime.materialize import meta_init
     where = f"model.pretrained = {cfg.pretrained!r}"
     if find_spec("transformers") is None:

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from infinity.config.sections import Config, ConfigError
-from infinity.job.estimate_table import SHAPES, Context, Row, make_row, plan_of, seconds_text, sizes_key
 from infinity.machine.preflight import Check, preflight
 from infinity.memory.placement import PlacementError, Plan, overflows, plan_for_config
 from infinity.memory.stages import STAGES
 from infinity.memory.tier import Tier
+from infinity.plan.table import SHAPES, Context, Row, make_row, plan_of, seconds_text, sizes_key
 from io_engine import format_size
 
 NOTES = {"optimizer.state_dtype=bf16": "bf16 Adam moments (the master stays fp32)",

@@ -11,13 +11,14 @@ import random
 import pytest
 
 import infinity
-from infinity.job import estimate as est
-from infinity.job.estimate_model import DeepenedModel, job_depth, model_facts
-from infinity.job.plan_search import default_apply
-from infinity.job.train import ModelConfig, build_model
+from infinity.config.job import ModelConfig
 from infinity.memory import traffic
 from infinity.memory.cost_model import LinkRates
 from infinity.memory.placement import Budgets
+from infinity.models.build import build_model
+from infinity.plan import estimate as est
+from infinity.plan.search import default_apply
+from infinity.plan.traced import DeepenedModel, job_depth, model_facts
 
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
 BIG = 1 << 50
@@ -71,7 +72,7 @@ def test_the_estimators_llama_equals_transformers(kv_heads, tmp_path):
     checkpointed, equals the one of transformers' LlamaForCausalLM (the plan search is a function of these)."""
     model = dataclasses.replace(CASES["llama"].values[0], n_kv_head=kv_heads)
     config = infinity.Config.from_dict({**CASES["llama"].values[1], "nvme": {"paths": [str(tmp_path)]}})
-    assert type(job_depth(model, own_llama=True).build(2).model).__module__ == "infinity.job.estimate_llama"
+    assert type(job_depth(model, own_llama=True).build(2).model).__module__ == "infinity.models.llama"
     assert figures(run(model, config, deep=True, search=False, own_llama=True)) == figures(
         run(model, config, deep=True, search=False))
 
@@ -113,12 +114,12 @@ def test_a_pretrained_llama_directory_estimates_as_transformers_and_peft(extra, 
     """Note [estimator's Llama]: a pretrained Llama directory (and its LoRA wrap) estimated with the copy built
     from its config.json gives every figure of transformers' model wrapped by PEFT (trainable parameters and
     their groups, units, the trace's saves and FLOPs, the table, the plans)."""
-    from infinity.job.spec import LoraConfig
+    from infinity.config.job import LoraConfig
     model = ModelConfig(pretrained=_pretrained_llama(tmp_path / "llama", **extra), tokenizer="bytes", seq_len=16)
     lora_cfg = LoraConfig(**lora)
     config = infinity.Config.from_dict({**CASES["llama"].values[1], "nvme": {"paths": [str(tmp_path)]}})
     fast, slow = job_depth(model, lora_cfg, own_llama=True), job_depth(model, lora_cfg)
-    assert type(fast.build(2).model).__module__ == "infinity.job.estimate_llama"
+    assert type(fast.build(2).model).__module__ == "infinity.models.llama"
 
     def run_with(depth, budgets=None, search=True):
         return est.estimate(lambda: build_model(model, lora_cfg), config, batch_size=2, seq_len=16, rates=RATES,
@@ -133,7 +134,7 @@ def test_a_pretrained_llama_directory_estimates_as_transformers_and_peft(extra, 
 
 def test_the_copy_refuses_a_llama_it_does_not_model():
     """A config.json the copy does not model (or LoRA targets it does not resolve) is left to transformers/PEFT."""
-    from infinity.job.estimate_llama import llama_fields, lora_targets
+    from infinity.models.llama import llama_fields, lora_targets
     hf = {"model_type": "llama", "vocab_size": 320, "hidden_size": 32, "num_hidden_layers": 6,
           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 48}
     assert llama_fields(hf)["kv_heads"] == 2
@@ -171,8 +172,8 @@ def test_the_small_twin_traces_as_the_meta_trace(extra, lora, tmp_path):
     """Note [small twin]: the Llama copy traced as its small twin (primes for its sizes, counts mapped back) gives
     the meta trace of the model at its own sizes, field by field: saved bytes, the largest, FLOPs, per-unit saves,
     inputs and forward FLOPs; at micro-batch 1 (a size of 1 stays 1) and 3, each of 2 and 3 blocks."""
-    from infinity.job.estimate_model import TwinTrace, tracer
-    from infinity.job.spec import LoraConfig
+    from infinity.config.job import LoraConfig
+    from infinity.plan.traced import TwinTrace, tracer
     model = ModelConfig(pretrained=_llama_dir(tmp_path / "llama", **extra), tokenizer="bytes", seq_len=10)
     depth = job_depth(model, LoraConfig(**lora), own_llama=True)
     config = infinity.Config.from_dict({"activation": {"checkpoint": "units"}})
@@ -185,7 +186,7 @@ def test_the_small_twin_traces_as_the_meta_trace(extra, lora, tmp_path):
 
 
 def test_twin_scale_maps_products_of_sizes_and_refuses_other_counts():
-    from infinity.job.estimate_model import TwinMismatch, twin_scale
+    from infinity.plan.traced import TwinMismatch, twin_scale
     small, scale = twin_scale({"heads": 8, "one": 1, "seq": 4096, "vocab": 32000})
     assert small == {"heads": 3, "one": 1, "seq": 5, "vocab": 7}
     assert scale(2 * 3 * 5 * 5 * 7) == 2 * 8 * 4096 * 4096 * 32000 and scale(1) == 1 and scale(0) == 0
@@ -215,7 +216,7 @@ def test_a_70b_estimate_never_imports_torch_dynamo(tmp_path):
 def test_the_builtin_gpts_small_twin_traces_as_the_meta_trace():
     """Note [small twin]: the built-in GPT (the default job's model), its qkv 3 d wide (3: a constant of the
     model, not a size), traced as its twin equals its meta trace, checkpointed or not, micro-batch 1 and 3."""
-    from infinity.job.estimate_model import TwinTrace, tracer
+    from infinity.plan.traced import TwinTrace, tracer
     model = ModelConfig(kind="gpt", n_layer=5, d_model=48, n_head=4, seq_len=10, vocab_size=300)
     depth = job_depth(model, own_llama=True)
     assert depth.sizes is not None and depth.constants == (2, 3)
@@ -235,7 +236,7 @@ def test_the_flop_count_is_torchs_flop_counter(kind):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from infinity.job.estimate_model import FlopCount
+    from infinity.plan.traced import FlopCount
     model = ModelConfig(kind=kind, n_layer=2, d_model=48, n_head=4, n_kv_head=2 if kind == "llama" else 0,
                         seq_len=10, vocab_size=300)
     bundle = job_depth(model, own_llama=True).build(2)

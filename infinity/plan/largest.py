@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
-from infinity.job.estimate_table import configured_row, seconds_text
+from infinity.plan.table import configured_row, seconds_text
 from io_engine import format_size
 
 
@@ -44,7 +44,7 @@ class Rung:
 
     def pretrained(self, root: str, seq_len: int) -> str:
         """A directory holding this shape's config.json (transformers' LlamaConfig, no weights)."""
-        from infinity.job.build import need_transformers
+        from infinity.models.build import need_transformers
         transformers = need_transformers("--largest llama", "or estimate a job's own model")
         path = os.path.join(root, self.name)
         transformers.LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.d_model, intermediate_size=self.ffn_dim,

@@ -9,7 +9,7 @@ blocks 1 .. L-2 (renamed); a block's units do not depend on its position (its la
 its recomputation its own block's). Numbers (activation bytes, FLOPs, parameters, group elements): affine in
 the depth, f(L) = f(3) + (L - 3) * (f(3) - f(2)). Per-unit figures of the trace (what a unit saves, its
 inputs): the middle block's repeated, as for the units. The largest saved tensor is the 3-block model's (the
-blocks save the same shapes). tests/job/test_estimate_fast.py holds the extended estimate equal, byte for
+blocks save the same shapes). tests/plan/test_estimate_fast.py holds the extended estimate equal, byte for
 byte, to the full model's (every tier, the activations, the table and the plans) on small configs; for a 70B
 Llama this turns ~10 s of model build and trace into ~0.2 s. A model given as `module:function`, or whose
 blocks may differ (a pretrained type not known to repeat one block), is built and traced whole.
@@ -29,7 +29,7 @@ is the full model's count
 its sizes take primes from 5 (heads 5, head width 7) and a 3 stays a 3. A count with another odd factor, a trace
 that fails, or units that differ fall back to the meta trace, as do a tiled model (its tiles depend on its sizes)
 and a chunked loss. What this rests on: the models' counts are such products, with no odd constant but those
-declared (an undeclared one equal to one of the primes would be misread). tests/job/test_estimate_fast.py holds the
+declared (an undeclared one equal to one of the primes would be misread). tests/plan/test_estimate_fast.py holds the
 twin's Trace equal to the meta trace field by field (the Llama in fp32 / bf16 / fp16, grouped-query or not, LoRA
 all-linear with dropout or q/v, tied embeddings; the GPT checkpointed or not; micro-batch 1 and 3, 2 and 3 blocks),
 and a 70B estimate importing neither torch._dynamo nor sympy. The twin's traces take ~0.03 s each (fp16 stays fp16:
@@ -48,7 +48,7 @@ import torch.nn as nn
 
 from infinity.config.sections import Config
 from infinity.device.dtypes import dtype_of
-from infinity.job.estimate_table import sizes_key
+from infinity.plan.table import sizes_key
 
 
 @dataclass
@@ -111,7 +111,7 @@ class _HeldMode:
 class FlopCount(_HeldMode):
     """The FLOPs of the operations run inside it, by torch's own formulas (`torch.utils.flop_counter`'s registry),
     counted as torch's `FlopCounterMode` counts them (an operation without a formula is counted through its
-    decomposition), total only (tests/job/test_estimate_fast.py holds the two equal); each operation's count
+    decomposition), total only (tests/plan/test_estimate_fast.py holds the two equal); each operation's count
     through `scale` (a small twin's, Note [small twin]).
 
     Note [flop count without dynamo]: `FlopCounterMode`, like every `TorchDispatchMode` subclass by default,
@@ -512,8 +512,8 @@ def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | N
     may differ (a pretrained type not in REPEATING_PRETRAINED, or one that lists its layers' types).
     `own_llama`: a `[model]` Llama shape, or a pretrained Llama whose config.json (and LoRA targets) the copy
     models, is built as the estimator's copy (Note [estimator's Llama]), without transformers or PEFT."""
-    from infinity.job.build import build_model, estimator_llama, gpt_sizes, llama_sizes
-    from infinity.job.spec import LoraConfig
+    from infinity.config.job import LoraConfig
+    from infinity.models.build import build_model, estimator_llama, gpt_sizes, llama_sizes
     layers = model_cfg.n_layer
     if own_llama and model_cfg.kind == "llama" and not model_cfg.pretrained:
         return Depth(layers, lambda d, sizes=None: estimator_llama(model_cfg, d, sizes), llama_sizes(model_cfg))
@@ -529,8 +529,8 @@ def job_depth(model_cfg, lora_cfg=None, *, own_llama: bool = False) -> Depth | N
         if hf.get("model_type") not in REPEATING_PRETRAINED or "layer_types" in hf or not isinstance(layers, int):
             return None
         if own_llama:  # a Llama the copy models, LoRA targets it resolves (Note [estimator's Llama])
-            from infinity.job.build import estimator_pretrained_llama
-            from infinity.job.estimate_llama import copy_sizes, llama_fields, lora_targets
+            from infinity.models.build import estimator_pretrained_llama
+            from infinity.models.llama import copy_sizes, llama_fields, lora_targets
             fields, targets = llama_fields(hf), lora_targets(tuple(lora_cfg.targets)) if lora_cfg else ()
             if fields is not None and targets is not None:
                 lora = lora_cfg or LoraConfig()

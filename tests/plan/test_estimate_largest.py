@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from infinity.job import cli
-from infinity.job import estimate as est
-from infinity.job import estimate_largest as largest
+from infinity.plan import estimate as est
+from infinity.plan import largest
 
 LADDER = (largest.Rung("tiny-1", 64, 4, 4, 4, 128, 256), largest.Rung("tiny-2", 128, 4, 4, 4, 256, 256),
           largest.Rung("tiny-3", 256, 4, 4, 4, 512, 256))

@@ -17,16 +17,28 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
+from infinity.config.job import DataConfig, ModelConfig, RunConfig
 from infinity.config.options import ConfigError
-from infinity.job.build import TOKENIZER_IDENTITY_FILES, need_transformers, tokenizer_dir
-from infinity.job.spec import Job
+from infinity.config.sections import Config
+from infinity.models.build import TOKENIZER_IDENTITY_FILES, need_transformers, tokenizer_dir
 
 CACHE_DIR = ".infinity-tokens"  # beside the data file (Note [tokenized data cache])
 CACHE_FORMAT = 1
+
+
+class Job(Protocol):
+    """What the data of a job is read from: the job's sections (infinity.job.spec.Job is one) and its engine
+    config (the attention mask's dtype is the compute dtype's)."""
+
+    model: ModelConfig
+    data: DataConfig
+    run: RunConfig
+
+    def engine_config(self, run_dir: str, start: int = 0) -> Config: ...
 
 
 @functools.lru_cache(maxsize=16)
@@ -96,7 +108,7 @@ def cached(data_file: Path, tokenizer_where: str, settings: dict,
 
 def corpus_tokens(job: Job) -> torch.Tensor:
     """The job's corpus as token ids: bytes (uint8), or int32 ids of the pretrained model's tokenizer."""
-    from infinity.job.data import corpus_path, load_tokens
+    from infinity.data.batches import corpus_path, load_tokens
     raw = load_tokens(job.data.path)
     where = tokenizer_dir(job.model)
     if where is None:
@@ -132,7 +144,7 @@ def _tokenizer(job: Job, where: str):
 
 def sample_batches(job: Job, rank: int = 0, world: int = 1):
     """Batches of completion / chat records (samples.py, Note [masked fine-tuning loss])."""
-    from infinity.job.samples import SampleBatches, split_samples
+    from infinity.data.samples import SampleBatches, split_samples
     where = tokenizer_dir(job.model)
     if where is None:
         raise ConfigError(f"data.format = {job.data.format!r} needs a tokenizer: set model.pretrained to a model "
@@ -155,7 +167,7 @@ def resolve_data_format(job: Job) -> tuple[Job, str | None]:
     the records] in samples.py); a mismatch it cannot resolve is a ConfigError naming data.format."""
     import dataclasses
 
-    from infinity.job.samples import resolve_format
+    from infinity.data.samples import resolve_format
     fmt, said = resolve_format(job.data)
     changed = fmt != job.data.format
     if changed:
@@ -167,7 +179,7 @@ def resolve_data_format(job: Job) -> tuple[Job, str | None]:
 def _cached_samples(job: Job, tokenizer, where: str, path: str, key: str = "data.path") -> list:
     """load_samples of `path`, through the cache (Note [tokenized data cache]): ids and labels of all samples
     end to end, and each sample's length."""
-    from infinity.job.samples import Sample, load_samples
+    from infinity.data.samples import Sample, load_samples
     d = job.data
     settings = {"format": d.format, "prompt_field": d.prompt_field, "completion_field": d.completion_field,
                 "messages_field": d.messages_field, "train_on_prompt": d.train_on_prompt,
@@ -194,7 +206,7 @@ def job_batches(job: Job, rank: int = 0, world: int = 1):
     """The job's training and validation batches for one rank (data.py's sampler over `corpus_tokens`, or
     samples.py's over completion / chat records; data.format resolved by `resolve_data_format`, whose line the
     job prints)."""
-    from infinity.job.data import Batches, split
+    from infinity.data.batches import Batches, split
     job, _ = resolve_data_format(job)
     if job.data.format != "text":
         return sample_batches(job, rank, world)

@@ -1,4 +1,4 @@
-"""Note [fused attention] (infinity/job/estimate_model.py): the estimator's trace saves what a real run's fused
+"""Note [fused attention] (infinity/plan/traced.py): the estimator's trace saves what a real run's fused
 attention saves. The reference is a real run of the same model on the CPU, where torch's dispatch picks its fused
 (flash) kernel: every tensor autograd saves, counted as the trace counts them. On meta tensors the dispatch could only
 pick the math kernel, whose b x h x s x s probabilities made the estimate two thirds larger here."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infinity.job.estimate_model import job_depth, trace_step
-from infinity.job.train import ModelConfig
+from infinity.config.job import ModelConfig
+from infinity.plan.traced import job_depth, trace_step
 
 SEQ, BATCH = 256, 2  # (long enough for the probabilities to show: 4 heads x 256 x 256 per sequence and block)
 

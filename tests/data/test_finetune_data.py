@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+from infinity.config.job import DataConfig  # noqa: E402
 from infinity.config.options import ConfigError  # noqa: E402
-from infinity.job.data import DataConfig  # noqa: E402
-from infinity.job.samples import (  # noqa: E402
+from infinity.data.samples import (  # noqa: E402
     IGNORE,
     DataError,
     Sample,
@@ -194,7 +194,8 @@ def test_a_json_array_record_without_the_field_says_no_field_as_jsonl_does(tmp_p
 
 
 def test_missing_data_files_name_the_key_that_set_them(tmp_path, llama):
-    from infinity.job.train import job_batches, load_job
+    from infinity.job.spec import load_job
+    from infinity.job.train import job_batches
     path, _, _ = llama
     train_f = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{i} plus 1?", "completion": f" {i + 1}."}
                                                   for i in range(10)])
@@ -240,7 +241,8 @@ def _sums(n: int):
 def test_train_completion_jsonl_learns_the_format_not_the_json(tmp_path, llama, monkeypatch):
     """`infinity train` on a JSONL file: the export continues a prompt with a completion and stops (EOS), where
     training the file as text would continue it with JSON (issue 31)."""
-    from infinity.job.train import load_job, train
+    from infinity.job.spec import load_job
+    from infinity.job.train import train
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
     path, _, tok = llama
     f = write_jsonl(tmp_path / "sums.jsonl", list(_sums(200)))
@@ -260,7 +262,8 @@ def test_train_completion_jsonl_learns_the_format_not_the_json(tmp_path, llama, 
 
 @pytest.mark.slow  # ~25 s: engine start
 def test_train_chat_padded_runs_and_counts_tokens(tmp_path, llama, monkeypatch):
-    from infinity.job.train import load_job, train
+    from infinity.job.spec import load_job
+    from infinity.job.train import train
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
     path, _, tok = llama
     f = write_jsonl(tmp_path / "c.jsonl", [CHAT] * 6)
@@ -278,7 +281,7 @@ def test_train_chat_padded_runs_and_counts_tokens(tmp_path, llama, monkeypatch):
 
 def test_finetune_defaults_printed_and_overridable(tmp_path, llama):
     from infinity.job.finetune_defaults import pretrained_defaults
-    from infinity.job.train import load_job
+    from infinity.job.spec import load_job
     path, _, _ = llama
     base = [f"model.pretrained={path}", f"run.dir={tmp_path}"]
     cfg = load_job(None, base).engine_config(str(tmp_path))
@@ -306,7 +309,7 @@ def test_finetune_defaults_printed_and_overridable(tmp_path, llama):
 
 
 def test_binary_text_data_names_the_line(tmp_path):
-    from infinity.job.data import load_tokens
+    from infinity.data.batches import load_tokens
     (tmp_path / "t.txt").write_bytes(b"one\ntwo\nthr\xffee\n")
     with pytest.raises(ConfigError, match=r"t.txt' line 3: not UTF-8"):
         load_tokens(str(tmp_path / "t.txt"))
@@ -314,7 +317,8 @@ def test_binary_text_data_names_the_line(tmp_path):
 
 
 def test_validation_file_or_fraction(tmp_path, llama):
-    from infinity.job.train import job_batches, load_job
+    from infinity.job.spec import load_job
+    from infinity.job.train import job_batches
     path, _, tok = llama
     train_f = write_jsonl(tmp_path / "t.jsonl", [{"prompt": f"{i} plus 1?", "completion": f" {i + 1}."}
                                                   for i in range(10)])
@@ -334,8 +338,8 @@ def test_records_under_the_text_format_are_read_as_what_they_are_or_refused(tmp_
     """Note [data format from the records]: chat / completion JSONL under the default data.format = "text" gives
     the batches of the format said explicitly, and a line saying so; other records, or a format the records do
     not have, are refused naming data.format (never trained on as JSON text)."""
-    from infinity.job.tokenized import job_batches, resolve_data_format
-    from infinity.job.train import load_job
+    from infinity.data.tokenized import job_batches, resolve_data_format
+    from infinity.job.spec import load_job
     path, _, _ = llama
     chat = write_jsonl(tmp_path / "c.jsonl", [CHAT] * 4)
     sums = write_jsonl(tmp_path / "s.jsonl", list(_sums(6)))
@@ -363,9 +367,9 @@ def test_tokenized_data_is_cached_beside_the_data_and_made_again_when_it_changes
     beside the data, equal to tokenizing afresh; a changed data file or tokenizer file tokenizes again."""
     import shutil
 
-    from infinity.job import samples as samples_module
-    from infinity.job.tokenized import corpus_tokens, job_batches
-    from infinity.job.train import load_job
+    from infinity.data import samples as samples_module
+    from infinity.data.tokenized import corpus_tokens, job_batches
+    from infinity.job.spec import load_job
     path, _, tok = llama
     own = tmp_path / "model"
     shutil.copytree(path, own)
@@ -413,9 +417,10 @@ def test_the_jobs_window_is_weighted_by_its_tokens(tmp_path, llama, monkeypatch)
     step's loss and grad norm are those of plain PyTorch on the window's three micro-batches as one big batch
     (the mean over all its trained tokens), and the second step's loss follows its AdamW update; the window's
     items over two ranks' rows are the same count."""
+    from infinity.data.tokenized import job_batches
     from infinity.job import train as train_module
-    from infinity.job.tokenized import job_batches
-    from infinity.job.train import load_job, train
+    from infinity.job.spec import load_job
+    from infinity.job.train import train
     from infinity.optim.schedule import lr_at
     monkeypatch.setattr(train_module, "_estimate", lambda *a: None)  # (the estimate's RSS probe: not tested here)
     path, _, _ = llama

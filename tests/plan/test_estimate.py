@@ -12,11 +12,13 @@ import pytest
 import infinity
 from dist_utils import run_distributed
 from engine_runs import ALL_PLACEMENTS
-from infinity.job import estimate as est
-from infinity.job.train import ModelConfig, build_model, load_job
+from infinity.config.job import ModelConfig
+from infinity.job.spec import load_job
 from infinity.machine import preflight as pf
 from infinity.memory.cost_model import LinkRates
 from infinity.memory.placement import Budgets
+from infinity.models.build import build_model
+from infinity.plan import estimate as est
 
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
 SMALL = ModelConfig(n_layer=2, d_model=48, n_head=4, seq_len=16, vocab_size=300)  # odd sizes: padding shows
@@ -222,7 +224,7 @@ def test_the_runtime_memory_is_measured_again_when_infinitys_code_changes(tmp_pa
     assert link_rates.cached_measurement("probe", measure) == 104  # (not of the code: a key of its own)
     monkeypatch.undo()
     first = link_rates._code_fingerprint()
-    source = os.path.join(os.path.dirname(infinity.__file__), "job", "estimate.py")
+    source = os.path.join(os.path.dirname(infinity.__file__), "plan", "estimate.py")
     stat = os.stat(source)
     try:
         os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))

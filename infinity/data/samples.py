@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from infinity.config.options import ConfigError
-from infinity.job.data import RankBatches, rank_rows
+from infinity.data.batches import RankBatches, rank_rows
 from infinity.runtime.chunked_loss import token_loss
 
 IGNORE = -100  # transformers' ignore_index

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 
 import infinity
+from infinity.config.job import ModelConfig
 from infinity.job import cli
-from infinity.job import estimate as est
-from infinity.job.plan_search import LOSSY, default_apply, rank
-from infinity.job.train import ModelConfig, build_model
 from infinity.memory.cost_model import LinkRates
 from infinity.memory.placement import Budgets
+from infinity.models.build import build_model
+from infinity.plan import estimate as est
+from infinity.plan.search import LOSSY, default_apply, rank
 
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
 MODEL = ModelConfig(n_layer=2, d_model=128, n_head=4, seq_len=64, vocab_size=512)
@@ -129,7 +130,7 @@ def test_fp32_state_ranks_first_unless_16_bit_is_10_percent_faster():
     keeping fp32 state only when its predicted step is more than 10% shorter."""
     from types import SimpleNamespace
 
-    from infinity.job.plan_search import RunPlan
+    from infinity.plan.search import RunPlan
 
     def plan(step, *sets):
         return RunPlan(tuple(sets), SimpleNamespace(step_s=step), [])

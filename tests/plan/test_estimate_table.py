@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import infinity
+from infinity.config.job import ModelConfig
 from infinity.config.sections import ConfigError, MemoryConfig
-from infinity.job import estimate as est
-from infinity.job.train import ModelConfig, build_model
 from infinity.machine.environment import resolve_budgets
 from infinity.memory.cost_model import LinkRates
 from infinity.memory.placement import Budgets
+from infinity.models.build import build_model
+from infinity.plan import estimate as est
 from stage_formulas import FORMULAS
 
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
@@ -111,7 +112,7 @@ def test_budgets_over_the_machine_are_refused_unless_what_if():
 
 
 def test_stages_count_the_activations():
-    from infinity.job import scaling
+    from infinity.plan import scaling
     config = infinity.Config.from_dict({"placement": {"params": "device", "grads": "device",
                                                       "optimizer": "device"}})
     # (batch 32: the activations, ~40 MB, well over the state's 34 MB: Note [fused attention] took the margin

@@ -1,4 +1,4 @@
-"""`infinity estimate --stages` (infinity/job/scaling.py) against the seeds' formulas and the link model by hand."""
+"""`infinity estimate --stages` (infinity/plan/scaling.py) against the seeds' formulas and the link model by hand."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ import pytest
 import torch
 
 import infinity
-from infinity.job import estimate as est
-from infinity.job import scaling
+from infinity.config.job import ModelConfig
 from infinity.job.cli import main
-from infinity.job.train import ModelConfig, build_model
 from infinity.memory.cost_model import LinkRates
 from infinity.memory.placement import Budgets, plan_for_config
 from infinity.memory.tier import Kind, Tier
+from infinity.models.build import build_model
+from infinity.plan import estimate as est
+from infinity.plan import scaling
 from stage_formulas import FORMULAS
 
 pytestmark = pytest.mark.usefixtures("module_cache")  # one link-rate cache for the module (conftest.py)
