@@ -490,7 +490,7 @@ def ds_worker(args) -> None:
     if args.ds_worker == "nvme":
         offload.update(nvme_path=tempfile.mkdtemp(prefix="bench-gpu-ds-", dir=args.dir), buffer_count=4)
     ds_config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-                 "gradient_clipping": 0.0,  # as infinity's runs (PEERS.md: DeepSpeed clips at 1.0 unless set)
+                 "gradient_clipping": 0.0,  # as infinity's runs (DeepSpeed clips at 1.0 unless set)
                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
                                                            "weight_decay": WD}},
                  "zero_optimization": {"stage": 3, "offload_optimizer": offload},

@@ -242,7 +242,7 @@ def infinity_config(args, placement: str, swap: str) -> dict:
 
 def plan_summary(plan) -> dict:
     """Units per tier for each state group, the bytes per tier and the planner's reasons."""
-    from infinity.memory.placement import GROUPS, KINDS_OF_GROUP
+    from infinity.memory.plan import GROUPS, KINDS_OF_GROUP
     counts = {g: {} for g in GROUPS}
     for unit_tiers in plan.tiers:
         for g in GROUPS:
@@ -352,7 +352,7 @@ def run_deepspeed(args, kind: str) -> dict:
     if param_dev:
         zero["offload_param"] = {"device": param_dev, "nvme_path": swap, "pin_memory": False,
                                  "buffer_count": args.ds_param_buffers, "buffer_size": max_numel,
-                                 "max_in_cpu": 0}  # PEERS.md: >= the largest parameter
+                                 "max_in_cpu": 0}  # docs/benchmarks.md: >= the largest parameter
         if param_dev == "nvme":
             # Once its trace is recorded (step 2 on), ZeRO-3 releases a parameter after its module only if
             # it is not used again within stage3_max_reuse_distance elements of the trace (default 1e9).
@@ -560,7 +560,8 @@ def fitting_placements(args) -> dict:
 
     import infinity
     from infinity.machine.preflight import check_nvme_paths
-    from infinity.memory.placement import PlacementError, plan_for_config
+    from infinity.memory.placement import plan_for_config
+    from infinity.memory.plan import PlacementError
     from infinity.models.gpt import GPT
     from infinity.plan.estimate import resolve_budgets_for, unit_sizes_of
     with infinity.meta_init():
@@ -915,8 +916,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-budget", default=None, metavar="SIZE",
                     help='infinity\'s memory.host_budget, e.g. "2GiB" (default as --device-budget)')
     ap.add_argument("--ds-param-buffers", type=int, default=32,
-                    help="DeepSpeed offload_param buffer_count (PEERS.md: 32; every parameter, however small, "
-                         "takes one buffer of the largest parameter's size)")
+                    help="DeepSpeed offload_param buffer_count (32, docs/benchmarks.md: each parameter, however small,"
+                         " takes one buffer of the largest parameter's size)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="engine config key for the infinity systems, e.g. --set io.checksum=full (repeatable)")
     ap.add_argument("--profile", action="store_true", help="enable infinity's profiler (overlap efficiency)")
@@ -931,7 +932,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     if args.world > 1 and not any(a == "--threads" or a.startswith("--threads=") for a in argv):
-        args.threads = max(1, 2 // args.world)  # PEERS.md: the same threads per rank for every system
+        args.threads = max(1, 2 // args.world)  # the same threads per rank for every system (docs/benchmarks.md)
     if args.worker:
         result = json.dumps(worker(args), default=str)
         if os.environ.get(RESULT_DIR):  # one of --world ranks (torchrun)

@@ -1,7 +1,7 @@
 """The option machinery of config sections: field specs, validation, TOML rendering, overrides.
 
-`infinity.config.sections` declares the engine's sections with it; `infinity.job.train` and
-`infinity.data.batches` declare the job's (`[run]`, `[model]`, `[data]`) the same way, so
+`infinity.config.sections` declares the engine's sections with it; `infinity.config.job` declares the
+job's (`[run]`, `[model]`, `[model.lora]`, `[data]`) the same way, so
 every key of every section is validated, documented and rendered by this one module
 (Note [no silent keys] in infinity/config/sections.py). Imports no torch.
 """

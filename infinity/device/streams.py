@@ -1,6 +1,9 @@
-"""CUDA streams for compute, host-to-device, device-to-host and collectives, with a CPU no-op fallback.
+"""The rank's six CUDA streams, with a CPU no-op fallback: compute (the training thread's forward and
+backward), h2d (host-to-device copies), d2h (device-to-host copies), comm (collectives), update (the optimizer
+worker's device-tier Adam) and lane (the device lane's Adam: Note [device lane]); docs/architecture.md §2,
+"Streams and events", maps who queues what on each and who waits for it.
 
-On a GPU, copies and collectives run on their own streams so they overlap
+On a GPU, copies, collectives and updates run on their own streams so they overlap
 compute; ordering between streams is expressed with events (`record` on the
 producer, `wait` on the consumer), never with a host synchronization. On the
 CPU every stream is the same synchronous executor, and events are no-ops.

@@ -196,7 +196,7 @@ def _one_line_for(category, prefix: str, show):
 def _dispatch(args) -> int:
     from infinity.config.sections import ConfigError
     from infinity.machine.preflight import PreflightError
-    from infinity.memory.placement import PlacementError
+    from infinity.memory.plan import PlacementError
     from infinity.state.checkpoint import CheckpointError
     from infinity.state.weights import WeightsError
     try:

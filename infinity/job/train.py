@@ -21,7 +21,7 @@ Run directory (`run.dir`/`run.name`, default runs/<date>-<time>):
     checkpoint/          the final checkpoint (when the engine can save one)
     checkpoints/step-N/  periodic checkpoints (run.checkpoint_every)
     export/              with model.pretrained: the trained model as a Hugging Face directory (run.export;
-                         Note [fine-tuning job] in job.py)
+                         Note [fine-tuning job] in job/spec.py)
     swap/                the NVMe swap files (mode 0700) while the run is alive (removed at the end)
     .lock                held by the job using the directory (Note [run directory lock])
 

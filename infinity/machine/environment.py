@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from infinity.config.sections import ConfigError
 from infinity.device.process_group import join_process_group
-from infinity.memory.placement import Budgets
+from infinity.memory.plan import Budgets
 from io_engine import format_size
 
 

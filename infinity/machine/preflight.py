@@ -44,7 +44,7 @@ import psutil
 import torch
 
 from infinity.config.sections import Config
-from infinity.memory.placement import Plan
+from infinity.memory.plan import Plan
 from infinity.memory.tier import Kind, Tier
 from infinity.state.checkpoint import SAVED_KINDS, rank_file_bytes
 from io_engine import format_size

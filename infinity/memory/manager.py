@@ -36,7 +36,7 @@ from infinity.memory.buffers import HostArena, StagingBuffers, arena_bytes
 from infinity.memory.fresh import FreshCopies
 from infinity.memory.parked import park_bytes
 from infinity.memory.pending import Chained, Pending, WritesAfterCopy  # noqa: F401 - Pending: the handles' home for callers
-from infinity.memory.placement import Plan
+from infinity.memory.plan import Plan
 from infinity.memory.shards import Chunk, Shard, crossing
 from infinity.memory.tier import Kind, Residency, Tier, check_transition
 from infinity.profile import Link, NullProfiler

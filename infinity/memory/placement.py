@@ -20,102 +20,28 @@ slower one, and why it is not on a faster one (no room, or no gain).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
-from dataclasses import dataclass, field
 
 import torch
 
+from infinity.config.update_mode import Mode, update_mode
 from infinity.device.dtypes import dtype_of
 from infinity.memory import cost_model, traffic
+from infinity.memory.device_lane import with_device_lane
+from infinity.memory.plan import (
+    FASTEST_FIRST,
+    GROUPS,
+    KINDS_OF_GROUP,
+    Budgets,
+    PlacementError,
+    Plan,
+    UnitSizes,
+    fmt_bytes,
+    group_bytes,
+    misfits,
+    with_inert,
+)
 from infinity.memory.tier import Kind, StateDtype, Tier
-from infinity.memory.traffic import GROUPS, KINDS_OF_GROUP, UnitSizes
-from io_engine import format_size
-
-FASTEST_FIRST = (Tier.DEVICE, Tier.HOST, Tier.NVME)
-
-
-class PlacementError(ValueError):
-    """The requested placement cannot fit the budgets; the message says what would."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Budgets:
-    """Resolved byte budgets. `shared_ram` is set when DEVICE and HOST are the same RAM (no GPU)."""
-
-    device: int
-    host: int
-    nvme: int  # free bytes on the swap paths (0 when none configured)
-    shared_ram: bool = False
-    ram: int | None = None  # with shared_ram: the RAM detected for this rank, which device + host must fit together
-    activations: int | None = None  # device bytes left for activations by tail units (None: not known)
-
-    def reserving(self, activations: int) -> Budgets:
-        """These budgets with the traced `activations` (device bytes) left by tail units, unless a size was set
-        (memory.activation_reserve: Note [tail units])."""
-        return self if self.activations is not None else dataclasses.replace(self, activations=activations)
-
-    @property
-    def shared_limit(self) -> int:
-        """What DEVICE + HOST must fit in together when they are the same RAM."""
-        return self.ram if self.ram is not None else max(self.device, self.host)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The tier of every (unit, kind), and the bytes it implies."""
-
-    tiers: tuple[dict[Kind, Tier], ...]  # indexed by unit index
-    units: tuple[UnitSizes, ...]
-    compute_dtype: torch.dtype
-    working: dict[Tier, int] = field(default_factory=dict)  # staging / unsharded buffers, bytes (the terms' sums)
-    working_terms: dict[Tier, dict[str, int]] = field(default_factory=dict)  # Note [working memory] (traffic.py)
-    read_ahead: int = 0  # bytes the state read-ahead may hold (Note [state read-ahead]); in working_terms
-    speculation: int = 0  # bytes of pre-update copies (Note [speculative update]); in working_terms
-    device_lane: tuple[int, ...] = ()  # units a deferred update may step on the GPU (Note [device lane]); in working
-    lane_grads: tuple[int, ...] = ()  # of those, the units whose final gradient the device keeps for it; in working
-    reasons: tuple[str, ...] = ()
-    inert: tuple[str, ...] = ()  # settings that do nothing in this plan, also in reasons (Note [inert setting])
-    unit_reasons: tuple[dict[str, str], ...] = ()  # per unit: group -> why it is on its tier (auto policy)
-    state_dtype: StateDtype = StateDtype.FP32  # `[optimizer] state_dtype` (Note [16-bit optimizer state])
-
-    def tier(self, unit: int, kind: Kind) -> Tier:
-        return self.tiers[unit][kind]
-
-    def dtype(self, kind: Kind) -> torch.dtype:
-        """The dtype `kind` is stored in (`Kind.dtype`, given this plan's compute and state dtypes)."""
-        return kind.dtype(self.compute_dtype, self.state_dtype)
-
-    def uses(self, tier: Tier) -> bool:
-        return any(t is tier for unit_tiers in self.tiers for t in unit_tiers.values())
-
-    def aliases_master(self, unit: int) -> bool:
-        """The unit's parameters are stored as its fp32 master (Note [aliased parameters], tier.py)."""
-        tiers = {"params": self.tier(unit, Kind.PARAMS), "optimizer": self.tier(unit, Kind.MASTER)}
-        return traffic.aliased(self.units[unit], tiers, self.compute_dtype, self.state_dtype)
-
-    def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
-        """Bytes of state per tier and kind (Note [state bytes], traffic.py); a fresh copy of the plan's."""
-        return {t: dict(kinds) for t, kinds in self._state_bytes.items()}
-
-    @functools.cached_property
-    def _state_bytes(self) -> dict[Tier, dict[Kind, int]]:  # once per plan: the estimate's table and search ask often
-        return traffic.state_bytes(self)
-
-    def tier_totals(self) -> dict[Tier, int]:
-        per = self.state_bytes()
-        return {t: sum(per[t].values()) + self.working.get(t, 0) for t in Tier}
-
-    def placement_text(self) -> str:
-        """Where each `[placement]` group's state is planned, e.g. `params=device grads=host optimizer=nvme`
-        (a group over several tiers: `host+nvme`)."""
-        groups: dict[str, set[Tier]] = {}
-        for unit_tiers in self.tiers:
-            for kind, tier in unit_tiers.items():
-                groups.setdefault(kind.group, set()).add(tier)
-        order = list(Tier)
-        return " ".join(f"{g}={'+'.join(t.value for t in sorted(groups[g], key=order.index))}"
-                        for g in ("params", "grads", "optimizer") if g in groups)
 
 
 def working_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
@@ -123,32 +49,6 @@ def working_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     """Buffers the step needs beyond the state itself, per tier: the sums of `traffic.working_terms`
     (Note [working memory]); `settings` are its keyword arguments."""
     return traffic.totals(traffic.working_terms(units, compute_dtype, tiers_of, units_ahead, **settings))
-
-
-def overflows(totals: dict[Tier, int], budgets: Budgets) -> dict[str, str]:
-    """The budget violations of `totals` by binding memory ("device", "host", "ram" when device and host
-    share it, "nvme"), each as a readable line; empty when it fits."""
-    problems = {}
-    if totals[Tier.DEVICE] > budgets.device:
-        problems["device"] = (
-            f"device tier needs {_fmt(totals[Tier.DEVICE])} but memory.device_budget is {_fmt(budgets.device)}"
-        )
-    if totals[Tier.HOST] > budgets.host:
-        problems["host"] = f"host tier needs {_fmt(totals[Tier.HOST])} but memory.host_budget is {_fmt(budgets.host)}"
-    if budgets.shared_ram and totals[Tier.DEVICE] + totals[Tier.HOST] > budgets.shared_limit:
-        problems["ram"] = (
-            f"device + host tiers share this machine's RAM (no GPU) and need "
-            f"{_fmt(totals[Tier.DEVICE] + totals[Tier.HOST])} together, over the {_fmt(budgets.shared_limit)} available"
-        )
-    if totals[Tier.NVME] > budgets.nvme:
-        where = "no nvme.paths are set" if budgets.nvme == 0 else f"the nvme.paths have {_fmt(budgets.nvme)} free"
-        problems["nvme"] = f"nvme tier needs {_fmt(totals[Tier.NVME])} but {where}"
-    return problems
-
-
-def _fits(totals: dict[Tier, int], budgets: Budgets) -> list[str]:
-    """The budget violations of `totals`, as readable lines (empty when it fits)."""
-    return list(overflows(totals, budgets).values())
 
 
 def _build(units, compute_dtype, tiers_of: dict[str, Tier], units_ahead: int, settings: dict, reasons=()) -> Plan:
@@ -186,7 +86,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
         tiers_of = {g: Tier.parse(static[g]) for g in GROUPS}
         plan = _build(units, compute_dtype, tiers_of, units_ahead, settings,
                       [f"{g} on {tiers_of[g].value}: set by placement.{g}" for g in GROUPS])
-        problems = _fits(plan.tier_totals(), budgets)
+        problems = misfits(plan.tier_totals(), budgets)
         if problems:
             raise PlacementError(_explain_misfit(problems, units, compute_dtype, budgets, units_ahead, settings))
     elif policy == "auto":
@@ -198,10 +98,10 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     plan = traffic.with_read_ahead(plan, traffic.resolve_read_ahead(read_ahead, plan, budgets) if read_ahead else 0)
     plan = traffic.with_speculation(plan, traffic.resolve_speculation(speculation, plan, budgets) if speculation else 0)
     if speculation and not traffic.speculated_units(plan, not budgets.shared_ram):
-        plan = with_inert(plan, f"overlap.speculation = {_fmt(int(speculation))}: no unit is speculated (units "
+        plan = with_inert(plan, f"overlap.speculation = {fmt_bytes(int(speculation))}: no unit is speculated (units "
                                 f"with parameters or optimizer state on NVMe, or the optimizer on the GPU, never "
                                 f"are: Note [speculative update])")
-    assert not _fits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
+    assert not misfits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
     return with_device_lane(plan, device_lane, defers_update, budgets)
 
 
@@ -252,15 +152,15 @@ def with_tail(plan: Plan, setting, budgets: Budgets, defers_update: bool = False
         if (not auto and u >= setting) or (auto and elements >= share):
             break
         moved = {g: Tier.DEVICE if g != "params" else tiers[u][Kind.PARAMS] for g in GROUPS}
-        cost = sum(traffic.group_bytes(sizes, g, moved, plan.compute_dtype, plan.state_dtype)
+        cost = sum(group_bytes(sizes, g, moved, plan.compute_dtype, plan.state_dtype)
                    for g in ("grads", "optimizer") if tiers[u][KINDS_OF_GROUP[g][0]] is not Tier.DEVICE)
         if taken + cost > room:
             if auto:
                 break
             raise PlacementError(
-                f"placement.tail_units = {setting} needs {_fmt(taken + cost)} of device memory for the first "
-                f"{u + 1} units' gradients and optimizer state, but the plan leaves {_fmt(free)} under "
-                f"memory.device_budget" + (f", {_fmt(acts)} of it for activations" if acts else "") +
+                f"placement.tail_units = {setting} needs {fmt_bytes(taken + cost)} of device memory for the first "
+                f"{u + 1} units' gradients and optimizer state, but the plan leaves {fmt_bytes(free)} under "
+                f"memory.device_budget" + (f", {fmt_bytes(acts)} of it for activations" if acts else "") +
                 ': lower it, or set it to "auto"')
         tiers[u] = {k: Tier.DEVICE if k is not Kind.PARAMS else t for k, t in tiers[u].items()}
         taken, elements, last = taken + cost, elements + sizes.numel(Kind.MASTER), u
@@ -272,136 +172,18 @@ def with_tail(plan: Plan, setting, budgets: Budgets, defers_update: bool = False
     elif acts is None:
         room_said = "; half the free device memory left for the activations, not traced"
     else:
-        room_said = f"; {_fmt(acts)} left for the activations"
+        room_said = f"; {fmt_bytes(acts)} left for the activations"
     reason = (f"tail units: gradients and optimizer of units 0-{last} ({elements:,} trainable elements, "
-              f"{_fmt(taken)}) on the device: the next forward's first units are updated there (Note [tail units])"
+              f"{fmt_bytes(taken)}) on the device: the next forward's first units are updated there (Note [tail units])"
               + room_said)
     return dataclasses.replace(plan, tiers=tuple(tiers), reasons=plan.reasons + (reason,))
-
-
-# Note [device lane]: with the clip firing (or fp16, or skipped non-finite steps without speculation) no unit can be
-# updated before the global norm is known, at backward's end; the CPU's Adam of every host-state unit then runs
-# after it, and the next forward covers only part of it (the H100's case b: ~150 ms of CPU Adam after the norm,
-# 85 ms of forward: 1.31x the unclipped step). The GPU is idle then, and PCIe's upward direction carries only the
-# updated parameters. So a second worker, the lane, steps host-state units on the GPU: their state copied up,
-# fused Adam on the device, the master and moments copied back (12 bytes an element in fp32) and the parameters
-# written where they live. Up go the moments (8 bytes), the gradient (4) unless the device kept it, and the
-# master (4) unless parameters of its dtype on the device hold the same values (optim/offloaded.py: then the
-# lane updates them in place). At PCIe's ~55 GB/s each way that is about the CPU's own rate (4-5 G elements/s):
-# together they roughly halve what the forward waits for. The two take units from either end of the forward's
-# order (optim/worker.py): the CPU the forward's first, the lane its last, until they meet, so the split follows
-# the rates the machine has at that moment, nothing measured in advance (where other units' optimizer state is on
-# NVMe the CPU's worker merges every ready batch into one pipeline, claiming them all at once: the lane then takes
-# only what arrives later). The lane keeps two units in flight (the
-# next one's copies up beside this one's down), whose staging the plan fits on the device, and queues at most two
-# sub-groups' copies up at a time, so the CPU's uploads for the next forward never wait behind a whole unit's.
-# The device also keeps the window's final gradient of the forward's last lane units (`lane_grads`: the ones the
-# lane takes first), which backward produced there, so the lane need not copy it up (handed over by the
-# GradReducer's `keep_final`; still stored to the host too: the CPU may take the unit, a checkpoint may read it).
-# They are held from their unit's backward to the update, beside the activations, so they are at most half of the
-# lane units' gradients, within a quarter of the device memory the plan leaves free. Simulated in case b's H100
-# proportions (tests/device/test_simulated_schedule.py): the clipped step from 1.26x the unclipped one to 1.065x
-# (1.095x with no gradient kept or the master copied up; 1.082x with a whole unit's copies queued at once).
-# The lane runs on a stream of its own (Streams.lane), so the worker's parameter uploads never wait behind it; it
-# waits for its paced copies by polling (a CUDA event's synchronize would spin a core the CPU's Adam needs), and
-# for a kept gradient's copy to the host before the update unscales it in place. A step offers the lane all its
-# units at once (`OptimizerWorker.offering`): woken by the first offer, it would otherwise take whichever came
-# last so far. On a GPU the lane's units take the GPU's fused Adam (as tail units do: a few ulps from the CPU's)
-# and which units it takes depends on timing, so a run with the lane is not bitwise reproducible on a GPU (nor is
-# its resume); on the CPU, where the tests force it, it is.
-# Only units whose gradients and whole optimizer state are on the host tier, and whose parameters are not on
-# NVMe (their writes follow the fresh copies, Note [fresh parameters]); not speculated updates (their journal is
-# the CPU's); nothing without a GPU, where both would be the same cores.
-LANE_UNITS_IN_FLIGHT = 2  # units whose copies back may be running (the lane's staging)
-LANE_CHUNKS_IN_FLIGHT = 2  # optimizer chunks whose copies up may be queued (what an upload waits behind)
-LANE_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)  # what a lane update copies up
-
-
-def lane_units(plan: Plan) -> list[int]:
-    """The units whose update the lane may run (Note [device lane])."""
-    return [u for u, sizes in enumerate(plan.units) if sizes.numel(Kind.MASTER)
-            and all(plan.tier(u, k) is Tier.HOST for k in LANE_KINDS) and plan.tier(u, Kind.PARAMS) is not Tier.NVME]
-
-
-def lane_staging_bytes(plan: Plan, units: list[int]) -> int:
-    """Device bytes of the lane's updates in flight: the largest units' state and gradients, as stored, twice."""
-    per_unit = sorted((sum(plan.units[u].numel(k) * plan.dtype(k).itemsize for k in LANE_KINDS) for u in units),
-                      reverse=True)
-    return sum(per_unit[:LANE_UNITS_IN_FLIGHT])
-
-
-# Note [inert setting]: a setting the plan cannot act on (overlap.device_lane = "on" without a GPU, or where the
-# update does not wait for the norm; an overlap.speculation no unit can use) is not an error: the same job file
-# runs on the GPU machine it was written for and on a CPU one trying it. It is not ignored either: the plan says
-# it in its reasons (`infinity estimate`), and `initialize` warns with a SettingWarning naming the key and why
-# (runtime/planning.py), which the `infinity` command prints as one line, "infinity train: warning: ...".
-def with_inert(plan: Plan, line: str) -> Plan:
-    """`plan` saying that a setting does nothing in it (Note [inert setting])."""
-    return dataclasses.replace(plan, reasons=plan.reasons + (line,), inert=plan.inert + (line,))
-
-
-def with_device_lane(plan: Plan, setting: str, defers_update: bool, budgets: Budgets) -> Plan:
-    """`plan` with its device lane (Note [device lane]) for `overlap.device_lane` = `setting`: the units, and their
-    staging as a device working term; a setting that cannot act is said (Note [inert setting])."""
-    if setting == "off":
-        return plan
-    units = lane_units(plan)
-    why_not = ("no GPU (the CPU would run both)" if budgets.shared_ram else
-               "the update does not wait for the global norm (no clipping, fp16 or skipped steps, or it speculates)"
-               if not defers_update else
-               "no unit has its gradients and optimizer state on the host tier" if not units else None)
-    if why_not is not None:
-        return with_inert(plan, f"overlap.device_lane = \"on\": nothing is updated on the GPU: {why_not}")
-    staging = lane_staging_bytes(plan, units)
-    lane = traffic.with_working_term(plan, Tier.DEVICE, "device_lane", staging, device_lane=tuple(units))
-    if _fits(lane.tier_totals(), budgets):
-        free = budgets.device - plan.tier_totals()[Tier.DEVICE]
-        raise PlacementError(
-            f"overlap.device_lane = \"on\" needs {_fmt(staging)} of device memory for {LANE_UNITS_IN_FLIGHT} units' "
-            f"state and gradients in flight, but the plan leaves {_fmt(free)} under memory.device_budget: set it to "
-            f"\"off\", or raise memory.device_budget")
-    elements = sum(plan.units[u].numel(Kind.MASTER) for u in units)
-    reason = (f"device lane: after the global norm, units {_ranges(units)} ({elements:,} "
-              f"trainable elements) may be updated on the GPU, from the forward's last, while the CPU updates from "
-              f"its first; {_fmt(staging)} of device staging (Note [device lane])")
-    lane = dataclasses.replace(lane, reasons=lane.reasons + (reason,))
-    return with_lane_grads(lane, budgets)
-
-
-def with_lane_grads(plan: Plan, budgets: Budgets) -> Plan:
-    """`plan` with the final gradients of its last lane units kept on the device (Note [device lane]): from the
-    forward's last, up to half of the lane units' gradient bytes, within a quarter of the device memory left."""
-    room = (budgets.device - plan.tier_totals()[Tier.DEVICE]) // 4
-    grad_bytes = {u: plan.units[u].numel(Kind.GRADS) * plan.dtype(Kind.GRADS).itemsize for u in plan.device_lane}
-    cap = min(room, sum(grad_bytes.values()) // 2)
-    kept, taken = [], 0
-    for u in reversed(plan.device_lane):
-        if taken + grad_bytes[u] > cap:
-            break
-        kept.append(u)
-        taken += grad_bytes[u]
-    if not kept:
-        return plan
-    reason = (f"device lane: the final gradients of units {_ranges(sorted(kept))} ({_fmt(taken)}) stay on the device "
-              f"for it, from their backward to the update (Note [device lane])")
-    return traffic.with_working_term(plan, Tier.DEVICE, "device_lane_grads", taken, lane_grads=tuple(sorted(kept)),
-                                     reasons=plan.reasons + (reason,))
-
-
-def _ranges(units: list[int]) -> str:
-    """`0-3, 5, 7-9` for [0, 1, 2, 3, 5, 7, 8, 9]."""
-    runs = []
-    for _, group in itertools.groupby(enumerate(units), key=lambda iu: iu[1] - iu[0]):
-        members = [u for _, u in group]
-        runs.append(f"{members[0]}-{members[-1]}" if len(members) > 1 else f"{members[0]}")
-    return ", ".join(runs)
 
 
 def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
                     rates: cost_model.LinkRates | None = None) -> Plan:
     """`plan_placement` with every argument taken from a `Config` the way `initialize` takes them, so
     `infinity estimate` and the engine plan the same run identically (the engine should call this)."""
-    p = config.placement
+    p, mode = config.placement, update_mode(config)
     return plan_placement(
         units,
         dtype_of(config.precision.compute_dtype),
@@ -413,10 +195,10 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
         grad_accum_steps=config.train.grad_accum_steps,
         keep_written=config.prefetch.keep_written,
         read_ahead=config.overlap.optimizer_read_ahead if config.overlap.optimizer_with_backward else 0,
-        speculation=config.overlap.speculation if config.speculates else 0,
+        speculation=config.overlap.speculation if mode is Mode.SPECULATIVE else 0,
         tail_units=p.tail_units,
         device_lane=config.overlap.device_lane,
-        defers_update=config.defers_update,
+        defers_update=mode is Mode.DEFERRED,
         state_dtype=StateDtype(config.optimizer.state_dtype),
     )
 
@@ -429,7 +211,7 @@ def _candidates(units, compute_dtype, budgets, units_ahead, settings):
     for combo in combos:
         tiers_of = dict(zip(GROUPS, combo))
         plan = _build(units, compute_dtype, tiers_of, units_ahead, settings)
-        if not _fits(plan.tier_totals(), budgets):
+        if not misfits(plan.tier_totals(), budgets):
             yield tiers_of, plan
 
 
@@ -497,7 +279,7 @@ class _Search:
                 self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
                 self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
                 for g, tier in tiers.items():
-                    stored = traffic.group_bytes(sizes, g, tiers, compute_dtype, state_dtype)
+                    stored = group_bytes(sizes, g, tiers, compute_dtype, state_dtype)
                     self.state[u, c, _TIER_INDEX[tier]] += stored
                     self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
         self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe
@@ -629,7 +411,8 @@ class _Search:
         combos = np.full(len(self.units), COMBOS.index((Tier.NVME,) * 3 if self.budgets.nvme else (Tier.HOST,) * 3))
         fb, opt, state, nvme = self._totals(combos)
         total = state + self.work[int(((nvme > 0) * np.array([1, 2, 4])).sum())]
-        problems = _fits({Tier.DEVICE: int(total[0]), Tier.HOST: int(total[1]), Tier.NVME: int(total[2])}, self.budgets)
+        problems = misfits({Tier.DEVICE: int(total[0]), Tier.HOST: int(total[1]), Tier.NVME: int(total[2])},
+                           self.budgets)
         return ('placement.policy = "auto" found no placement that fits: with everything on the slowest tier, '
                 + "; ".join(problems) + ". Raise memory.device_budget / memory.host_budget, add nvme.paths with "
                 "more free space, or lower prefetch.units_ahead (unsharded units held on the device).")
@@ -666,8 +449,8 @@ class _Search:
                 for faster in SLOWEST_FIRST[rank + 1:]:
                     trial = moved(faster)
                     if not self.fits(trial):
-                        parts.append(f"{faster.value}: no room ({_fmt(self._group_bytes(u, g))} needed, "
-                                     f"{_fmt(max(0, int(free[faster])))} free)")
+                        parts.append(f"{faster.value}: no room ({fmt_bytes(self._group_bytes(u, g))} needed, "
+                                     f"{fmt_bytes(max(0, int(free[faster])))} free)")
                     else:
                         better = self.score(trial)
                         parts.append(f"{faster.value}: not faster ({_ms(better[0] - now[0])}/step predicted)")
@@ -698,5 +481,3 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:+.2f} ms" if seconds < 0 else f"{seconds * 1e3:.2f} ms"
 
 
-def _fmt(n: int) -> str:
-    return f"{format_size(n, exact=False)} ({n} bytes)"

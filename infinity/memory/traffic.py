@@ -5,14 +5,6 @@ to the budgets), the auto policy's cost model (`cost_model.predict_step_time` of
 `infinity estimate` (its peak terms), the engine's `memory_report()["plan"]` (`plan_report`),
 bench_step's I/O floors and the profile-equals-plan test (`bytes_per_step`). Three answers:
 
-Note [state bytes]: state bytes per tier and kind. What a rank stores of each kind of a unit
-(its `UnitLayout`, Note [stage layouts] in stages.py: the whole unit or a partition, and for
-gradients and optimizer state its trainable elements only) takes `numel * itemsize` on its tier
-(parameters in the compute dtype, gradients fp32, the optimizer's kinds as `[optimizer] state_dtype`
-says: `optimizer_bytes_per_element`, 12 / 8 / 6): frozen weights cost only their parameter bytes.
-Parameters that alias the master (Note [aliased parameters] in tier.py) take none of their own.
-`group_bytes` applies it to one unit; NVMe extents' alignment is not counted.
-
 Note [working memory]: the buffers a step needs beyond the state, per tier, term by term
 (`working_terms`; the plan carries them and the planner fits their sum with the state):
 
@@ -38,8 +30,8 @@ The read-ahead's budget is part of the plan: "auto" takes half of the host memor
 plan leaves free under the budgets, so a host budget bounds it (`resolve_read_ahead`).
 Activations are not known when planning; `infinity estimate` traces them (Note [peak memory]).
 
-Note [peak memory] (`infinity.plan.estimate.peak_terms`): the predicted peak of one rank's process memory (RSS without
-a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
+Note [peak memory]: (`peak_terms` in infinity/plan/estimate.py) the predicted peak of one rank's process
+memory (RSS without a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
 named terms:
 
     runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
@@ -90,20 +82,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from infinity.config.sections import ConfigError, format_size
-from infinity.memory.stages import KindLayout, UnitLayout
-from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype, Tier, params_alias_master
-
-if TYPE_CHECKING:
-    from infinity.memory.placement import Budgets, Plan
+from infinity.memory.plan import (
+    Budgets,
+    Plan,
+    UnitSizes,
+    aliased,
+    itemsize,
+    optimizer_bytes_per_element,
+    state_bytes,
+)
+from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype, Tier
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")  # the keys of memory_report()["bytes_moved"]
-GROUPS = ("params", "grads", "optimizer")
-KINDS_OF_GROUP = {"params": (Kind.PARAMS,), "grads": (Kind.GRADS,), "optimizer": OPTIMIZER_KINDS}
 # What OffloadedOptimizer holds (its defaults are these): tasks whose reads are issued ahead of the one
 # being stepped, and stores left pending before it waits for the oldest.
 UPDATE_READS_AHEAD = 1
@@ -112,107 +107,7 @@ STAGING_ALIGNMENT = 4096  # the host staging pool's (memory/buffers.py)
 _FETCHED = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)
 
 
-@dataclass(frozen=True, kw_only=True)
-class UnitSizes:
-    """What placement needs to know about one unit on this rank: what it stores of each kind (its
-    `UnitLayout`, Note [stage layouts] in stages.py) and how many of the unit's elements are trainable."""
-
-    name: str
-    layout: UnitLayout
-    trainable_numel: int  # elements of the unit's flat buffer [0, T) with gradients and optimizer state
-    fetches: int = 2  # parameter fetches per micro-batch: forward, backward (3: a whole-block recomputation's too)
-
-    @classmethod
-    def uniform(cls, name: str, shard_numel: int, unsharded_numel: int | None = None,
-                chunk_numels: tuple[int, ...] | None = None) -> "UnitSizes":
-        """Every kind stores the same all-trainable shard (stage 3's layout of a unit without frozen weights)."""
-        unsharded_numel = shard_numel if unsharded_numel is None else unsharded_numel
-        chunks = tuple(chunk_numels if chunk_numels is not None else (shard_numel,) if shard_numel else ())
-        same = KindLayout(0, shard_numel, chunks, 0, len(chunks))
-        return cls(name=name, layout=UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel),
-                   trainable_numel=unsharded_numel)
-
-    def numel(self, kind: Kind) -> int:
-        """Elements this rank stores of `kind`."""
-        return self.layout.of(kind).numel
-
-    def chunks(self, kind: Kind) -> tuple[int, ...]:
-        return self.layout.of(kind).chunks
-
-    @property
-    def unsharded_numel(self) -> int:
-        """Elements of the whole unit, padded to the world size."""
-        return self.layout.unsharded_numel
-
-    @property
-    def shard_numel(self) -> int:
-        """Elements this rank stores of the parameters (stage 3: its partition; stages 0-2: the whole unit)."""
-        return self.layout.params.numel
-
-    @property
-    def written_params(self) -> int:
-        """Parameter elements an update rewrites on this rank: the trainable ones it stores (frozen ones never
-        change; at stages 1-2 the other ranks' updated partitions arrive by all-gather and are stored too)."""
-        p = self.layout.params
-        return max(0, min(p.start + p.numel, self.trainable_numel) - p.start)
-
-    @property
-    def params_match_update(self) -> bool:
-        """The parameters and the update range are the same elements in the same chunks: the condition
-        for storing the parameters as the master (Note [aliased parameters], tier.py)."""
-        return self.layout.params == self.layout.update
-
-
-
-# ---------------------------------------------------------------- Note [state bytes]
-
-
-def itemsize(kind: Kind, state_dtype: StateDtype, compute_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes per element of `kind` (`Kind.dtype`: the one answer to its dtype)."""
-    return kind.dtype(compute_dtype, state_dtype).itemsize
-
-
-def optimizer_bytes_per_element(state_dtype: StateDtype) -> int:
-    """Bytes of optimizer state (master and both moments) per trainable element: 12 (fp32), 8 (bf16 moments),
-    6 (bf16 master and moments); Note [16-bit optimizer state] in optim/state_update.py."""
-    return sum(itemsize(k, state_dtype) for k in OPTIMIZER_KINDS)
-
-
-def aliased(sizes: UnitSizes, tiers: dict[str, Tier], compute_dtype: torch.dtype,
-            state_dtype: StateDtype = StateDtype.FP32) -> bool:
-    """Whether the unit's parameters are stored as its master on `tiers` (Note [aliased parameters])."""
-    return params_alias_master(compute_dtype, Kind.MASTER.dtype(compute_dtype, state_dtype), tiers["params"],
-                               tiers["optimizer"], sizes.params_match_update)
-
-
-def group_bytes(sizes: UnitSizes, group: str, tiers: dict[str, Tier], compute_dtype: torch.dtype,
-                state_dtype: StateDtype = StateDtype.FP32) -> int:
-    """Bytes one unit's `group` takes on its tier (Note [state bytes])."""
-    if group == "params" and aliased(sizes, tiers, compute_dtype, state_dtype):
-        return 0  # stored as the master (Note [aliased parameters])
-    return sum(sizes.numel(kind) * itemsize(kind, state_dtype, compute_dtype) for kind in KINDS_OF_GROUP[group])
-
-
-def state_bytes(plan: "Plan") -> dict[Tier, dict[Kind, int]]:
-    """Bytes of state per tier and kind (NVMe extents' alignment not included). Units alike (a model's blocks:
-    the same layout on the same tiers) are counted once and multiplied (an estimate plans 80 blocks ~100 times)."""
-    out: dict[Tier, dict[Kind, int]] = {t: {k: 0 for k in Kind} for t in Tier}
-    alike: dict[tuple, list] = {}  # (layout, tiers) -> [a unit of them, how many]
-    for unit, (sizes, unit_tiers) in enumerate(zip(plan.units, plan.tiers)):
-        # the layout by identity: repeated blocks share one layout object; equal ones that do not are only
-        # counted apart (hashing a layout's chunks per unit and plan was a third of a 70B plan search)
-        entry = alike.setdefault((id(sizes.layout), sizes.trainable_numel, tuple(unit_tiers.items())), [unit, 0])
-        entry[1] += 1
-    for (_, _, unit_tiers), (unit, count) in alike.items():
-        sizes = plan.units[unit]
-        for kind, tier in unit_tiers:
-            if kind is Kind.PARAMS and plan.aliases_master(unit):
-                continue
-            out[tier][kind] += count * sizes.numel(kind) * plan.dtype(kind).itemsize
-    return out
-
-
-def offloaded_state_bytes(plan: "Plan", parked: dict[Kind, Tier]) -> dict[Tier, dict[Kind, int]]:
+def offloaded_state_bytes(plan: Plan, parked: dict[Kind, Tier]) -> dict[Tier, dict[Kind, int]]:
     """`state_bytes` after `engine.offload_states` parked the DEVICE shards of each kind in `parked` on its tier
     between windows (Note [offloaded states] in parked.py): the device holds none of them; gradients are all
     zero there, so they park as nothing; the other kinds hold what they held (after the first update)."""
@@ -374,7 +269,7 @@ def totals(terms: dict[Tier, dict[str, int]]) -> dict[Tier, int]:
     return {t: sum(v.values()) for t, v in terms.items()}
 
 
-def with_working_term(plan: "Plan", tier: Tier, name: str, num_bytes: int, **fields) -> "Plan":
+def with_working_term(plan: Plan, tier: Tier, name: str, num_bytes: int, **fields) -> Plan:
     """`plan` with its working term `name` on `tier` set to `num_bytes` (and `fields` replaced)."""
     terms = {t: dict(v) for t, v in plan.working_terms.items()}
     terms.setdefault(tier, {})[name] = num_bytes
@@ -394,17 +289,17 @@ def fresh_bytes(units: tuple[UnitSizes, ...], compute_itemsize: int, units_ahead
 # ---------------------------------------------------------------- the read-ahead's budget
 
 
-def nvme_optimizer_bytes(plan: "Plan") -> int:
+def nvme_optimizer_bytes(plan: Plan) -> int:
     """Bytes of optimizer state on NVMe: all a read-ahead could ever hold."""
     return sum(plan.state_bytes()[Tier.NVME][k] for k in OPTIMIZER_KINDS)
 
 
-def largest_chunk_bytes(plan: "Plan") -> int:
+def largest_chunk_bytes(plan: Plan) -> int:
     """Bytes one optimizer sub-group's NVMe state takes: a read-ahead budget below it never reads."""
     return largest_nvme_chunk_bytes(plan.units, lambda u, k: plan.tier(u, k) is Tier.NVME, plan.state_dtype)
 
 
-def host_slack(plan: "Plan", budgets: "Budgets") -> int:
+def host_slack(plan: Plan, budgets: Budgets) -> int:
     """Host memory the plan leaves free under the budgets (state and every working term counted)."""
     totals_ = plan.tier_totals()
     slack = budgets.host - totals_[Tier.HOST]
@@ -413,7 +308,7 @@ def host_slack(plan: "Plan", budgets: "Budgets") -> int:
     return max(0, slack)
 
 
-def resolve_read_ahead(setting, plan: "Plan", budgets: "Budgets") -> int:
+def resolve_read_ahead(setting, plan: Plan, budgets: Budgets) -> int:
     """The read-ahead budget for `[overlap] optimizer_read_ahead` = `setting` (0: none; callers pass 0
     without the optimizer worker) given the rest of `plan`: "auto" takes half the host memory the plan
     leaves free (none when that is less than one sub-group's state); an explicit size must fit in it
@@ -434,13 +329,13 @@ def resolve_read_ahead(setting, plan: "Plan", budgets: "Budgets") -> int:
     return num_bytes
 
 
-def _one_kind(plan: "Plan") -> int:
+def _one_kind(plan: Plan) -> int:
     """The largest NVMe sub-group of one optimizer state kind."""
     return largest_nvme_chunk_bytes(plan.units, lambda u, k: k is Kind.MASTER and plan.tier(u, k) is Tier.NVME,
                                     plan.state_dtype)
 
 
-def with_read_ahead(plan: "Plan", read_ahead: int) -> "Plan":
+def with_read_ahead(plan: Plan, read_ahead: int) -> Plan:
     """`plan` holding a state read-ahead of `read_ahead` bytes: its working term updated."""
     staging = plan.working_terms.get(Tier.HOST, {}).get("update_staging", 0)
     return with_working_term(plan, Tier.HOST, "read_ahead", read_ahead_term(staging, read_ahead, _one_kind(plan)),
@@ -460,7 +355,7 @@ def journal_kind_bytes(numel: int, kind: Kind, state_dtype: StateDtype) -> int:
     return -(-numel * itemsize(kind, state_dtype) // JOURNAL_ALIGN) * JOURNAL_ALIGN
 
 
-def speculated_units(plan: "Plan", cuda: bool) -> list[int]:
+def speculated_units(plan: Plan, cuda: bool) -> list[int]:
     """The units an update may speculate (Note [speculative update]): those whose optimizer runs on the CPU (not a
     GPU's device tier) and whose optimizer state and parameters are in memory (a fired clip would write them to
     NVMe twice, over the slowest link)."""
@@ -469,7 +364,7 @@ def speculated_units(plan: "Plan", cuda: bool) -> list[int]:
             and Tier.NVME not in (plan.tier(u, Kind.MASTER), plan.tier(u, Kind.PARAMS))]
 
 
-def resolve_speculation(setting: int, plan: "Plan", budgets: "Budgets") -> int:
+def resolve_speculation(setting: int, plan: Plan, budgets: Budgets) -> int:
     """The journal's bytes for `[overlap] speculation` = `setting`, a size (callers pass 0 when the update needs no
     global norm, runs without the worker, or the setting is "auto": Note [speculation default]), given the rest of
     `plan` (its read-ahead included): what of it the speculated units' copies want, which must fit in the host
@@ -490,12 +385,12 @@ def _explicit_host_bytes(key: str, setting: int, wanted: int, free: int, what: s
     return num_bytes
 
 
-def with_speculation(plan: "Plan", num_bytes: int) -> "Plan":
+def with_speculation(plan: Plan, num_bytes: int) -> Plan:
     """`plan` holding a speculation journal of `num_bytes` (a host working term)."""
     return with_working_term(plan, Tier.HOST, "speculation", num_bytes, speculation=num_bytes)
 
 
-def plan_report(plan: "Plan", parked: dict[Kind, Tier] | None = None) -> dict:
+def plan_report(plan: Plan, parked: dict[Kind, Tier] | None = None) -> dict:
     """memory_report()'s plan section: state per tier and kind (`parked`: while offloaded, Note [offloaded
     states]), working bytes per tier (total and term by term), and the read-ahead's budget; the same numbers
     the planner fitted to the budgets."""
@@ -583,7 +478,7 @@ def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_dtype: tor
     return t
 
 
-def plan_traffic(plan: "Plan", *, cuda: bool, accum: int, kept: frozenset[tuple[int, int]] | None = None,
+def plan_traffic(plan: Plan, *, cuda: bool, accum: int, kept: frozenset[tuple[int, int]] | None = None,
                  first_step: bool = False) -> StepTraffic:
     """The traffic of every unit of `plan` (unit 0 is the root) per optimizer step. `kept`: the (unit, chunk)s
     of parameters kept in memory after the update (None: all, as with deferred updates)."""
@@ -600,7 +495,7 @@ def plan_traffic(plan: "Plan", *, cuda: bool, accum: int, kept: frozenset[tuple[
     return total
 
 
-def bytes_per_step(plan: "Plan", *, grad_accum_steps: int, first_step: bool, cuda: bool,
+def bytes_per_step(plan: Plan, *, grad_accum_steps: int, first_step: bool, cuda: bool,
                    kept: frozenset[tuple[int, int]] = frozenset()) -> dict[str, int]:
     """Predicted bytes per link for one optimizer step ("nvme_read", "nvme_write", "h2d", "d2h").
     `kept`: the (unit, chunk)s of parameters whose first fetch after an update reads the copy kept in

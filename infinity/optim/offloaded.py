@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from infinity.device.streams import host_poll
+from infinity.memory.device_lane import LANE_CHUNKS_IN_FLIGHT
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.pending import Pending
-from infinity.memory.placement import LANE_CHUNKS_IN_FLIGHT
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import UPDATE_READS_AHEAD, UPDATE_WRITES_IN_FLIGHT  # the byte model stages these
 from infinity.optim.cpu_adam import Hypers

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from infinity.device.streams import Streams, bind_cores, bind_thread, budget_threads, host_poll
-from infinity.memory.placement import LANE_UNITS_IN_FLIGHT
+from infinity.memory.device_lane import LANE_UNITS_IN_FLIGHT
 from infinity.optim.cpu_adam import Hypers
 from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import Issue, StateReadAhead

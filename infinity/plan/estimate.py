@@ -29,7 +29,7 @@ from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
 from infinity.machine.preflight import Check, check_disks, checkpoint_bytes, preflight
 from infinity.memory import cost_model
-from infinity.memory.placement import Budgets, Plan
+from infinity.memory.plan import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
 from infinity.plan.traced import Trace, group_counts, trace_step, tracer, unit_sizes_of  # noqa: F401 (its home)
 from io_engine import format_size

@@ -37,7 +37,8 @@ from typing import Callable
 from infinity.config.sections import Config, ConfigError
 from infinity.device.dtypes import dtype_of
 from infinity.memory import cost_model
-from infinity.memory.placement import Budgets, PlacementError, Plan, overflows, plan_for_config
+from infinity.memory.placement import plan_for_config
+from infinity.memory.plan import Budgets, PlacementError, Plan, overflows
 from infinity.memory.stages import STAGES, stage_for
 from infinity.memory.tier import Tier
 from infinity.plan.estimate import Trace, resolve_budgets_for, trace_step, unit_sizes_of

@@ -31,7 +31,8 @@ from typing import Callable
 
 from infinity.config.sections import Config, ConfigError
 from infinity.machine.preflight import Check, preflight
-from infinity.memory.placement import PlacementError, Plan, overflows, plan_for_config
+from infinity.memory.placement import plan_for_config
+from infinity.memory.plan import PlacementError, Plan, overflows
 from infinity.memory.stages import STAGES
 from infinity.memory.tier import Tier
 from infinity.plan.table import SHAPES, Context, Row, make_row, plan_of, seconds_text, sizes_key

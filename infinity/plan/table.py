@@ -5,7 +5,7 @@ stage, planned by the engine's own planner (`plan_placement`, static, unbudgeted
 whether it fits or not) over the units `initialize` builds at that stage. Its bytes per tier and rank are
 the plan's state + working bytes (Note [state bytes], Note [working memory]) plus the activations
 (Note [activation estimate]: saved + recompute + the largest saved tensor on the device tier, offloaded
-checkpoint inputs on the host tier). "Fits" is the planner's budget check (`placement.overflows`) on
+checkpoint inputs on the host tier). "Fits" is the planner's budget check (`memory/plan.py`'s `overflows`) on
 those totals, naming the binding memory; the step time is Note [step time] over the plan's traffic. The
 shapes: the configured one, all-device, ZeRO-Offload (params on device, grads + optimizer on host),
 all-host, host + optimizer on NVMe, ZeRO-Infinity (everything on NVMe); the auto policy's plan is the
@@ -25,7 +25,8 @@ from typing import Callable
 from infinity.config.sections import Config
 from infinity.device.dtypes import dtype_of
 from infinity.memory import cost_model
-from infinity.memory.placement import Budgets, PlacementError, Plan, overflows, plan_for_config, plan_placement
+from infinity.memory.placement import plan_for_config, plan_placement
+from infinity.memory.plan import Budgets, PlacementError, Plan, overflows
 from infinity.memory.stages import STAGES
 from infinity.memory.tier import StateDtype, Tier
 from io_engine import format_size

@@ -48,7 +48,7 @@ from infinity.runtime.optimizer_surface import EngineOptimizer, LearningRates
 from infinity.runtime.planning import open_swap, plan_units
 from infinity.runtime.prefetch import OrderTrace, Prefetcher
 from infinity.runtime.recompute import Recomputation
-from infinity.runtime.update_modes import NonFiniteGradError, update_mode
+from infinity.runtime.update_modes import NonFiniteGradError, build_update
 from infinity.state.checkpoint import apply_retention, begin_save
 from infinity.state.checkpoint_load import load as load_checkpoint
 from infinity.state.references import PretrainedRefs
@@ -104,11 +104,11 @@ class Engine:
         self.scaler = LossScaler.for_config(config.precision)
         self._pending_checkpoint = None  # a background save, committed at the next step() / wait_for_checkpoint()
         trace = OrderTrace()  # the forward order: the prefetcher replays it, the update mode updates in it
-        self.updates = update_mode(config, units=self.units, manager=self.manager, device=self.env.device,
-                                   group=self.env.group, scaler=self.scaler, trace=trace,
-                                   hyper=lambda: self.lrs.for_update(self.optimizer_steps),
-                                   read_ahead_bytes=self.read_ahead_bytes, profiler=self.profiler,
-                                   reading_swap=lambda: self._pending_checkpoint is not None)
+        self.updates = build_update(config, units=self.units, manager=self.manager, device=self.env.device,
+                                    group=self.env.group, scaler=self.scaler, trace=trace,
+                                    hyper=lambda: self.lrs.for_update(self.optimizer_steps),
+                                    read_ahead_bytes=self.read_ahead_bytes, profiler=self.profiler,
+                                    reading_swap=lambda: self._pending_checkpoint is not None)
         self.optimizer = EngineOptimizer(self.groups, config.optimizer, self.step)  # for a user's LR scheduler
         self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final,

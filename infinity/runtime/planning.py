@@ -11,7 +11,8 @@ import warnings
 
 from infinity.config.sections import Config, SettingWarning
 from infinity.machine.environment import ProcessEnv, resolve_budgets
-from infinity.memory.placement import Plan, plan_for_config
+from infinity.memory.placement import plan_for_config
+from infinity.memory.plan import Plan
 from infinity.memory.tier import Tier
 from infinity.optim.read_ahead import resolve_read_ahead
 from infinity.units.builder import recomputed_units, unit_sizes

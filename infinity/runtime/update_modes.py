@@ -11,8 +11,9 @@ forward uses them; that forward waits per unit (`DeferredUpdate`). Without
 `[overlap] optimizer_with_backward` the update runs on the training thread inside
 `step()` (`InlineUpdate`). All four are exactly the same update, bit for bit.
 
-One type per mode, chosen once by `update_mode(config, ...)`; the engine calls the
-interface and never asks which mode runs:
+One type per mode (`MODE_TYPES`), chosen once by `update_mode(config)` (config/update_mode.py, the one
+place the choice is made) and built by `build_update`; the engine calls the interface and never asks which
+mode runs:
 
   ready(i)               may unit i's parameters be fetched now (not being updated)?
   before_forward(unit)   the forward is about to use `unit`: wait for its update
@@ -40,6 +41,7 @@ from typing import Callable
 import torch
 
 from infinity.config.sections import Config
+from infinity.config.update_mode import Mode, update_mode
 from infinity.device.collectives import all_reduce_max
 from infinity.device.streams import host_value, to_host, worker_cores, worker_threads
 from infinity.memory.fresh import kept_chunks
@@ -496,23 +498,15 @@ class SpeculativeUpdate(_DuringBackward):
         return self.forward_order()
 
 
-def mode_class(config: Config) -> type[UpdateMode]:
-    """The one place that decides the update mode from the configuration (Note [overlap], Note [speculative
-    update]: only a size in overlap.speculation speculates). Not from the plan: every rank must run the same mode
-    (their collectives), while the journal's bytes may differ between ranks (free host memory); a journal with
-    no room defers every unit."""
-    if not config.overlap.optimizer_with_backward:
-        return InlineUpdate
-    if config.speculates:
-        return SpeculativeUpdate
-    return DeferredUpdate if config.defers_update else EagerUpdate
+MODE_TYPES: dict[Mode, type[UpdateMode]] = {Mode.INLINE: InlineUpdate, Mode.EAGER: EagerUpdate,
+                                             Mode.SPECULATIVE: SpeculativeUpdate, Mode.DEFERRED: DeferredUpdate}
 
 
-def update_mode(config: Config, *, units: list[Unit], manager: TieredMemoryManager, device: torch.device, group,
+def build_update(config: Config, *, units: list[Unit], manager: TieredMemoryManager, device: torch.device, group,
                 scaler: LossScaler, hyper: Callable[[], Hypers], trace: OrderTrace, read_ahead_bytes: int,
                 reading_swap: Callable[[], bool], profiler) -> UpdateMode:
     """Build the configured mode with its optimizer (and, on the worker, its worker and state read-ahead)."""
-    cls = mode_class(config)
+    cls = MODE_TYPES[update_mode(config)]  # the choice: config/update_mode.py
     shared = {"units": units, "manager": manager, "scaler": scaler, "hyper": hyper, "trace": trace, "group": group,
               "device": device, "grad_clip": config.optimizer.grad_clip, "on_nonfinite": config.train.on_nonfinite,
               "profiler": profiler}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from infinity.config.sections import ConfigError
-from infinity.memory.traffic import UnitSizes
+from infinity.memory.plan import UnitSizes
 from infinity.units.context import UnitContext
 from infinity.units.sharded_param import collect_slots, layout
 from infinity.units.tiling import TILED, contains_tiles

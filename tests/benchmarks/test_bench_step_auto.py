@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import infinity
-from infinity.memory.placement import Budgets, PlacementError, plan_placement
+from infinity.memory.placement import plan_placement
+from infinity.memory.plan import Budgets, PlacementError
 from infinity.models.gpt import GPT
 from infinity.plan.estimate import unit_sizes_of
 

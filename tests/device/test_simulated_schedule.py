@@ -1,7 +1,7 @@
 """The ZeRO-Offload step's schedule on a simulated device, in the proportions of the H200's case b (fp32 GPT 1.31B,
-params on the GPU, gradients and optimizer in pinned host RAM; ../shared/gpu/2026-11-26/README.md).
+params on the GPU, gradients and optimizer in pinned host RAM; benchmarks/RESULTS.md).
 
-The real `OptimizerWorker` runs against a device simulated in virtual time (../shared/gpu/cuda-semantics.md):
+The real `OptimizerWorker` runs against a device simulated in virtual time (CUDA's stream and event semantics):
 backward's hooks submit every unit's update long before the device computes its gradients (the host runs
 ahead); the device computes backward unit by unit, each unit's gradients then cross to the host on the d2h
 stream (one queue); the worker's wait for a unit's gradients is a host wait until the device got there, and
@@ -27,9 +27,9 @@ import torch
 
 from engine_runs import engine_run
 from infinity.device.streams import Streams, worker_cores, worker_threads
-from infinity.memory.placement import Budgets, plan_placement
+from infinity.memory.placement import plan_placement
+from infinity.memory.plan import Budgets, UnitSizes
 from infinity.memory.tier import Kind, Tier
-from infinity.memory.traffic import UnitSizes
 from infinity.optim.worker import OptimizerWorker
 from reference import Recipe
 

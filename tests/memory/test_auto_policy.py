@@ -12,16 +12,8 @@ import infinity
 from infinity.machine import link_rates
 from infinity.memory import cost_model
 from infinity.memory.cost_model import LinkRates, StepTraffic, plan_traffic, predict_step_time, unit_traffic
-from infinity.memory.placement import (
-    GROUPS,
-    KINDS_OF_GROUP,
-    Budgets,
-    Plan,
-    UnitSizes,
-    _fits,
-    plan_placement,
-    working_bytes,
-)
+from infinity.memory.placement import plan_placement, working_bytes
+from infinity.memory.plan import GROUPS, KINDS_OF_GROUP, Budgets, Plan, UnitSizes, misfits
 from infinity.memory.tier import Tier
 from reference import Recipe
 
@@ -168,11 +160,11 @@ def test_auto_fits_and_beats_every_uniform_placement(cuda, ram_factor):
     budgets = Budgets(device=ram_factor * total, host=ram_factor * total // 2, nvme=1 << 40, shared_ram=not cuda)
     rates = GPU_RATES if cuda else CPU_RATES
     plan = auto(units, budgets, rates, compute_seconds=0.002)
-    assert not _fits(plan.tier_totals(), budgets), "the plan must fit the budgets"
+    assert not misfits(plan.tier_totals(), budgets), "the plan must fit the budgets"
     mine = predicted(plan, rates, cuda, compute=0.002)
     for combo in itertools.product(Tier, repeat=3):
         other = uniform_plan(units, combo)
-        if not _fits(other.tier_totals(), budgets):
+        if not misfits(other.tier_totals(), budgets):
             assert mine <= predicted(other, rates, cuda, compute=0.002) * (1 + 1e-9), combo
 
 
@@ -183,7 +175,7 @@ def brute_force_best(units, budgets, rates, cuda, compute):
         used = {g: N if any(t[g] is N for t in tiers) else H for g in GROUPS}
         plan = Plan(tiers=tuple({k: t[g] for g in GROUPS for k in KINDS_OF_GROUP[g]} for t in tiers), units=units,
                     compute_dtype=BF16, working=working_bytes(units, torch.bfloat16, used, 1))
-        if not _fits(plan.tier_totals(), budgets):
+        if not misfits(plan.tier_totals(), budgets):
             best = min(best, predicted(plan, rates, cuda, compute=compute))
     return best
 

@@ -12,7 +12,8 @@ import torch
 import infinity
 from infinity.config.job import ModelConfig
 from infinity.memory.cost_model import LinkRates
-from infinity.memory.placement import Budgets, plan_for_config
+from infinity.memory.placement import plan_for_config
+from infinity.memory.plan import Budgets
 from infinity.memory.tier import OPTIMIZER_KINDS, Kind, Tier
 from infinity.models.build import build_model
 from infinity.plan import estimate as est
@@ -105,7 +106,7 @@ def test_staging_is_derived_from_the_optimizer_and_the_pool(tmp_path):
     assert defaults["read_ahead"].default == traffic.UPDATE_READS_AHEAD
     assert defaults["max_writes_in_flight"].default == traffic.UPDATE_WRITES_IN_FLIGHT
     from infinity.memory.placement import plan_placement
-    from infinity.memory.traffic import UnitSizes
+    from infinity.memory.plan import UnitSizes
     units = tuple(UnitSizes.uniform(f"u{i}", 2 * 3000, 2 * 3000, chunk_numels=(3000, 3000))
                   for i in range(3))
     budgets = Budgets(device=1 << 30, host=64 << 20, nvme=1 << 40, shared_ram=True, ram=8 << 30)

@@ -20,8 +20,9 @@ import torch
 import infinity
 from adam_tolerance import assert_close_after_adam
 from ckpt_runs import make_engine, states_equal, train_steps
+from infinity.memory.plan import optimizer_bytes_per_element
 from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype
-from infinity.memory.traffic import bytes_per_step, optimizer_bytes_per_element
+from infinity.memory.traffic import bytes_per_step
 from infinity.optim.cpu_adam import AdamHyper
 from infinity.optim.state_update import Bf16Master, Bf16Moments, rounding_bits, stochastic_round
 from reference import TINY, Recipe

@@ -18,18 +18,12 @@ import infinity
 import infinity.memory.placement as placement_module
 from engine_runs import engine_run
 from infinity.config.sections import Config, SettingWarning
+from infinity.memory.device_lane import LANE_UNITS_IN_FLIGHT, lane_staging_bytes
 from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.pending import Pending
-from infinity.memory.placement import (
-    LANE_UNITS_IN_FLIGHT,
-    Budgets,
-    PlacementError,
-    lane_staging_bytes,
-    plan_for_config,
-    plan_placement,
-)
+from infinity.memory.placement import plan_for_config, plan_placement
+from infinity.memory.plan import Budgets, PlacementError, UnitSizes
 from infinity.memory.tier import Tier
-from infinity.memory.traffic import UnitSizes
 from infinity.optim.offloaded import OffloadedOptimizer
 from infinity.optim.worker import OptimizerWorker
 from reference import Recipe, reference_run

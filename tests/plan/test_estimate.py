@@ -16,7 +16,7 @@ from infinity.config.job import ModelConfig
 from infinity.job.spec import load_job
 from infinity.machine import preflight as pf
 from infinity.memory.cost_model import LinkRates
-from infinity.memory.placement import Budgets
+from infinity.memory.plan import Budgets
 from infinity.models.build import build_model
 from infinity.plan import estimate as est
 

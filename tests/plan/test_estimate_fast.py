@@ -14,7 +14,7 @@ import infinity
 from infinity.config.job import ModelConfig
 from infinity.memory import traffic
 from infinity.memory.cost_model import LinkRates
-from infinity.memory.placement import Budgets
+from infinity.memory.plan import Budgets
 from infinity.models.build import build_model
 from infinity.plan import estimate as est
 from infinity.plan.search import default_apply

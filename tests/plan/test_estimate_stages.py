@@ -11,7 +11,8 @@ import infinity
 from infinity.config.job import ModelConfig
 from infinity.job.cli import main
 from infinity.memory.cost_model import LinkRates
-from infinity.memory.placement import Budgets, plan_for_config
+from infinity.memory.placement import plan_for_config
+from infinity.memory.plan import Budgets
 from infinity.memory.tier import Kind, Tier
 from infinity.models.build import build_model
 from infinity.plan import estimate as est

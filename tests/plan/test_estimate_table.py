@@ -16,7 +16,7 @@ from infinity.config.job import ModelConfig
 from infinity.config.sections import ConfigError, MemoryConfig
 from infinity.machine.environment import resolve_budgets
 from infinity.memory.cost_model import LinkRates
-from infinity.memory.placement import Budgets
+from infinity.memory.plan import Budgets
 from infinity.models.build import build_model
 from infinity.plan import estimate as est
 from stage_formulas import FORMULAS

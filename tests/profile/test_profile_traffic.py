@@ -179,10 +179,9 @@ def test_cuda_traffic_is_every_crossing_the_manager_counts(accum):
     sum over every transfer the engine makes, each counted the way the manager counts it (`shards.crossing`:
     a copy between host memory and the GPU, whichever tier asked for it), for all 27 placements, root and
     not. Nothing is kept (no fresh copies) and parameters are bf16, so none alias the master."""
-    from infinity.memory.placement import Plan
+    from infinity.memory.plan import Plan, UnitSizes
     from infinity.memory.shards import crossing
     from infinity.memory.tier import Kind, Tier
-    from infinity.memory.traffic import UnitSizes
     n, csize = 1000, 2
     nbytes = {"params": n * csize, "grads": n * 4, "master": n * 4, "exp_avg": n * 4, "exp_avg_sq": n * 4}
     for combo in itertools.product(("device", "host", "nvme"), repeat=3):
@@ -210,10 +209,9 @@ def test_the_manager_counts_copies_into_resident_tiers():
     Before the manager counted them, the h2d here stayed 0."""
     from infinity.device.streams import Streams
     from infinity.memory.manager import TieredMemoryManager
-    from infinity.memory.placement import Plan
+    from infinity.memory.plan import Plan, UnitSizes
     from infinity.memory.shards import crossing
     from infinity.memory.tier import Kind, Tier
-    from infinity.memory.traffic import UnitSizes
     assert crossing(GPU, CPU) == "d2h" and crossing(CPU, GPU) == "h2d"
     assert crossing(CPU, CPU) is None and crossing(GPU, torch.device("cuda", 0)) is None
     units = (UnitSizes.uniform("u0", 8, 8, chunk_numels=(8,)),)

@@ -15,6 +15,7 @@ import torch
 
 import infinity
 from engine_runs import engine_run
+from infinity.config.update_mode import Mode, update_mode
 from infinity.runtime.update_modes import NonFiniteGradError
 from reference import Recipe, reference_run
 
@@ -248,8 +249,8 @@ def test_a_size_speculates_within_the_free_host_memory_and_auto_never():
     """Note [speculation default]: a size holds the copies it can (master, moments and gradient, fp32, each
     aligned to 64 bytes) up to every unit's; "auto" speculates nowhere (on the H100 the copies cost more than
     waiting for the norm), so its plan has no journal and its mode waits for the norm."""
-    from infinity.memory.placement import Budgets, plan_placement
-    from infinity.memory.traffic import UnitSizes
+    from infinity.memory.placement import plan_placement
+    from infinity.memory.plan import Budgets, UnitSizes
 
     sizes = tuple(UnitSizes.uniform(f"u{u}", 1000) for u in range(4))
     static = {"params": "device", "grads": "host", "optimizer": "host"}
@@ -262,9 +263,9 @@ def test_a_size_speculates_within_the_free_host_memory_and_auto_never():
     assert planned(1 << 30) == journal  # (every unit's copies: less than the size)
     assert planned(journal // 2) == journal // 2
     clipped = {"optimizer": {"grad_clip": 1.0}, "overlap": {"optimizer_with_backward": True}}
-    assert not infinity.Config.from_dict(clipped).speculates
-    assert infinity.Config.from_dict(clipped | {"overlap": {"optimizer_with_backward": True,
-                                                            "speculation": "1MiB"}}).speculates
+    assert update_mode(infinity.Config.from_dict(clipped)) is Mode.DEFERRED
+    assert update_mode(infinity.Config.from_dict(clipped | {"overlap": {"optimizer_with_backward": True,
+                                                                        "speculation": "1MiB"}})) is Mode.SPECULATIVE
     budgets = Budgets(device=1 << 30, host=4 * 16_000 + 1000, nvme=0, shared_ram=True, ram=4 << 30)
     with pytest.raises(infinity.ConfigError, match=r"overlap\.speculation = 1MiB would hold .* of pre-update copies, "
                        r"but the plan leaves only .* free under memory\.host_budget"):

@@ -15,13 +15,14 @@ import pytest
 import torch
 
 import infinity
+from infinity.config.update_mode import update_mode
 from infinity.runtime.update_modes import (
+    MODE_TYPES,
     DeferredUpdate,
     EagerUpdate,
     InlineUpdate,
     SpeculativeUpdate,
     UpdateMode,
-    mode_class,
 )
 from reference import Recipe
 
@@ -42,7 +43,7 @@ ENGINE = os.path.join(os.path.dirname(infinity.__file__), "runtime", "engine.py"
 ])
 def test_the_configuration_selects_one_mode(settings, expected):
     config = infinity.Config.from_dict({"overlap": {"optimizer_with_backward": True}} | settings)
-    assert mode_class(config) is expected  # (with a GPU or without: Note [speculation default])
+    assert MODE_TYPES[update_mode(config)] is expected  # (with a GPU or without: Note [speculation default])
 
 
 def test_every_mode_implements_the_interface():
@@ -61,7 +62,8 @@ def test_the_engine_never_asks_which_mode_runs():
     deciding = {"optimizer_with_backward", "grad_clip", "on_nonfinite", "worker", "state_read_ahead", "fresh",
                 "speculation", "speculates", "journal"}
     assert not attributes & deciding, attributes & deciding
-    modes = {"UpdateMode", "InlineUpdate", "EagerUpdate", "DeferredUpdate", "SpeculativeUpdate", "mode_class"}
+    modes = {"UpdateMode", "InlineUpdate", "EagerUpdate", "DeferredUpdate", "SpeculativeUpdate", "MODE_TYPES",
+             "update_mode"}
     assert not names & modes, names & modes
     assert len(open(ENGINE).read().splitlines()) <= 500  # (thin: colocation lives in runtime/colocate.py)
 

@@ -325,7 +325,8 @@ def test_checkpoints_exports_and_weights_speak_the_untiled_names(tmp_path):
 
 
 def test_the_estimate_plans_the_tiles():
-    from infinity.memory.placement import Budgets, plan_for_config
+    from infinity.memory.placement import plan_for_config
+    from infinity.memory.plan import Budgets
     from infinity.memory.tier import Kind, Tier
     from infinity.plan.estimate import unit_sizes_of
     budgets = Budgets(device=2**30, host=2**30, nvme=2**30)
