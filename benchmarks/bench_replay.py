@@ -40,6 +40,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import bench_step  # noqa: E402  (the same model, batch, config and engine as bench_step)
+import step_floors  # noqa: E402
+import step_systems  # noqa: E402
 
 HOG = ("import torch, sys\ntorch.set_num_threads(int(sys.argv[1]))\na = torch.randn(1024, 1024)\n"
        "while True:\n    a = (a @ a).mul_(1e-3)\n")
@@ -50,9 +52,9 @@ def record_step(args, swap: str) -> tuple[list[dict], dict[str, int], float, dic
     """Warm up, then record the io_engine requests issued during one steady step. Returns (requests,
     swap file sizes, step_s, the plan's bytes per steady step)."""
     from io_engine.engine import Direction
-    engine = bench_step.infinity_engine(args, args.placement, swap)
-    step = bench_step.engine_step(engine)
-    data = bench_step.batches(args, bench_step.model_config(args), timed=2)
+    engine = step_systems.infinity_engine(args, args.placement, swap)
+    step = step_systems.engine_step(engine)
+    data = step_systems.batches(args, step_systems.model_config(args), timed=2)
     recorded: list[dict] | None = None
     submit = engine.io.submit
 
@@ -73,7 +75,7 @@ def record_step(args, swap: str) -> tuple[list[dict], dict[str, int], float, dic
         step_s = time.perf_counter() - t
         # start to end, as bench_step times a step: the predecessor's update tail in, its own tail out
         requests, recorded = recorded, None
-        planned = bench_step.steady_bytes_per_step(engine)
+        planned = step_systems.steady_bytes_per_step(engine)
         engine.synchronize()
         sizes = {p: os.path.getsize(p) for p in engine.swap.files}
     finally:
@@ -122,7 +124,7 @@ def run(args) -> dict:
         largest = max(max(r["num_bytes"] for r in requests), min(FILL_REQUEST, max(sizes.values())))
         buf = aligned_empty(largest + 8192, torch.uint8)  # one buffer for every request: only timing matters
         buf.fill_(1)
-        config = bench_step.io_engine_config(args)
+        config = step_floors.io_engine_config(args)
         times: dict[str, list[float]] = {"alone": [], "hog": []}
         with IOEngine(config) as io:
             files = scratch_copies(io, sizes, scratch, buf)

@@ -74,7 +74,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,6 +83,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from step_floors import floors_of, io_median, on_nvme, paired_name, peer_ratios, run_io_floor, run_paired, stage_ratios  # noqa: E402  (after the path)
+from step_systems import (  # noqa: E402
+    STATIC_PLACEMENTS,
+    infinity_config,
+    model_config,
+    rank,
+    run_deepspeed,
+    run_fsdp2,
+    run_infinity,
+    run_torch,
+)
+
 DEFAULT_SYSTEMS = [
     "torch",
     "infinity:device/device/device", "infinity:device/device/host", "infinity:host/host/host",
@@ -92,446 +103,7 @@ DEFAULT_SYSTEMS = [
     "deepspeed:none", "deepspeed:cpu_opt", "deepspeed:cpu_both", "deepspeed:nvme_opt", "deepspeed:nvme_both",
     "fsdp2:none", "fsdp2:cpu_both",
 ]
-TIERS = ("device", "host", "nvme")
-STATIC_PLACEMENTS = tuple(f"{p}/{g}/{o}" for p in TIERS for g in TIERS for o in TIERS)  # all 27
 AUTO_BUDGETS = ("2GiB", "2GiB")  # --device-budget, --host-budget for the default model (docstring)
-
-
-def rank() -> int:
-    """This worker's rank under torchrun (0 alone)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def with_stage(option: str, default: int | None) -> tuple[str, int | None]:
-    """`OPTION@S` -> (OPTION, S); without a suffix, (OPTION, `default`: --zero-stage)."""
-    option, at, stage = option.partition("@")
-    return option, int(stage) if at else default
-
-
-def model_config(args):
-    from infinity.models.gpt import GPTConfig
-    return GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
-                     d_model=args.d_model)
-
-
-def optimizer_args(args) -> dict:
-    return {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-
-
-def batches(args, cfg, trailing: int = 0, timed: int | None = None):
-    """Warm-up + timed (default `--steps`) batches (+ `trailing` untimed ones), the same for every system
-    (each rank of `--world` its own: seeded by the rank)."""
-    import torch
-
-    from infinity.models.gpt import synthetic_batch
-    g = torch.Generator().manual_seed(1 + rank())
-    timed = args.steps if timed is None else timed
-    return [synthetic_batch(cfg, args.batch, g) for _ in range(args.warmup + timed + trailing)]
-
-
-def timed_loop(args, step_fn, data, drain=None) -> dict:
-    """Run warm-up + timed steps; step_fn(x, y) -> loss float.
-
-    A step's time runs from its start to the next one's start, so work a system leaves
-    in flight (infinity's overlapped update) is paid by the step that waits for it: the
-    steady state of a long run. With `drain` (a system that overlaps), `data` holds one
-    more batch than warm-up + timed: that trailing step gives the last timed one its
-    successor, and `drain()` then waits for what the trailing step left. The trailing
-    step plus the drain is reported as `tail_s`, outside the median: a run's end pays
-    once for the update no later step overlaps (issue 4's bar is about the steady step;
-    before 2026-11-22 the drain was counted in the last timed step).
-
-    `disk`: what the block device under `--dir` did from the first timed step's start to
-    the last one's end (common.DiskCounters): how much of that time it had requests in
-    flight, and at what rates. A step that keeps the disk busy all along cannot go faster
-    than the disk goes at that time, whatever a sample taken before or after says.
-    """
-    from common import DiskCounters, median, peak_rss_bytes
-    times, losses = [], []
-    timed_end = len(data) - (1 if drain is not None else 0)
-    tail_s = None
-    counters = DiskCounters(args.dir)
-    disk_before = disk_after = None  # the timed steps' window
-    for i, (x, y) in enumerate(data):
-        if i == args.warmup:
-            disk_before = counters.snapshot()
-        if i == timed_end:
-            disk_after = counters.snapshot()
-        t = time.perf_counter()
-        losses.append(step_fn(x, y))
-        if i == timed_end:  # the trailing step
-            drain()
-            tail_s = time.perf_counter() - t
-        elif i >= args.warmup:
-            times.append(time.perf_counter() - t)
-    if drain is None:  # no trailing step: the window ends with the loop
-        disk_after = counters.snapshot()
-    out = {"step_s": median(times), "step_times": [round(t, 3) for t in times], "losses": losses,
-           "peak_rss_GiB": round(peak_rss_bytes() / 2**30, 3), "disk": counters.between(disk_before, disk_after)}
-    if tail_s is not None:
-        out["tail_s"] = round(tail_s, 3)
-    return out
-
-
-# ----------------------------------------------------------------------------------------- workers
-def plain_step(args, model, opt):
-    """One training step of a plain PyTorch model and optimizer (the baseline, and FSDP2), with clipping."""
-    import torch
-
-    def step(x, y):
-        loss = model(x, y)
-        loss.backward()
-        if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
-    return step
-
-
-def run_torch(args) -> dict:
-    import torch
-
-    from infinity.models.gpt import GPT
-    cfg = model_config(args)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    if args.world > 1:  # plain data parallelism: DDP over gloo
-        from infinity.device.process_group import init_process_group
-        init_process_group("gloo")
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), fused=True, **optimizer_args(args))
-    try:
-        return timed_loop(args, plain_step(args, model, opt), batches(args, cfg))
-    finally:
-        if args.world > 1:
-            torch.distributed.destroy_process_group()
-
-
-def infinity_config(args, placement: str, swap: str) -> dict:
-    """The engine config of system `infinity:<placement>` ("P/G/O" tiers, or "auto", optionally "@S" for
-    ZeRO stage S) with swap files in `swap`. `@KEY=VALUE` suffixes add engine keys to that system only (two
-    systems side by side, e.g. `infinity:host/host/host,infinity:host/host/host@activation.checkpoint=units`)."""
-    placement, *suffixes = placement.split("@")
-    own_set = [x for x in suffixes if "=" in x]
-    placement, stage = with_stage("@".join([placement, *(x for x in suffixes if "=" not in x)]), args.zero_stage)
-    config = {
-        "optimizer": {"name": "adamw", "lr": args.lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
-                      "grad_clip": args.clip},
-        "nvme": {"paths": [swap]},
-        "prefetch": {"units_ahead": args.units_ahead},
-        "overlap": {"optimizer_with_backward": not args.no_overlap},
-    }
-    if placement == "auto":
-        config["placement"] = {"policy": "auto"}  # params / grads / optimizer stay at their defaults
-    else:
-        params, grads, optim = placement.split("/")
-        config["placement"] = {"params": params, "grads": grads, "optimizer": optim}
-    memory = {key: value for key, value in (("device_budget", args.device_budget), ("host_budget", args.host_budget))
-              if value}
-    if memory:
-        config["memory"] = memory
-    from infinity.config.options import parse_override
-    for item in [*args.set, *own_set]:  # e.g. io.checksum=full: one engine key for every infinity system
-        section, key, value = parse_override(item)
-        config.setdefault(section, {})[key] = value
-    if stage is not None:  # the system's @S, else --zero-stage
-        config.setdefault("zero", {})["stage"] = stage
-    return config
-
-
-def plan_summary(plan) -> dict:
-    """Units per tier for each state group, the bytes per tier and the planner's reasons."""
-    from infinity.memory.plan import GROUPS, KINDS_OF_GROUP
-    counts = {g: {} for g in GROUPS}
-    for unit_tiers in plan.tiers:
-        for g in GROUPS:
-            tier = unit_tiers[KINDS_OF_GROUP[g][0]].value
-            counts[g][tier] = counts[g].get(tier, 0) + 1
-    uniform = "/".join(next(iter(counts[g])) for g in GROUPS) if all(len(c) == 1 for c in counts.values()) else None
-    return {"units": len(plan.tiers), "tier_counts": counts, "uniform": uniform,  # "P/G/O" when every unit agrees
-            "tier_totals_bytes": {t.value: n for t, n in plan.tier_totals().items()}, "reasons": list(plan.reasons)}
-
-
-def infinity_engine(args, placement: str, swap: str, profile: bool = False):
-    """`initialize` of system `infinity:<placement>` with swap files in `swap` (removed if it fails)."""
-    import torch
-
-    import infinity
-    from infinity.models.gpt import GPT, gpt_init
-    config = infinity_config(args, placement, swap)
-    if profile and "profile" in infinity.Config.from_dict({}).to_dict():
-        config["profile"] = {
-            "enabled": True,
-            "trace_dir": os.path.join(args.dir, f"trace-{placement.replace('/', '-').replace('@', '-z')}"),
-        }
-    torch.manual_seed(0)
-    try:
-        return infinity.initialize(GPT(model_config(args)), config, init_fn=gpt_init)  # a plan that does not fit raises
-    except BaseException:
-        shutil.rmtree(swap, ignore_errors=True)
-        raise
-
-
-def engine_step(engine):
-    """step_fn(x, y) -> loss of an infinity engine: forward, backward, step."""
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return float(loss.detach())
-    return step
-
-
-def steady_bytes_per_step(engine) -> dict:
-    """The bytes a steady step moves, as the plan predicts them (tests/profile/test_profile_traffic checks it
-    byte for byte); counters between step starts would split an update that overlaps the next step."""
-    from infinity.memory.traffic import bytes_per_step
-    return bytes_per_step(engine.plan, grad_accum_steps=1, first_step=False,
-                          cuda=engine.env.device.type == "cuda", kept=engine.kept_params)
-
-
-def run_infinity(args, placement: str) -> dict:
-    swap = tempfile.mkdtemp(prefix="bench-step-", dir=args.dir)
-    engine = infinity_engine(args, placement, swap, profile=args.profile)
-    start = dict(engine.manager.bytes_moved)
-    try:
-        out = timed_loop(args, engine_step(engine), batches(args, model_config(args), trailing=1),
-                         drain=engine.synchronize)
-        out["bytes_moved_per_step"] = steady_bytes_per_step(engine)
-        out["fresh_params"] = {"hits": engine.manager.fresh.hits, "puts": engine.manager.fresh.puts,
-                               "refused": engine.manager.fresh.refused, "budget_bytes": engine.manager.fresh.budget}
-        out["bytes_moved_whole_run"] = {k: v - start[k] for k, v in engine.manager.bytes_moved.items()}
-        prof = getattr(engine, "profiler", None)
-        summary = prof.summary() if prof is not None and hasattr(prof, "summary") else None
-        if summary:  # None without the profiler ([profile] enabled = false)
-            out["overlap_efficiency"] = (summary.get("median") or {}).get("overlap_efficiency")
-            out["profile"] = summary.get("median")
-            out["on_demand_per_step"] = [st["on_demand_fetches"] for st in summary["steps"]]
-        p = engine.prefetcher
-        out["prefetch"] = {"hits": p.hits, "after_update": p.after_update, "on_demand": p.on_demand}
-        out["memory_report"] = {k: v for k, v in engine.memory_report().items()
-                                if k in ("state", "tier_totals") or k.startswith("activation_")}
-        out["plan"] = plan_summary(engine.plan)
-    finally:
-        engine.close()
-        shutil.rmtree(swap, ignore_errors=True)
-    return out
-
-
-def _offload(kind: str) -> tuple[str | None, str | None]:
-    """(optimizer device, param device) for an OFFLOAD name."""
-    return {"none": (None, None), "cpu_opt": ("cpu", None), "cpu_both": ("cpu", "cpu"),
-            "nvme_opt": ("nvme", None), "nvme_both": ("nvme", "nvme")}[kind]
-
-
-def run_deepspeed(args, kind: str) -> dict:
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000)), ("RANK", "0"),
-                 ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(k, v)
-    import deepspeed
-    import torch
-
-    from infinity.models.gpt import GPT
-    cfg = model_config(args)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    max_numel = max(p.numel() for p in model.parameters())
-    swap = tempfile.mkdtemp(prefix="bench-ds-", dir=args.dir)
-    kind, stage = with_stage(kind, args.zero_stage)
-    stage = 3 if stage is None else stage
-    opt_dev, param_dev = _offload(kind)
-    if param_dev and stage != 3:
-        raise ValueError(f"deepspeed:{kind}@{stage}: DeepSpeed offloads parameters only at stage 3")
-    zero = {"stage": stage}
-    if stage == 3:
-        zero.update({"stage3_prefetch_bucket_size": 2e6, "stage3_param_persistence_threshold": 0})
-    if opt_dev:
-        zero["offload_optimizer"] = {"device": opt_dev, "nvme_path": swap, "pin_memory": False, "buffer_count": 4}
-    if param_dev:
-        zero["offload_param"] = {"device": param_dev, "nvme_path": swap, "pin_memory": False,
-                                 "buffer_count": args.ds_param_buffers, "buffer_size": max_numel,
-                                 "max_in_cpu": 0}  # docs/benchmarks.md: >= the largest parameter
-        if param_dev == "nvme":
-            # Once its trace is recorded (step 2 on), ZeRO-3 releases a parameter after its module only if
-            # it is not used again within stage3_max_reuse_distance elements of the trace (default 1e9).
-            # Every parameter comes back in backward, so with the default nothing is released in the
-            # forward: each swapped parameter (>= 1 MiB: 97 in the default GPT) keeps one of buffer_count
-            # buffers and the forward fails with "Not enough buffers 0 for swapping 1". 0 releases each
-            # parameter after use, as step 1 does (the losses are unchanged).
-            zero["stage3_max_reuse_distance"] = 0
-    o = optimizer_args(args)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-        "gradient_clipping": args.clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": o["lr"], "betas": list(o["betas"]), "eps": o["eps"],
-                                                  "weight_decay": o["weight_decay"]}},
-        "zero_optimization": zero,
-        "aio": {"block_size": 1048576, "queue_depth": 16, "thread_count": 1, "single_submit": False,
-                "overlap_events": True},
-        "steps_per_print": 10**9,
-    }
-    deepspeed.init_distributed(dist_backend="gloo")
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return float(loss)
-    try:
-        return timed_loop(args, step, batches(args, cfg))
-    finally:
-        shutil.rmtree(swap, ignore_errors=True)
-
-
-def run_fsdp2(args, kind: str) -> dict:
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(30500 + os.getpid() % 1000)), ("RANK", "0"),
-                 ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    from infinity.device.process_group import init_process_group
-    from infinity.models.gpt import GPT
-    kind, stage = with_stage(kind, 3)
-    if kind not in ("none", "cpu_both") or stage != 3:
-        raise ValueError("FSDP2 shards everything (stage 3) and offloads parameters, gradients and optimizer "
-                         "state together: none | cpu_both")
-    init_process_group("gloo")  # FSDP2 here: one CPU process
-    cfg = model_config(args)
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if kind == "cpu_both" else {}
-    for block in model.blocks:
-        fully_shard(block, **policy)
-    fully_shard(model, **policy)
-    opt = torch.optim.AdamW(model.parameters(), **optimizer_args(args))
-    try:
-        return timed_loop(args, plain_step(args, model, opt), batches(args, cfg))
-    finally:
-        dist.destroy_process_group()
-
-
-SUSTAINED_REQUEST = 64 << 20  # the sustained sample's request size: a unit's shard is tens of MiB
-
-
-def io_engine_config(args):
-    """io_engine's settings as the infinity systems run it (their `[io]`, `--set io.*` included)."""
-    import infinity
-    return infinity.Config.from_dict(infinity_config(args, "auto", args.dir)).io.engine_config()
-
-
-def burst_sample(args, io, path: str, buf=None) -> dict:
-    """The I/O floor's sample on an open IOEngine: `--io-bytes` written then read at `path` as one
-    request, twice, the faster pass of each direction kept. `buf`: an aligned buffer of that size
-    to reuse (default: one allocated here)."""
-    import torch
-
-    from io_engine import aligned_empty
-    if buf is None:
-        buf = aligned_empty(args.io_bytes // 4, torch.float32)
-        buf.fill_(1.0)
-    out = {}
-    for direction in ("write", "read", "write", "read"):
-        t = time.perf_counter()
-        (io.submit_write if direction == "write" else io.submit_read)(buf, path, 0).wait()
-        gbps = args.io_bytes / (time.perf_counter() - t) / 1e9
-        out[f"{direction}_GBps"] = max(out.get(f"{direction}_GBps", 0), gbps)
-    return out
-
-
-def run_io_floor(args) -> dict:
-    """io_engine's read / write bandwidth on the swap directory, now.
-
-    The burst sample (the I/O floor's): `--io-bytes` (1 GiB) written then read as one
-    request, twice, the faster pass of each direction kept. The sustained sample
-    (`--io-sustained-bytes`, default 4 GiB; 0 skips it): that many bytes written (untimed:
-    a step overwrites extents written before, it does not extend files), overwritten,
-    then read back, in 64 MiB requests all queued at once, as a step's update and
-    read-ahead stream them, once each; it sees a disk that slows down under sustained
-    load where the burst sample would not, and carries no best-of-two.
-    """
-    import torch
-
-    from io_engine import IOEngine, aligned_empty
-    path = os.path.join(args.dir, f"bench-io-{os.getpid()}.bin")
-    try:
-        with IOEngine(io_engine_config(args)) as io:
-            out = burst_sample(args, io, path)
-            if args.io_sustained_bytes:
-                size = min(SUSTAINED_REQUEST, args.io_sustained_bytes)
-                requests = max(1, args.io_sustained_bytes // size)
-                chunk = aligned_empty(size // 4, torch.float32)
-                chunk.fill_(1.0)
-                for direction in ("fill", "write", "read"):  # fill: a step overwrites its swap extents
-                    submit = io.submit_read if direction == "read" else io.submit_write
-                    t = time.perf_counter()
-                    for f in [submit(chunk, path, i * size) for i in range(requests)]:
-                        f.wait()
-                    gbps = requests * size / (time.perf_counter() - t) / 1e9
-                    if direction != "fill":
-                        out[f"sustained_{direction}_GBps"] = gbps
-    finally:
-        os.remove(path)
-    return out
-
-
-def run_paired(args, placement: str) -> dict:
-    """Steps of `infinity:<placement>` each bracketed by I/O samples taken seconds before and after it.
-
-    The disk's speed drifts within minutes here, and a sample taken a minute away from the
-    steps may see another disk. So, after warm-up: `--paired-blocks` times, drain the
-    engine (nothing of ours in flight), take the burst sample (`burst_sample`, the I/O
-    floor's), run one untimed step (after a drain it starts without its predecessor's
-    overlap) and one timed step (it pays its predecessor's overlapped update, as a steady
-    step does); a last drain and sample close the last block. Block i's step lies between
-    samples i and i+1; the driver (`_floors`) puts it over the floor of each and reports
-    the median ratio. Its own process: the sample's buffer is not in the system's peak RSS.
-    """
-    import torch
-    from common import DiskCounters
-
-    from io_engine import IOEngine, aligned_empty
-    swap = tempfile.mkdtemp(prefix="bench-paired-", dir=args.dir)
-    engine = infinity_engine(args, placement, swap)
-    step = engine_step(engine)
-    data = batches(args, model_config(args), timed=2 * args.paired_blocks)
-    path = os.path.join(args.dir, f"bench-io-{os.getpid()}.bin")
-    counters = DiskCounters(args.dir)
-    samples, steps = [], []
-    try:
-        buf = aligned_empty(args.io_bytes // 4, torch.float32)
-        buf.fill_(1.0)
-        with IOEngine(io_engine_config(args)) as io:
-            for x, y in data[:args.warmup]:
-                step(x, y)
-            blocks = iter(data[args.warmup:])
-
-            def sample() -> None:
-                # settled: the update done and the state read-ahead paused (a plain synchronize()
-                # resumes it), so the sample has the disk to itself; `disk` shows what else it saw
-                with engine.updates.settled():
-                    before = counters.snapshot()
-                    samples.append(burst_sample(args, io, path, buf))
-                    samples[-1]["disk"] = counters.between(before, counters.snapshot())
-
-            for _ in range(args.paired_blocks):
-                sample()
-                step(*next(blocks))  # untimed: no predecessor in flight
-                before, t = counters.snapshot(), time.perf_counter()
-                step(*next(blocks))
-                steps.append({"step_s": round(time.perf_counter() - t, 3),
-                              "disk": counters.between(before, counters.snapshot())})
-            sample()
-        return {"samples": samples, "steps": steps, "bytes_moved_per_step": steady_bytes_per_step(engine)}
-    finally:
-        engine.close()
-        shutil.rmtree(swap, ignore_errors=True)
-        if os.path.exists(path):
-            os.remove(path)
 
 
 def worker(args) -> dict:
@@ -620,13 +192,13 @@ def drive(args) -> dict:
     runs = ["io"]
     for name in systems:
         runs.append(name)
-        if _on_nvme(name):  # the paired floor's steps run alone: one process
-            runs += ["io"] + ([_paired_name(name)] if args.paired_blocks and args.world == 1 else [])
+        if on_nvme(name):  # the paired floor's steps run alone: one process
+            runs += ["io"] + ([paired_name(name)] if args.paired_blocks and args.world == 1 else [])
     for name in runs:
         result = _run_worker(name, args)
         if name == "io":
             io_samples.append(result)
-            results["io"] = _io_median(io_samples)
+            results["io"] = io_median(io_samples)
         else:
             results[name] = result
         if "step_s" in result:
@@ -640,8 +212,8 @@ def drive(args) -> dict:
     for name, r in results.items():
         if base and r.get("step_s"):
             r["ratio_to_torch"] = round(r["step_s"] / base, 3)
-    floors = _floors(results)
-    ratios = _peer_ratios(results)
+    floors = floors_of(results)
+    ratios = peer_ratios(results)
     payload = {"benchmark": "step", "machine": machine(), "model": vars(model_config(args)),
                "params": model_config(args).num_params(), "batch": args.batch, "clip": args.clip,
                "threads": args.threads, "world": args.world, "zero_stage": args.zero_stage,
@@ -657,27 +229,6 @@ def drive(args) -> dict:
         print(f"{label:60s} {r['step_ratio']:.3f}" + (f"  (bar {r['bar']}: {'met' if r['met'] else 'NOT met'})"
                                                       if "bar" in r else ""))
     return payload
-
-
-def stage_ratios(results: dict) -> dict:
-    """Issue 23's comparisons, for each infinity system at stage 2 (`@2`): its step over its `@3` twin's, over
-    DeepSpeed ZeRO-2 offload's (`deepspeed:cpu_opt@2`) and over FSDP2 CPU offload's; the bars: < 1 and <= 0.8."""
-    out = {}
-    for name, r in results.items():
-        if not (name.startswith("infinity:") and name.endswith("@2") and r.get("step_s")):
-            continue
-        twins = {f"{name} / {name[:-2]}@3": (name[:-2] + "@3", 1.0, False),
-                 f"{name} / deepspeed:cpu_opt@2": ("deepspeed:cpu_opt@2", 0.8, True),
-                 f"{name} / fsdp2:cpu_both": ("fsdp2:cpu_both", None, True)}
-        for label, (other, bar, inclusive) in twins.items():
-            theirs = results.get(other, {}).get("step_s")
-            if theirs:
-                ratio = r["step_s"] / theirs
-                out[label] = {"step_ratio": round(ratio, 3)}
-                if bar is not None:
-                    out[label].update(bar=("<= " if inclusive else "< ") + str(bar),
-                                      met=ratio <= bar if inclusive else ratio < bar)
-    return out
 
 
 def auto_vs_static(results: dict, fit: dict) -> dict:
@@ -765,98 +316,6 @@ def _read_json(path: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
-
-
-def _on_nvme(name: str) -> bool:
-    return name.startswith("infinity:") and "nvme" in name
-
-
-def _paired_name(name: str) -> str:
-    """The run_paired worker of system `infinity:<placement>`."""
-    return "paired:" + name.partition(":")[2]
-
-
-def _io_median(samples: list[dict]) -> dict:
-    """The median read / write bandwidth over the samples taken so far (failed samples skipped)."""
-    from common import median
-    out = {"samples": samples}
-    for d in ("read_GBps", "write_GBps", "sustained_read_GBps", "sustained_write_GBps"):
-        values = [x[d] for x in samples if d in x]
-        if values:
-            out[d] = median(values)
-    if len(out) == 1:
-        out["error"] = samples[-1].get("error", "no sample")
-    return out
-
-
-def _floors(results: dict) -> dict:
-    """For each infinity placement with NVMe: compute floor, I/O floor, and the ratio to the max."""
-    io = results.get("io", {})
-    compute = results.get("infinity:device/device/device", {}).get("step_s")
-    out = {}
-    for name, r in results.items():
-        if not _on_nvme(name) or "step_s" not in r or not io.get("read_GBps"):
-            continue
-        moved = r.get("bytes_moved_per_step", {})
-
-        def io_floor_of(rates: dict, prefix: str = "") -> float:
-            return (moved.get("nvme_read", 0) / 1e9 / rates[prefix + "read_GBps"]
-                    + moved.get("nvme_write", 0) / 1e9 / rates[prefix + "write_GBps"])
-
-        def ratio(rates: dict, prefix: str = "") -> tuple[float, float | None]:
-            io_floor = io_floor_of(rates, prefix)
-            floor = max(compute or 0, io_floor)
-            return round(io_floor, 3), round(r["step_s"] / floor, 3) if floor else None
-
-        io_floor, over = ratio(io)
-        out[name] = {"compute_floor_s": compute, "io_floor_s": io_floor, "step_over_floor": over}
-        first = next((x for x in io.get("samples", []) if "read_GBps" in x), None)
-        if first is not None:
-            out[name]["io_floor_first_sample_s"], out[name]["step_over_floor_first_sample"] = ratio(first)
-        if io.get("sustained_read_GBps") and io.get("sustained_write_GBps"):  # beside the floor, not instead of it
-            out[name]["io_floor_sustained_s"], out[name]["step_over_sustained_floor"] = ratio(io, "sustained_")
-        paired = _paired_floor(results.get(_paired_name(name), {}), compute, io_floor_of)
-        if paired:
-            out[name]["paired"] = paired
-        disk = r.get("disk", {})
-        if disk.get("busy_fraction") is not None:
-            out[name]["disk_busy_fraction"] = disk["busy_fraction"]  # of the timed steps: see timed_loop
-    return out
-
-
-def _paired_floor(paired: dict, compute: float | None, io_floor_of) -> dict:
-    """run_paired's steps over their own floors: block i's I/O floor is the mean of the I/O
-    floors (`io_floor_of(sample)`) of samples i and i+1, taken just before and just after its
-    step; the floor is the larger of that and the compute floor. The medians over the blocks,
-    and each block's I/O floor and ratio."""
-    from common import median
-    steps, samples = paired.get("steps", []), paired.get("samples", [])
-    if not steps or len(samples) != len(steps) + 1:
-        return {"error": paired["error"]} if "error" in paired else {}
-    io_floors, ratios = [], []
-    for i, s in enumerate(steps):
-        io_floor = (io_floor_of(samples[i]) + io_floor_of(samples[i + 1])) / 2
-        io_floors.append(round(io_floor, 3))
-        floor = max(compute or 0, io_floor)
-        ratios.append(round(s["step_s"] / floor, 3) if floor else None)
-    timed = [r for r in ratios if r is not None]
-    return {"step_s": round(median([s["step_s"] for s in steps]), 3), "io_floor_s": round(median(io_floors), 3),
-            "step_over_floor": round(median(timed), 3) if timed else None, "ratios": ratios, "io_floors_s": io_floors}
-
-
-def _peer_ratios(results: dict) -> dict:
-    pairs = {"nvme_opt vs deepspeed": ("infinity:device/host/nvme", "deepspeed:nvme_opt"),
-             "nvme_both vs deepspeed": ("infinity:nvme/host/nvme", "deepspeed:nvme_both"),
-             "cpu_both vs deepspeed": ("infinity:host/host/host", "deepspeed:cpu_both"),
-             "cpu_opt vs deepspeed": ("infinity:device/device/host", "deepspeed:cpu_opt"),
-             "cpu_both vs fsdp2": ("infinity:host/host/host", "fsdp2:cpu_both")}
-    out = {}
-    for label, (ours, theirs) in pairs.items():
-        a, b = results.get(ours, {}), results.get(theirs, {})
-        if a.get("step_s") and b.get("step_s"):
-            out[label] = {"step_ratio": round(a["step_s"] / b["step_s"], 3),
-                          "rss_ratio": round(a["peak_rss_GiB"] / b["peak_rss_GiB"], 3)}
-    return out
 
 
 def _forward(args) -> list[str]:

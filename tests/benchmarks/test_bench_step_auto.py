@@ -22,6 +22,7 @@ from infinity.plan.estimate import unit_sizes_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_step  # noqa: E402
+import step_systems  # noqa: E402
 
 TINY = {"layers": 2, "d_model": 128, "heads": 4, "vocab": 512, "seq": 64}
 UNLIMITED = Budgets(device=1 << 50, host=1 << 50, nvme=1 << 50, shared_ram=True, ram=1 << 50)
@@ -44,8 +45,8 @@ def bench_args(tmp_path, budget: int | str | None, model: dict | None = TINY) ->
 def unit_sizes(tmp_path):
     args = bench_args(tmp_path, None)
     with infinity.meta_init():
-        model = GPT(bench_step.model_config(args))
-    return unit_sizes_of(model, infinity.Config.from_dict(bench_step.infinity_config(args, "auto", str(tmp_path))), 1)
+        model = GPT(step_systems.model_config(args))
+    return unit_sizes_of(model, infinity.Config.from_dict(step_systems.infinity_config(args, "auto", str(tmp_path))), 1)
 
 
 def host_bytes_of_everything_on_host(tmp_path) -> int:
@@ -59,7 +60,7 @@ def host_bytes_of_everything_on_host(tmp_path) -> int:
 def planner_accepts(tmp_path, budgets: Budgets) -> set[str]:
     """The static placements for which plan_placement(policy="static") does not raise."""
     sizes, out = unit_sizes(tmp_path), set()
-    for placement in bench_step.STATIC_PLACEMENTS:
+    for placement in step_systems.STATIC_PLACEMENTS:
         params, grads, optim = placement.split("/")
         try:
             plan_placement(sizes, torch.float32, policy="static", budgets=budgets, units_ahead=2,
@@ -77,7 +78,7 @@ def test_fitting_expands_to_exactly_the_static_placements_the_planner_accepts(tm
     assert (b["device"], b["host"]) == (budget, budget) and b["nvme"] > 0
     accepted = planner_accepts(tmp_path, Budgets(**b))
     assert set(fit["fitting"]) == accepted and len(fit["fitting"]) == len(accepted)
-    assert set(fit["fitting"]) | set(fit["not_fitting"]) == set(bench_step.STATIC_PLACEMENTS)
+    assert set(fit["fitting"]) | set(fit["not_fitting"]) == set(step_systems.STATIC_PLACEMENTS)
     assert "host/host/host" in fit["not_fitting"] and "device/device/device" in fit["not_fitting"]
     assert "memory.host_budget" in fit["not_fitting"]["host/host/host"]  # the planner's reason, kept
     assert fit["fitting"], "some placement must still fit"
@@ -90,7 +91,7 @@ def test_fitting_expands_to_exactly_the_static_placements_the_planner_accepts(tm
 
 def test_without_budgets_every_static_placement_fits(tmp_path):
     fit = bench_step.fitting_placements(bench_args(tmp_path, None))
-    assert fit["fitting"] == list(bench_step.STATIC_PLACEMENTS) and not fit["not_fitting"]
+    assert fit["fitting"] == list(step_systems.STATIC_PLACEMENTS) and not fit["not_fitting"]
 
 
 def test_default_budgets_leave_only_placements_with_the_optimizer_on_nvme_for_the_default_model(tmp_path,
@@ -114,7 +115,7 @@ def test_default_budgets_leave_only_placements_with_the_optimizer_on_nvme_for_th
 
 
 def test_auto_config_leaves_the_static_keys_at_their_defaults(tmp_path):
-    config = infinity.Config.from_dict(bench_step.infinity_config(bench_args(tmp_path, 4096), "auto", str(tmp_path)))
+    config = infinity.Config.from_dict(step_systems.infinity_config(bench_args(tmp_path, 4096), "auto", str(tmp_path)))
     assert config.placement.policy == "auto" and config.placement == type(config.placement)(policy="auto")
     assert config.memory.device_budget == 4096 and config.memory.host_budget == 4096
 
@@ -133,7 +134,7 @@ def test_driver_runs_auto_beside_every_fitting_static_placement(tmp_path):
     fitting = set(a["fitting"])
     assert fitting == planner_accepts(tmp_path, Budgets(**a["budgets"])) and "host/host/host" not in fitting
     assert payload["systems"] == ["infinity:auto"] + [f"infinity:{p}" for p in a["fitting"]]
-    assert not a["fitting_not_run"] and set(a["not_fitting"]) == set(bench_step.STATIC_PLACEMENTS) - fitting
+    assert not a["fitting_not_run"] and set(a["not_fitting"]) == set(step_systems.STATIC_PLACEMENTS) - fitting
     for placement, r in a["fitting"].items():
         assert r.get("step_s"), (placement, r)  # it fit, so it ran
     auto = payload["results"]["infinity:auto"]

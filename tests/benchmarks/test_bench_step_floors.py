@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_step  # noqa: E402
+import step_floors  # noqa: E402
 from common import DiskCounters  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def test_disk_counters_read_this_machines_device_when_it_has_one(tmp_path):
 
 def results_with(step_s: float, compute_s: float, samples: list[dict]) -> dict:
     moved = {"nvme_read": 4_000_000_000, "nvme_write": 5_000_000_000}
-    return {"io": bench_step._io_median(samples),
+    return {"io": step_floors.io_median(samples),
             "infinity:device/device/device": {"step_s": compute_s},
             "infinity:nvme/host/nvme": {"step_s": step_s, "bytes_moved_per_step": moved,
                                         "disk": {"busy_fraction": 0.97}}}
@@ -74,7 +75,7 @@ def test_floors_use_the_burst_median_and_report_the_sustained_floor_beside_it():
     samples = [{"read_GBps": 2.0, "write_GBps": 2.5, "sustained_read_GBps": 1.6, "sustained_write_GBps": 2.0},
                {"read_GBps": 4.0, "write_GBps": 5.0, "sustained_read_GBps": 2.0, "sustained_write_GBps": 2.5},
                {"read_GBps": 1.0, "write_GBps": 1.25, "sustained_read_GBps": 1.0, "sustained_write_GBps": 1.25}]
-    floors = bench_step._floors(results_with(step_s=5.5, compute_s=2.0, samples=samples))["infinity:nvme/host/nvme"]
+    floors = step_floors.floors_of(results_with(step_s=5.5, compute_s=2.0, samples=samples))["infinity:nvme/host/nvme"]
     burst = 4.0 / 2.0 + 5.0 / 2.5  # the medians: 2.0 and 2.5 GB/s
     assert floors["io_floor_s"] == pytest.approx(burst, abs=1e-3)
     assert floors["step_over_floor"] == pytest.approx(5.5 / burst, abs=1e-3)
@@ -87,7 +88,7 @@ def test_floors_use_the_burst_median_and_report_the_sustained_floor_beside_it():
 
 def test_floors_take_the_compute_floor_when_it_is_the_larger():
     samples = [{"read_GBps": 40.0, "write_GBps": 50.0}]  # no sustained sample (--io-sustained-bytes 0)
-    floors = bench_step._floors(results_with(step_s=3.0, compute_s=2.5, samples=samples))["infinity:nvme/host/nvme"]
+    floors = step_floors.floors_of(results_with(step_s=3.0, compute_s=2.5, samples=samples))["infinity:nvme/host/nvme"]
     assert floors["io_floor_s"] == pytest.approx(0.2, abs=1e-3)
     assert floors["step_over_floor"] == pytest.approx(3.0 / 2.5, abs=1e-3)
     assert "io_floor_sustained_s" not in floors
@@ -96,7 +97,7 @@ def test_floors_take_the_compute_floor_when_it_is_the_larger():
 def test_io_sample_measures_burst_and_sustained_rates(tmp_path):
     args = bench_step.parser().parse_args(["--dir", str(tmp_path), "--io-bytes", str(1 << 20),
                                            "--io-sustained-bytes", str(3 << 20)])
-    out = bench_step.run_io_floor(args)
+    out = step_floors.run_io_floor(args)
     assert set(out) == {"read_GBps", "write_GBps", "sustained_read_GBps", "sustained_write_GBps"}
     assert all(v > 0 for v in out.values())
     assert not [f for f in os.listdir(tmp_path) if f.startswith("bench-io-")]  # the sample's file is removed
@@ -108,7 +109,7 @@ def test_paired_floor_puts_each_step_over_the_mean_floor_of_the_samples_around_i
     steps = [{"step_s": 4.5}, {"step_s": 9.0}, {"step_s": 2.2}]
     results = results_with(step_s=5.5, compute_s=2.0, samples=[samples[0]])
     results["paired:nvme/host/nvme"] = {"samples": samples, "steps": steps}
-    paired = bench_step._floors(results)["infinity:nvme/host/nvme"]["paired"]
+    paired = step_floors.floors_of(results)["infinity:nvme/host/nvme"]["paired"]
     floor = [4.0 / r["read_GBps"] + 5.0 / r["write_GBps"] for r in samples]  # 4, 8, 2, 4 s
     io_floors = [(floor[i] + floor[i + 1]) / 2 for i in range(3)]  # 6, 5, 3 s
     ratios = [s["step_s"] / max(2.0, f) for s, f in zip(steps, io_floors)]  # 0.75, 1.8, 0.733
@@ -118,15 +119,15 @@ def test_paired_floor_puts_each_step_over_the_mean_floor_of_the_samples_around_i
     assert paired["step_s"] == 4.5 and paired["io_floor_s"] == pytest.approx(5.0, abs=1e-3)
     # with a compute floor above every I/O floor, the compute floor is the yardstick
     results["infinity:device/device/device"]["step_s"] = 10.0
-    paired = bench_step._floors(results)["infinity:nvme/host/nvme"]["paired"]
+    paired = step_floors.floors_of(results)["infinity:nvme/host/nvme"]["paired"]
     assert paired["ratios"] == pytest.approx([0.45, 0.9, 0.22], abs=1e-3)
 
 
 def test_paired_floor_is_absent_without_the_run_and_says_why_it_failed():
     results = results_with(step_s=5.5, compute_s=2.0, samples=[{"read_GBps": 2.0, "write_GBps": 2.5}])
-    assert "paired" not in bench_step._floors(results)["infinity:nvme/host/nvme"]
+    assert "paired" not in step_floors.floors_of(results)["infinity:nvme/host/nvme"]
     results["paired:nvme/host/nvme"] = {"error": "exit 1: boom"}
-    assert bench_step._floors(results)["infinity:nvme/host/nvme"]["paired"] == {"error": "exit 1: boom"}
+    assert step_floors.floors_of(results)["infinity:nvme/host/nvme"]["paired"] == {"error": "exit 1: boom"}
 
 
 @pytest.mark.slow  # ~20 s: a benchmark run

@@ -15,6 +15,8 @@ import infinity
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_step  # noqa: E402
+import step_floors  # noqa: E402
+import step_systems  # noqa: E402
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "256", "--seq", "16", "--batch", "1"]
 
@@ -27,7 +29,7 @@ def private_cache(tmp_path, monkeypatch):
 def test_stage_reaches_the_engine_config(tmp_path):
     args = bench_step.parser().parse_args(["--dir", str(tmp_path), "--zero-stage", "1"])
     stage = lambda placement: infinity.Config.from_dict(  # noqa: E731
-        bench_step.infinity_config(args, placement, str(tmp_path))).zero.stage
+        step_systems.infinity_config(args, placement, str(tmp_path))).zero.stage
     assert stage("host/host/host") == 1  # --zero-stage
     assert stage("host/host/host@2") == 2  # the system's own suffix wins
     assert stage("auto@0") == 0
@@ -38,7 +40,7 @@ def test_stage_reaches_the_engine_config(tmp_path):
 def test_stage_ratios():
     results = {"infinity:a@2": {"step_s": 1.0}, "infinity:a@3": {"step_s": 2.0}, "deepspeed:cpu_opt@2": {"step_s": 1.2},
                "fsdp2:cpu_both": {"step_s": 4.0}, "infinity:b@2": {"error": "x"}}
-    r = bench_step.stage_ratios(results)
+    r = step_floors.stage_ratios(results)
     assert r["infinity:a@2 / infinity:a@3"] == {"step_ratio": 0.5, "bar": "< 1.0", "met": True}
     assert r["infinity:a@2 / deepspeed:cpu_opt@2"] == {"step_ratio": 0.833, "bar": "<= 0.8", "met": False}
     assert r["infinity:a@2 / fsdp2:cpu_both"] == {"step_ratio": 0.25}
