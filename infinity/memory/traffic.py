@@ -351,7 +351,7 @@ JOURNAL_ALIGN = 64  # each kind's copy starts at a multiple of this (a view of a
 
 def journal_kind_bytes(numel: int, kind: Kind, state_dtype: StateDtype) -> int:
     """The journal's bytes for one unit's `numel` update elements of `kind` (Note [speculative update] in
-    optim/speculation.py), aligned."""
+    optim/journal.py), aligned."""
     return -(-numel * itemsize(kind, state_dtype) // JOURNAL_ALIGN) * JOURNAL_ALIGN
 
 

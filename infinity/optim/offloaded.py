@@ -154,7 +154,7 @@ class OffloadedOptimizer:
         `hyper[group]` (Note [groups ride on ranges] in groups.py: one kernel call per run).
         `on_unit_done(unit)` is called once a unit's last sub-group has been stepped and its write-backs
         issued (later reads of its shards wait for those writes); its gradients are then declared zero.
-        `journal`: a use of the speculation's journal (Note [speculative update] in speculation.py) that sees
+        `journal`: a use of the speculation's journal (Note [speculative update] in journal.py) that sees
         each sub-group's state before it is stepped: it copies it in, or back (and may say not to step).
         `kept_grads`: per unit, its final gradient kept on the device and that gradient's chunk(s) of the store,
         read instead of fetching it (the device lane's: Note [device lane] in memory/placement.py).

@@ -2,12 +2,13 @@
 
 Note [overlap]: with no global dependency (no clipping, no fp16 loss scaling, non-finite
 gradients are errors) a unit's update needs only its own gradients, so it runs on the
-worker as soon as they are final, during backward (`EagerUpdate`). With clipping or skipped
-non-finite steps it runs then too, as if the clip will not fire, and is redone or put back
-from a journal once the norm says so (`SpeculativeUpdate`, Note [speculative update] in
-optim/speculation.py). With fp16 loss scaling (or `overlap.speculation = 0`) `step()`
+worker as soon as they are final, during backward (`EagerUpdate`). With clipping, fp16 loss
+scaling or skipped non-finite steps (and `overlap.speculation` "auto", the default, or 0) `step()`
 computes the global norm first and hands the units to the worker in the order the next
-forward uses them; that forward waits per unit (`DeferredUpdate`). Without
+forward uses them; that forward waits per unit (`DeferredUpdate`). With a size in
+`overlap.speculation` (not with fp16) the update runs during backward anyway, as if the clip
+will not fire, and is redone or put back from a journal once the norm says so
+(`SpeculativeUpdate`, Note [speculative update] in optim/journal.py). Without
 `[overlap] optimizer_with_backward` the update runs on the training thread inside
 `step()` (`InlineUpdate`). All four are exactly the same update, bit for bit.
 
@@ -49,9 +50,9 @@ from infinity.memory.manager import TieredMemoryManager
 from infinity.memory.tier import Kind, Tier
 from infinity.memory.traffic import speculated_units
 from infinity.optim.cpu_adam import Hypers
+from infinity.optim.journal import Journal, journal_for
 from infinity.optim.offloaded import OffloadedOptimizer, Run
 from infinity.optim.read_ahead import StateReadAhead
-from infinity.optim.speculation import Journal, journal_for
 from infinity.optim.worker import OptimizerWorker
 from infinity.profile import Link
 from infinity.runtime.loss_scale import LossScaler
@@ -414,14 +415,14 @@ class DeferredUpdate(_OnWorker):
 class SpeculativeUpdate(_DuringBackward):
     """Each unit is updated as soon as its gradient is final, as if the clip will not fire, its pre-update state in
     the journal; `step()` validates with the global norm and redoes or puts back what must change (Note
-    [speculative update] in optim/speculation.py). Units the journal has no room for wait for the norm."""
+    [speculative update] in optim/journal.py). Units the journal has no room for wait for the norm."""
 
     forward_takes_in_order = True  # (the units it updates from step(): those with parameters on NVMe among them)
 
     def __init__(self, *, journal: Journal, **kwargs):
         super().__init__(**kwargs)
         self.journal = journal
-        self._deferred: list[tuple[Unit, _Flags]] = []  # units left for step(), their flags' reduction issued
+        self._after_norm: list[tuple[Unit, _Flags]] = []  # units left for step(), their flags' reduction issued
         self.fired = 0  # windows whose clip fired after speculating (redone)
 
     def grads_final(self, unit: Unit, sumsq: torch.Tensor) -> None:
@@ -434,7 +435,7 @@ class SpeculativeUpdate(_DuringBackward):
         reduced = self._issue_flags(unit)
         entry = self.journal.reserve(unit.index, unit.steps.counts)
         if entry is None:
-            self._deferred.append((unit, reduced))
+            self._after_norm.append((unit, reduced))
             return
         entry.hyper = self.hyper()
         self._submit(unit, sumsq, reduced, entry.hyper, self.journal.recording,
@@ -442,7 +443,7 @@ class SpeculativeUpdate(_DuringBackward):
 
     def step(self, norm: float, index: int) -> bool:
         self._open = False
-        deferred, self._deferred = self._deferred, []
+        deferred, self._after_norm = self._after_norm, []
         speculated = self.journal.entries  # (their runs are set on the worker, before a later batch resolves)
         if self._nonfinite is not None or not math.isfinite(norm):
             self._predicted = {}

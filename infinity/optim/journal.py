@@ -22,19 +22,7 @@ speculated (their update is fast; the copies would cross PCIe), nor those with p
 NVMe (a fired clip would write them twice over the slowest link; their reads are ahead of the update already:
 Note [state read-ahead]).
 
-Note [speculation default]: only a size in `overlap.speculation` speculates (every window); "auto" waits for the
-norm (the deferred update), as measured on both machines the copies had to share:
-- on an H100 (bench_gpu, 2026-11-26, the ZeRO-Offload shape) speculating with a clip that never fired cost
-  2.51x the unclipped step for the fp32 GPT 1.31B (case b) and 2.11x for the 1.12B Llama in bf16, against
-  1.31x and 1.11x for waiting with the clip firing in every window. The CPU's Adam is already the busy resource
-  during backward there (0.24-0.30 s of it against ~0.26 s of backward), and the copies (16 bytes per element
-  in, as many back) double its memory traffic; a fired clip paid the redo on top (2.76x);
-- on the 2-core development machine the copies took the cores from compute: 1.33-1.56x the deferred step with
-  a clip that never fired, 1.33-1.65x with one that always did (docs/tiers.md).
-The forecast that speculated only after 4 windows without a fired clip is gone with it: it avoided the redo,
-not the copies. What would make speculation pay: no copies, the speculated update writing its results beside
-the state it read (then committing them is a swap of the unit's storage, and a redo reads the untouched state).
-torch's fused Adam kernels update in place, so that needs a kernel with separate outputs.
+The default, "auto", does not speculate: Note [speculation default] in config/update_mode.py.
 
 The worker applies the journal through `OffloadedOptimizer.step(journal=...)`, one type per use:
 `Recording` (copy in, then step), `Replaying` (copy back with the gradient, then step) and `Restoring`
@@ -48,8 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype
-from infinity.memory.traffic import JOURNAL_KINDS as KEPT
-from infinity.memory.traffic import journal_kind_bytes
+from infinity.memory.traffic import JOURNAL_KINDS, journal_kind_bytes
 
 
 @dataclass
@@ -67,7 +54,7 @@ class Journal:
 
     def __init__(self, capacity: int, numels: dict[int, int], compute_dtype: torch.dtype, state_dtype: StateDtype):
         self.numels, self.state_dtype = numels, state_dtype
-        self.dtypes = {k: k.dtype(compute_dtype, state_dtype) for k in KEPT}
+        self.dtypes = {k: k.dtype(compute_dtype, state_dtype) for k in JOURNAL_KINDS}
         self.arena = torch.empty(capacity, dtype=torch.uint8)  # pages are touched when first used
         self.entries: dict[int, Entry] = {}
         self._used = 0
@@ -80,11 +67,11 @@ class Journal:
     def reserve(self, unit: int, counts: dict[str, int]) -> Entry | None:
         """Room for `unit`'s copies in this window (training thread); None when it is not speculated."""
         numel = self.numels.get(unit, 0)
-        sizes = [journal_kind_bytes(numel, k, self.state_dtype) for k in KEPT]
+        sizes = [journal_kind_bytes(numel, k, self.state_dtype) for k in JOURNAL_KINDS]
         if not numel or self._used + sum(sizes) > self.capacity:
             return None
         copies = {}
-        for kind, size in zip(KEPT, sizes):
+        for kind, size in zip(JOURNAL_KINDS, sizes):
             copies[kind] = self.arena[self._used: self._used + size].view(self.dtypes[kind])[:numel]
             self._used += size
         self.entries[unit] = entry = Entry(copies, dict(counts))
@@ -114,7 +101,7 @@ class _Use:
 
 class Recording(_Use):
     def before_step(self, unit: int, at: int, runs, bufs: dict) -> bool:
-        for kept, live in self._pairs(unit, at, runs, bufs, KEPT):
+        for kept, live in self._pairs(unit, at, runs, bufs, JOURNAL_KINDS):
             kept.copy_(live)
         return True
 
@@ -123,7 +110,7 @@ class Replaying(_Use):
     label = "adam again"
 
     def before_step(self, unit: int, at: int, runs, bufs: dict) -> bool:
-        for kept, live in self._pairs(unit, at, runs, bufs, KEPT):
+        for kept, live in self._pairs(unit, at, runs, bufs, JOURNAL_KINDS):
             live.copy_(kept)  # the gradient too: the speculated update declared it spent
         return True
 
