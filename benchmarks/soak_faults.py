@@ -73,6 +73,7 @@ def _worker(root: str, out: str, progress: str, steps: int) -> None:
     import infinity
     import infinity.state.checkpoint as ckpt
     from infinity.models.gpt import GPT, GPTConfig, gpt_init, synthetic_batch
+    from infinity.state.checkpoint_load import read_manifest
 
     cfg = GPTConfig(vocab_size=512, seq_len=64, n_layer=4, n_head=4, d_model=128)
     from pathlib import Path
@@ -91,7 +92,7 @@ def _worker(root: str, out: str, progress: str, steps: int) -> None:
     found = []
     for name in os.listdir(ckpts) if os.path.isdir(ckpts) else []:
         try:
-            found.append((ckpt.read_manifest(os.path.join(ckpts, name))["user_state"]["next_step"], name))
+            found.append((read_manifest(os.path.join(ckpts, name))["user_state"]["next_step"], name))
         except ckpt.CheckpointError:
             pass  # an incomplete save (killed, or the disk was full): never loaded
     if found:

@@ -48,7 +48,7 @@ def main() -> None:
     with infinity.meta_init():
         model = GPT2LMHeadModel(gpt2_config)
     engine = infinity.initialize(model, config, init_fn=model._init_weights)
-    data = Batches.from_config(DataConfig(), seq_len=args.seq_len, global_batch=args.batch)  # bytes of data/kjv.txt.gz
+    data = Batches.from_config(DataConfig(), seq_len=args.seq_len, global_batch=args.batch)  # the shipped corpus
     try:
         for step in range(args.steps):
             x, y = data.batch(step, 0)

@@ -207,22 +207,27 @@ def _dispatch(args) -> int:
         return EXIT_USAGE
 
 
+def _line(args):
+    """The job this command line names (job/spec.py's JobLine)."""
+    from infinity.job.spec import JobLine
+    return JobLine(args.config, tuple(args.overrides))
+
+
 def _train(args) -> int:
     from infinity.job.resume import load_resume
-    from infinity.job.spec import load_job
     from infinity.job.train import train
-    resume = None
+    line, resume = _line(args), None
     if args.resume:
-        job, resume = load_resume(args.resume, args.config, args.overrides)
+        job, resume = load_resume(args.resume, line.config, list(line.sets))
     else:
-        job = load_job(args.config, args.overrides)
+        job = line.job()
     result = train(job, verbose=not args.quiet, resume=resume)
     return EXIT_INTERRUPTED if result.status == "interrupted" else 0
 
 
 def _config(args) -> int:
     from infinity.config.sections import Config
-    from infinity.job.spec import job_defaults_text, load_job, to_toml
+    from infinity.job.spec import job_defaults_text, to_toml
     if args.defaults:
         from infinity.job.spec import DECAY_DEFAULTS, TRAIN_DEFAULTS
         shown = {s: dict(t) for s, t in TRAIN_DEFAULTS.items()}
@@ -234,7 +239,7 @@ def _config(args) -> int:
             "# profile.trace_dir): set one and it is fixed.")))
         print(job_defaults_text())
         return 0
-    job = load_job(args.config, args.overrides)
+    job = _line(args).job()
     run_dir = os.path.join(job.run.dir, "<run>")
     print(to_toml(job.engine_config(run_dir), job, run_dir))
     return 0
@@ -243,17 +248,17 @@ def _config(args) -> int:
 def _estimate(args) -> int:
     from infinity.config.sections import ConfigError
     from infinity.plan import estimate as est
-    overrides = list(args.overrides) + ([f"model.seq_len={args.seq_len}"] if args.seq_len is not None else [])
+    line = _line(args).then(*([f"model.seq_len={args.seq_len}"] if args.seq_len is not None else []))
     custom = None
     if args.model and ":" in args.model:
         custom = args.model
     elif args.model:
-        overrides.append(f'model.kind="{args.model}"')
+        line = line.then(f'model.kind="{args.model}"')
     if args.world_size < 1:
         raise ConfigError(f"--world-size {args.world_size}: must be >= 1")
     if args.largest is not None:
-        return _largest(args, overrides, custom)
-    result = _job_estimate(args, overrides, custom)
+        return _largest(args, line, custom)
+    result = _job_estimate(args, line, custom)
     if result is None:
         return 0
     if args.json:
@@ -263,18 +268,17 @@ def _estimate(args) -> int:
     return 0 if result.ok else 1
 
 
-def _largest(args, overrides, custom) -> int:
+def _largest(args, line, custom) -> int:
     """Note [largest model]: bisect the family's ladder, each rung judged by the estimate of this job."""
     from infinity.config.sections import ConfigError
-    from infinity.job.spec import load_job
     from infinity.plan import largest
     if args.largest not in largest.LADDERS:
         raise ConfigError(f"--largest {args.largest}: not a model family; one of {', '.join(largest.LADDERS)}")
     if custom or args.stages or args.nodes or args.hardware:
         raise ConfigError("--largest searches a family's shapes on this machine: drop --model module:function, "
                           "--stages, --nodes and --hardware")
-    seq_len = load_job(args.config, overrides).model.seq_len
-    answers = largest.run(args.largest, seq_len, lambda sets: _job_estimate(args, overrides + sets, None, plans=1))
+    seq_len = line.job().model.seq_len
+    answers = largest.run(args.largest, seq_len, lambda sets: _job_estimate(args, line.then(*sets), None, plans=1))
     if args.json:
         print(json.dumps([{"mode": a.mode, "judged": a.judged, **{k: None if v is None else {
             "rung": v.rung.name, "num_params": v.estimate.num_params, "set": v.plan, "fits": v.fits,
@@ -286,13 +290,12 @@ def _largest(args, overrides, custom) -> int:
     return 0 if all(a.largest is not None for a in answers) else 1
 
 
-def _job_estimate(args, overrides, custom, plans: int = 3):
-    """The Estimate of the job with `overrides` (None when --stages printed its own report); `plans`: how many."""
+def _job_estimate(args, line, custom, plans: int = 3):
+    """The Estimate of the job `line` names (None when --stages printed its own report); `plans`: how many."""
     from infinity.config.sections import ConfigError
-    from infinity.job.spec import load_job
     from infinity.models.build import build_model
     from infinity.plan import estimate as est
-    job = load_job(args.config, overrides)
+    job = line.job()
     run_dir = os.path.join(job.run.dir, "<run>")
     config = job.engine_config(run_dir)
     from infinity.machine.preflight import check_nvme_paths
@@ -308,7 +311,7 @@ def _job_estimate(args, overrides, custom, plans: int = 3):
     def apply(sets: list[str]):
         """The job with a plan's `--set` lines after the user's, loaded and checked as `infinity train` would."""
         from infinity.plan.search import Applied
-        planned = load_job(args.config, overrides + [*sets])
+        planned = line.then(*sets).job()
         if planned.run.batch_size % args.world_size:
             raise ConfigError(f"run.batch_size = {planned.run.batch_size} is not divisible by --world-size "
                               f"{args.world_size}")
@@ -318,21 +321,20 @@ def _job_estimate(args, overrides, custom, plans: int = 3):
     return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                         batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
                         remeasure=args.remeasure, apply=apply,
-                        lora=_lora_option(job, custom, args, overrides, not config.activation.loss_chunk_tokens),
+                        lora=_lora_option(job, custom, line, not config.activation.loss_chunk_tokens),
                         depth=None if custom else job_depth(job.model, job.lora,
                                                             own_llama=not config.activation.loss_chunk_tokens),
                         plans=plans)
 
 
-def _lora_option(job, custom, args, overrides, own_llama: bool):
+def _lora_option(job, custom, line, own_llama: bool):
     """For a pretrained model trained whole: the `--set` line that trains LoRA adapters instead, and its model."""
     if custom or not job.model.pretrained or job.lora.r:
         return None
-    from infinity.job.spec import load_job
     from infinity.models.build import build_model
     from infinity.plan.traced import job_depth
     sets = ["model.lora.r=16"]
-    lora_job = load_job(args.config, overrides + sets)
+    lora_job = line.then(*sets).job()
     return sets, lambda: build_model(lora_job.model, lora_job.lora), job_depth(lora_job.model, lora_job.lora,
                                                                                   own_llama=own_llama)
 

@@ -31,7 +31,6 @@ from infinity.job.run_dir import refuse_if_in_use
 from infinity.job.spec import Job, load_job
 from infinity.models.build import TOKENIZER_IDENTITY_FILES
 from infinity.state.checkpoint_load import verify
-from io_engine import atomic_write
 
 FINAL_CHECKPOINT = "checkpoint"  # <run>/checkpoint: the checkpoint saved at the end (or at Ctrl-C)
 PERIODIC_CHECKPOINTS = "checkpoints"  # <run>/checkpoints/step-<N>: every run.checkpoint_every steps
@@ -53,9 +52,13 @@ class Resume:
         them (`kept`, its answer) (Note [damaged checkpoint])."""
         if not self.damaged:
             return None
-        what = "; ".join(f"{path} is damaged ({why})" for path, why in self.damaged)
-        return (f"{what}: resuming from {self.checkpoint} (step {self.step}), the newest intact checkpoint; the "
-                f"damaged one{'s' if len(self.damaged) > 1 else ''} kept as {', '.join(str(p) for p in kept)}")
+        what = "; ".join(f"{path} is {why}" if why.startswith("an incomplete save") else f"{path} is damaged ({why})"
+                         for path, why in self.damaged)
+        tried = len(self.damaged) + 1
+        kept_said = (f"; the damaged one{'s' if len(kept) > 1 else ''} kept as {', '.join(str(p) for p in kept)}"
+                     if kept else "")
+        return (f"{what}: resuming from {self.checkpoint} (step {self.step}), the newest intact checkpoint of the "
+                f"{tried} tried{kept_said}")
 
 
 def train_position(job: Job, config: Config, step: int, elapsed_s: float, world: int) -> dict:
@@ -126,20 +129,27 @@ def _checkpoint_dirs(run_dir: Path) -> list[Path]:
     return sorted(p for p in out if DAMAGED_SUFFIX not in p.name)
 
 
-# Note [damaged checkpoint]: a checkpoint whose manifest reads but whose files do not hold what the manifest
-# says (a rank file truncated or overwritten, an index or RNG file changed) would fail its load. `--resume RUN`
-# verifies the candidates newest first (checkpoint_load.verify: every record's CRC32, as the load checks them)
-# and continues from the newest intact one, saying which it passed over and why; `--resume
-# RUN/checkpoints/step-N` is not refused for newer checkpoints that are damaged. The damaged ones are not
-# deleted: once the resumed run has loaded its checkpoint they are renamed to <name>.damaged (the run will save
-# those steps again under their names).
+# Note [damaged checkpoint]: `--resume RUN` never goes back in silence. Its candidates are every checkpoint
+# directory of the run. One whose manifest does not read (missing, truncated, unparsable, another format) is
+# damaged; so is one whose manifest reads but whose files do not hold what it says (a rank file missing,
+# truncated or overwritten, an index or RNG file changed: checkpoint_load.verify checks every record's CRC32, as
+# the load does). It continues from the newest intact one and says which it passed over, why, and how many it
+# tried; when none is intact the error lists every one. An incomplete save (`<name>.tmp-<token>` with its partial
+# marker, left by a run stopped while saving) is never a candidate; it is named too, and the next save removes it
+# as it removes every stopped save. `--resume RUN/checkpoints/step-N` is not refused for newer checkpoints that
+# are damaged. The damaged ones are not deleted: once the resumed run has loaded its checkpoint they are renamed
+# to <name>.damaged (the run will save those steps again under their names). The checkpoint format has no
+# `latest` pointer to lose: the newest is found by the steps the manifests record.
 DAMAGED_SUFFIX = ".damaged"
 
 
 def set_aside(damaged) -> list[Path]:
     """Rename each damaged checkpoint to <name>.damaged (another suffix if that exists); returns the new paths."""
+    from infinity.state.checkpoint import PARTIAL_MARKER
     moved = []
     for path, _ in damaged:
+        if ".tmp-" in path.name and (path / PARTIAL_MARKER).exists():
+            continue  # an incomplete save: named, and removed by the next save as every stopped save is
         target, n = path.with_name(path.name + DAMAGED_SUFFIX), 1
         while target.exists():
             target, n = path.with_name(f"{path.name}{DAMAGED_SUFFIX}-{n}"), n + 1
@@ -202,6 +212,25 @@ def _position_of(path: Path) -> dict | None:
     return position if isinstance(position, dict) and isinstance(position.get("step"), int) else None
 
 
+def unreadable_checkpoints(run_dir: Path) -> tuple[list[tuple[Path, str]], list[tuple[Path, str]]]:
+    """(path, why) of the checkpoint directories of `run_dir` whose manifest does not read, as two lists: the
+    damaged ones (a manifest missing, truncated or unparsable, or of a format this version does not read) and
+    the incomplete saves a stopped run left (`<name>.tmp-<token>` with its partial marker; the next save removes
+    them). Neither is a candidate, and neither is passed over in silence (Note [damaged checkpoint])."""
+    from infinity.state.checkpoint import PARTIAL_MARKER, CheckpointError
+    from infinity.state.checkpoint_load import read_manifest
+    damaged, partial = [], []
+    for path in _checkpoint_dirs(run_dir):
+        try:
+            read_manifest(str(path))
+        except (CheckpointError, OSError) as e:
+            if ".tmp-" in path.name and (path / PARTIAL_MARKER).exists():
+                partial.append((path, "an incomplete save: the run stopped while writing it"))
+            else:
+                damaged.append((path, str(e).split(": use another checkpoint")[0].split(": it is not")[0]))
+    return damaged, partial
+
+
 def run_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(steps done, path) of the complete checkpoints `infinity train` saved in `run_dir`, oldest first."""
     found = [(pos["step"], path) for path in _checkpoint_dirs(run_dir) if (pos := _position_of(path)) is not None]
@@ -217,16 +246,17 @@ def newest_intact(run_dir: Path, check: bool = True) -> tuple[Path, list[tuple[P
     """The complete checkpoint with the most steps in `run_dir` that verifies (Note [damaged checkpoint]), and
     (path, why) of the newer ones that do not; a ConfigError saying why there is none."""
     found = run_checkpoints(run_dir)
-    damaged = []
+    damaged, partial = unreadable_checkpoints(run_dir) if check else ([], [])
     for _, path in reversed(found):
         why = verify(str(path)) if check else None
         if why is None:
-            return path, damaged
+            return path, damaged + partial
         damaged.append((path, why))
     if damaged:
-        listed = "; ".join(f"{p} ({why})" for p, why in damaged)
-        raise ConfigError(f"--resume {run_dir}: every checkpoint of the run is damaged: {listed}. Start the run "
-                          f"again with infinity train --config {run_dir / 'config.toml'} --set run.name=<new name>")
+        listed = "; ".join(f"{p} ({why})" for p, why in damaged + partial)
+        raise ConfigError(f"--resume {run_dir}: every checkpoint of the run is damaged, {len(damaged + partial)} "
+                          f"tried: {listed}. Start the run again with infinity train --config "
+                          f"{run_dir / 'config.toml'} --set run.name=<new name>")
     others = [p.name if p.parent == run_dir else f"{p.parent.name}/{p.name}" for p in _checkpoint_dirs(run_dir)]
     why = (f"only {', '.join(others)}, which {'is' if len(others) == 1 else 'are'} incomplete (a save the run did not "
            f"finish) or not saved by infinity train" if others else
@@ -259,6 +289,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         from infinity.state.checkpoint_load import read_manifest
         read_manifest(str(given))  # a CheckpointError that says what is wrong with it
         checkpoint = given
+        damaged = [d for d in unreadable_checkpoints(run_dir)[0] if d[0] != given]
         why = verify(str(checkpoint))
         if why is not None:
             raise ConfigError(f"--resume {path}: the checkpoint is damaged ({why}); resume from the newest intact "
@@ -339,37 +370,6 @@ def _relocate(job: Job, run_dir: Path) -> Job:
     if keys.get("checkpoint", {}).get("dir") == written_for:
         del keys["checkpoint"]["dir"]
     return dataclasses.replace(job, engine_keys=keys)
-
-
-def _metrics_records(path: Path) -> list[tuple[str, dict | None]]:
-    """(line, record) of metrics.jsonl; record None for a line a killed run left half-written."""
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append((line, json.loads(line)))
-        except ValueError:
-            out.append((line, None))
-    return out
-
-
-def trim_metrics(path: Path, last_step: int) -> int:
-    """Keep the records of steps <= last_step (the checkpoint's); returns how many lines were dropped."""
-    lines = _metrics_records(path)
-    kept = [line for line, record in lines if record is not None and record.get("step", 0) <= last_step]
-    if len(kept) != len(lines):
-        atomic_write(path, "".join(line + "\n" for line in kept))
-    return len(lines) - len(kept)
-
-
-def earlier_losses(path: Path) -> list[float]:
-    return [record["loss"] for _, record in _metrics_records(path) if record is not None]
-
-
-def earlier_tokens(path: Path) -> int:
-    """The trained tokens of the steps kept in the metrics (their last record's running total)."""
-    records = [record for _, record in _metrics_records(path) if record is not None]
-    return int(records[-1].get("tokens", 0)) if records else 0
-
 
 
 # the error itself is printed after this line (by whoever catches it) and is summary.json's "error"

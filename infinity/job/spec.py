@@ -137,6 +137,24 @@ class Job:
         return list(self.run_derived(run_dir).get("nvme", {}).get("paths", []))
 
 
+@dataclass(frozen=True)
+class JobLine:
+    """What a command line says of the job: its job file (`--config`; None: the defaults) and its `--set` lines,
+    in order. The one way the commands turn a command line into a job: `infinity train` (and `--resume`, whose
+    run's config.toml the lines then override), `config`, `estimate` and its plans and `--largest` rungs, which
+    add lines of their own after the user's (`then`)."""
+
+    config: str | None = None
+    sets: tuple[str, ...] = ()
+
+    def then(self, *sets: str) -> JobLine:
+        """These lines after the user's (a later line wins)."""
+        return JobLine(self.config, self.sets + tuple(sets))
+
+    def job(self) -> Job:
+        return load_job(self.config, list(self.sets))
+
+
 def load_job(path: str | os.PathLike | None = None, overrides: list[str] = (), *, run_config: bool = False) -> Job:
     """Read a job file (or none: the defaults) and apply `section.key=value` overrides. `run_config`: `path` is
     the config.toml of a run directory, as infinity train wrote it (Note [pretrained shape keys])."""

@@ -70,19 +70,17 @@ from infinity.device.process_group import (
     rank_and_world,
 )
 from infinity.device.streams import host_value, to_host
+from infinity.job.metrics import Earlier, Metrics
 from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
 from infinity.job.resume import (
     FINAL_CHECKPOINT,
     PERIODIC_CHECKPOINTS,
     Resume,
-    earlier_losses,
-    earlier_tokens,
     keep_profile_segments,
     run_checkpoints,
     set_aside,
     stopped_summary,
     train_position,
-    trim_metrics,
 )
 from infinity.job.run_dir import RunDir, write_json
 from infinity.job.spec import EXPORT, Job, to_toml
@@ -221,19 +219,19 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             assert saved.get("step") == start, f"{resume.checkpoint} is at step {saved.get('step')}, not {start}"
             count_as_written(engine, [str(p) for step, p in run_checkpoints(run_dir) if step <= start],
                              start)  # the run's periodic and final ones (job steps are windows): keep_last goes on
-            kept = []  # the damaged checkpoints' new names (rank 0 renames them)
+            kept, kept_records = [], Earlier()  # rank 0's: the damaged checkpoints' new names, the kept metrics
             if rank == 0:  # only now: a resume that fails to start leaves the run's files as they were
                 atomic_write(run_dir / "config.toml", to_toml(config, job, str(run_dir)))
-                dropped = trim_metrics(run_dir / "metrics.jsonl", start)  # steps after the checkpoint: trained again
-                if dropped:
-                    say.note(f"dropped {dropped} metrics record(s) of steps after the checkpoint (step {start})")
-                earlier = earlier_losses(run_dir / "metrics.jsonl")
-                result.tokens_before = earlier_tokens(run_dir / "metrics.jsonl")
                 kept = set_aside(resume.damaged)  # kept, their steps saved again (Note [damaged checkpoint])
+                kept_records = Metrics(run_dir).resumed(start)  # Note [metrics on resume]
+                earlier, result.tokens_before = kept_records.losses, kept_records.tokens
             keep_profile_segments(config.profile.trace_dir, rank, int(os.environ.get("LOCAL_RANK", "0")),
                                   lambda: barrier(default_group()))  # Note [profile segments]
-            if resume.damaged_note(kept):
+            if resume.damaged_note(kept):  # first the damage, then what it meant for the metrics
                 say.note(resume.damaged_note(kept))
+            if kept_records.dropped:
+                say.note(f"dropped {kept_records.dropped} metrics record(s) of steps after the checkpoint "
+                         f"(step {start})")
             say.note(f"resuming {run_dir} at step {start} from {resume.checkpoint}")
             if resume.changes:
                 say.note("changed from the run's config.toml: " + "; ".join(resume.changes))
@@ -250,7 +248,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])
         stop.install()
-        with (run_dir / "metrics.jsonl").open("a") if rank == 0 else _Null() as metrics:
+        with Metrics(run_dir if rank == 0 else None) as metrics:
             try:
                 _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
                       elapsed_before=resume.elapsed_s if resume else 0.0)
@@ -288,22 +286,6 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                     shutil.rmtree(swap_dir, ignore_errors=True)
             stop.restore()
     return result
-
-
-class _Null:
-    """A metrics sink for ranks other than 0."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def write(self, text: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
 
 
 def _placement_text(engine) -> str:
@@ -357,7 +339,7 @@ def _estimate(job: Job, config: Config, world: int, say: Progress):
         return None
 
 
-def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batches, stop: StopFlag, metrics,
+def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batches, stop: StopFlag, metrics: Metrics,
           say: Progress, result: Result, *, elapsed_before: float = 0.0) -> None:
     """Steps result.steps + 1 .. run.steps (> 0 when resuming: the batches and LR continue from there);
     `result` follows the steps done, so a run stopped by an error still reports where it was."""
@@ -407,8 +389,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
                     result.val_loss = _validate(engine, bundle, batches, job.run.eval_batches, device)
                 record["val_loss"] = result.val_loss
                 say.note(f"step {step}: validation loss {result.val_loss:.4f}")
-            metrics.write(json.dumps(record) + "\n")
-            metrics.flush()
+            metrics.record(record)
             result.steps, result.seconds = step, time.perf_counter() - began
             result.losses.append(mean_loss)
             result.step_tokens.append(tokens_per_step)

@@ -228,6 +228,8 @@ def verify(path: str) -> str | None:
                         crc, left = zlib.crc32(chunk, crc), left - len(chunk)
                     if crc != rec["crc"]:
                         return f"{entry['file']} at offset {rec['offset']} does not match its checksum"
+    except FileNotFoundError as e:
+        return f"{os.path.basename(e.filename or '') or 'a file'} is missing"
     except (CheckpointError, OSError, ValueError, KeyError) as e:
         return str(e) or type(e).__name__
     return None

@@ -30,7 +30,7 @@ def test_the_answer_fits_and_the_next_rung_does_not(tmp_path, budget):
     args = job_args(tmp_path, budget)
 
     def judge(sets):
-        return cli._job_estimate(args, list(args.overrides) + sets, None)
+        return cli._job_estimate(args, cli._line(args).then(*sets), None)
     answer = largest.largest(LADDER, lambda rung: judge(rung.sets()), largest.MODES[0])
     assert answer.largest is not None and answer.above is not None, "the case needs a boundary inside the ladder"
     again = judge(answer.largest.rung.sets() + answer.largest.plan)  # the printed lines, estimated from scratch
