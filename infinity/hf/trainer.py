@@ -211,8 +211,11 @@ class InfinityTrainerMixin:
                 if getattr(module, "generation_config", None) is not None and hasattr(module, "can_generate") \
                         and module.can_generate():
                     module.generation_config.save_pretrained(output_dir)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
+            tokenizer = self.processing_class  # as Trainer._save: else the collator's tokenizer
+            if tokenizer is None:
+                tokenizer = getattr(self.data_collator, "tokenizer", None)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(output_dir)
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
             if not _internal_call:
                 import shutil

@@ -476,3 +476,30 @@ def test_infinity_profile_reads_a_trainers_output_dir_or_names_the_trainers_swit
 def test_gpu_losses_and_eval_equal_the_trainer(tmp_path):
     """The GPU twin (issue 42): InfinityTrainer against transformers' Trainer, both on the device."""
     test_losses_and_eval_equal_the_trainer(tmp_path, use_cpu=False)
+
+
+def test_save_model_writes_the_files_trainer_writes(tmp_path):
+    """`save_model` after training writes what transformers' Trainer writes, file name by file name: the model
+    and its config and generation config, the training arguments, and the tokenizer with its chat template, taken
+    from the data collator when there is no processing_class (Trainer._save's fallback), loadable by
+    AutoTokenizer."""
+    from transformers import AutoTokenizer, DataCollatorForLanguageModeling
+    tokenizer, _ = chat_data(4)
+    train = lm_dataset(8, length=12)
+    outputs = {}
+    for cls in (Trainer, InfinityTrainer):
+        out = tmp_path / cls.__name__
+        collator = DataCollatorForLanguageModeling(tokenizer, mlm=False)
+        trainer = cls(model=tiny_llama(), args=args_for(out, max_steps=2, eval_strategy="no"), train_dataset=train,
+                      data_collator=collator)
+        trainer.train()
+        trainer.save_model(str(out / "final"))
+        outputs[cls] = out / "final"
+        if cls is InfinityTrainer:
+            trainer.engine.close()
+    theirs, mine = ({p.name for p in outputs[c].iterdir()} for c in (Trainer, InfinityTrainer))
+    assert mine == theirs, (sorted(mine ^ theirs), sorted(theirs))
+    assert "tokenizer.json" in mine and "chat_template.jinja" in mine
+    loaded = AutoTokenizer.from_pretrained(outputs[InfinityTrainer])
+    assert loaded.chat_template == tokenizer.chat_template
+    assert loaded("hello world")["input_ids"] == tokenizer("hello world")["input_ids"]
