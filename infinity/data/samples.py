@@ -150,11 +150,11 @@ def first_record(path: str) -> tuple[str, dict] | None:
     return None
 
 
-def resolve_format(data) -> tuple[str, str | None]:
+def resolve_format(data, explicit: bool = False) -> tuple[str, str | None]:
     """(data.format to read data.path with, the line that says a change). Note [data format from the records]:
     a file of records under the default "text" would train on its JSON syntax: chat or completion records are
     read as such and the start line says so; other records are refused naming data.format. A format the user
-    set that the records do not have is refused naming the one they have."""
+    set (`explicit`, "text" too) that the records do not have is refused naming both."""
     found = first_record(data.path)
     if found is None:
         if data.format != "text":
@@ -163,6 +163,10 @@ def resolve_format(data) -> tuple[str, str | None]:
     where, record = found
     kind = record_format(record, data)
     if data.format == "text":
+        if kind in ("chat", "completion") and explicit:
+            raise ConfigError(f'data.format = "text" is set, but data.path = {data.path!r} holds {kind} records '
+                              f'({where}: {", ".join(sorted(record))}): set data.format = "{kind}" (or remove the '
+                              f"key: the records say what they are), or give a plain text file")
         if kind in ("chat", "completion"):
             return kind, (f"data: {data.path} holds {kind} records ({where}: {', '.join(sorted(record))}); read as "
                           f'data.format = "{kind}" (set it in the job file to say so)')

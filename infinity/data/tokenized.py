@@ -37,6 +37,7 @@ class Job(Protocol):
     model: ModelConfig
     data: DataConfig
     run: RunConfig
+    given: frozenset  # the job keys the user set (an explicit data.format is obeyed)
 
     def engine_config(self, run_dir: str, start: int = 0) -> Config: ...
 
@@ -168,7 +169,7 @@ def resolve_data_format(job: Job) -> tuple[Job, str | None]:
     import dataclasses
 
     from infinity.data.samples import resolve_format
-    fmt, said = resolve_format(job.data)
+    fmt, said = resolve_format(job.data, explicit="data.format" in job.given)
     changed = fmt != job.data.format
     if changed:
         job = dataclasses.replace(job, data=dataclasses.replace(job.data, format=fmt))

@@ -80,6 +80,7 @@ class Job:
     lora: LoraConfig  # [model.lora]
     data: DataConfig
     engine_keys: dict  # section -> {key: value}, as the user gave them
+    given: frozenset = frozenset()  # the job sections' keys the user set ("data.format"), in the file or with --set
 
     def model_identity(self) -> dict:
         """What a checkpoint's weights were trained as: [model] and [model.lora] (resume refuses a change;
@@ -188,6 +189,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = (), *
     _refuse_shape_beside_pretrained(tables.get("model", {}), [k for k in in_file if k not in set_shape], set_shape,
                                     path, run_config)
     job_parts = {}
+    given = frozenset(f"{name}.{key}" for name in JOB_SECTIONS for key in tables.get(name, {}))
     for name, cls in JOB_SECTIONS.items():
         table = tables.pop(name, {})
         for key in table:
@@ -197,7 +199,7 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = (), *
     if job_parts["model"].pretrained:  # config.toml (train again, --resume) then names it from anywhere
         job_parts["model"] = dataclasses.replace(job_parts["model"],
                                                  pretrained=os.path.abspath(job_parts["model"].pretrained))
-    job = Job(engine_keys=tables, **job_parts)
+    job = Job(engine_keys=tables, given=given, **job_parts)
     if job.lora.r and not job.model.pretrained:
         raise ConfigError(f"model.lora.r = {job.lora.r} needs model.pretrained = <a Hugging Face model directory>: "
                           f"LoRA adapts a pretrained model's weights (from random weights, train them all: "

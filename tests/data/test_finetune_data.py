@@ -360,6 +360,13 @@ def test_records_under_the_text_format_are_read_as_what_they_are_or_refused(tmp_
     plain = tmp_path / "p.txt"
     plain.write_text("In the beginning {was} the word.\n" * 50)
     assert resolve_data_format(load_job(None, common + [f"data.path={plain}"]))[1] is None
+    for sets in (["data.format=text"], []):  # explicit, on the command line or in a job file: obeyed, not overridden
+        job_file = tmp_path / "job.toml"
+        job_file.write_text('[data]\nformat = "text"\n')
+        with pytest.raises(ConfigError, match=r'data.format = "text" is set, but .*c.jsonl.* holds chat records.*'
+                                              r'set data.format = "chat"'):
+            resolve_data_format(load_job(None if sets else job_file, common + [f"data.path={chat}", *sets]))
+    assert resolve_data_format(load_job(None, common + [f"data.path={plain}", "data.format=text"]))[1] is None
 
 
 def test_tokenized_data_is_cached_beside_the_data_and_made_again_when_it_changes(tmp_path, llama, monkeypatch):
