@@ -59,12 +59,24 @@ def load_tokens(path: str) -> torch.Tensor:
                           f'use "kjv" for the shipped corpus')
     try:
         raw.decode("utf-8")
-    except UnicodeDecodeError as e:  # binary data would train without a word (issue 31)
+    except UnicodeDecodeError as e:  # binary data would train without a word
         line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"data.path = {path!r} line {line}: not UTF-8 text (byte {e.start}: "
-                          f"{raw[e.start:e.start + 1]!r}); the file looks binary: point data.path at a UTF-8 "
-                          f"text file") from None
+        raise ConfigError(f"data.path = {path!r} line {line}: {not_utf8(raw, e.start, path, 'a UTF-8 text file')}") \
+            from None
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def not_utf8(raw: bytes, at: int, path, wanted: str) -> str:
+    """What to say of data that is not UTF-8 at byte `at`: text in another encoding (few control bytes: Latin-1
+    or Windows-1252 decode it) gets the command that converts it; anything else looks binary."""
+    sample = raw[:1 << 20]
+    control = sum(1 for b in sample if b < 0x20 and b not in (9, 10, 13))
+    what = f"not UTF-8 (byte {at}: {raw[at:at + 1]!r})"
+    if b"\0" not in sample and control <= len(sample) // 1000:
+        return (f"{what}: it looks like text in another encoding (Latin-1 or Windows-1252 read it); convert it to "
+                f"UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {Path(path).stem}.utf8{Path(path).suffix}, and "
+                f"point data.path at that")
+    return f"{what}; the file looks binary: point data.path at {wanted}"
 
 
 def split(tokens: torch.Tensor, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from infinity.config.options import ConfigError
-from infinity.data.batches import RankBatches, rank_rows
+from infinity.data.batches import RankBatches, not_utf8, rank_rows
 from infinity.runtime.chunked_loss import token_loss
 
 IGNORE = -100  # transformers' ignore_index
@@ -91,8 +91,7 @@ def _jsonl(file: Path):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{where}: not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); the file "
-                                f"looks binary: point data.path at a JSONL file") from None
+                raise DataError(f"{where}: {not_utf8(raw, e.start, file, 'a JSONL file')}") from None
             if not line.strip():
                 continue
             try:

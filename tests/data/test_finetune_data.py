@@ -316,6 +316,27 @@ def test_binary_text_data_names_the_line(tmp_path):
     assert len(load_tokens("kjv")) > 1_000_000  # the shipped corpus is UTF-8
 
 
+def test_text_in_another_encoding_gets_the_conversion_and_binary_data_does_not(tmp_path):
+    """A Latin-1 file is text in another encoding (the message gives the iconv line); bytes with NULs and control
+    bytes look binary. Both name the line and the byte, for plain text and for JSONL records."""
+    from infinity.data.batches import load_tokens
+    from infinity.data.samples import read_records
+    latin = tmp_path / "notes.txt"
+    latin.write_bytes("Caf\u00e9 cr\u00e8me, na\u00efve r\u00e9sum\u00e9.\n".encode("latin-1") * 200)
+    with pytest.raises(ConfigError, match=r"notes.txt' line 1: not UTF-8 .*another encoding.*iconv -f latin1 -t utf-8 "
+                                          r".*notes.txt > notes.utf8.txt"):
+        load_tokens(str(latin))
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(bytes(range(256)) * 40)
+    with pytest.raises(ConfigError, match=r"blob.txt' line 2: not UTF-8 .*looks binary") as e:
+        load_tokens(str(binary))
+    assert "iconv" not in str(e.value)
+    records = tmp_path / "r.jsonl"
+    records.write_bytes('{"prompt": "caf\u00e9", "completion": "cr\u00e8me"}\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"r.jsonl line 1: not UTF-8 .*another encoding.*iconv"):
+        read_records(str(records))
+
+
 def test_validation_file_or_fraction(tmp_path, llama):
     from infinity.job.spec import load_job
     from infinity.job.train import job_batches
