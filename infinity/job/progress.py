@@ -10,8 +10,9 @@ import time
 class Progress:
     """One status line: redrawn in place on a terminal, printed every `every` steps otherwise."""
 
-    def __init__(self, total: int, every: int, enabled: bool, stream=None, first_step: int = 0):
+    def __init__(self, total: int, every: int, enabled: bool, stream=None, first_step: int = 0, last: bool = False):
         self.total, self.every, self.enabled = total, every, enabled
+        self.last = enabled or last  # the final line: printed by `--quiet` too (rank 0's)
         self.first_step = first_step  # steps done before this process started (a resumed run)
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
@@ -37,6 +38,11 @@ class Progress:
     def note(self, text: str) -> None:
         if self.enabled:
             print(("\n" if self.tty and not self._closed else "") + text, file=self.stream, flush=True)
+
+    def final(self, text: str) -> None:
+        """The run's last line (its result and where it is), which even a quiet run prints."""
+        if self.last:
+            print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.enabled and self.tty and not self._closed:

@@ -206,7 +206,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
     try:
         config = job.engine_config(str(run_dir), start)
         _make_dirs(config, job, run_dir)
-        say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0, first_step=start)
+        say = Progress(job.run.steps, job.run.log_every, enabled=verbose and rank == 0, first_step=start,
+                       last=rank == 0)
         earlier: list[float] = []
         if rank == 0 and resume is None:
             atomic_write(run_dir / "config.toml", to_toml(config, job, str(run_dir)))
@@ -520,6 +521,6 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
                                 "step_seconds": estimate.step_time.total if estimate.step_time else None}
     write_json(run_dir / "summary.json", summary)
     say.close()
-    say.note(f"{result.status} after {result.steps} steps in {result.seconds:.1f} s: loss {summary['first_loss']:.4f} "
+    say.final(f"{result.status} after {result.steps} steps in {result.seconds:.1f} s: loss {summary['first_loss']:.4f} "
              f"-> {summary['last_loss']:.4f}, validation {result.val_loss:.4f}; peak RSS "
              f"{peaks[0] / 2**20:.0f} MiB; run directory {run_dir}" + (f"; exported to {exported}" if exported else ""))

@@ -318,3 +318,11 @@ def test_a_sigterm_after_a_failure_still_writes_the_summary(tmp_path, capsys, mo
     assert not (tmp_path / "r" / "swap").exists(), "the swap files are removed"
     err = capsys.readouterr().err  # (the loop had ended: no "stopping after this step")
     assert "SIGTERM: finishing the report, checkpoint and cleanup (again to stop now)" in err, err
+
+
+def test_quiet_prints_the_final_line_and_nothing_else(tmp_path, capsys):
+    """`--quiet` drops the progress and the notes, not the run's result: one line, with the run directory."""
+    code = main(["train", *TINY, "--set", f"run.dir={tmp_path}", "--set", "run.name=q"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0 and len(out) == 1, out
+    assert out[0].startswith("completed after 4 steps") and str(tmp_path / "q") in out[0], out
