@@ -69,7 +69,9 @@ def main() -> None:
         with open(os.path.join(a.out, "losses.json"), "w") as f:
             json.dump(losses, f)
         print(f"losses {losses[0]:.4f} -> {losses[-1]:.4f}; saved {os.path.join(a.out, 'final')}")
-    trainer.engine.close()
+    trainer.engine.close()  # removes this run's swap files
+    if a.placement == "nvme" and not os.listdir(swap):
+        os.rmdir(swap)  # the directory this example made for them: nothing left behind
 
 
 if __name__ == "__main__":

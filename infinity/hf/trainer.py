@@ -141,7 +141,8 @@ class InfinityTrainerMixin:
         self._forward = EngineForward(self.engine)
         self._grad_norm = torch.zeros(())
         self.add_callback(_GradNormLog(self))
-        self.add_callback(_SayWhatRuns(self))
+        self.callback_handler.callbacks.insert(0, _SayWhatRuns(self))  # before the progress bar starts: its
+        # line is printed above the bar, not inside it
 
     # ----------------------------------------------------------------- placement and wrapping
     def _move_model_to_device(self, model, device):

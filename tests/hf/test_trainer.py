@@ -503,3 +503,15 @@ def test_save_model_writes_the_files_trainer_writes(tmp_path):
     loaded = AutoTokenizer.from_pretrained(outputs[InfinityTrainer])
     assert loaded.chat_template == tokenizer.chat_template
     assert loaded("hello world")["input_ids"] == tokenizer("hello world")["input_ids"]
+
+
+def test_the_start_line_comes_before_the_progress_bar(tmp_path):
+    """The trainer's start line is printed before transformers' progress bar starts (its callback runs first),
+    so it stands above the bar instead of inside it."""
+    from transformers.trainer_callback import ProgressCallback
+    trainer = InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path / "o", max_steps=1, eval_strategy="no",
+                                                                disable_tqdm=False), train_dataset=lm_dataset(4))
+    names = [type(cb).__name__ for cb in trainer.callback_handler.callbacks]
+    bar = next(i for i, cb in enumerate(trainer.callback_handler.callbacks) if isinstance(cb, ProgressCallback))
+    assert names.index("_SayWhatRuns") < bar, names
+    trainer.engine.close()
