@@ -50,9 +50,10 @@ def refuse_unsupported(args) -> None:
                                                     "remove it"),
         ("optim_args", bool(args.optim_args), "optim_args=...: the engine takes only lr / betas / eps / "
                                               "weight_decay; remove it"),
-        ("gradient_checkpointing_kwargs", bool(args.gradient_checkpointing_kwargs),
-         "gradient_checkpointing_kwargs=...: the engine checkpoints whole units ([activation] checkpoint = "
-         "\"units\"); remove the kwargs"),
+        ("gradient_checkpointing_kwargs", bool(set(args.gradient_checkpointing_kwargs or {}) - CHECKPOINT_KWARGS),
+         f"gradient_checkpointing_kwargs={args.gradient_checkpointing_kwargs}: the engine recomputes whole units its "
+         f"own way ([activation] checkpoint = \"units\"); of torch.utils.checkpoint's arguments only "
+         f"{', '.join(sorted(CHECKPOINT_KWARGS))} is accepted (it does not change the result); remove the others"),
         ("use_liger_kernel", bool(getattr(args, "use_liger_kernel", False)), "use_liger_kernel=True: remove it"),
         ("use_cpu", bool(getattr(args, "use_cpu", False)) and torch.cuda.is_available(),
          "use_cpu=True: this machine has a GPU and the engine trains on it; remove use_cpu, or hide the GPU with "
@@ -63,6 +64,12 @@ def refuse_unsupported(args) -> None:
     for name, bad, fix in refusals:
         if bad:
             raise ConfigError(f"TrainingArguments({fix})")
+
+
+# gradient_checkpointing_kwargs the engine accepts: `use_reentrant` picks torch.utils.checkpoint's implementation,
+# which the engine does not use (it recomputes each unit's forward before its backward: runtime/recompute.py); either
+# value gives the same gradients, so it is accepted (TRL and HF recipes pass it routinely) and means nothing more.
+CHECKPOINT_KWARGS = frozenset({"use_reentrant"})
 
 
 def _mapped(args) -> dict[str, dict[str, Any]]:

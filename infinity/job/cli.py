@@ -293,7 +293,7 @@ def _largest(args, line, custom) -> int:
 def _job_estimate(args, line, custom, plans: int = 3):
     """The Estimate of the job `line` names (None when --stages printed its own report); `plans`: how many."""
     from infinity.config.sections import ConfigError
-    from infinity.models.build import build_model
+    from infinity.models.build import build_model, runtime_modules
     from infinity.plan import estimate as est
     job = line.job()
     run_dir = os.path.join(job.run.dir, "<run>")
@@ -301,6 +301,7 @@ def _job_estimate(args, line, custom, plans: int = 3):
     from infinity.machine.preflight import check_nvme_paths
     check_nvme_paths(list(config.nvme.paths), created_at_start=job.created_swap(run_dir))  # exit 2: Note [nvme paths]
     make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model, job.lora))
+    modules = _imported_by(make) if custom else runtime_modules(job.model, job.lora)  # Note [peak memory] runtime
     if job.run.batch_size % args.world_size:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "
                           f"{args.world_size}: set run.batch_size to a multiple of it")
@@ -324,7 +325,7 @@ def _job_estimate(args, line, custom, plans: int = 3):
                         lora=_lora_option(job, custom, line, not config.activation.loss_chunk_tokens),
                         depth=None if custom else job_depth(job.model, job.lora,
                                                             own_llama=not config.activation.loss_chunk_tokens),
-                        plans=plans)
+                        plans=plans, runtime_modules=modules)
 
 
 def _lora_option(job, custom, line, own_llama: bool):
@@ -362,6 +363,14 @@ def _estimate_stages(args, make, config, job) -> int:
     else:
         print(scaling.format_stages(report))
     return 0
+
+
+def _imported_by(make) -> tuple[str, ...]:
+    """The modules building a `--model module:function` model imports beyond torch and infinity (what the run's
+    process will hold: the estimate's runtime probe imports them too)."""
+    before = set(sys.modules)
+    make()
+    return tuple(sorted(m for m in set(sys.modules) - before if m.split(".")[0] not in ("torch", "infinity")))
 
 
 def _custom_model(spec: str):

@@ -84,7 +84,7 @@ from infinity.job.resume import (
 )
 from infinity.job.run_dir import RunDir, write_json
 from infinity.job.spec import EXPORT, Job, to_toml
-from infinity.models.build import ModelBundle, build_model
+from infinity.models.build import ModelBundle, build_model, runtime_modules
 from infinity.optim.schedule import lr_at
 from infinity.profile import NullProfiler
 from infinity.state.checkpoint import count_as_written
@@ -334,7 +334,8 @@ def _estimate(job: Job, config: Config, world: int, say: Progress):
     try:  # (as `infinity estimate` makes it: the same figures, without torch._dynamo's import: Note [small twin])
         return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
                             batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
-                            depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens))
+                            depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens),
+                            runtime_modules=runtime_modules(job.model, job.lora))
     except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run
         say.note(f"(no estimate: {type(e).__name__}: {e})")
         return None

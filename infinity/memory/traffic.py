@@ -34,7 +34,9 @@ Note [peak memory]: (`peak_terms` in infinity/plan/estimate.py) the predicted pe
 memory (RSS without a GPU; with a GPU, `ram` is host memory and `device` the CUDA peak) is the sum of
 named terms:
 
-    runtime       RSS of a fresh Python process that imported torch and infinity (measured once, cached)
+    runtime       RSS of a fresh Python process that imported torch, infinity and what the run imports beside
+                  them (transformers' model, its tokenizer, PEFT: models/build.py `runtime_modules`), measured
+                  once per set of modules and cached
     state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
     working       the plan's working buffers, term by term as the planner fitted them to the budgets
                   (Note [working memory] above): unsharded units, the flat gradient,

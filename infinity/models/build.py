@@ -278,3 +278,26 @@ def tokenizer_dir(cfg: ModelConfig) -> str | None:
                           f"tokenizer there (AutoTokenizer.from_pretrained(<its source>).save_pretrained(DIR)), or set "
                           f'model.tokenizer = "bytes" to train on bytes as token ids (0..255) on purpose')
     return cfg.pretrained
+
+
+def runtime_modules(cfg: ModelConfig, lora: LoraConfig) -> tuple[str, ...]:
+    """The Python modules a run of this model imports beyond torch and infinity, for the estimate's runtime
+    probe (Note [peak memory] runtime: transformers' modeling code alone is ~160 MiB of a tiny Llama run's RSS):
+    the transformers model of `model.kind` or of the pretrained directory's config.json `model_type`, its
+    tokenizer classes when the data is tokenized by it, and PEFT with LoRA."""
+    import json
+    kind = cfg.kind
+    if cfg.pretrained:
+        try:
+            with open(os.path.join(cfg.pretrained, "config.json")) as f:
+                kind = str(json.load(f).get("model_type") or "")
+        except (OSError, ValueError):
+            kind = ""
+    out = []
+    if kind and kind != "gpt" or cfg.pretrained:
+        out.append(f"transformers.models.{kind}.modeling_{kind}" if kind else "transformers")
+    if cfg.pretrained and cfg.tokenizer != "bytes":
+        out.append("transformers.models.auto.tokenization_auto")
+    if lora.r:
+        out.append("peft")
+    return tuple(out)

@@ -27,7 +27,7 @@ import torch
 from infinity.config.sections import ActivationConfig, Config
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
-from infinity.machine.preflight import Check, check_disks, checkpoint_bytes, preflight
+from infinity.machine.preflight import Check, PreflightError, check_disks, checkpoint_bytes, preflight
 from infinity.memory import cost_model
 from infinity.memory.plan import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
@@ -150,7 +150,13 @@ def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nv
 
 
 _RUNTIME_PROBE = """
+import importlib, sys
 import psutil, torch, infinity
+for name in sys.argv[1:]:  # what the run imports beyond them (transformers' model, PEFT): loaded as it loads them
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass  # (the run itself says what is missing)
 from infinity.models.gpt import GPT, GPTConfig
 with infinity.meta_init():  # meta tensors load torch's meta kernels (tens of MiB), as every real run does
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16))
@@ -163,22 +169,31 @@ with infinity.initialize(model, {}) as engine:
 """
 
 
-def runtime_rss(remeasure: bool = False) -> int:
-    """Note [peak memory] runtime: RSS of a fresh process after torch, infinity and their kernels are loaded
-    (it builds a tiny model on the meta device and trains it for two steps); measured once per machine, torch
-    version and version of infinity's code (what a run imports is the code's: torch._dynamo's import, gone on
-    2026-11-26, was 71 MiB of it), then cached."""
+def runtime_rss(remeasure: bool = False, modules: tuple[str, ...] = ()) -> int:
+    """Note [peak memory] runtime: RSS of a fresh process after torch, infinity, `modules` (what the run imports
+    beyond them: models/build.py's `runtime_modules`, e.g. transformers' modeling code, ~160 MiB) and their kernels
+    are loaded (it builds a tiny model on the meta device and trains it for two steps); measured once per machine,
+    torch version, version of infinity's code (what a run imports is the code's: torch._dynamo's import, gone on
+    2026-11-26, was 71 MiB of it) and set of modules, then cached. A probe that fails is an error naming it."""
     def measure() -> int:
-        out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE], capture_output=True, text=True, check=True,
-                             timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+        try:
+            out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, *modules], capture_output=True, text=True,
+                                 check=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+        except subprocess.CalledProcessError as e:
+            raise PreflightError(f"the runtime memory probe failed (a fresh python importing torch and infinity): "
+                               f"{(e.stderr or '').strip().splitlines()[-1:] or e.returncode}; run "
+                               f"python -c 'import torch, infinity' to see why") from None
         return int(out.stdout.strip().splitlines()[-1])
-    return int(link_rates.cached_measurement("runtime_rss", measure, remeasure=remeasure, of_code=True))
+    import hashlib
+    name = "runtime_rss" + (f"|{hashlib.sha1(','.join(sorted(modules)).encode()).hexdigest()[:16]}" if modules else "")
+    return int(link_rates.cached_measurement(name, measure, remeasure=remeasure, of_code=True))
 
 
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
              batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
              cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None,
-             apply: Callable | None = None, lora: tuple | None = None, depth=None, plans: int = 3) -> Estimate:
+             apply: Callable | None = None, lora: tuple | None = None, depth=None, plans: int = 3,
+             runtime_modules: tuple[str, ...] = ()) -> Estimate:
     """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
     `infinity.job.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
 
@@ -225,7 +240,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                         activations_of=lambda a: activation_bytes(trace, a), trace_at=trace_at,
                         config=config, world_size=world_size, budgets=budgets, trace=trace, rates=rates, cuda=cuda,
                         flops=trace.flops, local_world_size=local, batch_size=batch_size, budgets_of=budgets_of,
-                        runtime=runtime_rss(remeasure), plan_rates=link_rates.cached_link_rates(cuda),
+                        runtime=runtime_rss(remeasure, runtime_modules), plan_rates=link_rates.cached_link_rates(cuda),
                         bytes_of=activation_bytes)
 
     def peak_of(plan: Plan, trace: Trace, activation) -> tuple[dict[str, int], dict[str, int]]:

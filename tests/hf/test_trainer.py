@@ -151,6 +151,8 @@ def test_gradient_checkpointing_is_the_engines_units(tmp_path):
 @pytest.mark.parametrize("kw, names", [
     (dict(optim="adafactor"), "optim"), (dict(fp16=True), "fp16"), (dict(torch_compile=True), "torch_compile"),
     (dict(optim_args="foo=1"), "optim_args"),
+    (dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False, "debug": True}),
+     "only use_reentrant is accepted"),
 ])
 def test_what_the_engine_cannot_honour_is_refused(tmp_path, kw, names):
     with pytest.raises(infinity.ConfigError, match=names):
@@ -515,3 +517,19 @@ def test_the_start_line_comes_before_the_progress_bar(tmp_path):
     bar = next(i for i, cb in enumerate(trainer.callback_handler.callbacks) if isinstance(cb, ProgressCallback))
     assert names.index("_SayWhatRuns") < bar, names
     trainer.engine.close()
+
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_kwargs_use_reentrant_is_accepted_and_changes_nothing(tmp_path, reentrant):
+    """TRL and HF recipes pass gradient_checkpointing_kwargs={"use_reentrant": ...}: accepted, and the losses are
+    those of gradient checkpointing without it (the engine recomputes whole units its own way)."""
+    train = lm_dataset(16)
+    plain = run(InfinityTrainer, tmp_path / "a", train, None, max_steps=4, eval_strategy="no",
+                gradient_checkpointing=True)
+    given = run(InfinityTrainer, tmp_path / "b", train, None, max_steps=4, eval_strategy="no",
+                gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert losses(given) == losses(plain)
+    assert given.engine.config.activation.checkpoint == "units"
+    for t in (plain, given):
+        t.engine.close()

@@ -1,0 +1,60 @@
+"""Note [peak memory]: the peak RSS `infinity train` predicts (summary.json's "predicted", the estimate of the
+run) is within 10% of the peak it measures, for every model source: the built-in GPT, a transformers model of a
+given shape, a pretrained Hugging Face directory with its tokenizer, and the same with LoRA. Each run is its own
+process (its peak is its own: Note [peak RSS of a spawned process]); the runtime probe imports what the run
+imports (models/build.py `runtime_modules`: transformers' modeling code alone is ~160 MiB)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = ["run.steps=4", "run.batch_size=4", "run.eval_every=0", "run.eval_batches=1", "model.seq_len=64"]
+SHAPE = ["model.n_layer=2", "model.d_model=64", "model.n_head=4"]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    path = tmp_path_factory.mktemp("pretrained")
+    text = "the stone is grey and the sky is blue; what is two plus two? four. " * 40
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    fast.save_pretrained(path)
+    corpus = path.parent / "corpus.txt"
+    corpus.write_text(text * 20)
+    return path, corpus
+
+
+def _run(tmp_path, name: str, sets: list[str]) -> tuple[int, int]:
+    cmd = [sys.executable, "-m", "infinity", "train", "--quiet"]
+    for s in COMMON + sets + [f"run.dir={tmp_path}", f"run.name={name}"]:
+        cmd += ["--set", s]
+    env = {**os.environ, "INFINITY_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    return summary["peak_rss_bytes"], summary["predicted"]["peak_rss_bytes"]
+
+
+@pytest.mark.parametrize("source", ["gpt", "llama", "pretrained", "pretrained-lora"])
+def test_the_predicted_peak_is_within_10_percent_for_every_model_source(tmp_path, pretrained, source):
+    path, corpus = pretrained
+    sets = {"gpt": SHAPE, "llama": SHAPE + ["model.kind=llama"],
+            "pretrained": [f"model.pretrained={path}", f"data.path={corpus}"],
+            "pretrained-lora": [f"model.pretrained={path}", f"data.path={corpus}", "model.lora.r=8"]}[source]
+    measured, predicted = _run(tmp_path, source, sets)
+    assert abs(predicted - measured) <= 0.10 * measured, (source, measured >> 20, predicted >> 20)
