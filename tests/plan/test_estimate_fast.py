@@ -36,7 +36,7 @@ CASES = {  # model, engine config
 
 @pytest.fixture(autouse=True)
 def fixed_runtime(monkeypatch):
-    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False: 100 << 20)  # both paths: the same constant
+    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(): 100 << 20)  # both paths: one constant
 
 
 def run(model, config, *, deep, budgets=None, search=True, own_llama=False):

@@ -16,7 +16,7 @@ LADDER = (largest.Rung("tiny-1", 64, 4, 4, 4, 128, 256), largest.Rung("tiny-2", 
 
 @pytest.fixture(autouse=True)
 def fixed_runtime(monkeypatch):
-    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False: 64 << 20)
+    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(): 64 << 20)
 
 
 def job_args(tmp_path, budget: str):
