@@ -168,8 +168,8 @@ def _soak(tmp_path: Path, steps: int, kills: int) -> dict:
 
 def test_the_fault_soak_passes_at_its_smallest_size(tmp_path):
     """`bench_soak.py --faults` at 30 steps and 1 kill (about 15 s): background saves on a tmpfs filled to ENOSPC,
-    the job SIGKILLed and started again from its newest checkpoint, the final parameters equal to an undisturbed run's bit for
-    bit (its own assertion and the JSON's)."""
+    the job SIGKILLed and started again from its newest checkpoint, the final parameters equal to an undisturbed
+    run's bit for bit (its own assertion and the JSON's)."""
     _soak(tmp_path, 30, 1)
 
 
