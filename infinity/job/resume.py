@@ -134,7 +134,8 @@ def _checkpoint_dirs(run_dir: Path) -> list[Path]:
 # damaged; so is one whose manifest reads but whose files do not hold what it says (a rank file missing,
 # truncated or overwritten, an index or RNG file changed: checkpoint_load.verify checks every record's CRC32, as
 # the load does). It continues from the newest intact one and says which it passed over, why, and how many it
-# tried; when none is intact the error lists every one. An incomplete save (`<name>.tmp-<token>` with its partial
+# tried (a line printed even with --quiet, before the one on the metrics records this drops); when none is
+# intact the error lists every one. An incomplete save (`<name>.tmp-<token>` with its partial
 # marker, left by a run stopped while saving) is never a candidate; it is named too, and the next save removes it
 # as it removes every stopped save. `--resume RUN/checkpoints/step-N` is not refused for newer checkpoints that
 # are damaged. The damaged ones are not deleted: once the resumed run has loaded its checkpoint they are renamed

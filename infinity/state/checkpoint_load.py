@@ -214,10 +214,14 @@ def verify(path: str) -> str | None:
                 index = f.read()
             if zlib.crc32(index) != entry["index_crc32"]:
                 return f"{entry['index']} does not match its checksum"
+            records = [rec for rec in json.loads(index)["records"] if rec["kind"] != REF_KIND]
+            need = max((rec["offset"] + rec["numel"] * dtype_of(rec.get("dtype", "fp32")).itemsize for rec in records),
+                       default=0)
+            size = os.path.getsize(os.path.join(path, entry["file"]))
+            if size < need:  # (longer is not damage: every record is still checked below)
+                return f"{entry['file']} is {size} bytes, its records need {need} (truncated)"
             with open(os.path.join(path, entry["file"]), "rb") as f:
-                for rec in json.loads(index)["records"]:
-                    if rec["kind"] == REF_KIND:
-                        continue
+                for rec in records:
                     left = rec["numel"] * dtype_of(rec.get("dtype", "fp32")).itemsize
                     f.seek(rec["offset"])
                     crc = 0

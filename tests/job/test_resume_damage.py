@@ -46,7 +46,7 @@ DAMAGE = {  # kind -> (how, what the message must say)
     "unparsable manifest": (lambda c: (c / "manifest.json").write_text("{not json"), "manifest.json is corrupted"),
     "missing manifest": (lambda c: (c / "manifest.json").unlink(), "has no manifest.json"),
     "missing rank file": (lambda c: (c / "rank00000.bin").unlink(), "rank00000.bin is missing"),
-    "wrong size": (lambda c: _truncate(c / "rank00000.bin", 0.9), "(truncated)"),
+    "wrong size": (lambda c: _truncate(c / "rank00000.bin", 0.9), "bytes, its records need"),
     "checksum mismatch": (lambda c: _flip(c / "rank00000.bin"), "does not match its checksum"),
 }
 
