@@ -166,6 +166,7 @@ def _soak(tmp_path: Path, steps: int, kills: int) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_the_fault_soak_passes_at_its_smallest_size(tmp_path):
     """`bench_soak.py --faults` at 30 steps and 1 kill (about 15 s): background saves on a tmpfs filled to ENOSPC,
     the job SIGKILLed and started again from its newest checkpoint, the final parameters equal to an undisturbed
