@@ -81,6 +81,11 @@ class RunConfig(Section):
     checkpoint_every: int = option(0, "Steps between checkpoints saved into checkpoints/step-<N> of the run "
                                     "directory, for `infinity train --resume` after a crash (0 = only the final "
                                     "one; [checkpoint] keep_last limits how many stay).", "int", ge=0)
+    time_limit: str = option("none", 'Wall-clock limit of this process\'s run, e.g. "3h50m", "90m", "45s" (a cluster '
+                              'job\'s, less its launch): the run stops after the step that would leave too little '
+                              'time for one more step and the final checkpoint, saves it and says so ("none": no '
+                              "limit). SIGUSR1 (Slurm's --signal) stops it the same way, as SIGINT and SIGTERM do "
+                              "(Note [time limit]).", "str")
     export: bool = option(True, "With model.pretrained: at the end, write the trained model into <run>/export as a "
                            "Hugging Face directory (config.json, safetensors shards, the tokenizer files of "
                            "model.pretrained) for from_pretrained.", "bool")
@@ -89,6 +94,7 @@ class RunConfig(Section):
                                 'written.', "enum", choices=("auto", "fp32", "bf16", "fp16"))
 
     def _check(self) -> None:
+        parse_duration(self.time_limit, "run.time_limit")
         if "/" in self.name or os.sep in self.name or self.name in (".", ".."):
             raise ConfigError(f"run.name = {show(self.name)}: the name of one directory under run.dir, without "
                               f"'/' (to put runs elsewhere, set run.dir)")
@@ -170,3 +176,20 @@ JOB_SECTIONS: dict[str, type[Section]] = {"run": RunConfig, "model": ModelConfig
                                           "data": DataConfig}
 
 
+
+
+_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(text: str, key: str) -> float | None:
+    """Seconds of a duration written as "3h50m", "90m", "1d2h", "45s" or "5400" (seconds); None for "none"."""
+    import re
+    value = str(text).strip().lower()
+    if value in ("none", ""):
+        return None
+    if re.fullmatch(r"\d+(\.\d+)?", value):
+        return float(value)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([dhms])", value)
+    if not parts or "".join(n + u for n, u in parts) != value:
+        raise ConfigError(f'{key} = {show(text)}: not a duration; write it as "3h50m", "90m", "45s" or "none"')
+    return sum(float(n) * _UNITS[u] for n, u in parts)

@@ -38,6 +38,13 @@ torchrun sends the others SIGTERM at once, and a rank that had just left the loo
 with the lost peer's error used to die of it before writing summary.json or
 removing its swap files.
 
+Note [time limit]: `run.time_limit` ("3h50m") stops a run in time for its final checkpoint: after each step the
+flag is raised when one more step (the slowest so far) and the final save (as long as the last periodic save,
+else one step) would pass the limit, counted from the start of `train`; every rank learns of it through the
+same all-reduce as a signal's, so all stop after the same step, save and report as on Ctrl-C, and summary.json's
+"stopped_by" names the limit. SIGUSR1 (what Slurm's `--signal=USR1@120` sends before its kill) stops the run as
+SIGINT and SIGTERM do. `--resume` continues it bit for bit (the position is in the checkpoint as ever).
+
 Note [resume] (checkpoints carry the training position; `--resume`): infinity/job/resume.py.
 """
 
@@ -57,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from infinity.config.job import parse_duration
 from infinity.config.options import show
 from infinity.config.sections import Config, ConfigError, SettingWarning
 from infinity.data.batches import Batches
@@ -103,16 +111,27 @@ def setup_distributed() -> tuple[int, int, bool]:
 class StopFlag:
     """Note [clean stop]: SIGINT / SIGTERM set a flag; a second signal interrupts at once."""
 
-    def __init__(self):
+    def __init__(self, time_limit_s: float | None = None):
         self.raised = False
+        self.reason: str | None = None  # what raised it: a signal's name, or the time limit
         self.training = True  # False once the loop has ended: a signal then cuts the cleanup short, not a step
         self._previous = {}
+        self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s  # Note [time limit]
+        self.slowest_step = 0.0  # of the steps so far: the next one may take as long
+        self.save_s = 0.0  # the last checkpoint save's time (the final save is counted as long)
+
+    def check_time(self, step_s: float, limit: str) -> None:
+        """Note [time limit]: raise the flag when one more step and the final save would pass the deadline."""
+        self.slowest_step = max(self.slowest_step, step_s)
+        if self.deadline is not None and not self.raised and \
+                time.monotonic() + self.slowest_step + max(self.save_s, self.slowest_step) >= self.deadline:
+            self.raised, self.reason = True, f"run.time_limit = {limit}"
 
     def install(self) -> None:
         """The handlers, from the first step until `restore` (after the run's cleanup: Note [clean stop])."""
         if self._previous:  # (installed already)
             return
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):  # (SIGUSR1: Slurm's --signal, before the kill)
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: signals stay as they are
@@ -122,6 +141,7 @@ class StopFlag:
         if self.raised:
             raise KeyboardInterrupt
         self.raised = True
+        self.reason = self.reason or signal.Signals(signum).name
         what = "stopping after this step" if self.training else "finishing the report, checkpoint and cleanup"
         print(f"\n{signal.Signals(signum).name}: {what} (again to stop now)", file=sys.stderr, flush=True)
 
@@ -147,6 +167,7 @@ class Result:
     seconds: float
     step_tokens: list[int] = field(default_factory=list)  # trained tokens (not pad, not -100) of each step run here
     tokens_before: int = 0  # trained tokens of the steps before a resume (rank 0: from the kept metrics)
+    stopped_by: str | None = None  # an interrupted run: the signal or the time limit that stopped it
 
     @property
     def tokens(self) -> int:
@@ -202,7 +223,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
     run_dir, engine, say = run.path, None, None
     start = resume.step if resume else 0
     result = Result(run_dir=run_dir, status="starting", steps=start, losses=[], val_loss=None, seconds=0.0)
-    stop = StopFlag()  # entered before the first step, left after the cleanup (Note [clean stop])
+    # entered before the first step, left after the cleanup (Note [clean stop]); its deadline: Note [time limit]
+    stop = StopFlag(parse_duration(job.run.time_limit, "run.time_limit"))
     try:
         config = job.engine_config(str(run_dir), start)
         _make_dirs(config, job, run_dir)
@@ -371,6 +393,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
         lr = lr_at(engine.optimizer_steps, config.optimizer)  # this window's update's (updates skipped not counted)
         applied = engine.step()
         with part.host("log"):  # (eval and checkpoint inside are named as such: Note [step attribution])
+            stop.check_time(time.perf_counter() - t0, job.run.time_limit)  # Note [time limit]
             mean_loss, stopping = _reduce_step(total, stop.raised, device, engine.world_size)
             seconds = time.perf_counter() - t0
             recent = (recent + [seconds])[-10:]
@@ -398,12 +421,15 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
             say.update(step, mean_loss, tokens_per_step * len(recent) / sum(recent), overlap)
             if stopping:
                 result.status = "interrupted"
+                result.stopped_by = stop.reason or "another rank's stop"
                 return
             if every and step % every == 0 and not last and job.run.checkpoint:  # the last step gets the final one
                 with part.host("checkpoint"):
+                    saving = time.perf_counter()
                     engine.save_checkpoint(str(run_dir / PERIODIC_CHECKPOINTS / f"step-{step:08d}"),
                                            user_state=train_position(job, config, step, time.perf_counter() - began,
                                                                      engine.world_size))
+                    stop.save_s = time.perf_counter() - saving
     result.status = "completed"
 
 
@@ -513,6 +539,8 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
         "export": str(exported) if exported else None,
         "overlap_efficiency": overlap_efficiency(engine),
     }
+    if result.stopped_by:
+        summary["stopped_by"] = result.stopped_by
     if resume is not None:
         summary["resumed"] = {"from": str(resume.checkpoint), "at_step": resume.step}
     estimate = _estimate(job, config, world, say)
@@ -522,6 +550,8 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
                                 "step_seconds": estimate.step_time.total if estimate.step_time else None}
     write_json(run_dir / "summary.json", summary)
     say.close()
-    say.final(f"{result.status} after {result.steps} steps in {result.seconds:.1f} s: loss {summary['first_loss']:.4f} "
-             f"-> {summary['last_loss']:.4f}, validation {result.val_loss:.4f}; peak RSS "
-             f"{peaks[0] / 2**20:.0f} MiB; run directory {run_dir}" + (f"; exported to {exported}" if exported else ""))
+    why = f" ({result.stopped_by})" if result.stopped_by else ""
+    say.final(f"{result.status}{why} after {result.steps} steps in {result.seconds:.1f} s: loss "
+              f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, validation {result.val_loss:.4f}; "
+              f"peak RSS {peaks[0] / 2**20:.0f} MiB; run directory {run_dir}"
+              + (f"; exported to {exported}" if exported else ""))
