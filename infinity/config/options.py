@@ -23,6 +23,29 @@ __all__ = ["ConfigError", "Section", "SettingWarning", "check_range", "coerce", 
            "option", "parse_override", "parse_size", "render_default", "show", "type_name"]
 
 
+def read_document(path) -> dict:
+    """A config or job file's tables: TOML, or JSON when its name ends in .json (the same sections and keys, as
+    `{"optimizer": {"lr": 1e-3}}`); a file that does not parse is a ConfigError naming where."""
+    import json
+    import tomllib
+    from pathlib import Path
+    text = Path(path).read_text()
+    if str(path).lower().endswith(".json"):
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"{path}: invalid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a JSON config is an object of sections, e.g. {{\"optimizer\": {{\"lr\": "
+                              f"1e-3}}}}, not a {type(data).__name__}")
+        return data
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        hint = " (a JSON file must end in .json)" if text.lstrip().startswith("{") else ""
+        raise ConfigError(f"{path}: invalid TOML: {e}{hint}") from None
+
+
 class ConfigError(ValueError):
     """A configuration value a user must change; the message names the key and the fix."""
 

@@ -23,7 +23,6 @@ import dataclasses
 import os
 import re
 import textwrap
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterable
@@ -37,6 +36,7 @@ from infinity.config.options import (
     option,
     parse_override,
     parse_size,
+    read_document,
     render_default,
     show,
     type_name,
@@ -525,10 +525,7 @@ class Config:
         """Load a TOML file (see `defaults_text` for every key)."""
         path = Path(path)
         try:
-            with path.open("rb") as f:
-                data = tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+            data = read_document(path)
         except OSError as e:
             raise ConfigError(f"config file {path}: cannot read it ({e.strerror}); give the path of a TOML file "
                               f"(`infinity config --defaults` prints every key)") from None

@@ -39,7 +39,8 @@ EXIT_CLOSED_STDOUT = 141  # 128 + SIGPIPE, as a tool the signal ended (Note [clo
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="job file (TOML): engine sections plus [run], [model], [data]")
+    p.add_argument("--config", metavar="FILE", help="job file (TOML; JSON when it ends in .json): "
+                                                    "engine sections plus [run], [model], [data]")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one key, e.g. --set run.steps=500 --set placement.optimizer=host (repeatable)")
 

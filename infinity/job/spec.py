@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tomllib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from infinity.config.options import (
     SettingWarning,
     did_you_mean,
     parse_override,
+    read_document,
     render_default,
     show,
     type_name,
@@ -162,11 +162,10 @@ def load_job(path: str | os.PathLike | None = None, overrides: list[str] = (), *
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+            data = read_document(Path(path))
         except OSError as e:
-            raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); give the path of a TOML file") from None
+            raise ConfigError(f"--config {path}: cannot read it ({e.strerror}); give the path of a TOML or JSON "
+                              f"file") from None
     tables: dict[str, dict] = {}
     for section, table in data.items():
         if section not in SECTIONS and section not in JOB_SECTIONS and not isinstance(table, dict):

@@ -252,3 +252,25 @@ def test_reference_lists_every_key_once():
     assert row["io.block_size"] == ("size", "1MiB")
     assert row["optimizer.name"] == ('"adam" | "adamw"', "adamw")
     assert row["memory.host_budget"] == ('size | "auto"', "auto")
+
+
+def test_a_json_config_and_job_file_read_as_their_toml(tmp_path):
+    """`--config job.json` and Config.from_file("run.json"): the same sections and keys as TOML, the same job;
+    invalid JSON and a JSON text under another name are errors that say so."""
+    import json
+
+    from infinity.job.spec import load_job
+    tables = {"optimizer": {"lr": 1e-3, "betas": [0.9, 0.99]}, "run": {"steps": 7}, "model": {"n_layer": 2}}
+    (tmp_path / "job.json").write_text(json.dumps(tables))
+    (tmp_path / "job.toml").write_text('[optimizer]\nlr = 1e-3\nbetas = [0.9, 0.99]\n[run]\nsteps = 7\n'
+                                       '[model]\nn_layer = 2\n')
+    a, b = load_job(tmp_path / "job.json"), load_job(tmp_path / "job.toml")
+    assert (a.run, a.model, a.engine_config("r")) == (b.run, b.model, b.engine_config("r"))
+    (tmp_path / "run.json").write_text(json.dumps({"optimizer": {"lr": 2e-3}}))
+    assert Config.from_file(tmp_path / "run.json") == Config.from_dict({"optimizer": {"lr": 2e-3}})
+    (tmp_path / "bad.json").write_text('{"optimizer": ')
+    with pytest.raises(ConfigError, match="bad.json: invalid JSON"):
+        load_job(tmp_path / "bad.json")
+    (tmp_path / "json.toml").write_text(json.dumps(tables))
+    with pytest.raises(ConfigError, match=r"invalid TOML.*a JSON file must end in .json"):
+        load_job(tmp_path / "json.toml")
