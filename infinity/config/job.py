@@ -12,6 +12,8 @@ from typing import ClassVar
 from infinity.config.options import ConfigError, Section, option, show
 
 VOCAB_SIZE = 256  # byte-level
+TRACKERS = ("tensorboard",)  # run.report_to: job/trackers.py
+LATER_TRACKERS = ("wandb", "mlflow", "trackio", "comet_ml", "clearml", "dvclive", "swanlab")
 SHIPPED = "kjv"
 
 
@@ -81,6 +83,9 @@ class RunConfig(Section):
     checkpoint_every: int = option(0, "Steps between checkpoints saved into checkpoints/step-<N> of the run "
                                     "directory, for `infinity train --resume` after a crash (0 = only the final "
                                     "one; [checkpoint] keep_last limits how many stay).", "int", ge=0)
+    report_to: tuple = option((), 'Trackers that get every step\'s metrics beside metrics.jsonl, named as '
+                               'transformers names them: "tensorboard" (event files in <run>/tensorboard; pip install '
+                               'tensorboard). [] = metrics.jsonl only.', "strs", unique=True)
     time_limit: str = option("none", 'Wall-clock limit of this process\'s run, e.g. "3h50m", "90m", "45s" (a cluster '
                               'job\'s, less its launch): the run stops after the step that would leave too little '
                               'time for one more step and the final checkpoint, saves it and says so ("none": no '
@@ -95,6 +100,12 @@ class RunConfig(Section):
 
     def _check(self) -> None:
         parse_duration(self.time_limit, "run.time_limit")
+        for name in self.report_to:
+            if name not in TRACKERS:
+                known = ", ".join(f'"{t}"' for t in TRACKERS)
+                later = " (not yet: metrics.jsonl holds the same records)" if name in LATER_TRACKERS else ""
+                raise ConfigError(f"run.report_to = {show(list(self.report_to))}: {show(name)} is not a tracker "
+                                  f"infinity train writes to{later}; use {known}, or []")
         if "/" in self.name or os.sep in self.name or self.name in (".", ".."):
             raise ConfigError(f"run.name = {show(self.name)}: the name of one directory under run.dir, without "
                               f"'/' (to put runs elsewhere, set run.dir)")

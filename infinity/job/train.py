@@ -92,6 +92,7 @@ from infinity.job.resume import (
 )
 from infinity.job.run_dir import RunDir, write_json
 from infinity.job.spec import EXPORT, Job, to_toml
+from infinity.job.trackers import check_installed, trackers
 from infinity.models.build import ModelBundle, build_model, runtime_modules
 from infinity.optim.schedule import lr_at
 from infinity.profile import NullProfiler
@@ -217,6 +218,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         raise ConfigError(f"checkpoint.dir = {show(given)}: infinity train saves its checkpoints in the run directory "
                           f"(<run>/checkpoint, <run>/checkpoints/); remove checkpoint.dir, and to put the run on "
                           f"another disk set run.dir there")
+    check_installed(job.run.report_to)  # a tracker's package: before any work
     job, format_said = resolve_data_format(job)  # Note [data format from the records]
     batches = job_batches(job, rank, world)  # bad data settings fail before any work
     run = _open_run_dir(job, resume, rank, world)
@@ -271,7 +273,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])
         stop.install()
-        with Metrics(run_dir if rank == 0 else None) as metrics:
+        sinks = trackers(job.run.report_to, run_dir, to_toml(config, job, str(run_dir))) if rank == 0 else ()
+        with Metrics(run_dir if rank == 0 else None, sinks) as metrics:
             try:
                 _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
                       elapsed_before=resume.elapsed_s if resume else 0.0)
