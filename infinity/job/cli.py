@@ -43,6 +43,10 @@ def _add_job_args(p: argparse.ArgumentParser) -> None:
                                                     "engine sections plus [run], [model], [data]")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override one key, e.g. --set run.steps=500 --set placement.optimizer=host (repeatable)")
+    p.add_argument("--deepspeed", metavar="DS_CONFIG", help="a DeepSpeed config (JSON) translated into infinity's "
+                   "keys, read before --config and --set; the translation is printed (docs/from-deepspeed.md)")
+    p.add_argument("--deepspeed-lenient", action="store_true", help="train without the DeepSpeed keys infinity "
+                   "cannot honour (printed) instead of refusing them")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,9 +213,22 @@ def _dispatch(args) -> int:
 
 
 def _line(args):
-    """The job this command line names (job/spec.py's JobLine)."""
+    """The job this command line names (job/spec.py's JobLine): a DeepSpeed config's translation first (Note
+    [deepspeed translation] in config/deepspeed.py), then the job file, then --set."""
     from infinity.job.spec import JobLine
-    return JobLine(args.config, tuple(args.overrides))
+    sets: tuple[str, ...] = ()
+    if getattr(args, "deepspeed", None):
+        from infinity.config import deepspeed
+        t = deepspeed.translate(deepspeed.read(args.deepspeed), int(os.environ.get("WORLD_SIZE", "1")))
+        if t.refused and not args.deepspeed_lenient:
+            raise deepspeed.refusal(t, f"--deepspeed {args.deepspeed}")
+        if os.environ.get("RANK", "0") == "0" and not getattr(args, "_said", False):
+            args._said = True  # (the command reads its job more than once: one translation printed)
+            print("\n".join([f"deepspeed: {line}" for line in t.lines]
+                            + [f"deepspeed: not honoured (--deepspeed-lenient): {line}" for line in t.refused]),
+                  flush=True)
+        sets = tuple(t.sets)
+    return JobLine(args.config, sets + tuple(args.overrides))
 
 
 def _train(args) -> int:
