@@ -44,6 +44,7 @@ import psutil
 import torch
 
 from infinity.config.sections import Config
+from infinity.machine.environment import headroom_bytes
 from infinity.memory.plan import Plan
 from infinity.memory.tier import Kind, Tier
 from infinity.state.checkpoint import SAVED_KINDS, rank_file_bytes
@@ -192,11 +193,12 @@ def checkpoints_kept(config: Config) -> int:
 
 
 def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, checkpoint_dir: str = "",
-                checkpoint_bytes: int = 0, checkpoints: int = 0) -> tuple[list[Check], int]:
+                checkpoint_bytes: int = 0, checkpoints: int = 0, headroom: str = "0") -> tuple[list[Check], int]:
     """Each swap path is (or can be created as) a writable directory; each filesystem has room for its stripes
     of `nvme_bytes` per rank, plus `checkpoints` x `checkpoint_bytes` per rank when `checkpoint_dir` is on
-    it. Returns the checks and the free bytes over the swap paths' distinct filesystems."""
-    checks, free_total, seen = [], 0, {}  # st_dev -> [free, swap need, checkpoint need, names]
+    it, and keeps `headroom` (memory.headroom of its size: Note [headroom]) free. Returns the checks and the
+    free bytes over the swap paths' distinct filesystems, less each one's headroom."""
+    checks, free_total, seen = [], 0, {}  # st_dev -> [free, swap need, checkpoint need, names, headroom]
     stripe = nvme_bytes * local_world_size / max(1, len(paths))  # striping spreads every extent over the paths
     for path in paths:
         check = check_nvme_path(path, created_at_start=True)
@@ -206,8 +208,8 @@ def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, che
         where = _existing_parent(path)
         dev = os.stat(where).st_dev
         if dev not in seen:
-            seen[dev] = [shutil.disk_usage(where).free, 0, 0, []]
-            free_total += seen[dev][0]
+            seen[dev] = _disk(where, headroom)
+            free_total += max(0, seen[dev][0] - seen[dev][4])
         seen[dev][1] += int(stripe)
         seen[dev][3].append(path + (" (created at start)" if where != Path(path).resolve() else ""))
     ckpt_need = checkpoint_bytes * checkpoints * local_world_size
@@ -215,20 +217,27 @@ def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, che
         where = _existing_parent(checkpoint_dir)
         dev = os.stat(where).st_dev
         if dev not in seen:
-            seen[dev] = [shutil.disk_usage(where).free, 0, 0, []]
+            seen[dev] = _disk(where, headroom)
         seen[dev][2] += ckpt_need
         seen[dev][3].append(f"checkpoints in {checkpoint_dir}")
-    for free, swap, ckpt, names in seen.values():
+    for free, swap, ckpt, names, margin in seen.values():
         parts = ([f"{_fmt(swap)} of swap"] if swap else []) + (
             [f"{checkpoints} checkpoint(s) of {_fmt(checkpoint_bytes)} per rank = {_fmt(ckpt)}"] if ckpt else [])
         fixes = (["add more nvme.paths (stripes) or keep more state in RAM (placement.* = \"host\" or policy = "
                   "\"auto\")"] if swap else []) + (
             ["keep fewer checkpoints ([checkpoint] keep_last = N keeps the newest N), or save checkpoints on "
              "another disk (checkpoint.dir; for `infinity train`, run.dir)"] if ckpt else [])
-        checks.append(Check(f"free disk on {', '.join(names)}", swap + ckpt <= free,
+        keep = f", keeping {_fmt(margin)} free (memory.headroom)" if margin else ""
+        checks.append(Check(f"free disk on {', '.join(names)}", swap + ckpt + margin <= free,
                             f"{' + '.join(parts)} for {local_world_size} rank(s) needs {_fmt(swap + ckpt)}, "
-                            f"{_fmt(free)} free", "free space there, " + ", or ".join(fixes)))
+                            f"{_fmt(free)} free{keep}", "free space there, " + ", or ".join(
+                                fixes + (["lower memory.headroom"] if margin else []))))
     return checks, free_total
+
+
+def _disk(where: Path, headroom: str) -> list:
+    usage = shutil.disk_usage(where)
+    return [usage.free, 0, 0, [], headroom_bytes(headroom, usage.total)]
 
 
 # ---------------------------------------------------------------- locked memory
@@ -272,10 +281,13 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     state = plan.state_bytes()
     ram = ram_per_rank or sum(state[Tier.HOST].values()) + plan.working.get(Tier.HOST, 0) + (
         0 if cuda else sum(state[Tier.DEVICE].values()) + plan.working.get(Tier.DEVICE, 0))
-    available = psutil.virtual_memory().available
-    checks.append(Check("free RAM", ram * local_world_size <= available,
-                        f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available",
-                        "move state to NVMe (placement.optimizer / grads / params = \"nvme\", or policy = \"auto\" "
+    vm = psutil.virtual_memory()
+    available, margin = vm.available, headroom_bytes(config.memory.headroom, vm.total)  # Note [headroom]
+    checks.append(Check("free RAM", ram * local_world_size + margin <= available,
+                        f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available"
+                        + (f", keeping {_fmt(margin)} free (memory.headroom)" if margin else ""),
+                        ("lower memory.headroom, or " if margin else "") + "move state to NVMe (placement.optimizer "
+                        "/ grads / params = \"nvme\", or policy = \"auto\" "
                         "with a smaller memory.host_budget), run fewer ranks per node, or lower the batch size"))
     if cuda:
         free, _total = torch.cuda.mem_get_info()
@@ -288,7 +300,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     if paths or ckpt_dir:
         disk, _ = check_disks(paths, nvme_bytes=sum(state[Tier.NVME].values()), local_world_size=local_world_size,
                               checkpoint_dir=ckpt_dir, checkpoint_bytes=checkpoint_bytes(plan, frozen_referenced),
-                              checkpoints=checkpoints_kept(config))
+                              checkpoints=checkpoints_kept(config), headroom=config.memory.headroom)
         checks += disk
     if plan.uses(Tier.NVME):
         # the host working terms are the pinned / mlock'ed staging (Note [working memory] in memory/traffic.py)

@@ -215,7 +215,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     num_params = facts.num_params
     groups = facts.groups(config)
     paths = list(config.nvme.paths)
-    path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local,  # free space, less headroom
+                                         headroom=config.memory.headroom)
     unusable = [c for c in path_checks if not c.ok]
     if rates is None:
         existing = next((p for p in paths if os.path.isdir(p)), None)
