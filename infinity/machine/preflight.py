@@ -80,7 +80,7 @@ def _fmt(n: float) -> str:
     return format_size(n, exact=False)
 
 
-def _existing_parent(path: str) -> Path:
+def existing_parent(path: str) -> Path:
     p = Path(path).resolve()
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -95,7 +95,7 @@ def check_nvme_path(path: str, *, created_at_start: bool = False) -> Check:
     directory for swap files."""
     name = f"nvme path {path}"
     fix_dir = "point nvme.paths at a directory on a fast local disk"
-    where = _existing_parent(path)
+    where = existing_parent(path)
     if where.exists() and not where.is_dir():
         what = "is a file" if where == Path(path).resolve() else f"is below {where}, which is a file"
         return Check(name, False, f"{path} {what}, not a directory",
@@ -114,7 +114,7 @@ def check_nvme_path(path: str, *, created_at_start: bool = False) -> Check:
 def check_trace_dir(path: str) -> Check:
     """Whether the profiler's `profile.trace_dir` is (or can be created as) a writable directory: it is written
     at close, after the training, where a failure used to end a completed run with a traceback."""
-    where = _existing_parent(path)
+    where = existing_parent(path)
     problem = (f"{where} is a file" if not where.is_dir()
                else (f"{where} is not writable ({e.strerror})" if (e := write_error(where)) is not None else None))
     return Check("profile directory", problem is None,
@@ -145,7 +145,7 @@ def check_nvme_paths(paths: list[str], *, created_at_start: Collection[str] = ()
     _raise_failed([check_nvme_path(p, created_at_start=p in created_at_start) for p in paths])
     free, seen = 0, set()
     for path in paths:
-        where = _existing_parent(path)
+        where = existing_parent(path)
         st = os.stat(where)
         if st.st_dev not in seen:
             seen.add(st.st_dev)
@@ -205,7 +205,7 @@ def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, che
         if not check.ok:
             checks.append(check)
             continue
-        where = _existing_parent(path)
+        where = existing_parent(path)
         dev = os.stat(where).st_dev
         if dev not in seen:
             seen[dev] = _disk(where, headroom)
@@ -214,7 +214,7 @@ def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, che
         seen[dev][3].append(path + (" (created at start)" if where != Path(path).resolve() else ""))
     ckpt_need = checkpoint_bytes * checkpoints * local_world_size
     if checkpoint_dir and ckpt_need:
-        where = _existing_parent(checkpoint_dir)
+        where = existing_parent(checkpoint_dir)
         dev = os.stat(where).st_dev
         if dev not in seen:
             seen[dev] = _disk(where, headroom)

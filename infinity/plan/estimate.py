@@ -89,6 +89,8 @@ class Estimate:
     searched: bool = False  # the configured run does not fit: the plans were searched (Note [plan search])
     faster: object = None  # a faster fitting row when the configured one fits
     checkpoint_bytes: int | None = None  # one rank's files of one checkpoint (Note [checkpoint space])
+    room: dict[str, int] = field(default_factory=dict)  # Note [headroom]: ram_available, ram_headroom (this node),
+    # disk_free, disk_headroom (the first swap path's filesystem; absent without nvme.paths)
 
     @property
     def ok(self) -> bool:
@@ -124,7 +126,7 @@ class Estimate:
             "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok, "param_groups": self.groups,
             "table": [r.to_json() for r in self.table], "plans": [p.to_json() for p in self.plans],
             "faster": self.faster.to_json() if self.faster is not None else None,
-            "checkpoint_bytes_per_rank": self.checkpoint_bytes,
+            "checkpoint_bytes_per_rank": self.checkpoint_bytes, "room": self.room,
         }
 
 
@@ -279,7 +281,25 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         if not est.plans:
             est.plans, est.budget_raised = plan_search.budget_raise(ctx, apply), True
     est.faster = table.faster_row(est.table)
+    est.room = room(config)
     return est
+
+
+def room(config: Config) -> dict[str, int]:
+    """Note [headroom]: the RAM this node has for the job now and the margin `memory.headroom` keeps of it; the same
+    for the first swap path's filesystem."""
+    import shutil
+
+    import psutil
+
+    from infinity.machine.environment import headroom_bytes
+    from infinity.machine.preflight import existing_parent
+    vm = psutil.virtual_memory()
+    out = {"ram_available": int(vm.available), "ram_headroom": headroom_bytes(config.memory.headroom, vm.total)}
+    if config.nvme.paths:
+        usage = shutil.disk_usage(existing_parent(config.nvme.paths[0]))
+        out.update(disk_free=int(usage.free), disk_headroom=headroom_bytes(config.memory.headroom, usage.total))
+    return out
 
 
 def traced_activations(make_model: Callable, config: Config, *, batch_size: int, seq_len: int, depth=None) -> int:
