@@ -90,3 +90,18 @@ def test_the_answer_keeps_the_headroom_of_ram_and_disk(tmp_path, monkeypatch):
     text = largest.format_answers("llama", 32, [answer])
     assert "it keeps 2.00GiB of RAM" in text and "10.00GiB of disk" in text, text
     assert "lacks" in answer.above.why_not(), answer.above.why_not()
+
+
+def test_headroom_values():
+    """Note [headroom]'s rule, as formulas: a share of the total with a 2 GiB floor, a size as it is, "0" none; any
+    other value a one-line ConfigError naming the key and both forms."""
+    from infinity.config.sections import ConfigError
+    from infinity.machine.environment import headroom_bytes
+    assert headroom_bytes("10%", 16 * GiB) == 2 * GiB and headroom_bytes("10%", 100 * GiB) == 10 * GiB
+    assert headroom_bytes("10%", GiB) == GiB  # never more than there is
+    assert headroom_bytes("4GiB", 100 * GiB) == 4 * GiB and headroom_bytes("0", GiB) == 0
+    assert headroom_bytes("0%", GiB) == 0
+    for bad in ("lots", "150%", "x%"):
+        with pytest.raises(ConfigError, match="memory.headroom") as e:
+            headroom_bytes(bad, GiB)
+        assert "\n" not in str(e.value)
