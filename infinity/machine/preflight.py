@@ -271,9 +271,12 @@ def check_locked_memory(locked_bytes: int, local_world_size: int) -> Check:
 
 
 def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, local_world_size: int, cuda: bool,
-              ram_per_rank: int = 0, device_per_rank: int = 0, frozen_referenced: bool = False) -> list[Check]:
+              ram_per_rank: int = 0, device_per_rank: int = 0, frozen_referenced: bool = False,
+              headroom: str = "0") -> list[Check]:
     """The checks `infinity estimate` prints and `initialize` refuses to start without (see `require`).
-    `frozen_referenced`: checkpoints will refer to the pretrained files for every frozen parameter."""
+    `frozen_referenced`: checkpoints will refer to the pretrained files for every frozen parameter. `headroom`
+    (the estimate passes memory.headroom: Note [headroom]): the RAM and disk a plan must leave unused; `initialize`
+    starts a run that fits without it."""
     checks = [Check("placement fits the budgets", plan is not None, "yes" if plan else (plan_error or "no plan"),
                     "see above: change [placement] or [memory] as it says")]
     if plan is None:
@@ -282,7 +285,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     ram = ram_per_rank or sum(state[Tier.HOST].values()) + plan.working.get(Tier.HOST, 0) + (
         0 if cuda else sum(state[Tier.DEVICE].values()) + plan.working.get(Tier.DEVICE, 0))
     vm = psutil.virtual_memory()
-    available, margin = vm.available, headroom_bytes(config.memory.headroom, vm.total)  # Note [headroom]
+    available, margin = vm.available, headroom_bytes(headroom, vm.total)  # Note [headroom]
     checks.append(Check("free RAM", ram * local_world_size + margin <= available,
                         f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available"
                         + (f", keeping {_fmt(margin)} free (memory.headroom)" if margin else ""),
@@ -300,7 +303,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     if paths or ckpt_dir:
         disk, _ = check_disks(paths, nvme_bytes=sum(state[Tier.NVME].values()), local_world_size=local_world_size,
                               checkpoint_dir=ckpt_dir, checkpoint_bytes=checkpoint_bytes(plan, frozen_referenced),
-                              checkpoints=checkpoints_kept(config), headroom=config.memory.headroom)
+                              checkpoints=checkpoints_kept(config), headroom=headroom)
         checks += disk
     if plan.uses(Tier.NVME):
         # the host working terms are the pinned / mlock'ed staging (Note [working memory] in memory/traffic.py)

@@ -11,8 +11,9 @@ has more parameters, wider layers and no fewer blocks than the one below), so a 
 estimates per mode, each fast by Note [deepened estimate]. Full fine-tuning judges the shape as `model.kind =
 "llama"` with its sizes; LoRA as a pretrained model of that shape (a config.json written to a temporary
 directory, no weights: the estimate reads none) with `model.lora.r = 16`. The answer names the rung, its
-parameters, the `--set` lines of its plan, the binding tier (the one nearest its budget), the predicted step,
-and why the next rung does not fit.
+parameters, the `--set` lines of its plan, the binding memory (the one nearest its limit: the RAM by the run's
+predicted peak RSS, the disk by its swap, each against what is left beyond memory.headroom: Note [headroom]), the
+margins it keeps, the predicted step, and why the next rung does not fit with what it lacks as configured.
 """
 
 from __future__ import annotations
