@@ -9,6 +9,15 @@ infinity.job.cli` from its directory. Reported: wall and CPU (user + system of t
 and their medians; the estimate's exit status is 1 here (a 70B does not fit this machine), which is its answer.
 
     python benchmarks/bench_estimate.py --repeats 5 --json estimate.json [--before /tmp/before]
+
+With `--accuracy` it measures instead how far the estimate's predictions are from a run's measurements (Note
+[estimate error]): for each model source (`gpt`: the built-in GPT; `llama`: a transformers Llama of a given shape,
+`model.kind=llama`; `pretrained`: a tiny Llama saved with its tokenizer, fine-tuned whole; `pretrained-lora`: the
+same with LoRA r=8), `infinity train` runs `--steps` steps in a fresh process, `--repeats` times, alternating
+sources; each run's summary.json holds its predicted and measured peak RSS, steady step (median of steps 2 on) and
+step 1. Reported per source: the measured / predicted ratios of each run and their medians.
+
+    python benchmarks/bench_estimate.py --accuracy --steps 12 --repeats 3 --json accuracy.json
 """
 
 from __future__ import annotations
@@ -46,12 +55,74 @@ def run(command: list[str], cwd: str | None) -> dict:
             "exit": out.returncode}
 
 
+COMMON = ["run.batch_size=4", "run.eval_every=0", "run.eval_batches=1", "model.seq_len=64"]
+SHAPE = ["model.n_layer=2", "model.d_model=64", "model.n_head=4"]
+
+
+def tiny_pretrained(root: str) -> tuple[str, str]:
+    """A tiny Llama with its own BPE tokenizer, saved as a pretrained directory, and a text corpus."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    text = "the stone is grey and the sky is blue; what is two plus two? four. " * 40
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                        show_progress=False))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+    cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    path = os.path.join(root, "pretrained")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    fast.save_pretrained(path)
+    corpus = os.path.join(root, "corpus.txt")
+    with open(corpus, "w") as f:
+        f.write(text * 20)
+    return path, corpus
+
+
+def accuracy(args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path, corpus = tiny_pretrained(tmp)
+        sources = {"gpt": SHAPE, "llama": SHAPE + ["model.kind=llama"],
+                   "pretrained": [f"model.pretrained={path}", f"data.path={corpus}"],
+                   "pretrained-lora": [f"model.pretrained={path}", f"data.path={corpus}", "model.lora.r=8"]}
+        runs: dict[str, list[dict]] = {}
+        for i in range(args.repeats):
+            for name, sets in sources.items():
+                cmd = [sys.executable, "-m", "infinity", "train", "--quiet"]
+                for s in COMMON + sets + [f"run.steps={args.steps}", f"run.dir={tmp}/runs", f"run.name={name}-{i}"]:
+                    cmd += ["--set", s]
+                out = subprocess.run(cmd, capture_output=True, text=True)
+                if out.returncode != 0:
+                    raise SystemExit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-3000:]}")
+                with open(os.path.join(tmp, "runs", f"{name}-{i}", "summary.json")) as f:
+                    p = json.load(f)["predicted"]
+                r = {"ratio": p["ratio"], "measured": p["measured"], "predicted": {
+                    k: p[k] for k in ("peak_rss_bytes", "step_seconds", "host_step_seconds", "first_step_seconds")}}
+                runs.setdefault(name, []).append(r)
+                print(f"{name:16s} measured/predicted: peak RSS {r['ratio']['peak_rss']:.2f}x, steady step "
+                      f"{r['ratio']['steady_step']:.2f}x, step 1 {r['ratio']['first_step']:.2f}x", file=sys.stderr)
+    summary = {name: {f"{k}_median": median([r["ratio"][k] for r in rs]) for k in ("peak_rss", "steady_step",
+                                                                                  "first_step")}
+               for name, rs in runs.items()}
+    for name, s in summary.items():
+        print(f"{name:16s} medians: peak RSS {s['peak_rss_median']:.2f}x, steady step {s['steady_step_median']:.2f}x, "
+              f"step 1 {s['first_step_median']:.2f}x")
+    write_json(args.json, {"benchmark": "estimate_accuracy", "machine": machine(), "load_average": os.getloadavg(),
+                           "repeats": args.repeats, "steps": args.steps, "summary": summary, "runs": runs})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--accuracy", action="store_true", help="measure the predictions' error over the model sources")
+    p.add_argument("--steps", type=int, default=12, help="with --accuracy: steps of each run")
     p.add_argument("--before", metavar="DIR", help="a checkout of another commit, run interleaved")
     p.add_argument("--json", metavar="FILE", help="also write the result here")
     args = p.parse_args()
+    if args.accuracy:
+        return accuracy(args)
     with tempfile.TemporaryDirectory() as tmp:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(LLAMA_2_70B, f)

@@ -213,6 +213,9 @@ class MemoryConfig(Section):
         '(placement.tail_units, Note [tail units]): a size, or "auto": what the forward keeps for backward under '
         "[activation], traced by `infinity train` on a GPU and by `infinity estimate`; where nothing traced it (the "
         "engine API alone), half of the free device memory.", "size_or_auto", ge=0, example="20GiB")
+    headroom: str = option("10%", 'RAM and disk every plan leaves unused (Note [headroom]): "N%" of the machine\'s RAM '
+                           '/ the filesystem\'s size, at least 2GiB, or a size ("4GiB"; "0" for none).', "str",
+                           example="10%")
     release_heap: bool = option(False, "Give the C heap's free pages back to the OS once per optimizer step (glibc "
                                 "malloc_trim): without a GPU the peak RSS stays at one step's, as `infinity estimate` "
                                 "predicts, instead of creeping up as freed activations fragment the heap; costs the "

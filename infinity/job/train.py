@@ -549,12 +549,15 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
     estimate = _estimate(job, config, world, say)
     if estimate is not None:
         write_json(run_dir / "estimate.json", estimate.to_json())
-        summary["predicted"] = {"peak_rss_bytes": estimate.peak.get("ram"),
-                                "step_seconds": estimate.step_time.total if estimate.step_time else None}
+        from infinity.plan.estimate import predicted_vs_measured, predicted_vs_measured_line
+        summary["predicted"] = predicted_vs_measured(estimate, peaks[0], run_dir / "metrics.jsonl")
     write_json(run_dir / "summary.json", summary)
     say.close()
+    if estimate is not None and predicted_vs_measured_line(summary["predicted"]):
+        say.note(predicted_vs_measured_line(summary["predicted"]))  # (Note [estimate error])
     why = f" ({result.stopped_by})" if result.stopped_by else ""
+    predicted = (summary.get("predicted") or {}).get("peak_rss_bytes")
     say.final(f"{result.status}{why} after {result.steps} steps in {result.seconds:.1f} s: loss "
               f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, validation {result.val_loss:.4f}; "
-              f"peak RSS {peaks[0] / 2**20:.0f} MiB; run directory {run_dir}"
-              + (f"; exported to {exported}" if exported else ""))
+              f"peak RSS {peaks[0] / 2**20:.0f} MiB" + (f" (predicted {predicted / 2**20:.0f} MiB)" if predicted else "")
+              + f"; run directory {run_dir}" + (f"; exported to {exported}" if exported else ""))

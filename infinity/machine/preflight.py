@@ -44,6 +44,7 @@ import psutil
 import torch
 
 from infinity.config.sections import Config
+from infinity.machine.environment import headroom_bytes
 from infinity.memory.plan import Plan
 from infinity.memory.tier import Kind, Tier
 from infinity.state.checkpoint import SAVED_KINDS, rank_file_bytes
@@ -79,7 +80,7 @@ def _fmt(n: float) -> str:
     return format_size(n, exact=False)
 
 
-def _existing_parent(path: str) -> Path:
+def existing_parent(path: str) -> Path:
     p = Path(path).resolve()
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -94,7 +95,7 @@ def check_nvme_path(path: str, *, created_at_start: bool = False) -> Check:
     directory for swap files."""
     name = f"nvme path {path}"
     fix_dir = "point nvme.paths at a directory on a fast local disk"
-    where = _existing_parent(path)
+    where = existing_parent(path)
     if where.exists() and not where.is_dir():
         what = "is a file" if where == Path(path).resolve() else f"is below {where}, which is a file"
         return Check(name, False, f"{path} {what}, not a directory",
@@ -113,7 +114,7 @@ def check_nvme_path(path: str, *, created_at_start: bool = False) -> Check:
 def check_trace_dir(path: str) -> Check:
     """Whether the profiler's `profile.trace_dir` is (or can be created as) a writable directory: it is written
     at close, after the training, where a failure used to end a completed run with a traceback."""
-    where = _existing_parent(path)
+    where = existing_parent(path)
     problem = (f"{where} is a file" if not where.is_dir()
                else (f"{where} is not writable ({e.strerror})" if (e := write_error(where)) is not None else None))
     return Check("profile directory", problem is None,
@@ -144,7 +145,7 @@ def check_nvme_paths(paths: list[str], *, created_at_start: Collection[str] = ()
     _raise_failed([check_nvme_path(p, created_at_start=p in created_at_start) for p in paths])
     free, seen = 0, set()
     for path in paths:
-        where = _existing_parent(path)
+        where = existing_parent(path)
         st = os.stat(where)
         if st.st_dev not in seen:
             seen.add(st.st_dev)
@@ -192,43 +193,51 @@ def checkpoints_kept(config: Config) -> int:
 
 
 def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, checkpoint_dir: str = "",
-                checkpoint_bytes: int = 0, checkpoints: int = 0) -> tuple[list[Check], int]:
+                checkpoint_bytes: int = 0, checkpoints: int = 0, headroom: str = "0") -> tuple[list[Check], int]:
     """Each swap path is (or can be created as) a writable directory; each filesystem has room for its stripes
     of `nvme_bytes` per rank, plus `checkpoints` x `checkpoint_bytes` per rank when `checkpoint_dir` is on
-    it. Returns the checks and the free bytes over the swap paths' distinct filesystems."""
-    checks, free_total, seen = [], 0, {}  # st_dev -> [free, swap need, checkpoint need, names]
+    it, and keeps `headroom` (memory.headroom of its size: Note [headroom]) free. Returns the checks and the
+    free bytes over the swap paths' distinct filesystems, less each one's headroom."""
+    checks, free_total, seen = [], 0, {}  # st_dev -> [free, swap need, checkpoint need, names, headroom]
     stripe = nvme_bytes * local_world_size / max(1, len(paths))  # striping spreads every extent over the paths
     for path in paths:
         check = check_nvme_path(path, created_at_start=True)
         if not check.ok:
             checks.append(check)
             continue
-        where = _existing_parent(path)
+        where = existing_parent(path)
         dev = os.stat(where).st_dev
         if dev not in seen:
-            seen[dev] = [shutil.disk_usage(where).free, 0, 0, []]
-            free_total += seen[dev][0]
+            seen[dev] = _disk(where, headroom)
+            free_total += max(0, seen[dev][0] - seen[dev][4])
         seen[dev][1] += int(stripe)
         seen[dev][3].append(path + (" (created at start)" if where != Path(path).resolve() else ""))
     ckpt_need = checkpoint_bytes * checkpoints * local_world_size
     if checkpoint_dir and ckpt_need:
-        where = _existing_parent(checkpoint_dir)
+        where = existing_parent(checkpoint_dir)
         dev = os.stat(where).st_dev
         if dev not in seen:
-            seen[dev] = [shutil.disk_usage(where).free, 0, 0, []]
+            seen[dev] = _disk(where, headroom)
         seen[dev][2] += ckpt_need
         seen[dev][3].append(f"checkpoints in {checkpoint_dir}")
-    for free, swap, ckpt, names in seen.values():
+    for free, swap, ckpt, names, margin in seen.values():
         parts = ([f"{_fmt(swap)} of swap"] if swap else []) + (
             [f"{checkpoints} checkpoint(s) of {_fmt(checkpoint_bytes)} per rank = {_fmt(ckpt)}"] if ckpt else [])
         fixes = (["add more nvme.paths (stripes) or keep more state in RAM (placement.* = \"host\" or policy = "
                   "\"auto\")"] if swap else []) + (
             ["keep fewer checkpoints ([checkpoint] keep_last = N keeps the newest N), or save checkpoints on "
              "another disk (checkpoint.dir; for `infinity train`, run.dir)"] if ckpt else [])
-        checks.append(Check(f"free disk on {', '.join(names)}", swap + ckpt <= free,
+        keep = f", keeping {_fmt(margin)} free (memory.headroom)" if margin else ""
+        checks.append(Check(f"free disk on {', '.join(names)}", swap + ckpt + margin <= free,
                             f"{' + '.join(parts)} for {local_world_size} rank(s) needs {_fmt(swap + ckpt)}, "
-                            f"{_fmt(free)} free", "free space there, " + ", or ".join(fixes)))
+                            f"{_fmt(free)} free{keep}", "free space there, " + ", or ".join(
+                                fixes + (["lower memory.headroom"] if margin else []))))
     return checks, free_total
+
+
+def _disk(where: Path, headroom: str) -> list:
+    usage = shutil.disk_usage(where)
+    return [usage.free, 0, 0, [], headroom_bytes(headroom, usage.total)]
 
 
 # ---------------------------------------------------------------- locked memory
@@ -262,9 +271,12 @@ def check_locked_memory(locked_bytes: int, local_world_size: int) -> Check:
 
 
 def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, local_world_size: int, cuda: bool,
-              ram_per_rank: int = 0, device_per_rank: int = 0, frozen_referenced: bool = False) -> list[Check]:
+              ram_per_rank: int = 0, device_per_rank: int = 0, frozen_referenced: bool = False,
+              headroom: str = "0") -> list[Check]:
     """The checks `infinity estimate` prints and `initialize` refuses to start without (see `require`).
-    `frozen_referenced`: checkpoints will refer to the pretrained files for every frozen parameter."""
+    `frozen_referenced`: checkpoints will refer to the pretrained files for every frozen parameter. `headroom`
+    (the estimate passes memory.headroom: Note [headroom]): the RAM and disk a plan must leave unused; `initialize`
+    starts a run that fits without it."""
     checks = [Check("placement fits the budgets", plan is not None, "yes" if plan else (plan_error or "no plan"),
                     "see above: change [placement] or [memory] as it says")]
     if plan is None:
@@ -272,10 +284,13 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     state = plan.state_bytes()
     ram = ram_per_rank or sum(state[Tier.HOST].values()) + plan.working.get(Tier.HOST, 0) + (
         0 if cuda else sum(state[Tier.DEVICE].values()) + plan.working.get(Tier.DEVICE, 0))
-    available = psutil.virtual_memory().available
-    checks.append(Check("free RAM", ram * local_world_size <= available,
-                        f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available",
-                        "move state to NVMe (placement.optimizer / grads / params = \"nvme\", or policy = \"auto\" "
+    vm = psutil.virtual_memory()
+    available, margin = vm.available, headroom_bytes(headroom, vm.total)  # Note [headroom]
+    checks.append(Check("free RAM", ram * local_world_size + margin <= available,
+                        f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available"
+                        + (f", keeping {_fmt(margin)} free (memory.headroom)" if margin else ""),
+                        ("lower memory.headroom, or " if margin else "") + "move state to NVMe (placement.optimizer "
+                        "/ grads / params = \"nvme\", or policy = \"auto\" "
                         "with a smaller memory.host_budget), run fewer ranks per node, or lower the batch size"))
     if cuda:
         free, _total = torch.cuda.mem_get_info()
@@ -288,7 +303,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     if paths or ckpt_dir:
         disk, _ = check_disks(paths, nvme_bytes=sum(state[Tier.NVME].values()), local_world_size=local_world_size,
                               checkpoint_dir=ckpt_dir, checkpoint_bytes=checkpoint_bytes(plan, frozen_referenced),
-                              checkpoints=checkpoints_kept(config))
+                              checkpoints=checkpoints_kept(config), headroom=headroom)
         checks += disk
     if plan.uses(Tier.NVME):
         # the host working terms are the pinned / mlock'ed staging (Note [working memory] in memory/traffic.py)

@@ -16,6 +16,7 @@ the checkpoints, and the locked-memory limit for the pinned / mlock'ed staging b
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -89,6 +90,15 @@ class Estimate:
     searched: bool = False  # the configured run does not fit: the plans were searched (Note [plan search])
     faster: object = None  # a faster fitting row when the configured one fits
     checkpoint_bytes: int | None = None  # one rank's files of one checkpoint (Note [checkpoint space])
+    host_s: float = 0.0  # Note [host time]: the engine's host seconds per steady step (the runtime probe's)
+    first_extra_s: float = 0.0  # what step 1 adds to a steady step, at least (Note [host time])
+    room: dict[str, int] = field(default_factory=dict)  # Note [headroom]: ram_available, ram_headroom (this node),
+    # disk_free, disk_headroom (the first swap path's filesystem; absent without nvme.paths)
+
+    @property
+    def steady_s(self) -> float | None:
+        """The predicted seconds of a steady step (step 2 on): the byte model's step plus the host time."""
+        return None if self.step_time is None else self.step_time.total + self.host_s
 
     @property
     def ok(self) -> bool:
@@ -119,12 +129,15 @@ class Estimate:
             "activations_bytes": self.trace.activation_bytes, "flops_per_step": self.trace.flops,
             "activations": activation_terms(self.trace, self.activation),
             "traffic_per_step": self.traffic.total() if self.traffic else None,
-            "step_time": None if st is None else {"total_s": st.total, "forward_backward": st.fb, "optimizer": st.opt},
+            "step_time": None if st is None else {
+                "total_s": st.total, "forward_backward": st.fb, "optimizer": st.opt, "host_s": self.host_s,
+                "steady_s": self.steady_s, "first_step_s": self.steady_s + self.first_extra_s,
+                "error": {"step": STEP_ERROR, "peak_rss": PEAK_ERROR, "measured": ERROR_MEASURED}},
             "peak": self.peak, "peak_terms": self.peak_terms,
             "checks": [dataclasses.asdict(c) for c in self.checks], "ok": self.ok, "param_groups": self.groups,
             "table": [r.to_json() for r in self.table], "plans": [p.to_json() for p in self.plans],
             "faster": self.faster.to_json() if self.faster is not None else None,
-            "checkpoint_bytes_per_rank": self.checkpoint_bytes,
+            "checkpoint_bytes_per_rank": self.checkpoint_bytes, "room": self.room,
         }
 
 
@@ -150,7 +163,7 @@ def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nv
 
 
 _RUNTIME_PROBE = """
-import importlib, sys
+import importlib, json, statistics, sys, time
 import psutil, torch, infinity
 for name in sys.argv[1:]:  # what the run imports beyond them (transformers' model, PEFT): loaded as it loads them
     try:
@@ -162,20 +175,34 @@ with infinity.meta_init():  # meta tensors load torch's meta kernels (tens of Mi
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16))
 with infinity.initialize(model, {}) as engine:
     x = torch.randint(0, 64, (2, 16))
-    for _ in range(2):
+    seconds = []
+    for _ in range(6):
+        t0 = time.perf_counter()
         engine.backward(engine(x, x))
         engine.step()
-    print(psutil.Process().memory_info().rss)
+        seconds.append(time.perf_counter() - t0)
+    print(json.dumps({"rss": psutil.Process().memory_info().rss, "units": len(engine.units),
+                      "step_s": statistics.median(seconds[1:]), "first_step_s": seconds[0]}))
 """
 
 
-def runtime_rss(remeasure: bool = False, modules: tuple[str, ...] = ()) -> int:
-    """Note [peak memory] runtime: RSS of a fresh process after torch, infinity, `modules` (what the run imports
-    beyond them: models/build.py's `runtime_modules`, e.g. transformers' modeling code, ~160 MiB) and their kernels
-    are loaded (it builds a tiny model on the meta device and trains it for two steps); measured once per machine,
-    torch version, version of infinity's code (what a run imports is the code's: torch._dynamo's import, gone on
-    2026-11-26, was 71 MiB of it) and set of modules, then cached. A probe that fails is an error naming it."""
-    def measure() -> int:
+# Note [estimate error]: measured / predicted over the model sources of benchmarks/bench_estimate.py --accuracy
+# (built-in GPT, a transformers Llama of a given shape, a pretrained directory with and without LoRA; min and max
+# of the medians; 2026-11-28, 2-core CPU, 23 GiB): what `infinity estimate` prints as its known error.
+STEP_ERROR = (1.67, 3.45)  # the steady step is under-predicted: the job's loop (metrics, profiler, data) is not probed
+PEAK_ERROR = (1.02, 1.06)
+ERROR_MEASURED = "2026-11-28, 2-core CPU, 23 GiB: benchmarks/bench_estimate.py --accuracy"
+
+
+def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = ()) -> dict:
+    """Note [peak memory] runtime and Note [host time]: a fresh process after torch, infinity, `modules` (what the
+    run imports beyond them: models/build.py's `runtime_modules`, e.g. transformers' modeling code, ~160 MiB) and
+    their kernels are loaded builds a tiny model on the meta device and trains it for six steps: its RSS ("rss"),
+    its units, the median of steps 2-6 ("step_s": the engine's host time per step, the tiny model's compute is
+    nil) and step 1 ("first_step_s"). Measured once per machine, torch version, version of infinity's code (what
+    a run imports is the code's: torch._dynamo's import, gone on 2026-11-26, was 71 MiB of it) and set of modules,
+    then cached. A probe that fails is an error naming it."""
+    def measure() -> dict:
         try:
             out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, *modules], capture_output=True, text=True,
                                  check=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
@@ -183,10 +210,26 @@ def runtime_rss(remeasure: bool = False, modules: tuple[str, ...] = ()) -> int:
             raise PreflightError(f"the runtime memory probe failed (a fresh python importing torch and infinity): "
                                f"{(e.stderr or '').strip().splitlines()[-1:] or e.returncode}; run "
                                f"python -c 'import torch, infinity' to see why") from None
-        return int(out.stdout.strip().splitlines()[-1])
+        return json.loads(out.stdout.strip().splitlines()[-1])
     import hashlib
-    name = "runtime_rss" + (f"|{hashlib.sha1(','.join(sorted(modules)).encode()).hexdigest()[:16]}" if modules else "")
-    return int(link_rates.cached_measurement(name, measure, remeasure=remeasure, of_code=True))
+    name = "runtime_probe" + (f"|{hashlib.sha1(','.join(sorted(modules)).encode()).hexdigest()[:16]}"
+                              if modules else "")
+    return dict(link_rates.cached_measurement(name, measure, remeasure=remeasure, of_code=True))
+
+
+def runtime_rss(remeasure: bool = False, modules: tuple[str, ...] = ()) -> int:
+    """Note [peak memory] runtime: the probe's RSS (`runtime_probe`)."""
+    return int(runtime_probe(remeasure, modules)["rss"])
+
+
+def host_time(units: int, remeasure: bool = False, modules: tuple[str, ...] = ()) -> tuple[float, float]:
+    """Note [host time]: (seconds per steady step, extra seconds of the first step) the engine's host work adds to
+    the byte model's step for a model of `units` units: the probe's, scaled by units (its work is per unit: the
+    hooks, the gathers, the update's calls). The first step's extra is a floor: a large model's first step also
+    faults in its state's pages and creates its swap files, which the probe's tiny one does not."""
+    probe = runtime_probe(remeasure, modules)
+    scale = units / max(1, int(probe.get("units", 1)))
+    return probe["step_s"] * scale, max(0.0, probe["first_step_s"] - probe["step_s"]) * scale
 
 
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
@@ -215,7 +258,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     num_params = facts.num_params
     groups = facts.groups(config)
     paths = list(config.nvme.paths)
-    path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local)  # free space only
+    path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local,  # free space, less headroom
+                                         headroom=config.memory.headroom)
     unusable = [c for c in path_checks if not c.ok]
     if rates is None:
         existing = next((p for p in paths if os.path.isdir(p)), None)
@@ -263,6 +307,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         est.traffic.add(cost_model.activation_offload_traffic(activation_terms(trace, config.activation)["host"],
                                                                cuda=cuda, accum=config.train.grad_accum_steps))
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
+        est.host_s, est.first_extra_s = host_time(len(plan.units), remeasure, runtime_modules)
     est.table = table.build_table(ctx)
     if not mine.fits and not unusable and apply is not None:  # over a budget, or the RAM / disk checks fail
         est.searched = True
@@ -278,7 +323,25 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         if not est.plans:
             est.plans, est.budget_raised = plan_search.budget_raise(ctx, apply), True
     est.faster = table.faster_row(est.table)
+    est.room = room(config)
     return est
+
+
+def room(config: Config) -> dict[str, int]:
+    """Note [headroom]: the RAM this node has for the job now and the margin `memory.headroom` keeps of it; the same
+    for the first swap path's filesystem."""
+    import shutil
+
+    import psutil
+
+    from infinity.machine.environment import headroom_bytes
+    from infinity.machine.preflight import existing_parent
+    vm = psutil.virtual_memory()
+    out = {"ram_available": int(vm.available), "ram_headroom": headroom_bytes(config.memory.headroom, vm.total)}
+    if config.nvme.paths:
+        usage = shutil.disk_usage(existing_parent(config.nvme.paths[0]))
+        out.update(disk_free=int(usage.free), disk_headroom=headroom_bytes(config.memory.headroom, usage.total))
+    return out
 
 
 def traced_activations(make_model: Callable, config: Config, *, batch_size: int, seq_len: int, depth=None) -> int:
@@ -342,6 +405,10 @@ def _fmt(n: float) -> str:
     return format_size(n, exact=False)
 
 
+def _secs(s: float) -> str:
+    return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.1f} ms"
+
+
 def format_estimate(est: Estimate, *, explain: bool = False) -> str:
     """The human-readable report of `infinity estimate`."""
     lines = [f"model: {est.num_params / 1e6:.2f}M parameters in {est.units} units; world size {est.world_size} "
@@ -370,9 +437,15 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
                 lines += [f"    {reasons[g]}" for g in ("params", "grads", "optimizer")]
         lines.append("")
         st, tr = est.step_time, est.traffic
-        lines.append(f"predicted step: {st.total * 1e3:.1f} ms = forward/backward {st.fb_seconds * 1e3:.1f} ms "
-                     f"(bound by {st.bottlenecks()[0]}) + optimizer {st.opt_seconds * 1e3:.1f} ms "
-                     f"(bound by {st.bottlenecks()[1]})")
+        lines.append(f"predicted steady step (step 2 on): {_secs(est.steady_s)} = forward/backward "
+                     f"{_secs(st.fb_seconds)} (bound by {st.bottlenecks()[0]}) + optimizer {_secs(st.opt_seconds)} "
+                     f"(bound by {st.bottlenecks()[1]}) + host {_secs(est.host_s)} (the engine's own work per step, "
+                     f"measured by the runtime probe)")
+        lines.append(f"  step 1 (warm-up) takes longer: at least {_secs(est.steady_s + est.first_extra_s)} (kernels "
+                     f"loaded, buffers made); a large model's also faults in its state and creates its swap files "
+                     f"(a 29.5M GPT's step 1 took 4.3x its steady step on 2026-11-28)")
+        lines.append(f"  known error (measured / predicted, {ERROR_MEASURED}): steady step "
+                     f"{STEP_ERROR[0]:.2f}-{STEP_ERROR[1]:.2f}x, peak RSS {PEAK_ERROR[0]:.2f}-{PEAK_ERROR[1]:.2f}x")
         recompute = est.trace.unit_forward_flops if est.activation.checkpoint == "units" else 0.0
         lines.append(f"  compute {st.compute * 1e3:.1f} ms ({est.trace.flops / 1e9:.1f} GFLOP per micro-batch"
                      + (f" + {recompute / 1e9:.1f} recomputed (activation.checkpoint)" if recompute else "")
@@ -401,3 +474,57 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
     lines.append("preflight:")
     lines += [f"  {c.line()}" for c in est.checks]
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- predicted vs measured
+
+
+def step_seconds(metrics_path) -> dict[int, float]:
+    """step -> its seconds ("step_time_s"), from a run's metrics.jsonl (a half-written last line skipped)."""
+    out = {}
+    for line in open(metrics_path).read().splitlines() if os.path.exists(metrics_path) else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "step_time_s" in record:
+            out[int(record["step"])] = float(record["step_time_s"])
+    return out
+
+
+def predicted_vs_measured(est: Estimate, peak_rss: int, metrics_path) -> dict:
+    """Note [estimate error]: summary.json's "predicted" of a run: the estimate's peak RSS and steps beside the
+    run's measured ones (its peak RSS; its steps' seconds from `metrics_path`, metrics.jsonl), measured /
+    predicted, and the estimate's known error."""
+    step_seconds_of = step_seconds(metrics_path)
+    steady = sorted(v for k, v in step_seconds_of.items() if k > 1)
+    measured = {"peak_rss_bytes": peak_rss,
+                "steady_step_seconds": steady[len(steady) // 2] if steady else None,  # the median of steps 2 on
+                "first_step_seconds": step_seconds_of.get(1)}
+    predicted = {"peak_rss_bytes": est.peak.get("ram"), "step_seconds": est.steady_s,
+                 "host_step_seconds": est.host_s if est.step_time else None,
+                 "first_step_seconds": None if est.steady_s is None else est.steady_s + est.first_extra_s}
+
+    def ratio(m, p):
+        return m / p if m is not None and p else None
+    return {**predicted, "measured": measured, "error": {"step": STEP_ERROR, "peak_rss": PEAK_ERROR},
+            "ratio": {"peak_rss": ratio(peak_rss, predicted["peak_rss_bytes"]),
+                      "steady_step": ratio(measured["steady_step_seconds"], predicted["step_seconds"]),
+                      "first_step": ratio(measured["first_step_seconds"], predicted["first_step_seconds"])}}
+
+
+def predicted_vs_measured_line(p: dict) -> str:
+    """The run's line of predicted vs measured (`predicted_vs_measured`)."""
+    m, r = p["measured"], p["ratio"]
+    parts = []
+    if p["peak_rss_bytes"]:
+        parts.append(f"peak RSS {m['peak_rss_bytes'] / 2**20:.0f} MiB measured, {p['peak_rss_bytes'] / 2**20:.0f} "
+                     f"MiB predicted ({r['peak_rss']:.2f}x)")
+    if p["step_seconds"] and m["steady_step_seconds"]:
+        parts.append(f"steady step {_secs(m['steady_step_seconds'])} measured (median of steps 2 on), "
+                     f"{_secs(p['step_seconds'])} predicted ({r['steady_step']:.2f}x)")
+    if p["first_step_seconds"] and m["first_step_seconds"]:
+        parts.append(f"step 1 {_secs(m['first_step_seconds'])} measured, at least "
+                     f"{_secs(p['first_step_seconds'])} predicted")
+    return ("measured vs predicted: " + "; ".join(parts) + f" (known error: steady step {STEP_ERROR[0]:.2f}-"
+            f"{STEP_ERROR[1]:.2f}x, peak RSS {PEAK_ERROR[0]:.2f}-{PEAK_ERROR[1]:.2f}x)") if parts else ""

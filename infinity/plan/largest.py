@@ -11,8 +11,9 @@ has more parameters, wider layers and no fewer blocks than the one below), so a 
 estimates per mode, each fast by Note [deepened estimate]. Full fine-tuning judges the shape as `model.kind =
 "llama"` with its sizes; LoRA as a pretrained model of that shape (a config.json written to a temporary
 directory, no weights: the estimate reads none) with `model.lora.r = 16`. The answer names the rung, its
-parameters, the `--set` lines of its plan, the binding tier (the one nearest its budget), the predicted step,
-and why the next rung does not fit.
+parameters, the `--set` lines of its plan, the binding memory (the one nearest its limit: the RAM by the run's
+predicted peak RSS, the disk by its swap, each against what is left beyond memory.headroom: Note [headroom]), the
+margins it keeps, the predicted step, and why the next rung does not fit with what it lacks as configured.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class Verdict:
     estimate: object  # estimate.Estimate
     plan: list[str] | None  # the plan's `--set` lines ([]: the configured run fits; None: nothing fits)
     row: object = None  # estimate_table.Row of the run with the plan
+    peak: dict = field(default_factory=dict)  # that run's predicted peak per rank (Note [peak memory])
 
     @property
     def fits(self) -> bool:
@@ -89,16 +91,19 @@ class Verdict:
         me = configured_row(self.estimate.table)
         why = list(me.over.values()) if me is not None and me.over else [
             f"{c.name}: {c.detail}" for c in self.estimate.checks if not c.ok and c.level == "error"]
-        return "; ".join(why) + "; and no plan of the search fits"
+        lacks = lacking(self.estimate)
+        return "; ".join(why) + "; and no plan of the search fits" + (f" (as configured it lacks {lacks})"
+                                                                       if lacks else "")
 
 
 def verdict(rung: Rung, est) -> Verdict:
     """Whether the estimate `est` of a rung's job trains here, and with which plan (Note [largest model])."""
     me = configured_row(est.table)
     if me is not None and me.fits and est.ok:
-        return Verdict(rung, est, [], me)
+        return Verdict(rung, est, [], me, dict(est.peak))
     if est.plans and not est.budget_raised:
-        return Verdict(rung, est, list(est.plans[0].sets), est.plans[0].row)
+        p = est.plans[0]
+        return Verdict(rung, est, list(p.sets), p.row, dict(p.verdict.peak) if p.verdict else {})
     return Verdict(rung, est, None)
 
 
@@ -121,15 +126,47 @@ def largest(ladder: tuple[Rung, ...], judge: Callable[[Rung], object], mode: str
     return Answer(mode, seen.get(lo), seen.get(hi), [ladder[i].name for i in seen])
 
 
-def binding(est, row) -> str:
-    """The tier of `row` nearest its budget in `est`'s budgets, with its use."""
-    b, budgets = row.bytes, est.budgets
-    uses = {"device": (b["device"], budgets.device), "host": (b["host"], budgets.host),
-            "nvme": (b["nvme"], budgets.nvme)}
-    if budgets.shared_ram:
-        uses = {"ram (device + host)": (b["device"] + b["host"], budgets.shared_limit), "nvme": uses["nvme"]}
+def binding(est, row, peak: dict | None = None) -> str:
+    """The memory of `row` nearest its limit, with its use (Note [headroom]): the RAM by the run's predicted peak
+    RSS (`peak`, all ranks of the node) against the RAM available less memory.headroom, the GPU's memory by its
+    budget, the disk by the swap bytes against the free disk less memory.headroom."""
+    b, budgets, room = row.bytes, est.budgets, est.room
+    ranks = est.local_world_size
+    ram_need = (peak or {}).get("ram") or (b["host"] + (0 if est.cuda else b["device"]))
+    uses = {"ram": (ram_need * ranks, room.get("ram_available", budgets.host * ranks) - room.get("ram_headroom", 0))}
+    if est.cuda:
+        uses["device"] = (b["device"], budgets.device)
+    if b["nvme"]:
+        uses["disk"] = (b["nvme"] * ranks, room.get("disk_free", budgets.nvme * ranks) - room.get("disk_headroom", 0))
     name, (need, have) = max(uses.items(), key=lambda kv: kv[1][0] / max(1, kv[1][1]))
     return f"{name}: {_fmt(need)} of {_fmt(have)}"
+
+
+def kept(est) -> str:
+    """The margins the answer keeps (Note [headroom])."""
+    room = est.room
+    out = [f"{_fmt(room['ram_headroom'])} of RAM ({_fmt(room['ram_available'])} available now)"] \
+        if "ram_headroom" in room else []
+    if "disk_headroom" in room:
+        out.append(f"{_fmt(room['disk_headroom'])} of disk ({_fmt(room['disk_free'])} free)")
+    return " and ".join(out)
+
+
+def lacking(est) -> str:
+    """What the configured run of `est` lacks, beyond the margins memory.headroom keeps (Note [headroom])."""
+    room, out = est.room, []
+    ram = est.peak.get("ram")
+    if ram and "ram_available" in room:
+        short = ram * est.local_world_size + room["ram_headroom"] - room["ram_available"]
+        if short > 0:
+            out.append(f"{_fmt(short)} of RAM")
+    state = est.state()
+    swap = sum(state.get("nvme", {}).values())
+    if swap and "disk_free" in room:
+        short = swap * est.local_world_size + room["disk_headroom"] - room["disk_free"]
+        if short > 0:
+            out.append(f"{_fmt(short)} of disk")
+    return " and ".join(out)
 
 
 def _fmt(n: int) -> str:
@@ -148,7 +185,9 @@ def format_answers(family: str, seq_len: int, answers: list[Answer]) -> str:
             continue
         v, est = a.largest, a.largest.estimate
         lines.append(f"  {a.mode}: {v.rung.name}, {est.num_params / 1e9:.2f}B parameters; predicted step "
-                     f"{seconds_text(v.row.step_s)}; binding tier {binding(est, v.row)}")
+                     f"{seconds_text(v.row.step_s)}; binding {binding(est, v.row, v.peak)}")
+        if kept(est):
+            lines.append(f"     it keeps {kept(est)} unused (memory.headroom)")
         model = v.rung.sets() if a.mode == MODES[0] else ["model.pretrained=<your model of this shape>", *LORA_SETS]
         lines += [f"     --set {s}" for s in model + v.plan]
         if not v.plan:

@@ -249,7 +249,8 @@ def estimate_stages(make_model: Callable, config: Config, cluster: Cluster, *, h
         cuda = torch.cuda.is_available() if cuda is None else cuda
         rates = cached_link_rates(cuda)
         if budgets is None:
-            _, nvme_free = check_disks(list(config.nvme.paths), nvme_bytes=0, local_world_size=g)
+            _, nvme_free = check_disks(list(config.nvme.paths), nvme_bytes=0, local_world_size=g,
+                                       headroom=config.memory.headroom)
             budgets = resolve_budgets_for(config, local_world_size=g, cuda=cuda, nvme_free=nvme_free,
                                           check_machine=cluster.world_size == 1)
         network = {}

@@ -131,7 +131,8 @@ def judge(ctx: Context, applied: Applied) -> Verdict:
         verdict.peak_terms, verdict.peak = ctx.peak_of(plan, ctx.trace, config.activation)
     verdict.checks = preflight(plan, error, config, local_world_size=ctx.local_world_size, cuda=ctx.cuda,
                                ram_per_rank=verdict.peak.get("ram", 0), device_per_rank=verdict.peak.get("device", 0),
-                               frozen_referenced=ctx.frozen_referenced)
+                               frozen_referenced=ctx.frozen_referenced,
+                               headroom=config.memory.headroom)  # every plan proposed keeps it (Note [headroom])
     if row is not None and not row.fits and plan is not None:  # the planner fits the state; activations overflow
         verdict.checks.insert(0, Check("with activations", False, "; ".join(row.over.values()) + " (activations "
                                        f"included: {_fmt(row.activations['device'])} on device)",

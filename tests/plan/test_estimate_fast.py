@@ -34,9 +34,13 @@ CASES = {  # model, engine config
 }
 
 
+HOST_TIME = est.host_time  # (the fixture below replaces it)
+
+
 @pytest.fixture(autouse=True)
 def fixed_runtime(monkeypatch):
     monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(): 100 << 20)  # both paths: one constant
+    monkeypatch.setattr(est, "host_time", lambda units, remeasure=False, modules=(): (0.0, 0.0))  # no probe process
 
 
 def run(model, config, *, deep, budgets=None, search=True, own_llama=False):
@@ -248,3 +252,12 @@ def test_the_flop_count_is_torchs_flop_counter(kind):
             bundle.loss(net, x, x).backward()
         counts.append(counter.get_total_flops())
     assert counts[0] == counts[1] > 0
+
+
+def test_host_time_is_the_probes_per_unit_time_times_the_units(monkeypatch):
+    """Note [host time]: the probe's steady step (and step 1's extra) per unit, times the model's units (a formula).
+    Planted: unscaled (the probe's time for any model), this fails."""
+    probe = {"rss": 1, "units": 4, "step_s": 0.010, "first_step_s": 0.050}
+    monkeypatch.setattr(est, "runtime_probe", lambda remeasure=False, modules=(): probe)
+    steady, first = HOST_TIME(12)
+    assert steady == pytest.approx(0.030) and first == pytest.approx(0.120)

@@ -17,6 +17,7 @@ LADDER = (largest.Rung("tiny-1", 64, 4, 4, 4, 128, 256), largest.Rung("tiny-2", 
 @pytest.fixture(autouse=True)
 def fixed_runtime(monkeypatch):
     monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(): 64 << 20)
+    monkeypatch.setattr(est, "host_time", lambda units, remeasure=False, modules=(): (0.0, 0.0))  # no probe process
 
 
 def job_args(tmp_path, budget: str):
@@ -53,3 +54,54 @@ def test_cli_largest_both_modes(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "full fine-tuning: tiny-" in out and "LoRA (r=16): tiny-" in out
     assert "--set model.lora.r=16" in out
+
+
+GiB, MiB = 1 << 30, 1 << 20
+HEADROOM_LADDER = tuple(largest.Rung(f"step-{d}", d, 4, 4, 4, 2 * d, 256) for d in (64, 128, 256, 384, 512, 768))
+
+
+def test_the_answer_keeps_the_headroom_of_ram_and_disk(tmp_path, monkeypatch):
+    """Note [headroom]: on a machine (faked: 16 GiB of RAM, 2 GiB + 150 MiB of it available; a 100 GiB disk with
+    10 GiB + 100 MiB free) whose margins by memory.headroom's default are 2 GiB of RAM (10% is less) and 10 GiB of
+    disk, the answer of --largest, its lines estimated again, needs at most what is left of each beyond the margin;
+    the next rung does not fit and says what it lacks. (Planted: the free-RAM and free-disk checks without the
+    margin: every rung then fits the 2 GiB available and the answer, the top, leaves under 2 GiB; this fails.)"""
+    import shutil
+    from types import SimpleNamespace
+
+    import psutil
+    ram = SimpleNamespace(total=16 * GiB, available=2 * GiB + 150 * MiB)
+    disk = SimpleNamespace(total=100 * GiB, used=0, free=10 * GiB + 100 * MiB)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: ram)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk)
+    sets = [f'nvme.paths=["{tmp_path}"]', "model.seq_len=32", "run.batch_size=2", "checkpoint.dir="]
+    args = cli.build_parser().parse_args(["estimate", *[a for s in sets for a in ("--set", s)]])
+
+    def judge(rung_sets):
+        return cli._job_estimate(args, cli._line(args).then(*rung_sets), None)
+    answer = largest.largest(HEADROOM_LADDER, lambda rung: judge(rung.sets()), largest.MODES[0])
+    assert answer.largest is not None and answer.above is not None, "the case needs a boundary inside the ladder"
+    again = judge(answer.largest.rung.sets() + answer.largest.plan)
+    assert again.ok and again.room == {"ram_available": ram.available, "ram_headroom": 2 * GiB,
+                                       "disk_free": disk.free, "disk_headroom": 10 * GiB}
+    assert again.peak["ram"] + 2 * GiB <= ram.available, again.peak["ram"] >> 20  # Note [peak memory]'s peak RSS
+    swap = sum(again.state().get("nvme", {}).values())
+    assert swap + 10 * GiB <= disk.free, swap >> 20
+    text = largest.format_answers("llama", 32, [answer])
+    assert "it keeps 2.00GiB of RAM" in text and "10.00GiB of disk" in text, text
+    assert "lacks" in answer.above.why_not(), answer.above.why_not()
+
+
+def test_headroom_values():
+    """Note [headroom]'s rule, as formulas: a share of the total with a 2 GiB floor, a size as it is, "0" none; any
+    other value a one-line ConfigError naming the key and both forms."""
+    from infinity.config.sections import ConfigError
+    from infinity.machine.environment import headroom_bytes
+    assert headroom_bytes("10%", 16 * GiB) == 2 * GiB and headroom_bytes("10%", 100 * GiB) == 10 * GiB
+    assert headroom_bytes("10%", GiB) == GiB  # never more than there is
+    assert headroom_bytes("4GiB", 100 * GiB) == 4 * GiB and headroom_bytes("0", GiB) == 0
+    assert headroom_bytes("0%", GiB) == 0
+    for bad in ("lots", "150%", "x%"):
+        with pytest.raises(ConfigError, match="memory.headroom") as e:
+            headroom_bytes(bad, GiB)
+        assert "\n" not in str(e.value)

@@ -153,7 +153,9 @@ def test_a_micro_batch_refused_for_its_peak_ram_falls_back_to_a_smaller_one(tmp_
     free = Budgets(device=BIG, host=BIG, nvme=BIG)
     eight, four = (run(config, batch=b, budgets=free).peak["ram"] for b in (8, 4))
     assert four < eight
-    monkeypatch.setattr(preflight.psutil, "virtual_memory", lambda: SimpleNamespace(available=(four + eight) // 2))
+    # a 16 GiB machine: memory.headroom's default keeps 2 GiB (10% is less) of it free (Note [headroom])
+    monkeypatch.setattr(preflight.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=(four + eight) // 2 + (2 << 30), total=16 << 30))
     e = run(config, batch=8, budgets=free)
     assert not e.ok and configured(e).fits and e.plans
     assert ("run.batch_size=4", "train.grad_accum_steps=2") in [p.sets for p in e.plans]
