@@ -557,7 +557,8 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
         say.note(predicted_vs_measured_line(summary["predicted"]))  # (Note [estimate error])
     why = f" ({result.stopped_by})" if result.stopped_by else ""
     predicted = (summary.get("predicted") or {}).get("peak_rss_bytes")
+    said = f" (predicted {predicted / 2**20:.0f} MiB)" if predicted else ""
     say.final(f"{result.status}{why} after {result.steps} steps in {result.seconds:.1f} s: loss "
               f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}, validation {result.val_loss:.4f}; "
-              f"peak RSS {peaks[0] / 2**20:.0f} MiB" + (f" (predicted {predicted / 2**20:.0f} MiB)" if predicted else "")
-              + f"; run directory {run_dir}" + (f"; exported to {exported}" if exported else ""))
+              f"peak RSS {peaks[0] / 2**20:.0f} MiB{said}; run directory {run_dir}"
+              + (f"; exported to {exported}" if exported else ""))
