@@ -47,9 +47,11 @@ class EngineForward(nn.Module):
     """The model as the Trainer calls it: forward = `engine(...)`; holds no parameters of its own (so the
     Trainer's `model.zero_grad()` touches nothing: the engine owns the gradients)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, model=None):
         super().__init__()
         self.engine = engine  # (not a submodule: its parameters are the engine's)
+        self._user = [model] if model is not None and model is not engine.module else []  # (Note [the user's
+        # model]: its train / eval mode follows the engine's, as TRL reads `self.model.training`)
 
     def forward(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
@@ -62,6 +64,8 @@ class EngineForward(nn.Module):
     def train(self, mode: bool = True) -> "EngineForward":
         super().train(mode)
         self.engine.train(mode)
+        for model in self._user:
+            model.train(mode)
         return self
 
     @property
@@ -161,7 +165,7 @@ class InfinityTrainerMixin:
         self._holds_weights = _materialized(model)  # Note [the user's model]
         self.engine = initialize(_twin(model) if self._holds_weights else model, self.infinity_config,
                                  weights=infinity_weights, param_groups=[g for g in groups if g["params"]])
-        self._forward = EngineForward(self.engine)
+        self._forward = EngineForward(self.engine, self.model)
         self._grad_norm = torch.zeros(())
         self.add_callback(_GradNormLog(self))
         self.callback_handler.callbacks.insert(0, _SayWhatRuns(self))  # before the progress bar starts: its

@@ -630,3 +630,37 @@ def test_prompt_learning_trains_and_saves_what_trl_saves(tmp_path, method):
     assert set(mine) == set(theirs) == {"prompt_embeddings"}
     torch.testing.assert_close(mine["prompt_embeddings"], theirs["prompt_embeddings"], rtol=1e-4, atol=1e-6)
     ours.engine.close()
+
+
+def test_trainer_model_follows_train_and_eval_mode_as_trls(tmp_path):
+    """TRL reads `self.model.training` to file its metrics under train or eval: trainer.model (the user's, Note [the
+    user's model]) is in train mode during train() and in eval mode in evaluate(), as with TRL's own trainer; a
+    model loaded in eval mode logs the same training metrics (entropy, token accuracy) as TRL's."""
+    trl = pytest.importorskip("trl")
+    from transformers import TrainerCallback
+
+    from infinity.hf import InfinitySFTTrainer
+    tokenizer, ds = chat_data(8)
+    modes, logged = {}, {}
+
+    class Mode(TrainerCallback):
+        def __init__(self, name):
+            self.name = name
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            modes.setdefault(self.name, []).append(trainers[self.name].model.training)
+
+    trainers = {}
+    for cls in (trl.SFTTrainer, InfinitySFTTrainer):
+        cfg = trl.SFTConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=2, max_steps=2,
+                            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                            max_length=32, bf16=False)
+        trainer = trainers[cls.__name__] = cls(model=tiny_llama().eval(), args=cfg, train_dataset=ds, eval_dataset=ds,
+                                               processing_class=tokenizer, callbacks=[Mode(cls.__name__)])
+        trainer.train()
+        trainer.evaluate()
+        logged[cls.__name__] = [sorted(h) for h in trainer.state.log_history]
+        modes[cls.__name__].append(trainer.model.training)
+    assert modes["InfinitySFTTrainer"] == modes["SFTTrainer"]
+    assert logged["InfinitySFTTrainer"] == logged["SFTTrainer"]
+    trainers["InfinitySFTTrainer"].engine.close()
