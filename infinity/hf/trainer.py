@@ -47,9 +47,11 @@ class EngineForward(nn.Module):
     """The model as the Trainer calls it: forward = `engine(...)`; holds no parameters of its own (so the
     Trainer's `model.zero_grad()` touches nothing: the engine owns the gradients)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, model=None):
         super().__init__()
         self.engine = engine  # (not a submodule: its parameters are the engine's)
+        self._user = [model] if model is not None and model is not engine.module else []  # (Note [the user's
+        # model]: its train / eval mode follows the engine's, as TRL reads `self.model.training`)
 
     def forward(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
@@ -62,6 +64,8 @@ class EngineForward(nn.Module):
     def train(self, mode: bool = True) -> "EngineForward":
         super().train(mode)
         self.engine.train(mode)
+        for model in self._user:
+            model.train(mode)
         return self
 
     @property
@@ -117,6 +121,28 @@ def _name_the_base(model, weights) -> None:
             config.base_model_name_or_path = os.path.abspath(weights)
 
 
+# Note [the user's model]: `trainer.model` keeps the dtype the user gave it (fp32 in, fp32 out), as the Trainer's
+# does, and holds the trained weights after train() and at each save and evaluation. The engine shards and casts
+# the module it is given (its parameters become views of compute-dtype buffers, NaN placeholders between steps:
+# Note [parameters between steps]), so it is given a twin: the model's modules copied, its parameters not (the
+# twin's view the same tensors until the engine replaces them with its own), so nothing is allocated twice at
+# construction; `hold_trained_weights` then copies the engine's fp32 masters, one unit gathered at a time, into
+# the user's trainable parameters (frozen ones never change). With bf16=True the engine computes in bf16 as
+# TRL's autocast does, while the weights read back are the fp32 masters: a norm weight moved by 1e-4 reads as
+# moved. A model built under `infinity.meta_init()` has no weights to keep: it is the engine's module, and
+# `hold_trained_weights` says to read the engine (named_full_parameters / full_state_dict) or save_model.
+def _materialized(model) -> bool:
+    return not any(p.is_meta for p in model.parameters())
+
+
+def _twin(model):
+    """The model's modules copied with its parameters shared (new Parameter objects on the same tensors), for
+    the engine to shard and cast (Note [the user's model])."""
+    import copy
+    memo = {id(p): nn.Parameter(p.data, requires_grad=p.requires_grad) for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
 class InfinityTrainerMixin:
     """The overrides shared by InfinityTrainer and InfinitySFTTrainer (Note [trainer on the engine])."""
 
@@ -136,13 +162,49 @@ class InfinityTrainerMixin:
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [n for n in trainable if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [n for n in trainable if n not in decay], "weight_decay": 0.0}]
-        self.engine = initialize(model, self.infinity_config, weights=infinity_weights,
-                                 param_groups=[g for g in groups if g["params"]])
-        self._forward = EngineForward(self.engine)
+        self._holds_weights = _materialized(model)  # Note [the user's model]
+        self.engine = initialize(_twin(model) if self._holds_weights else model, self.infinity_config,
+                                 weights=infinity_weights, param_groups=[g for g in groups if g["params"]])
+        self._forward = EngineForward(self.engine, self.model)
         self._grad_norm = torch.zeros(())
         self.add_callback(_GradNormLog(self))
         self.callback_handler.callbacks.insert(0, _SayWhatRuns(self))  # before the progress bar starts: its
         # line is printed above the bar, not inside it
+
+    # ----------------------------------------------------------------- the user's model (Note [the user's model])
+    def hold_trained_weights(self) -> None:
+        """Copy the engine's trained weights (its fp32 masters, gathered unit by unit) into `trainer.model`, at
+        the model's own dtype: done after train(), before each save and evaluation. A model built under
+        `infinity.meta_init()` is the engine's own module: refused, naming what reads its weights instead."""
+        if not self._holds_weights:
+            raise ConfigError("trainer.model was built under infinity.meta_init(): it is the engine's module and "
+                              "holds no whole weights; read them with trainer.engine.named_full_parameters() or "
+                              "trainer.engine.full_state_dict(), or write them with trainer.save_model(dir)")
+        trainable = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        seen = set()
+        with torch.no_grad():
+            for name, value in self.engine.named_full_parameters(dtype=torch.float32):
+                param = trainable.get(name)
+                if param is not None:
+                    param.copy_(value.to(device=param.device, dtype=param.dtype))
+                    seen.add(name)
+        missing = set(trainable) - seen
+        if missing:  # (the twin has the model's names: a mismatch is a bug, never skipped)
+            raise RuntimeError(f"the engine returned no weights for trainer.model's {sorted(missing)[:3]}")
+
+    def _hold(self) -> None:
+        if self._holds_weights and self.engine is not None:
+            self.hold_trained_weights()
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._hold()
+
+    def evaluate(self, *args, **kwargs):
+        self._hold()
+        return super().evaluate(*args, **kwargs)
 
     # ----------------------------------------------------------------- placement and wrapping
     def _move_model_to_device(self, model, device):
@@ -193,6 +255,7 @@ class InfinityTrainerMixin:
         checkpoint it is exported from stays (`infinity/`, read back on resume)."""
         from infinity.state.export import export_checkpoint
         output_dir = output_dir or self.args.output_dir
+        self._hold()  # trainer.model holds what is saved (Note [the user's model])
         checkpoint = os.path.join(output_dir, ENGINE_CHECKPOINT)
         replaced = f"{checkpoint}.replaced"
         if self.args.should_save and os.path.isdir(checkpoint):  # (a resumed run saving a step again, as the

@@ -298,23 +298,51 @@ def write_hf(path: str, manifest: dict, out: str, dtype: torch.dtype | None, max
 
 def _write_adapters(path: str, manifest: dict, out: str, by_key: dict, model, dtype: torch.dtype | None) -> None:
     """The adapters alone, named as PEFT's save_pretrained names them (PEFT's own `get_peft_model_state_dict`
-    picks and renames them, given placeholders), and `adapter_config.json` from the model's PEFT config."""
+    picks and renames them, given placeholders), and `adapter_config.json` from the model's PEFT config. Prompt
+    learning saves one tensor PEFT computes, not a parameter: `_prompt_embeddings` (Note [prompt embeddings])."""
     from peft import get_peft_model_state_dict  # only a PEFT model gets here
 
     adapter = getattr(model, "active_adapter", "default")
-    placeholders = {k: torch.empty(0) for k in by_key}
-    picked = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=adapter,
-                                       save_embedding_layers=False)
-    name_of = {id(v): k for k, v in placeholders.items()}
-    chosen = [(key, by_key[name_of[id(v)]]) for key, v in picked.items()]
-    specs = [(key, e.shape, (dtype or e.dtype) if e.buffer is None else e.dtype) for key, e in chosen]
     reader = _Reader(path, manifest)
     try:
-        write_safetensors_file(os.path.join(out, ADAPTER_FILE), specs,
-                                (reader.tensor(e).to(s[2]) for (_, e), s in zip(chosen, specs)), {"format": "pt"})
+        if model.peft_config[adapter].is_prompt_learning:
+            value = _prompt_embeddings(reader, by_key, model, adapter)
+            specs = [("prompt_embeddings", tuple(value.shape), dtype or value.dtype)]
+            values = iter([value.to(specs[0][2])])
+        else:
+            placeholders = {k: torch.empty(0) for k in by_key}
+            picked = get_peft_model_state_dict(model, state_dict=placeholders, adapter_name=adapter,
+                                               save_embedding_layers=False)
+            name_of = {id(v): k for k, v in placeholders.items()}
+            chosen = [(key, by_key[name_of[id(v)]]) for key, v in picked.items()]
+            specs = [(key, e.shape, (dtype or e.dtype) if e.buffer is None else e.dtype) for key, e in chosen]
+            values = (reader.tensor(e).to(s[2]) for (_, e), s in zip(chosen, specs))
+        write_safetensors_file(os.path.join(out, ADAPTER_FILE), specs, values, {"format": "pt"})
     finally:
         reader.close()
     save_adapter_config(model.peft_config[adapter], out)
+
+
+# Note [prompt embeddings]: for prompt learning (prompt tuning, prefix tuning, P-tuning's prompt encoder) PEFT saves
+# `prompt_embeddings`, the prompt encoder's output for the virtual tokens (`get_prompt_embedding_to_save`): a
+# fresh tensor computed from the encoder's weights, not one of the model's parameters. The engine's module holds
+# no whole weights between steps (Note [parameters between steps]), so a copy of the (small) prompt encoder is
+# given the checkpoint's trained values of its parameters, in fp32, and PEFT's own method runs on it.
+def _prompt_embeddings(reader, by_key: dict, model, adapter: str) -> torch.Tensor:
+    import copy
+    import types
+
+    encoder = copy.deepcopy(model.prompt_encoder[adapter])
+    prefix = f"prompt_encoder.{adapter}."
+    for name, param in encoder.named_parameters():
+        entry = by_key.get(prefix + name)
+        if entry is None:
+            raise KeyError(f"the checkpoint has no {prefix + name}, the prompt encoder's parameter")
+        param.data = reader.tensor(entry).to(torch.float32).reshape(param.shape)
+    owner = types.SimpleNamespace(prompt_encoder={adapter: encoder}, prompt_tokens=model.prompt_tokens,
+                                  peft_config=model.peft_config)
+    with torch.no_grad():
+        return type(model).get_prompt_embedding_to_save(owner, adapter)
 
 
 # Note [adapter directory]: LoRA adapters alone are saved as PEFT's save_pretrained (and so TRL's SFTTrainer)

@@ -231,6 +231,9 @@ def test_meta_model_with_weights_trains_as_the_loaded_model(tmp_path):
                            infinity_config={"placement": {"params": "host", "optimizer": "host"}})
     ours.train()
     torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    assert ours.model is model  # (no weights to keep: the engine's module; reading it says where the weights are)
+    with pytest.raises(infinity.ConfigError, match="meta_init.*named_full_parameters"):
+        ours.hold_trained_weights()
     ours.engine.close()
 
 
@@ -262,9 +265,9 @@ def sft_beside_trl(tmp_path, tokenizer, ds, **args):
     from infinity.hf import InfinitySFTTrainer
 
     def sft(cls, out):
-        cfg = trl.SFTConfig(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3, logging_steps=1,
-                            save_strategy="no", report_to=[], seed=3, use_cpu=True, disable_tqdm=True, max_length=32,
-                            bf16=False, **args)
+        cfg = trl.SFTConfig(**{**dict(output_dir=str(out), per_device_train_batch_size=2, learning_rate=3e-3,
+                                      logging_steps=1, save_strategy="no", report_to=[], seed=3, use_cpu=True,
+                                      disable_tqdm=True, max_length=32, bf16=False), **args})
         trainer = cls(model=tiny_llama(), args=cfg, train_dataset=ds, processing_class=tokenizer)
         trainer.train()
         return trainer
@@ -533,3 +536,131 @@ def test_gradient_checkpointing_kwargs_use_reentrant_is_accepted_and_changes_not
     assert given.engine.config.activation.checkpoint == "units"
     for t in (plain, given):
         t.engine.close()
+
+
+def test_trainer_model_keeps_its_dtype_and_holds_the_trained_weights(tmp_path):
+    """Note [the user's model]: with SFTConfig's default bf16=True, TRL's trainer.model stays fp32 (autocast) and
+    after train() holds the trained weights, norm weights moved by less than bf16's spacing near 1.0 included; so
+    does ours (the engine's fp32 masters, exactly). With bf16=False the weights are TRL's."""
+    tokenizer, ds = chat_data(8)
+    ref, ours = sft_beside_trl(tmp_path / "bf16", tokenizer, ds, max_steps=2, learning_rate=1e-5, bf16=True)
+    start = dict(tiny_llama().named_parameters())
+    assert ours.model.dtype == ref.model.dtype == torch.float32
+    moved = {n for n, p in ref.model.named_parameters() if not torch.equal(p, start[n])}
+    assert {n for n, p in ours.model.named_parameters() if not torch.equal(p, start[n])} == moved == set(start)
+    norm = ours.model.model.norm.weight
+    assert 0 < (norm - 1).abs().max() < 2 ** -8  # below bf16's spacing near 1.0: seen only at fp32
+    masters = ours.engine.full_state_dict()
+    assert all(torch.equal(p, masters[n]) for n, p in ours.model.named_parameters())
+    ours.engine.close()
+    ref, ours = sft_beside_trl(tmp_path / "fp32", tokenizer, ds, max_steps=2, bf16=False)
+    theirs = dict(ref.model.named_parameters())
+    for name, param in ours.model.named_parameters():
+        torch.testing.assert_close(param, theirs[name], rtol=1e-4, atol=1e-6)
+    ours.engine.close()
+
+
+def test_evaluate_and_save_see_the_trained_weights(tmp_path):
+    """At each evaluation and save during train(), trainer.model holds the weights being saved (a callback reads
+    it at the save: the checkpoint's exported weights are trainer.model's)."""
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+    seen = {}
+
+    class Snapshot(TrainerCallback):
+        def on_save(self, args, state, control, model=None, **kwargs):
+            seen[state.global_step] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    trainer = InfinityTrainer(model=tiny_llama(), args=args_for(tmp_path / "o", max_steps=4, eval_strategy="no",
+                                                                save_strategy="steps", save_steps=2),
+                              train_dataset=lm_dataset(16), callbacks=[Snapshot()])
+    trainer.train()
+    for step in (2, 4):
+        saved = load_file(tmp_path / "o" / f"checkpoint-{step}" / "model.safetensors")
+        assert set(saved) <= set(seen[step])
+        assert all(torch.equal(saved[k], seen[step][k]) for k in saved)
+    assert not torch.equal(seen[2]["model.norm.weight"], seen[4]["model.norm.weight"])
+    trainer.engine.close()
+
+
+def test_model_init_kwargs_dtype_is_the_models(tmp_path):
+    """SFTConfig(model_init_kwargs={"dtype": torch.float16}) with a model path: trainer.model is float16, as TRL's
+    (the engine computes in the compute dtype on its own copies)."""
+    trl = pytest.importorskip("trl")
+    from infinity.hf import InfinitySFTTrainer
+    tokenizer, ds = chat_data(4)
+    tiny_llama().save_pretrained(tmp_path / "base")
+    dtypes = {}
+    for cls in (trl.SFTTrainer, InfinitySFTTrainer):
+        cfg = trl.SFTConfig(output_dir=str(tmp_path / cls.__name__), model_init_kwargs={"dtype": torch.float16},
+                            max_steps=1, per_device_train_batch_size=2, report_to=[], save_strategy="no",
+                            use_cpu=True, disable_tqdm=True, max_length=32)
+        trainer = cls(model=str(tmp_path / "base"), args=cfg, train_dataset=ds, processing_class=tokenizer)
+        trainer.train()
+        dtypes[cls] = trainer.model.dtype
+        if cls is InfinitySFTTrainer:
+            trainer.engine.close()
+    assert dtypes[InfinitySFTTrainer] == dtypes[trl.SFTTrainer] == torch.float16
+
+
+@pytest.mark.parametrize("method", ["prompt_tuning", "p_tuning"])
+def test_prompt_learning_trains_and_saves_what_trl_saves(tmp_path, method):
+    """PEFT prompt learning (Note [prompt embeddings] in state/export.py): the losses and the saved
+    adapter_model.safetensors (`prompt_embeddings`, computed by PEFT from the trained encoder) are TRL's."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+    tokenizer, ds = chat_data(8)
+    config = (peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4) if method == "prompt_tuning" else
+              peft.PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=4, encoder_hidden_size=16))
+    trl = pytest.importorskip("trl")
+    from infinity.hf import InfinitySFTTrainer
+    runs = {}
+    for cls in (trl.SFTTrainer, InfinitySFTTrainer):
+        torch.manual_seed(0)  # (the prompt encoder's initial weights)
+        cfg = trl.SFTConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=2, learning_rate=1e-2,
+                            logging_steps=1, save_strategy="steps", save_steps=2, report_to=[], seed=3, use_cpu=True,
+                            disable_tqdm=True, max_length=32, max_steps=2, bf16=False)
+        trainer = cls(model=tiny_llama(), args=cfg, train_dataset=ds, processing_class=tokenizer, peft_config=config)
+        trainer.train()
+        runs[cls] = trainer
+    ref, ours = runs[trl.SFTTrainer], runs[InfinitySFTTrainer]
+    torch.testing.assert_close(torch.tensor(losses(ours)), torch.tensor(losses(ref)), rtol=1e-5, atol=0)
+    theirs = load_file(tmp_path / "SFTTrainer" / "checkpoint-2" / "adapter_model.safetensors")
+    mine = load_file(tmp_path / "InfinitySFTTrainer" / "checkpoint-2" / "adapter_model.safetensors")
+    assert set(mine) == set(theirs) == {"prompt_embeddings"}
+    torch.testing.assert_close(mine["prompt_embeddings"], theirs["prompt_embeddings"], rtol=1e-4, atol=1e-6)
+    ours.engine.close()
+
+
+def test_trainer_model_follows_train_and_eval_mode_as_trls(tmp_path):
+    """TRL reads `self.model.training` to file its metrics under train or eval: trainer.model (the user's, Note [the
+    user's model]) is in train mode during train() and in eval mode in evaluate(), as with TRL's own trainer; a
+    model loaded in eval mode logs the same training metrics (entropy, token accuracy) as TRL's."""
+    trl = pytest.importorskip("trl")
+    from transformers import TrainerCallback
+
+    from infinity.hf import InfinitySFTTrainer
+    tokenizer, ds = chat_data(8)
+    modes, logged = {}, {}
+
+    class Mode(TrainerCallback):
+        def __init__(self, name):
+            self.name = name
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            modes.setdefault(self.name, []).append(trainers[self.name].model.training)
+
+    trainers = {}
+    for cls in (trl.SFTTrainer, InfinitySFTTrainer):
+        cfg = trl.SFTConfig(output_dir=str(tmp_path / cls.__name__), per_device_train_batch_size=2, max_steps=2,
+                            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
+                            max_length=32, bf16=False)
+        trainer = trainers[cls.__name__] = cls(model=tiny_llama().eval(), args=cfg, train_dataset=ds, eval_dataset=ds,
+                                               processing_class=tokenizer, callbacks=[Mode(cls.__name__)])
+        trainer.train()
+        trainer.evaluate()
+        logged[cls.__name__] = [sorted(h) for h in trainer.state.log_history]
+        modes[cls.__name__].append(trainer.model.training)
+    assert modes["InfinitySFTTrainer"] == modes["SFTTrainer"]
+    assert logged["InfinitySFTTrainer"] == logged["SFTTrainer"]
+    trainers["InfinitySFTTrainer"].engine.close()
