@@ -61,22 +61,35 @@ def load_tokens(path: str) -> torch.Tensor:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:  # binary data would train without a word
         line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"data.path = {path!r} line {line}: {not_utf8(raw, e.start, path, 'a UTF-8 text file')}") \
+        raise ConfigError(f"data.path = {path!r} line {line}: {not_utf8(raw, e.start, path)}") \
             from None
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def not_utf8(raw: bytes, at: int, path, wanted: str) -> str:
-    """What to say of data that is not UTF-8 at byte `at`: text in another encoding (few control bytes: Latin-1
-    or Windows-1252 decode it) gets the command that converts it; anything else looks binary."""
-    sample = raw[:1 << 20]
-    control = sum(1 for b in sample if b < 0x20 and b not in (9, 10, 13))
-    what = f"not UTF-8 (byte {at}: {raw[at:at + 1]!r})"
-    if b"\0" not in sample and control <= len(sample) // 1000:
-        return (f"{what}: it looks like text in another encoding (Latin-1 or Windows-1252 read it); convert it to "
-                f"UTF-8, e.g. iconv -f latin1 -t utf-8 {path} > {Path(path).stem}.utf8{Path(path).suffix}, and "
-                f"point data.path at that")
-    return f"{what}; the file looks binary: point data.path at {wanted}"
+def not_utf8(raw: bytes, at: int, path: str) -> str:
+    """What is wrong with `raw` (a file's bytes, or one line of them), whose byte `at` is not UTF-8, and the fix.
+
+    Note [text in another encoding]: a file that is not UTF-8 is most often text saved in another encoding (Latin-1
+    / Windows-1252 from an older editor, UTF-16 from Windows tools), not binary data: calling it binary sends the
+    user looking for the wrong problem. So: a UTF-16 byte-order mark says UTF-16; bytes that read as text in
+    Windows-1252 (no NUL, few control bytes) say Latin-1 / Windows-1252 and show the bytes around `at` read so;
+    only the rest is called binary. Each names the conversion to UTF-8."""
+    bad = f"not UTF-8 text (byte {at}: {raw[at:at + 1]!r})"
+    iconv = (f"zcat {path} | iconv -f {{}} -t utf-8 | gzip > utf8.txt.gz" if str(path).endswith(".gz") else
+             f"iconv -f {{}} -t utf-8 {path} > utf8.txt")
+    convert = f"convert it to UTF-8, e.g. {iconv}, and point data.path at that"
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return f"{bad}; the file is UTF-16 text (it starts with a UTF-16 byte-order mark): {convert.format('utf-16')}"
+    head = raw[:1 << 20]
+    controls = sum(head.count(bytes([c])) for c in (*range(0, 9), 11, *range(14, 32), 127))
+    if b"\x00" not in head and controls <= len(head) // 100:
+        lo, hi = max(0, at - 20), at + 20
+        lo = raw.rfind(b"\n", lo, at) + 1 or lo
+        hi = min(x for x in (raw.find(b"\n", at, hi), hi) if x >= 0)
+        seen = raw[lo:hi].decode("cp1252", errors="replace")
+        return (f"{bad}; it looks like text in another encoding, Latin-1 or Windows-1252 (read so, it says "
+                f"{seen!r}), not binary data: {convert.format('latin1')}")
+    return f"{bad}; the file looks binary (NUL or control bytes), not text: point data.path at a UTF-8 text file"
 
 
 def split(tokens: torch.Tensor, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -91,7 +91,7 @@ def _jsonl(file: Path):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{where}: {not_utf8(raw, e.start, file, 'a JSONL file')}") from None
+                raise DataError(f"{where}: {not_utf8(raw, e.start, file)}") from None
             if not line.strip():
                 continue
             try:

@@ -257,7 +257,8 @@ def _config(args) -> int:
             "# profile.trace_dir): set one and it is fixed.")))
         print(job_defaults_text())
         return 0
-    job = _line(args).job()
+    from infinity.data.tokenized import resolve_data_format
+    job, _ = resolve_data_format(_line(args).job())  # the format the run reads: its output trains as it says
     run_dir = os.path.join(job.run.dir, "<run>")
     print(to_toml(job.engine_config(run_dir), job, run_dir))
     return 0

@@ -253,7 +253,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
             keep_profile_segments(config.profile.trace_dir, rank, int(os.environ.get("LOCAL_RANK", "0")),
                                   lambda: barrier(default_group()))  # Note [profile segments]
             if resume.damaged_note(kept):  # first the damage, then what it meant for the metrics
-                say.note(resume.damaged_note(kept))
+                say.final(resume.damaged_note(kept))  # (said under --quiet too: never a silent fallback)
             if kept_records.dropped:
                 say.note(f"dropped {kept_records.dropped} metrics record(s) of steps after the checkpoint "
                          f"(step {start})")
