@@ -16,11 +16,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session")
+def _suite_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture(scope="module")
-def module_cache(tmp_path_factory):
-    """One link-rate / runtime-RSS cache per test module (`INFINITY_CACHE_DIR`): the runtime RSS probe of
-    an estimate runs once per module, and no test reads or writes the user's own cache."""
+def module_cache(_suite_cache):
+    """The suite's own link-rate / runtime-probe cache (`INFINITY_CACHE_DIR`), for the modules that use it: the
+    runtime probe of an estimate (a fresh process that trains a tiny model) runs once per set of modules a run
+    imports in the whole suite, not once per test module, and no test reads or writes the user's own cache. A
+    test of the cache itself gives it a directory of its own."""
     mp = pytest.MonkeyPatch()
-    mp.setenv("INFINITY_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    mp.setenv("INFINITY_CACHE_DIR", _suite_cache)
     yield
     mp.undo()

@@ -41,7 +41,7 @@ def test_a_time_limit_that_is_not_a_duration_is_refused(value):
 
 
 def test_the_time_limit_stops_with_a_checkpoint_and_the_resume_is_bitwise(tmp_path):
-    limit = 8
+    limit = 3
     assert main(["train", "--quiet", *_sets(tmp_path, "limited", "run.steps=1000000",
                                            f'run.time_limit="{limit}s"')]) == EXIT_INTERRUPTED
     run = tmp_path / "limited"
