@@ -200,8 +200,8 @@ def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = ()) -> dic
     their kernels are loaded builds a tiny model on the meta device and trains it for six steps: its RSS ("rss"),
     its units, the median of steps 2-6 ("step_s": the engine's host time per step, the tiny model's compute is
     nil) and step 1 ("first_step_s"). Measured once per machine, torch version, version of infinity's code (what
-    a run imports is the code's: torch._dynamo's import, gone on 2026-11-26, was 71 MiB of it) and set of modules,
-    then cached. A probe that fails is an error naming it."""
+    a run imports is the code's: torch._dynamo's import, gone on 2026-11-26, was 71 MiB of it) and set of packages
+    the modules are of, then cached. A probe that fails is an error naming it."""
     def measure() -> dict:
         try:
             out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, *modules], capture_output=True, text=True,
@@ -211,9 +211,10 @@ def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = ()) -> dic
                                f"{(e.stderr or '').strip().splitlines()[-1:] or e.returncode}; run "
                                f"python -c 'import torch, infinity' to see why") from None
         return json.loads(out.stdout.strip().splitlines()[-1])
-    import hashlib
-    name = "runtime_probe" + (f"|{hashlib.sha1(','.join(sorted(modules)).encode()).hexdigest()[:16]}"
-                              if modules else "")
+    # keyed by the packages (transformers, peft, ...), not each module: one model's modeling code or a tokenizer
+    # more weighs a few MiB beside the ~160 MiB of the package itself, and each probe is a process of its own
+    packages = sorted({m.split(".")[0] for m in modules})
+    name = "runtime_probe" + (f"|{','.join(packages)}" if packages else "")
     return dict(link_rates.cached_measurement(name, measure, remeasure=remeasure, of_code=True))
 
 

@@ -119,6 +119,7 @@ def test_every_benchmark_script_has_a_start_here():
     assert not set(TINY) & set(SLOW_TINY) and not (set(TINY) | set(SLOW_TINY)) & set(HELP_ONLY)
 
 
+@pytest.mark.slow  # (20 s: the name check above is what catches a module move)
 @pytest.mark.parametrize("name", sorted(p.name for p in SCRIPTS))
 def test_every_benchmark_script_starts(name):
     out = _run(BENCH / name, ["--help"], timeout=120)
