@@ -16,9 +16,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_configure(config):
+    """The suite's own cache directory for the link rates and the runtime probe (SUITE_CACHE): the tests that
+    run jobs point INFINITY_CACHE_DIR at it, so the probe (a fresh process importing torch, and transformers /
+    PEFT for a Hugging Face job) runs once per package set in the suite, and no test touches the user's cache."""
+    import tempfile
+    os.environ.setdefault("INFINITY_SUITE_CACHE", tempfile.mkdtemp(prefix="infinity-suite-cache-"))
+
+
 @pytest.fixture(scope="session")
-def _suite_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+def _suite_cache():
+    return os.environ["INFINITY_SUITE_CACHE"]
 
 
 @pytest.fixture(scope="module")

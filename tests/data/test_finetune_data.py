@@ -5,6 +5,7 @@ rows whose samples never meet, truncation, bad data named by line, and `infinity
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -243,7 +244,7 @@ def test_train_completion_jsonl_learns_the_format_not_the_json(tmp_path, llama, 
     training the file as text would continue it with JSON (issue 31)."""
     from infinity.job.spec import load_job
     from infinity.job.train import train
-    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
     path, _, tok = llama
     f = write_jsonl(tmp_path / "sums.jsonl", list(_sums(200)))
     job = load_job(None, [f"model.pretrained={path}", f"data.path={f}", "data.format=completion", "data.packing=true",
@@ -264,7 +265,7 @@ def test_train_completion_jsonl_learns_the_format_not_the_json(tmp_path, llama, 
 def test_train_chat_padded_runs_and_counts_tokens(tmp_path, llama, monkeypatch):
     from infinity.job.spec import load_job
     from infinity.job.train import train
-    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
     path, _, tok = llama
     f = write_jsonl(tmp_path / "c.jsonl", [CHAT] * 6)
     job = load_job(None, [f"model.pretrained={path}", f"data.path={f}", "data.format=chat", "model.seq_len=64",

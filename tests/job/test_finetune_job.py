@@ -4,6 +4,7 @@ exported into <run>/export, loaded back by transformers with the engine's logits
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -27,7 +28,7 @@ SMALL = ["model.seq_len=32", "run.batch_size=4", "run.eval_every=0", "run.eval_b
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
 
 
 # ---------------------------------------------------------------- config

@@ -406,7 +406,7 @@ def test_the_default_job_trains_within_the_stated_band_of_fp32_state(tmp_path, m
     import json
     import subprocess
     import sys
-    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
     val = {}
     for sd in ("fp32", "bf16", "bf16_master"):
         subprocess.run([sys.executable, "-m", "infinity", "train", "--quiet", "--set", f"run.dir={tmp_path}",

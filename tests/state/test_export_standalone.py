@@ -77,7 +77,7 @@ def test_job_export_is_in_the_source_dtype_with_its_tokenizer_and_chat_template(
     from infinity.job.spec import load_job
     from infinity.job.train import train as train_job
     from infinity.models.build import build_model
-    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
     src = _pretrained_bf16(tmp_path / "src")
     assert "chat_template.jinja" in os.listdir(src)
     corpus = tmp_path / "c.txt"
