@@ -50,8 +50,8 @@ class EngineForward(nn.Module):
     def __init__(self, engine, model=None):
         super().__init__()
         self.engine = engine  # (not a submodule: its parameters are the engine's)
-        # the user's model (Note [the user's model]): its train / eval mode follows the engine's, as TRL reads
-        # `self.model.training`
+        # the user's model, apart from the engine's module: its train / eval mode follows the engine's, as TRL
+        # reads `self.model.training` (Note [the user's model])
         self._user = [model] if model is not None and model is not engine.module else []
 
     def forward(self, *args, **kwargs):
