@@ -235,7 +235,7 @@ def _scheduler(t: Translation, flat: dict, take) -> None:
         t.refuse("scheduler.type", kind, "infinity's schedules are warmup then constant, linear or cosine decay")
         return
     warmup = params.pop("warmup_num_steps", 1000 if kind != "WarmupCosineLR" else 0)
-    wtype = params.pop("warmup_type", "log" if kind != "WarmupCosineLR" else "log")
+    wtype = params.pop("warmup_type", "log")  # (DeepSpeed's default for all three)
     if warmup and wtype != "linear":
         t.refuse("scheduler.params.warmup_type", wtype, 'infinity\'s warmup is linear: set "warmup_type": "linear" '
                                                          "(DeepSpeed's default is log)")

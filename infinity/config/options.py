@@ -239,3 +239,29 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     except tomllib.TOMLDecodeError:
         value = text  # a bare word such as host or 12GiB
     return ".".join(parts[:-1]), parts[-1], value
+
+
+# ---------------------------------------------------------------- one key's values
+
+HEADROOM_FLOOR = 2 << 30
+
+
+def headroom_bytes(spec: str, total: int) -> int:
+    """Note [headroom]: the RAM (of `total` RAM) or disk (of a filesystem of `total` bytes) that `memory.headroom`
+    keeps unused: "N%" is N% of `total`, at least 2 GiB (never more than `total`); a size is that size; "0" none.
+    The RAM is judged as the machine is: what the kernel could give this job now (MemAvailable: the page cache
+    counts as free, what other processes hold does not), less the headroom; the disks by their free bytes less it."""
+    text = str(spec).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 <= share < 100:
+            raise ConfigError(f'memory.headroom = "{spec}": a share must be 0% to 99%, e.g. memory.headroom = "10%"')
+        return 0 if share == 0 else min(total, max(int(total * share / 100), HEADROOM_FLOOR))
+    try:
+        return int(parse_size(text, "memory.headroom"))
+    except ConfigError:
+        raise ConfigError(f'memory.headroom = "{spec}": expected a share of the total ("10%") or a size ("4GiB", '
+                          f'"0" for none)') from None

@@ -33,6 +33,7 @@ from infinity.config.options import (
     SettingWarning,
     did_you_mean,
     format_size,
+    headroom_bytes,
     option,
     parse_override,
     parse_size,
@@ -221,6 +222,9 @@ class MemoryConfig(Section):
                                 "predicts, instead of creeping up as freed activations fragment the heap; costs the "
                                 "next step faulting its pages in again (~15% of a small CPU-only step). `infinity "
                                 "train` sets it (Note [heap release]).", "bool")
+
+    def _check(self) -> None:
+        headroom_bytes(self.headroom, 1 << 40)  # a value that is neither a share nor a size: refused at load
 
     @property
     def reserved_activations(self) -> int | None:

@@ -222,8 +222,7 @@ def _line(args):
         t = deepspeed.translate(deepspeed.read(args.deepspeed), int(os.environ.get("WORLD_SIZE", "1")))
         if t.refused and not args.deepspeed_lenient:
             raise deepspeed.refusal(t, f"--deepspeed {args.deepspeed}")
-        if os.environ.get("RANK", "0") == "0" and not getattr(args, "_said", False):
-            args._said = True  # (the command reads its job more than once: one translation printed)
+        if os.environ.get("RANK", "0") == "0":  # (each command reads its line once: printed once)
             print("\n".join([f"deepspeed: {line}" for line in t.lines]
                             + [f"deepspeed: not honoured (--deepspeed-lenient): {line}" for line in t.refused]),
                   flush=True)

@@ -72,6 +72,11 @@ class Metrics:
         return Earlier(dropped=len(lines) - len(kept), losses=[r["loss"] for r in records],
                        tokens=int(records[-1].get("tokens", 0)) if records else 0)
 
+    def step_seconds(self) -> dict[int, float]:
+        """step -> its seconds ("step_time_s") of the records kept (the whole run's, across resumes)."""
+        records = [r for _, r in _records(self.path)] if self.path is not None else []
+        return {int(r["step"]): float(r["step_time_s"]) for r in records if r is not None and "step_time_s" in r}
+
     def __enter__(self) -> Metrics:
         if self.path is not None:
             self.sinks.insert(0, JsonLines(self.path))

@@ -52,7 +52,7 @@ class Resume:
         them (`kept`, its answer) (Note [damaged checkpoint])."""
         if not self.damaged:
             return None
-        what = "; ".join(f"{path} is {why}" if why.startswith("an incomplete save") else f"{path} is damaged ({why})"
+        what = "; ".join(f"{path} is {why}" if incomplete_save(path) else f"{path} is damaged ({why})"
                          for path, why in self.damaged)
         tried = len(self.damaged) + 1
         kept_said = (f"; the damaged one{'s' if len(kept) > 1 else ''} kept as {', '.join(str(p) for p in kept)}"
@@ -144,12 +144,17 @@ def _checkpoint_dirs(run_dir: Path) -> list[Path]:
 DAMAGED_SUFFIX = ".damaged"
 
 
+def incomplete_save(path: Path) -> bool:
+    """A save a stopped run left (`<name>.tmp-<token>` with its partial marker): the next save removes it."""
+    from infinity.state.checkpoint import PARTIAL_MARKER
+    return ".tmp-" in path.name and (path / PARTIAL_MARKER).exists()
+
+
 def set_aside(damaged) -> list[Path]:
     """Rename each damaged checkpoint to <name>.damaged (another suffix if that exists); returns the new paths."""
-    from infinity.state.checkpoint import PARTIAL_MARKER
     moved = []
     for path, _ in damaged:
-        if ".tmp-" in path.name and (path / PARTIAL_MARKER).exists():
+        if incomplete_save(path):
             continue  # an incomplete save: named, and removed by the next save as every stopped save is
         target, n = path.with_name(path.name + DAMAGED_SUFFIX), 1
         while target.exists():
@@ -218,17 +223,17 @@ def unreadable_checkpoints(run_dir: Path) -> tuple[list[tuple[Path, str]], list[
     damaged ones (a manifest missing, truncated or unparsable, or of a format this version does not read) and
     the incomplete saves a stopped run left (`<name>.tmp-<token>` with its partial marker; the next save removes
     them). Neither is a candidate, and neither is passed over in silence (Note [damaged checkpoint])."""
-    from infinity.state.checkpoint import PARTIAL_MARKER, CheckpointError
+    from infinity.state.checkpoint import CheckpointError
     from infinity.state.checkpoint_load import read_manifest
     damaged, partial = [], []
     for path in _checkpoint_dirs(run_dir):
         try:
             read_manifest(str(path))
         except (CheckpointError, OSError) as e:
-            if ".tmp-" in path.name and (path / PARTIAL_MARKER).exists():
+            if incomplete_save(path):
                 partial.append((path, "an incomplete save: the run stopped while writing it"))
             else:
-                damaged.append((path, str(e).split(": use another checkpoint")[0].split(": it is not")[0]))
+                damaged.append((path, str(e)))
     return damaged, partial
 
 
@@ -290,7 +295,7 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
         from infinity.state.checkpoint_load import read_manifest
         read_manifest(str(given))  # a CheckpointError that says what is wrong with it
         checkpoint = given
-        damaged = [d for d in unreadable_checkpoints(run_dir)[0] if d[0] != given]
+        damaged = unreadable_checkpoints(run_dir)[0]  # (`given` read: not among them)
         why = verify(str(checkpoint))
         if why is not None:
             raise ConfigError(f"--resume {path}: the checkpoint is damaged ({why}); resume from the newest intact "

@@ -550,7 +550,7 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
     if estimate is not None:
         write_json(run_dir / "estimate.json", estimate.to_json())
         from infinity.plan.estimate import predicted_vs_measured, predicted_vs_measured_line
-        summary["predicted"] = predicted_vs_measured(estimate, peaks[0], run_dir / "metrics.jsonl")
+        summary["predicted"] = predicted_vs_measured(estimate, peaks[0], Metrics(run_dir).step_seconds())
     write_json(run_dir / "summary.json", summary)
     say.close()
     if estimate is not None and predicted_vs_measured_line(summary["predicted"]):

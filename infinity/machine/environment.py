@@ -13,6 +13,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from infinity.config.options import headroom_bytes
 from infinity.config.sections import ConfigError
 from infinity.device.process_group import join_process_group
 from infinity.memory.plan import Budgets
@@ -51,31 +52,6 @@ def resolve(group=None) -> ProcessEnv:
                       owns_group=owns)
 
 
-HEADROOM_FLOOR = 2 << 30
-
-
-def headroom_bytes(spec: str, total: int) -> int:
-    """Note [headroom]: the RAM (of `total` RAM) or disk (of a filesystem of `total` bytes) that `memory.headroom`
-    keeps unused: "N%" is N% of `total`, at least 2 GiB (never more than `total`); a size is that size; "0" none.
-    The RAM is judged as the machine is: what the kernel could give this job now (MemAvailable: the page cache
-    counts as free, what other processes hold does not), less the headroom; the disks by their free bytes less it."""
-    from infinity.config.sections import parse_size
-    text = str(spec).strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1])
-        except ValueError:
-            share = -1.0
-        if not 0 <= share < 100:
-            raise ConfigError(f'memory.headroom = "{spec}": a share must be 0% to 99%, e.g. memory.headroom = "10%"')
-        return 0 if share == 0 else min(total, max(int(total * share / 100), HEADROOM_FLOOR))
-    try:
-        return int(parse_size(text, "memory.headroom"))
-    except ConfigError:
-        raise ConfigError(f'memory.headroom = "{spec}": expected a share of the total ("10%") or a size ("4GiB", '
-                          f'"0" for none)') from None
-
-
 def resolve_budgets(memory_cfg, device: torch.device, local_world_size: int, nvme_free: int, *,
                     check_machine: bool = True) -> Budgets:
     """Byte budgets per tier; "auto" means this rank's share of the free memory detected now (the RAM less
@@ -86,7 +62,7 @@ def resolve_budgets(memory_cfg, device: torch.device, local_world_size: int, nvm
     ConfigError naming what the machine has, in `initialize`, the job and `infinity estimate` on this
     machine; `check_machine=False` for the what-if estimates of other machines (--world, --hardware)."""
     vm = psutil.virtual_memory()
-    margin = headroom_bytes(getattr(memory_cfg, "headroom", "0"), vm.total)  # Note [headroom]
+    margin = headroom_bytes(memory_cfg.headroom, vm.total)  # Note [headroom]
     available = max(0, vm.available - margin) // max(1, local_world_size)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

@@ -43,8 +43,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from infinity.config.sections import Config
-from infinity.machine.environment import headroom_bytes
+from infinity.config.sections import Config, headroom_bytes
 from infinity.memory.plan import Plan
 from infinity.memory.tier import Kind, Tier
 from infinity.state.checkpoint import SAVED_KINDS, rank_file_bytes

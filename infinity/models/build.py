@@ -294,7 +294,7 @@ def runtime_modules(cfg: ModelConfig, lora: LoraConfig) -> tuple[str, ...]:
         except (OSError, ValueError):
             kind = ""
     out = []
-    if kind and kind != "gpt" or cfg.pretrained:
+    if (kind and kind != "gpt") or cfg.pretrained:
         out.append(f"transformers.models.{kind}.modeling_{kind}" if kind else "transformers")
     if cfg.pretrained and cfg.tokenizer != "bytes":
         out.append("transformers.models.auto.tokenization_auto")

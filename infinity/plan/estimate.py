@@ -335,7 +335,7 @@ def room(config: Config) -> dict[str, int]:
 
     import psutil
 
-    from infinity.machine.environment import headroom_bytes
+    from infinity.config.options import headroom_bytes
     from infinity.machine.preflight import existing_parent
     vm = psutil.virtual_memory()
     out = {"ram_available": int(vm.available), "ram_headroom": headroom_bytes(config.memory.headroom, vm.total)}
@@ -480,24 +480,10 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
 # ---------------------------------------------------------------- predicted vs measured
 
 
-def step_seconds(metrics_path) -> dict[int, float]:
-    """step -> its seconds ("step_time_s"), from a run's metrics.jsonl (a half-written last line skipped)."""
-    out = {}
-    for line in open(metrics_path).read().splitlines() if os.path.exists(metrics_path) else []:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if "step_time_s" in record:
-            out[int(record["step"])] = float(record["step_time_s"])
-    return out
-
-
-def predicted_vs_measured(est: Estimate, peak_rss: int, metrics_path) -> dict:
+def predicted_vs_measured(est: Estimate, peak_rss: int, step_seconds_of: dict[int, float]) -> dict:
     """Note [estimate error]: summary.json's "predicted" of a run: the estimate's peak RSS and steps beside the
-    run's measured ones (its peak RSS; its steps' seconds from `metrics_path`, metrics.jsonl), measured /
-    predicted, and the estimate's known error."""
-    step_seconds_of = step_seconds(metrics_path)
+    run's measured ones (its peak RSS; its steps' seconds, step -> seconds), measured / predicted, and the
+    estimate's known error."""
     steady = sorted(v for k, v in step_seconds_of.items() if k > 1)
     measured = {"peak_rss_bytes": peak_rss,
                 "steady_step_seconds": steady[len(steady) // 2] if steady else None,  # the median of steps 2 on

@@ -95,8 +95,8 @@ def test_the_answer_keeps_the_headroom_of_ram_and_disk(tmp_path, monkeypatch):
 def test_headroom_values():
     """Note [headroom]'s rule, as formulas: a share of the total with a 2 GiB floor, a size as it is, "0" none; any
     other value a one-line ConfigError naming the key and both forms."""
-    from infinity.config.sections import ConfigError
-    from infinity.machine.environment import headroom_bytes
+    from infinity.config.options import headroom_bytes
+    from infinity.config.sections import Config, ConfigError
     assert headroom_bytes("10%", 16 * GiB) == 2 * GiB and headroom_bytes("10%", 100 * GiB) == 10 * GiB
     assert headroom_bytes("10%", GiB) == GiB  # never more than there is
     assert headroom_bytes("4GiB", 100 * GiB) == 4 * GiB and headroom_bytes("0", GiB) == 0
@@ -105,3 +105,5 @@ def test_headroom_values():
         with pytest.raises(ConfigError, match="memory.headroom") as e:
             headroom_bytes(bad, GiB)
         assert "\n" not in str(e.value)
+        with pytest.raises(ConfigError, match="memory.headroom"):  # refused when the config is read, not later
+            Config.from_dict({"memory": {"headroom": bad}})
