@@ -1,23 +1,28 @@
-"""The largest model the estimator says this machine trains, trained for a few steps (issue 42, item 5).
+"""The largest model the estimator says this machine trains, trained for a few steps: full fine-tuning and LoRA.
 
     python -m infinity estimate --largest llama --seq-len 1024 --json > largest_estimate.json
     python benchmarks/bench_largest.py --estimate largest_estimate.json --steps 3 --json largest.json
 
-Takes the full fine-tune's answer (its rung of the ladder and the plan's `--set` lines), runs `infinity train`
-with them for `--steps` steps (no checkpoint, no export) and reports its parameters, seconds per step (the median
-of the steps after the first), TFLOPS (6 x parameters x trained tokens per step / step) and where its state
-lives (the plan's reasons, from the run's memory report). `trained_params` is set only when the run completed.
+Full fine-tuning: the answer's rung and the plan's `--set` lines run as `infinity train` for `--steps` steps (no
+checkpoint, no export). LoRA: the LoRA answer's rung (a pretrained model of that shape, LoRA r = 16) with its
+plan's `--set` lines, run by the engine directly for `--steps` steps on random base weights (a model that large
+has no weights on this disk, and their values do not change the step's time). Each reports its parameters,
+seconds per step (the median of the steps after the first), TFLOPS (6 x parameters x trained tokens per step /
+step), where its state lives, and the process's peak RSS. `params` (and `lora_params`) is set only when the run
+completed; `step_s` is the full fine-tune's.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import write_json  # noqa: E402
 
 from infinity.plan.largest import LADDERS, MODES  # noqa: E402
+
+PRETRAINED = "model.pretrained="
 
 
 def answer(estimate_path: str, family: str, mode: str) -> dict:
@@ -37,24 +44,18 @@ def answer(estimate_path: str, family: str, mode: str) -> dict:
             "set": rung.sets() + list(found["largest"]["set"]), "predicted_step_s": found["largest"]["step_s"]}
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--estimate", required=True, help="infinity estimate --largest FAMILY --json's output")
-    ap.add_argument("--family", default="llama")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--run-dir", default=None)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+def full_fine_tune(args, run_dir: str) -> dict:
+    """The full fine-tune's answer, trained by `infinity train`."""
     out = answer(args.estimate, args.family, MODES[0])
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="infinity-largest-run-")
     sets = out["set"] + [f"model.seq_len={args.seq_len}", f"run.steps={args.steps}", f"run.dir={run_dir}",
                          "run.checkpoint=false", "run.eval_every=0"]
     cmd = [sys.executable, "-m", "infinity", "train"] + [a for s in sets for a in ("--set", s)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     out.update(command=" ".join(cmd[2:]), returncode=done.returncode, stderr_tail=done.stderr[-2000:])
-    summary_path = os.path.join(run_dir, "summary.json")
-    if done.returncode == 0 and os.path.exists(summary_path):
+    found = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))  # (run.dir holds one run per start)
+    if done.returncode == 0 and found:
+        summary_path = found[-1]
+        run_dir = os.path.dirname(summary_path)
         summary = json.load(open(summary_path))
         steps = [r for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()
                  for r in [json.loads(line)] if "step_time_s" in r]
@@ -64,6 +65,83 @@ def main(argv=None) -> dict:
         out.update(step_s=step_s, tflops=6 * out["num_params"] * tokens / step_s / 1e12, tokens_per_step=tokens,
                    state=report.get("state"), peak_rss_bytes=summary["peak_rss_bytes"],
                    cuda_peak_bytes=report.get("cuda_peak_bytes"), trained_params=out["num_params"])
+    return out
+
+
+def lora(args, root: str) -> dict:
+    """The LoRA answer's rung, its plan's engine config, `--steps` steps on random base weights (in this process)."""
+    import resource
+    import time
+
+    import torch
+    from bench_gpu import fast_init
+
+    import infinity
+    from infinity.job.spec import load_job
+    from infinity.models.build import build_model
+    out = answer(args.estimate, args.family, MODES[1])
+    rung = next(r for r in LADDERS[args.family] if r.name == out["rung"])
+    path = rung.pretrained(root, args.seq_len)  # (its config.json: the estimate's directory is gone)
+    sets = [s for s in out["set"] if not s.startswith(PRETRAINED) and not s.startswith("model.kind")
+            and not any(s.startswith(f"model.{k}=") for k in ("d_model", "n_layer", "n_head", "n_kv_head",
+                                                                "ffn_dim", "vocab_size"))]
+    sets += [PRETRAINED + path, "model.lora.r=16", f"model.seq_len={args.seq_len}", f"run.dir={root}/run"]
+    out["set"] = sets
+    job = load_job(None, sets)
+    bundle = build_model(job.model, job.lora)
+    config = job.engine_config(os.path.join(root, "run"))
+    for swap in job.created_swap(os.path.join(root, "run")):
+        os.makedirs(swap, exist_ok=True)  # (as `infinity train` makes its run's swap)
+    base = bundle.model.get_base_model()
+    engine = infinity.initialize(bundle.model, config, init_fn=fast_init(base._init_weights))
+    g = torch.Generator().manual_seed(0)
+    accum = config.train.grad_accum_steps
+    x = torch.randint(0, rung.vocab_size, (job.run.batch_size, args.seq_len + 1), generator=g)
+    times = []
+    with engine:
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            for _ in range(accum):
+                engine.backward(bundle.loss(engine, x[:, :-1], x[:, 1:]))
+                engine.step()
+            engine.synchronize()
+            times.append(time.perf_counter() - start)
+        state = engine.memory_report().get("state")
+    step_s = statistics.median(times[1:] or times)
+    tokens = job.run.batch_size * args.seq_len * accum
+    trainable = sum(p.numel() for p in bundle.model.parameters() if p.requires_grad)
+    out.update(step_s=step_s, step_times_s=times, tflops=6 * out["num_params"] * tokens / step_s / 1e12,
+               tokens_per_step=tokens, trainable_params=trainable, state=state,
+               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               trained_params=out["num_params"])
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--estimate", required=True, help="infinity estimate --largest FAMILY --json's output")
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--modes", default="full,lora", help="full, lora or both (comma-separated)")
+    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="infinity-largest-run-")
+    out: dict = {}
+    if "full" in args.modes:
+        out["full"] = full = full_fine_tune(args, run_dir)
+        out.update(params=full.get("trained_params"), step_s=full.get("step_s"))
+        print(f"full fine-tune: {json.dumps(full, default=str)[:2000]}", flush=True)
+    if "lora" in args.modes:
+        with tempfile.TemporaryDirectory(prefix="infinity-largest-lora-") as root:
+            try:
+                out["lora"] = lora(args, root)
+            except Exception as e:  # noqa: BLE001 - recorded and printed, not swallowed: the full run's numbers stay
+                traceback.print_exc()
+                out["lora"] = {"error": repr(e)}
+        out["lora_params"] = out["lora"].get("trained_params")
+        print(f"LoRA: {json.dumps(out['lora'], default=str)[:2000]}", flush=True)
     write_json(args.json, out)
     return out
 

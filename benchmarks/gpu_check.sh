@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# One GPU lease's check (issues 41 and 42), under 8 minutes on a bare H100 or H200, from the repo root:
-#   bash benchmarks/gpu_check.sh                 # the device tool's run: carry the wheels folder (.whl)
+# The GPU check: the first thing run on a GPU machine, from the repo root (about 9 minutes on a bare H100 or H200):
+#   bash benchmarks/gpu_check.sh                 # with the wheels the image lacks in .whl (docs/benchmarks.md)
 # Each part has its own timeout, so a part that runs long is cut, not the whole check; what comes back under
 # $OUT (at most 8 files): check.log (the bars, measured / bar), env.log, gpu_tests.log, sanitizer.log,
 # bench.log, largest.log and gpu_<date>.json (commit it as benchmarks/results/gpu_<date>.json).
 # The wheels the image lacks (docs/benchmarks.md, "The GPU check"): in $WHEELS (default .whl), installed with
 # --no-deps into /tmp/site. A dry run of the flow on a CPU (tests/benchmarks/test_gpu_check.py):
 #   OUT=/tmp/gc BENCH_ARGS="--tiny --device cpu" LARGEST=0 bash benchmarks/gpu_check.sh
-# PARTS picks and orders the parts (default: tests sanitizer a b l d largest); cases b and l are also profiled
-# by a run of their own (PROFILE=0: not), their summaries, timelines and Chrome traces back as profile.tgz;
-# BUDGET_S (default 460) is the whole check's seconds: each part's timeout is cut to what is left, and a part
-# with under 20 s left is skipped and says so.
+# PARTS picks and orders the parts. The default puts first what has not been measured yet: the sanitizer over
+# the gpu tests, the memory-bound cases m1 and m2, DeepSpeed's ZeRO-Offload on m1's model (d2), the largest
+# model; then the gpu tests alone and the cases already met (b, l, a, d). What the budget leaves out is logged
+# as skipped: run it in a second call (e.g. PARTS="largest tests b l"). Cases b and l are also profiled by a run
+# of their own (PROFILE=0: not), their summaries, timelines and Chrome traces back as profile.tgz; BUDGET_S
+# (default 540) is the whole check's seconds: each part's timeout is cut to what is left, and a part with under
+# 20 s left is skipped and says so. M2_DIR: where case m2's state may go on disk (default /tmp).
 set -u
 OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 CASES=/tmp/gpu_check_cases; rm -rf "$CASES"; mkdir -p "$CASES"
 WHEELS=${WHEELS:-.whl}
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
-BUDGET_S=${BUDGET_S:-460}
-PARTS=${PARTS:-tests sanitizer a b l d largest}
+BUDGET_S=${BUDGET_S:-540}
+PARTS=${PARTS:-sanitizer m1 m2 d2 largest tests b l a d}
 cap() {  # a part's timeout: its own, or what is left of the budget; 0 when under 20 s is left
   local left=$(( BUDGET_S - $(elapsed) )); [ "$left" -lt 20 ] && { echo 0; return; }
   [ "$1" -lt "$left" ] && echo "$1" || echo "$left"
@@ -68,7 +71,25 @@ part_d() {
   b=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['b']['step_s'])" "$CASES/case_b.json" \
     2>/dev/null) && bench d "$1" --b-step-s "$b" || bench d "$1"
 }
-# 3. the largest model this machine trains (issue 42, item 5): the estimator's answer, then 3 steps of it
+# 3. the memory-bound cases (bench_offload_bound.py): m1 (case l's Llama with no tail units: every update on the
+# CPU), m2 (a Llama whose fp32 state is over 1.2x the GPU's memory, policy "auto"), d2 (DeepSpeed ZeRO-2 and ZeRO-3
+# with offload_optimizer cpu on m1's model and batch, when it is installed)
+mbench() {  # name, timeout, extra args
+  timeout "$2" python3 benchmarks/bench_offload_bound.py --cases "$1" --json "$CASES/case_$1.json" \
+    ${BENCH_ARGS:-} "${@:3}" >>"$OUT/bench.log" 2>&1
+  log "case $1 rc=$? $(python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['$1']; print({k: d[k] for k in
+  ('steady_s','ratio','speed','clip_over_no_clip','accum4_speed','tflops','params','zero3_ratio') if k in d})" \
+  "$CASES/case_$1.json" 2>/dev/null || echo '(no result)')"
+}
+part_m1() { mbench m1 "$1"; }
+part_m2() { mbench m2 "$1" --dir "${M2_DIR:-/tmp}"; }
+part_d2() {
+  if ! python3 -c "import deepspeed" 2>/dev/null; then log "case d2 skipped (deepspeed missing)"; return; fi
+  local m  # m1's steady step when part m1 ran: d2 compares with it instead of running m1 again
+  m=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['m1']['steady_s'])" "$CASES/case_m1.json" \
+    2>/dev/null) && mbench d2 "$1" --m1-steady-s "$m" || mbench d2 "$1"
+}
+# 4. the largest model this machine trains: the estimator's answer, then 3 steps of it, full fine-tune and LoRA
 part_largest() {
   if [ "${LARGEST:-1}" != 1 ]; then log "largest model skipped (LARGEST=${LARGEST:-})"; return; fi
   timeout 60 python3 -m infinity estimate --largest llama --seq-len 1024 --json >"$CASES/largest_estimate.json" \
@@ -81,7 +102,8 @@ part_largest() {
   log "largest (3 steps) rc=$?"
 }
 
-declare -A LIMIT=([tests]=120 [sanitizer]=200 [a]=70 [b]=160 [l]=120 [d]=200 [largest]=300)
+declare -A LIMIT=([tests]=120 [sanitizer]=150 [m1]=150 [m2]=240 [d2]=180 [a]=70 [b]=160 [l]=120 [d]=200
+                  [largest]=300)
 for part in $PARTS; do
   t=$(cap "${LIMIT[$part]}")
   if [ "$t" = 0 ]; then log "$part skipped: $(elapsed) s of the ${BUDGET_S} s budget spent"; continue; fi

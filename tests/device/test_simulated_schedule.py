@@ -534,3 +534,40 @@ def test_a_count_above_the_units_keeps_them_all_and_says_so():
     assert all(plan.tier(u, Kind.MASTER) is Tier.DEVICE for u in range(5))
     said = [r for r in plan.reasons if r.startswith("tail units:")]
     assert said and "placement.tail_units = 99 is more than the 5 units: all are kept" in said[0], plan.reasons
+
+
+# The memory-bound cases (benchmarks/bench_offload_bound.py), no tail units: every unit's update on the CPU. m1 is
+# the H200's case l with placement.tail_units = 0; m2 a 13B-width Llama of ~12B parameters on the H200 (its state in
+# host RAM), the same tokens per step: compute, CPU Adam and PCIe each ~10.7x m1's, over 41 units
+CASE_M1 = CASE_L_H200
+CASE_M2 = {"units": 41, "fwd": 590.0, "bwd": 1180.0, "adam": 5350.0, "d2h": 910.0, "h2d": 480.0, "device_adam": 50.0}
+
+
+@pytest.mark.parametrize("case", [CASE_M1, CASE_M2], ids=["m1", "m2"])
+def test_without_tail_units_the_step_is_the_cpus_adam(case):
+    """With no unit's state on the device, the CPU's Adam of every unit is the largest floor (3x the compute): the
+    worker starts on the forward's last unit as soon as its gradient is down, so the update runs under backward,
+    and the next forward waits only for what is left after it. The step is within 1.15x of that floor (m1: 1.03x,
+    m2: 1.02x simulated)."""
+    sim = simulate(case | {"tail": 0})
+    floors = sim["floors"]
+    assert max(floors, key=floors.get) == "cpu_adam"
+    assert sim["step"] <= 1.15 * floors["cpu_adam"], (sim["step"], floors)
+    first = min(sim["updated"].values())  # the first update ends one unit's Adam after its gradient is down
+    assert first <= (case["bwd"] + case["d2h"] + case["adam"]) / case["units"] + 1e-6, sim["updated"]
+
+
+def test_without_tail_units_clipping_costs_the_backward_and_the_device_lane_takes_it_back():
+    """Clipped (the update waits for the norm) with no tail units, the CPU can start only once backward and its last
+    gradient copy are done: m1's step is then backward + the whole CPU Adam + a unit's forward, 1.20x the
+    unclipped one. With the device lane the GPU updates the forward's last units meanwhile (their state copied up
+    and back), and the clipped step is under the unclipped one (0.72x): what m1's clip bar (<= 1.1x) needs on the
+    GPU; the unclipped step keeps no lane (Note [device lane]: only an update that waits for the norm has one)."""
+    case = CASE_M1 | LANE_L | {"lane_kept": 5, "tail": 0}
+    eager = simulate(case)["step"]
+    deferred = simulate(case, deferred=True)
+    n = case["units"]
+    bound = deferred["norm_known"] + case["adam"] + case["h2d"] / n + case["fwd"] / n
+    assert bound <= deferred["step"] <= bound + 1.0 and deferred["step"] > 1.15 * eager, (deferred["step"], eager)
+    lane = simulate(case, deferred=True, lane=True)
+    assert lane["step"] <= 1.1 * eager and len(lane["lane"]) >= n // 3, (lane["step"], eager, lane["lane"])
