@@ -221,9 +221,11 @@ def m2_shape(gpu_bytes: int, args, nvme_dir: str) -> tuple[Rung, list[str]]:
     the estimator says fits; the shapes judged (a line each)."""
     base, judged = m2_base(gpu_bytes, args.tiny), []
     need = 0 if args.tiny else OVER_DEVICE * gpu_bytes / STATE_BYTES
+    one, two = (sum(p.numel() for p in _meta_llama(rung_config(dataclasses.replace(base, n_layer=n), args.seq))
+                    .parameters()) for n in (1, 2))  # (the rest is a block's parameters per layer)
     for layers in range(base.n_layer, 0, -1):
         rung = dataclasses.replace(base, name=f"{base.name}-{layers}L", n_layer=layers)
-        params = sum(p.numel() for p in _meta_llama(rung_config(rung, args.seq)).parameters())
+        params = one + (layers - 1) * (two - one)
         if params < need:
             break
         fits = estimate_fits(rung, args, nvme_dir)
