@@ -163,7 +163,7 @@ def case_m1(device, args) -> dict:
     torch_s = torch_steps(lcfg, [x], device, bf16, args, optimizer=True)
     torch_accum4_s = torch_steps(lcfg, xs4, device, bf16, args, optimizer=True)
     runs = {}
-    for name, clip, overlap, batches in (("no_clip", 0.0, {}, [x]), ("clip", 1.0, {}, [x]),
+    for name, clip, overlap, batches in (("no_clip", 0.0, {}, [x]), ("clip", 1.0, {}, [x]), ("lane", 0.0, LANE, [x]),
                                          ("clip_lane", 1.0, LANE, [x]), ("accum4", 0.0, {}, xs4)):
         runs[name] = diagnostic("m1", name, lambda: ours(lcfg, batches, device, args, M1, clip, overlap))
         print(f"case m1 {name}: {runs[name]}", flush=True)
@@ -177,6 +177,8 @@ def case_m1(device, args) -> dict:
            "tflops": 6 * params * x.numel() / step / 1e12, "runs": runs}
     if "steady_s" in runs["clip_lane"]:
         out["clip_lane_over_no_clip"] = runs["clip_lane"]["steady_s"] / step
+    if "steady_s" in runs["lane"]:
+        out["lane_speed"] = torch_s / runs["lane"]["steady_s"]  # (unclipped, the device lane on: Note [device lane])
     if "steady_s" in runs["accum4"]:
         out.update(accum4_speed=torch_accum4_s / runs["accum4"]["steady_s"], bar_accum4=0.85)
     return out

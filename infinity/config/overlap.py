@@ -66,10 +66,11 @@ class OverlapConfig(Section):
         "optimizer state are on NVMe, are not speculated; needs optimizer_with_backward.",
         "size_or_auto", ge=0, example="4GiB")
     device_lane: str = option(
-        "off", "Where the update waits for the global norm (clipping or skipped non-finite steps without "
-        "speculation, fp16): \"on\" lets a second worker update on the GPU the host-state units the next forward "
-        "uses last, their state copied up and back over PCIe, while the CPU's worker updates the forward's first "
-        "units; the two take units from either end of the forward's order until they meet (Note [device lane]). "
+        "off", "Where the optimizer worker updates the units (optimizer_with_backward; not a speculated update): "
+        "\"on\" lets a second worker update on the GPU the host-state units the next forward uses last, their "
+        "state copied up and back over PCIe, while the CPU's worker updates the forward's first units; the two take "
+        "units from either end of the forward's order until they meet (Note [device lane]). It pays where the "
+        "CPU's Adam paces the step: the update waiting for the global norm (clipping), or no tail units. "
         "Costs the device memory of two units' state and gradients; needs a GPU, optimizer_with_backward, and "
         "gradients and optimizer state on the host tier. Which units the GPU takes depends on timing, and its Adam "
         "differs from the CPU's by a few ulps, so runs with it are not bitwise reproducible on a GPU. \"off\" "

@@ -1,7 +1,7 @@
-"""The device lane: with the update waiting for the global norm, a second worker steps host-state units on the
-GPU beside the CPU's. Planned here (its units, their staging, the gradients kept for it); it runs in
+"""The device lane: a second worker steps host-state units on the GPU beside the CPU's, when the update waits for
+the global norm or runs during backward. Planned here (its units, their staging, the gradients kept for it); it runs in
 optim/worker.py (which units each takes), optim/offloaded.py (the update on the device) and
-runtime/update_modes.py (the deferred update that offers it the units).
+runtime/update_modes.py (the deferred and eager updates that offer it the units).
 """
 
 from __future__ import annotations
@@ -43,9 +43,16 @@ from infinity.memory.tier import Kind, Tier
 # last so far. On a GPU the lane's units take the GPU's fused Adam (as tail units do: a few ulps from the CPU's)
 # and which units it takes depends on timing, so a run with the lane is not bitwise reproducible on a GPU (nor is
 # its resume); on the CPU, where the tests force it, it is.
+# Without clipping (the eager update: each unit submitted as backward finalizes it) the lane helps the same way
+# where the CPU's Adam is the step's largest floor, as with no tail units (the memory-bound case m1,
+# benchmarks/bench_offload_bound.py): the units are offered one at a time as their gradients are final, the lane
+# takes the earliest offered left (the forward's last), the CPU's worker the forward's first of what it has, and
+# after backward they meet as above (simulated in m1's proportions: 0.55x the step without the lane, whose copies
+# back then share the d2h direction with backward's gradients, which the simulation leaves out). No gradient is
+# kept for it there (the unit's gradient is final when it is offered; the lane copies it up).
 # Only units whose gradients and whole optimizer state are on the host tier, and whose parameters are not on
 # NVMe (their writes follow the fresh copies, Note [fresh parameters]); not speculated updates (their journal is
-# the CPU's); nothing without a GPU, where both would be the same cores.
+# the CPU's) nor the update on the training thread; nothing without a GPU, where both would be the same cores.
 LANE_UNITS_IN_FLIGHT = 2  # units whose copies back may be running (the lane's staging)
 LANE_CHUNKS_IN_FLIGHT = 2  # optimizer chunks whose copies up may be queued (what an upload waits behind)
 LANE_KINDS = (Kind.MASTER, Kind.EXP_AVG, Kind.EXP_AVG_SQ, Kind.GRADS)  # what a lane update copies up
@@ -64,15 +71,17 @@ def lane_staging_bytes(plan: Plan, units: list[int]) -> int:
     return sum(per_unit[:LANE_UNITS_IN_FLIGHT])
 
 
-def with_device_lane(plan: Plan, setting: str, defers_update: bool, budgets: Budgets) -> Plan:
+def with_device_lane(plan: Plan, setting: str, budgets: Budgets, *, defers_update: bool, eager_update: bool) -> Plan:
     """`plan` with its device lane (Note [device lane]) for `overlap.device_lane` = `setting`: the units, and their
-    staging as a device working term; a setting that cannot act is said (Note [inert setting])."""
+    staging as a device working term, when the worker steps the units without a journal (the update waits for the
+    norm, `defers_update`, or runs during backward, `eager_update`); the gradients kept on the device for it when it
+    waits for the norm; a setting that cannot act is said (Note [inert setting])."""
     if setting == "off":
         return plan
     units = lane_units(plan)
     why_not = ("no GPU (the CPU would run both)" if budgets.shared_ram else
-               "the update does not wait for the global norm (no clipping, fp16 or skipped steps, or it speculates)"
-               if not defers_update else
+               "the update runs on the training thread (overlap.optimizer_with_backward = false) or speculates (its "
+               "journal is the CPU's)" if not (defers_update or eager_update) else
                "no unit has its gradients and optimizer state on the host tier" if not units else None)
     if why_not is not None:
         return with_inert(plan, f"overlap.device_lane = \"on\": nothing is updated on the GPU: {why_not}")
@@ -85,11 +94,12 @@ def with_device_lane(plan: Plan, setting: str, defers_update: bool, budgets: Bud
             f"units' state and gradients in flight, but the plan leaves {fmt_bytes(free)} under "
             f"memory.device_budget: set it to \"off\", or raise memory.device_budget")
     elements = sum(plan.units[u].numel(Kind.MASTER) for u in units)
-    reason = (f"device lane: after the global norm, units {_ranges(units)} ({elements:,} "
-              f"trainable elements) may be updated on the GPU, from the forward's last, while the CPU updates from "
-              f"its first; {fmt_bytes(staging)} of device staging (Note [device lane])")
+    when = "after the global norm" if defers_update else "as backward finalizes them"
+    reason = (f"device lane: {when}, units {_ranges(units)} ({elements:,} trainable elements) may be updated on "
+              f"the GPU, from the forward's last, while the CPU updates from its first; {fmt_bytes(staging)} of "
+              f"device staging (Note [device lane])")
     lane = dataclasses.replace(lane, reasons=lane.reasons + (reason,))
-    return with_lane_grads(lane, budgets)
+    return with_lane_grads(lane, budgets) if defers_update else lane
 
 
 def with_lane_grads(plan: Plan, budgets: Budgets) -> Plan:

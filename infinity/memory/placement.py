@@ -63,7 +63,8 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
                    rates: cost_model.LinkRates | None = None, grad_accum_steps: int = 1,
                    compute_seconds: float = 0.0, keep_written: bool = True, read_ahead: int | str = 0,
                    speculation: int = 0, tail_units: int | str = 0, device_lane: str = "off",
-                   defers_update: bool = False, state_dtype: StateDtype = StateDtype.FP32) -> Plan:
+                   defers_update: bool = False, eager_update: bool = False,
+                   state_dtype: StateDtype = StateDtype.FP32) -> Plan:
     """Decide the tier of every unit's state kinds and check it against the budgets.
 
     policy "static": every unit's params / grads / optimizer state on the tiers of
@@ -77,8 +78,9 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     leaves free; bytes: refused with a ConfigError unless they fit; 0 without the optimizer worker), then
     `speculation`, the journal of speculated updates (a size, refused unless it fits in what is left; 0 when none).
     Before them `tail_units` moves the first units' gradients and optimizer state to the device (Note [tail units]).
-    Last, `device_lane` ("on"), when the update waits for the global norm (`defers_update`), names the units a
-    second worker may step on the GPU and fits its staging on the device (Note [device lane]).
+    Last, `device_lane` ("on"), when the worker steps the units without a journal (the update waits for the global
+    norm, `defers_update`, or runs during backward, `eager_update`), names the units a second worker may step on
+    the GPU and fits its staging on the device (Note [device lane]).
     `state_dtype`: what the optimizer state is stored in (`[optimizer] state_dtype`; its bytes per element).
     """
     settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written, "state_dtype": state_dtype}
@@ -102,7 +104,7 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
                                 f"with parameters or optimizer state on NVMe, or the optimizer on the GPU, never "
                                 f"are: Note [speculative update])")
     assert not misfits(plan.tier_totals(), budgets), f"the read-ahead overflows the budgets: {plan.tier_totals()}"
-    return with_device_lane(plan, device_lane, defers_update, budgets)
+    return with_device_lane(plan, device_lane, budgets, defers_update=defers_update, eager_update=eager_update)
 
 
 # Note [tail units]: with the optimizer on the host, each unit's update runs on the CPU as its gradients arrive
@@ -199,6 +201,7 @@ def plan_for_config(units: tuple[UnitSizes, ...], config, budgets: Budgets, *,
         tail_units=p.tail_units,
         device_lane=config.overlap.device_lane,
         defers_update=mode is Mode.DEFERRED,
+        eager_update=mode is Mode.EAGER,
         state_dtype=StateDtype(config.optimizer.state_dtype),
     )
 

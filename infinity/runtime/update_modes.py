@@ -308,6 +308,8 @@ class _DuringBackward(_OnWorker):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        plan = self.manager.plan  # Note [device lane]: the units it may step (none where it speculates)
+        self._lane = frozenset(plan.device_lane) if self.worker.lane is not None else frozenset()
         self._nonfinite: tuple[str, float] | None = None  # the first unit whose gradient was not finite
         self._predicted: dict[int, list[Run]] = {}  # this window's ranges by local flags (read-ahead)
         self._open = False  # a window's first unit has been finalized (step() closes it)
@@ -340,7 +342,8 @@ class _DuringBackward(_OnWorker):
             return runs
 
         self.worker.submit([unit], hyper=hyper, grad_scale=None, active=active, journal=journal,
-                           after_unit=lambda u: after_update(flags, u)(u), position=self.position(unit))
+                           after_unit=lambda u: after_update(flags, u)(u), position=self.position(unit),
+                           lane=journal is None and unit.index in self._lane)
 
     def _read_ahead_next(self) -> None:
         """The next window's state read ahead, in the order of this one's ranges (the next update's)."""
@@ -526,7 +529,7 @@ def build_update(config: Config, *, units: list[Unit], manager: TieredMemoryMana
     cores = worker_cores(config.overlap.optimizer_cores)  # Note [core binding]
     lane = (OffloadedOptimizer(units, manager, device, read_ahead=1, profiler=profiler, blocks_compute=False,
                                seed=config.train.seed, on_device=True)
-            if cls is DeferredUpdate and manager.plan.device_lane else None)  # Note [device lane]
+            if cls in (DeferredUpdate, EagerUpdate) and manager.plan.device_lane else None)  # Note [device lane]
     worker = OptimizerWorker(optimizer, len(units), read_ahead, streams=manager.streams,
                              threads=worker_threads(config.overlap.optimizer_threads, cuda, cores), cores=cores,
                              pipeline_batches=optimizer.reads_disk, lane=lane)  # Note [forward first, again]

@@ -185,10 +185,10 @@ OFFLOAD = {"params": "device", "grads": "host", "optimizer": "host"}
 GPU = Budgets(device=40 << 30, host=100 << 30, nvme=0, shared_ram=False, ram=125 << 30)
 
 
-def _plan(budgets=GPU, static=OFFLOAD, defers=True, tail=0, units=6, numel=1000):
+def _plan(budgets=GPU, static=OFFLOAD, defers=True, tail=0, units=6, numel=1000, eager=False):
     sizes = tuple(UnitSizes.uniform(f"u{u}", numel * (1 + u % 2)) for u in range(units))
     return plan_placement(sizes, torch.float32, policy="static", budgets=budgets, units_ahead=2, static=static,
-                          tail_units=tail, device_lane="on", defers_update=defers)
+                          tail_units=tail, device_lane="on", defers_update=defers, eager_update=eager)
 
 
 def test_the_plan_names_the_host_state_units_and_fits_two_of_them_on_the_device():
@@ -216,10 +216,19 @@ def test_the_kept_gradients_take_at_most_a_quarter_of_the_device_memory_left():
     assert none.lane_grads == () and "device_lane_grads" not in none.working_terms[Tier.DEVICE]
 
 
-@pytest.mark.parametrize("case", ["no GPU", "not deferred", "state on the device", "parameters on NVMe"])
+def test_an_eager_update_has_the_lane_without_kept_gradients():
+    """Note [device lane]: the eager update (no clipping) offers the lane its units as backward finalizes them; no
+    gradient is kept on the device for it (the lane copies the final one up)."""
+    plan = _plan(defers=False, eager=True, tail=2)
+    assert plan.device_lane == (2, 3, 4, 5) and plan.lane_grads == ()
+    assert "device_lane_grads" not in plan.working_terms[Tier.DEVICE]
+    assert any(r.startswith("device lane: as backward finalizes them, units 2-5") for r in plan.reasons), plan.reasons
+
+
+@pytest.mark.parametrize("case", ["no GPU", "not on the worker", "state on the device", "parameters on NVMe"])
 def test_a_lane_that_cannot_act_is_said(case):
     kwargs = {"no GPU": {"budgets": dataclasses.replace(GPU, shared_ram=True)},
-              "not deferred": {"defers": False},
+              "not on the worker": {"defers": False},  # (the update on the training thread, or speculated)
               "state on the device": {"static": {"params": "device", "grads": "device", "optimizer": "device"}},
               "parameters on NVMe": {"static": {"params": "nvme", "grads": "host", "optimizer": "host"},
                                      "budgets": dataclasses.replace(GPU, nvme=1 << 30)}}[case]
@@ -251,13 +260,16 @@ def test_a_lane_without_room_on_the_device_is_refused_with_the_fix():
         _plan(budgets=tight)
 
 
-def test_plan_for_config_asks_the_lane_only_of_a_deferred_update():
+def test_plan_for_config_asks_the_lane_of_the_worker_updates_without_a_journal():
     sizes = tuple(UnitSizes.uniform(f"u{u}", 1000) for u in range(3))
     base = {"placement": OFFLOAD | {"tail_units": 0}, "overlap": {"device_lane": "on"}}
     clipped = plan_for_config(sizes, Config.from_dict(base | {"optimizer": {"grad_clip": 1.0}}), GPU)
-    assert clipped.device_lane == (0, 1, 2)
-    for other in ({"optimizer": {"grad_clip": 0.0}},  # eager: nothing waits for the norm
-                  {"optimizer": {"grad_clip": 1.0}, "overlap": {"device_lane": "on", "speculation": "1GiB"}}):
+    assert clipped.device_lane == (0, 1, 2) and clipped.lane_grads
+    eager = plan_for_config(sizes, Config.from_dict(base | {"optimizer": {"grad_clip": 0.0}}), GPU)
+    assert eager.device_lane == (0, 1, 2) and eager.lane_grads == ()  # (its gradients are final when offered)
+    lane = {"device_lane": "on"}
+    for other in ({"optimizer": {"grad_clip": 1.0}, "overlap": lane | {"speculation": "1GiB"}},
+                  {"optimizer": {"grad_clip": 0.0}, "overlap": lane | {"optimizer_with_backward": False}}):
         assert plan_for_config(sizes, Config.from_dict(base | other), GPU).device_lane == ()
 
 
@@ -279,8 +291,8 @@ def forced_lane(monkeypatch):
     """The lane planned as on a GPU (its "device" is then the CPU); what it fetches from the host tier is a copy, as
     on a GPU (so its stores must write everything back); counts the units each worker stepped."""
     real = placement_module.with_device_lane
-    monkeypatch.setattr(placement_module, "with_device_lane", lambda plan, setting, defers, budgets: real(
-        plan, setting, defers, dataclasses.replace(budgets, shared_ram=False)))
+    monkeypatch.setattr(placement_module, "with_device_lane", lambda plan, setting, budgets, **modes: real(
+        plan, setting, dataclasses.replace(budgets, shared_ram=False), **modes))
     fetch = TieredMemoryManager.fetch
 
     def copying(self, unit, kind, *args, **kwargs):
@@ -328,6 +340,25 @@ def test_training_with_the_lane_is_bitwise_training_without_it(recipe, forced_la
         assert with_lane[0] == pytest.approx(ref_losses, rel=1e-4)
         for name, tensor in ref_state.items():
             torch.testing.assert_close(with_lane[2][name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_training_with_the_lane_and_no_clipping_is_bitwise_training_without_it(forced_lane, dtype):
+    """The eager update (no clipping: each unit submitted as backward finalizes it) with the lane: the same losses
+    and weights, bit for bit, as without it; the lane and the CPU each stepped units, and no gradient was kept for
+    the lane (the eager update keeps none)."""
+    recipe = dataclasses.replace(BASE, grad_clip=0.0)
+    extra = {"overlap": {"optimizer_with_backward": True, "device_lane": "on"},
+             "placement": {"tail_units": 0}, "precision": {"compute_dtype": dtype},
+             "optimizer": {"sub_group_size": 1024}}
+    with_lane = engine_run(recipe, OFFLOAD, None, extra)
+    assert with_lane[3]["update_mode"] == "EagerUpdate"
+    assert forced_lane["lane"] > 0 and forced_lane["cpu"] > 0, forced_lane
+    assert forced_lane["kept gradient chunks"] == 0
+    without = engine_run(recipe, OFFLOAD, None, extra | {"overlap": {"optimizer_with_backward": True}})
+    assert with_lane[0] == without[0]
+    for name, tensor in without[2].items():
+        assert torch.equal(with_lane[2][name], tensor), name
 
 
 def test_the_lane_takes_its_next_unit_once_all_but_one_of_its_copies_back_are_done():
