@@ -66,6 +66,11 @@ while not os.path.exists(stop):
 
 
 # ------------------------------------------------------------------------------- the job
+# a start refused while the filler holds the disk: the plan's check, or the swap file's reservation when the disk
+# filled between the plan and the reservation (both name the missing bytes and the fix)
+START_REFUSED = ("PlacementError", "IOEngineError: not enough disk space for swap file")
+
+
 def _worker(root: str, out: str, progress: str, steps: int) -> None:
     import psutil
     import torch
@@ -224,7 +229,7 @@ def main(steps: int = 300, kills: int = 5, json_path: str | None = None) -> dict
                 break
             if job.returncode != -signal.SIGKILL:
                 err = job.stderr.read()
-                if _last_step(progress) == before and "PlacementError" in err:
+                if _last_step(progress) == before and any(why in err for why in START_REFUSED):
                     refused += 1  # started while the disk was full: its swap does not fit; start it again
                     assert refused <= 100, f"the job never found room to start:\n{err[-2000:]}"
                     time.sleep(0.3)
