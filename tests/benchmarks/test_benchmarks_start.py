@@ -97,6 +97,8 @@ SLOW_TINY = {
                           "256", "--heads", "2", "--kv-heads", "1", "--steps", "1", "--seq", "8", "--shard-size",
                           "1MB", "--json", "{json}"],
     "bench_peak_rss.py": ["--dir", "{dir}/runs", "--steps", "2", "--repeats", "1", "--json", "{json}"],
+    "bench_offload_bound.py": ["--tiny", "--device", "cpu", "--cases", "m1,m2", "--dir", "{dir}", "--json",
+                               "{json}"],  # (d2 needs DeepSpeed)
 }
 HELP_ONLY = {  # script -> why it has no smaller real run here
     "bench_largest.py": "it trains the largest model `infinity estimate --largest` finds for the machine",
