@@ -218,6 +218,17 @@ class InfinityTrainerMixin:
         self.optimizer = self.engine.optimizer
         return self.optimizer
 
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's scheduler, or a DeepSpeed config's (`InfinityTrainingArguments(deepspeed=...)` with a
+        `scheduler`: it replaces lr_scheduler_type, as under DeepSpeed; Note [deepspeed through the Trainer])."""
+        plan = getattr(self.args, "deepspeed_plan", None)
+        if self.lr_scheduler is None and plan is not None and plan.scheduler is not None:
+            from infinity.hf.deepspeed import deepspeed_schedule
+            factor = deepspeed_schedule(plan, self.args, num_training_steps)
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
+
     # ----------------------------------------------------------------- the step
     def training_step(self, model, inputs, num_items_in_batch=None):
         """As Trainer.training_step (the same loss and the same scaling for accumulation), with the backward
