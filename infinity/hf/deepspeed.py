@@ -12,8 +12,13 @@ decide (Note [training arguments win] in arguments.py: lr, betas, eps, weight de
 precision, activation checkpointing, the micro batch) are already equal to the arguments, so the engine takes them
 from there; the rest (ZeRO stage, placement, NVMe paths, ...) becomes the base of the engine's config, under
 `infinity_config` (a key both set differently is refused). A DeepSpeed `scheduler` replaces the Trainer's
-`lr_scheduler_type`, as under DeepSpeed: `deepspeed_schedule` is its lr curve (linear warmup from 0, then constant,
-linear decay or cosine), built on the engine's optimizer by InfinityTrainer.create_scheduler.
+`lr_scheduler_type`, as under DeepSpeed, and is DeepSpeed's own curve (`deepspeed_schedule`: log or linear warmup
+from warmup_min_lr, then constant, linear decay or cosine), built on the engine's optimizer by
+InfinityTrainer.create_scheduler; so this route checks the scheduler itself, not through the translator (whose
+engine schedule differs: Note [deepspeed translation]). Two things the Trainer settles before translating: a
+disabled fp16 / bf16 section's other keys do nothing (a line says so), and an "auto" DeepSpeed buffer size
+(reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold, which transformers computes
+from the model's hidden size) asks for the runtime's own choice: infinity sizes those from its plan (a line says so).
 `args.deepspeed` reads None after construction (so neither transformers nor accelerate starts DeepSpeed, which need
 not be installed); `args.infinity_deepspeed` holds the config as given.
 """
@@ -49,6 +54,12 @@ ARGUMENT_KEYS = {
     "bf16.enabled": ("bf16", lambda a: bool(a.bf16 or a.bf16_full_eval)),
 }
 FILLED_ONLY = {"scheduler.params.warmup_min_lr": 0}  # "auto" -> this; any value allowed (not a Trainer argument)
+# "auto" buffer sizes transformers computes from the hidden size for DeepSpeed: infinity's plan sizes its own
+AUTO_SIZES = ("zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+              "zero_optimization.stage3_param_persistence_threshold")
+SCHEDULES = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+SCHEDULE_PARAMS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps",
+                   "last_batch_iteration", "cos_min_ratio", "warmup_min_ratio"}
 # infinity keys the TrainingArguments decide: equal to the arguments once resolved, so not taken from the translation
 DECIDED_BY_ARGUMENTS = {"optimizer.lr", "optimizer.betas", "optimizer.eps", "optimizer.weight_decay",
                         "optimizer.grad_clip", "train.grad_accum_steps", "precision.compute_dtype", "run.batch_size"}
@@ -121,12 +132,15 @@ class DeepSpeedPlan:
     engine_sets: dict[str, Any]  # "section.key" -> value: the engine config keys the DeepSpeed config decides
     scheduler: dict | None  # {"type": ..., "params": {...}} when it has one
 
+    notes: list[str] = field(default_factory=list)  # what the Trainer settled before translating
+    refused: list[str] = field(default_factory=list)  # the translator's refusals and the scheduler's
+
     def lines(self) -> list[str]:
-        runs = ([f"deepspeed: scheduler {self.scheduler.get('type')} -> the Trainer's scheduler is DeepSpeed's "
-                 f"curve (lr_scheduler_type is not used; step counts resolved when training starts)"]
+        runs = ([f"scheduler = {json.dumps(self.scheduler)} -> the Trainer's scheduler runs DeepSpeed's curve "
+                 f"(lr_scheduler_type is not used; step counts resolved when training starts)"]
                 if self.scheduler is not None else [])
-        return ([f"deepspeed: {line}" for line in self.translation.lines] + runs
-                + [f"deepspeed: not honoured (deepspeed_lenient=True): {line}" for line in self.translation.refused])
+        return ([f"deepspeed: {line}" for line in self.translation.lines + self.notes + runs]
+                + [f"deepspeed: not honoured (deepspeed_lenient=True): {line}" for line in self.refused])
 
 
 def plan_for(args, source, lenient: bool) -> DeepSpeedPlan:
@@ -143,11 +157,28 @@ def plan_for(args, source, lenient: bool) -> DeepSpeedPlan:
         _fill(ds, key, value, key, mismatches, must_match=False)
     if mismatches:
         raise _mismatch_error(mismatches)
+    notes: list[str] = []
+    for kind in ("fp16", "bf16"):
+        section = ds.get(kind)
+        if isinstance(section, dict) and not section.get("enabled") and set(section) - {"enabled"}:
+            notes.append(f"{kind}.{{{', '.join(sorted(set(section) - {'enabled'}))}}} -> nothing to set ({kind} is "
+                         f"off)")
+            ds[kind] = {"enabled": section.get("enabled", False)}
+    for key in AUTO_SIZES:
+        node, name = _node(ds, key)
+        if node is not None and node.get(name) == "auto":
+            del node[name]
+            notes.append(f"{key} = \"auto\" -> nothing to set (infinity sizes its buffers from its plan)")
+    scheduler = ds.pop("scheduler", None)
+    refused = _check_scheduler(scheduler)
     t = translate(ds, world_size=args.world_size)
-    if t.refused and not lenient:
-        raise ConfigError(f"TrainingArguments(deepspeed=...): {len(t.refused)} DeepSpeed key(s) infinity cannot "
-                          f"honour: {'; '.join(t.refused)}. Remove them, or pass deepspeed_lenient=True to train "
+    refused = t.refused + refused
+    if refused and not lenient:
+        raise ConfigError(f"TrainingArguments(deepspeed=...): {len(refused)} DeepSpeed key(s) infinity cannot "
+                          f"honour: {'; '.join(refused)}. Remove them, or pass deepspeed_lenient=True to train "
                           f"without them (they are printed)")
+    if scheduler is not None:
+        ds["scheduler"] = scheduler
     sets: dict[str, Any] = {}
     for line in t.sets:
         key, value = line.split("=", 1)
@@ -158,15 +189,36 @@ def plan_for(args, source, lenient: bool) -> DeepSpeedPlan:
                           "(the engine recomputes whole units), or remove activation_checkpointing")
     engine = {k: v for k, v in sets.items()
               if k not in DECIDED_BY_ARGUMENTS | SCHEDULE_KEYS and k not in ("activation.checkpoint", "run.log_every")}
-    scheduler = ds.get("scheduler") if isinstance(ds.get("scheduler"), dict) else None
-    return DeepSpeedPlan(config=ds, translation=t, engine_sets=engine, scheduler=scheduler)
+    honoured = scheduler if isinstance(scheduler, dict) and scheduler.get("type") in SCHEDULES else None
+    return DeepSpeedPlan(config=ds, translation=t, engine_sets=engine, scheduler=honoured, notes=notes,
+                         refused=refused)
+
+
+def _check_scheduler(scheduler) -> list[str]:
+    """The refusals of a DeepSpeed `scheduler` the Trainer runs (deepspeed_schedule)."""
+    if scheduler is None:
+        return []
+    if not isinstance(scheduler, dict) or scheduler.get("type") not in SCHEDULES:
+        kind = scheduler.get("type") if isinstance(scheduler, dict) else scheduler
+        return [f"scheduler.type = {json.dumps(kind)}: the schedules run are {', '.join(SCHEDULES)}"]
+    params = scheduler.get("params") or {}
+    out = [f"scheduler.params.{k} = {json.dumps(v)}: not a parameter of DeepSpeed's {scheduler['type']}"
+           for k, v in params.items() if k not in SCHEDULE_PARAMS]
+    if params.get("warmup_type", "log") not in ("log", "linear"):
+        out.append(f"scheduler.params.warmup_type = {json.dumps(params['warmup_type'])}: log or linear")
+    if params.get("last_batch_iteration", -1) != -1:
+        out.append(f"scheduler.params.last_batch_iteration = {params['last_batch_iteration']}: the Trainer resumes "
+                   f"the schedule from its checkpoint (-1 only)")
+    return out
 
 
 def deepspeed_schedule(plan: DeepSpeedPlan, args, num_training_steps: int):
     """The DeepSpeed scheduler's lr factor per optimizer step (0-based), with its step counts resolved against the
     Trainer's as transformers does ("auto": num_training_steps, max(1, warmup steps)), or None without a scheduler.
-    DeepSpeed's curves: linear warmup step / warmup from warmup_min_lr (0) to the peak, then WarmupLR constant,
-    WarmupDecayLR linear to 0 at total_num_steps, WarmupCosineLR cosine to cos_min_ratio."""
+    DeepSpeed's curves: warmup from warmup_min_lr to the peak over max(2, warmup_num_steps) steps, log (its
+    default: log(step + 1) / log(warmup)) or linear (step / warmup), then WarmupLR constant, WarmupDecayLR linear
+    back to warmup_min_lr at total_num_steps; WarmupCosineLR warms up from warmup_min_ratio of the peak, then
+    follows a cosine to cos_min_ratio."""
     if plan.scheduler is None:
         return None
     params = plan.scheduler.setdefault("params", {})
@@ -178,17 +230,25 @@ def deepspeed_schedule(plan: DeepSpeedPlan, args, num_training_steps: int):
     if mismatches:
         raise _mismatch_error(mismatches)
     kind = plan.scheduler.get("type")
-    warmup = int(params.get("warmup_num_steps", 0 if kind == "WarmupCosineLR" else 1000))
+    peak = float(args.learning_rate)  # (= warmup_max_lr: checked equal, or filled from it)
+    low = float(params.get("warmup_min_lr", 0.0)) / peak if peak > 0 else 0.0
+    if kind == "WarmupCosineLR":  # (its warmup starts at a ratio of the peak, not at a learning rate)
+        low = float(params.get("warmup_min_ratio", 0.0))
+        warmup = int(params.get("warmup_num_steps", 0))
+    else:
+        warmup = max(2, int(params.get("warmup_num_steps", 1000)))  # (DeepSpeed's WarmupLR counts at least 2)
     total = int(params.get("total_num_steps", num_training_steps))
     floor = float(params.get("cos_min_ratio", 0.0001))  # (DeepSpeed's default)
+    log = params.get("warmup_type", "log") == "log"
 
     def factor(step: int) -> float:
         if step < warmup:
-            return step / warmup
+            rise = math.log(step + 1) / math.log(warmup) if log else step / warmup
+            return low + (1.0 - low) * rise
         if kind == "WarmupLR":
             return 1.0
         if kind == "WarmupDecayLR":
-            return max(0.0, (total - step) / max(1.0, total - warmup))
+            return low + (1.0 - low) * max(0.0, (total - step) / max(1.0, total - warmup))
         done = (step - warmup + 1) / max(1, total - warmup)  # (DeepSpeed counts the first step after warmup as 1)
         return max(0.0, floor + (1.0 - floor) * (1 + math.cos(math.pi * done)) / 2)
 

@@ -2,6 +2,7 @@
 run with the same settings written as TrainingArguments (the placement it says read from the engine's config)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -180,3 +181,33 @@ def test_sft_config_takes_deepspeed_too():
         "stage": 3, "offload_param": {"device": "cpu"}}}, report_to=[], use_cpu=True)
     assert args.deepspeed is None and args.deepspeed_plan.config["bf16"]["enabled"] is True
     assert args.deepspeed_plan.engine_sets == {"zero.stage": 3, "placement.params": "host"}
+
+
+def test_transformers_style_zero3_config(capsys):
+    """A config as transformers' DeepSpeed examples write them: fp16 "auto" (off here, so its loss-scale keys do
+    nothing), "auto" bucket sizes (the runtime's choice: infinity's plan), WarmupLR with DeepSpeed's default log
+    warmup (run as DeepSpeed's curve); its numeric tuning knobs are named and refused unless lenient."""
+    ds = {"fp16": {"enabled": "auto", "loss_scale": 0, "hysteresis": 2, "initial_scale_power": 16},
+          "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                       "warmup_num_steps": "auto"}}}
+    with pytest.raises(ConfigError, match=r"1 DeepSpeed key\(s\) infinity cannot honour: "
+                                          r"zero_optimization.stage3_max_live_parameters = 1000000000.0"):
+        args_with(ds)
+    args = args_with(ds, deepspeed_lenient=True, warmup_steps=4)
+    out = capsys.readouterr().out
+    assert "deepspeed: fp16.{hysteresis, initial_scale_power, loss_scale} -> nothing to set (fp16 is off)" in out
+    assert 'deepspeed: zero_optimization.reduce_bucket_size = "auto" -> nothing to set' in out
+    factor = deepspeed_schedule(args.deepspeed_plan, args, 10)
+    expected = [math.log(s + 1) / math.log(4) for s in range(4)] + [1.0] * 6
+    assert [factor(s) for s in range(10)] == pytest.approx(expected, abs=1e-12)
+
+
+def test_unknown_scheduler_parameters_are_named():
+    ds = {"scheduler": {"type": "OneCycle", "params": {}}}
+    with pytest.raises(ConfigError, match=r'scheduler.type = "OneCycle": the schedules run are WarmupLR'):
+        args_with(ds)
+    ds = {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "linear", "gamma": 0.5}}}
+    with pytest.raises(ConfigError, match=r"scheduler.params.gamma = 0.5: not a parameter of DeepSpeed's WarmupLR"):
+        args_with(ds)
