@@ -120,3 +120,27 @@ def test_what_cannot_work_is_refused():
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=3\) but the engine's train.grad_accum_steps"):
         InfinityAccelerator(gradient_accumulation_steps=3, cpu=True).prepare(engine)
     engine.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_equal_ddp(tmp_path):
+    """tests/hf/accelerate_loop.py under `torchrun --nproc-per-node 2` (gloo): accelerate shards the data, the
+    engine reduces the gradients over the process group accelerate set up; every rank's losses equal the same loop
+    with a torch model under accelerate's DDP."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    out = {}
+    for kind in ("torch", "infinity"):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                               str(root / "tests" / "hf" / "accelerate_loop.py"), kind, str(tmp_path / kind)],
+                              env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[kind] = json.loads((tmp_path / kind).read_text())
+    assert len(out["torch"]) == 8 and all(len(row) == 2 for row in out["torch"])
+    torch.testing.assert_close(torch.tensor(out["infinity"]), torch.tensor(out["torch"]), rtol=1e-5, atol=0)
