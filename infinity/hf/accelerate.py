@@ -17,7 +17,8 @@ placement, `accumulate`'s windows, `sync_gradients`, the scheduler stepping with
 `is_main_process`); the engine keeps the model's state. `prepare` passes the engine through untouched (it is not a
 Module: no device move, no DDP wrapper: the engine reduces gradients over the process group accelerate set up) and
 wraps `engine.optimizer` as any optimizer, without moving its (empty) state; `backward` is `engine.backward` (it
-scales by the window itself, and ends the window at accelerate's sync step when accelerate accumulates); clipping
+scales by 1 / grad_accum_steps itself, as accelerate would, and ends the window at accelerate's sync step, so an
+epoch's shorter last window ends where accelerate's does; the two accumulations must be equal); clipping
 is the engine's (`[optimizer] grad_clip`, inside `optimizer.step()`), so `clip_grad_norm_` accepts only that
 max_norm and returns the last step's norm (None before the first), as accelerate does under DeepSpeed. Refused,
 with the fix: accelerate's own mixed precision (the engine computes in `[precision] compute_dtype`), its DeepSpeed,
@@ -67,7 +68,7 @@ class InfinityAccelerator(Accelerator):
                     raise ConfigError("InfinityAccelerator.prepare(model): the engine trains this model; pass the "
                                       "engine returned by infinity.initialize instead, and call engine(batch)")
             steps = engine.config.train.grad_accum_steps
-            if self.gradient_accumulation_steps > 1 and self.gradient_accumulation_steps != steps:
+            if self.gradient_accumulation_steps != steps:  # (else accelerate steps the scheduler per micro-batch)
                 raise ConfigError(f"InfinityAccelerator(gradient_accumulation_steps={self.gradient_accumulation_steps})"
                                   f" but the engine's train.grad_accum_steps = {steps}: set both to the same number")
             self.engine = engine
@@ -89,7 +90,7 @@ class InfinityAccelerator(Accelerator):
         if kwargs:
             raise ConfigError(f"InfinityAccelerator.backward({', '.join(kwargs)}=...): the engine's backward takes "
                               f"only the loss")
-        engine.backward(loss, end_window=self.gradient_accumulation_steps > 1 and self.sync_gradients)
+        engine.backward(loss, end_window=self.sync_gradients)  # (an epoch's shorter last window ends early)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """The engine clips inside `optimizer.step()` at `[optimizer] grad_clip`: this accepts that max_norm and

@@ -41,9 +41,9 @@ def tiny_llama():
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
 
 
-def loader():
+def loader(micro_steps=MICRO_STEPS):
     g = torch.Generator().manual_seed(1)
-    rows = torch.randint(0, VOCAB, (2 * MICRO_STEPS, 12), generator=g)
+    rows = torch.randint(0, VOCAB, (2 * micro_steps, 12), generator=g)
     return torch.utils.data.DataLoader([{"input_ids": r, "labels": r} for r in rows], batch_size=2)
 
 
@@ -56,9 +56,9 @@ def engine_config(**over):
     return cfg
 
 
-def loop(accelerator, model, optimizer, scheduler, clip_params):
+def loop(accelerator, model, optimizer, scheduler, clip_params, micro_steps=MICRO_STEPS):
     """The user's loop, the same for both: accumulate, backward, clip, step, schedule, zero_grad."""
-    model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, loader(), scheduler)
+    model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, loader(micro_steps), scheduler)
     losses, lrs = [], []
     for batch in data:
         with accelerator.accumulate(model):
@@ -74,23 +74,26 @@ def loop(accelerator, model, optimizer, scheduler, clip_params):
     return losses, lrs
 
 
-def test_the_engine_in_an_accelerate_loop_equals_torch():
+@pytest.mark.parametrize("micro_steps", [MICRO_STEPS, 7])
+def test_the_engine_in_an_accelerate_loop_equals_torch(micro_steps):
     """Losses (every micro-batch) and learning rates equal the torch loop's: accumulation 2 through
-    accelerator.accumulate, clipping at 1.0, a cosine schedule with warmup stepped through accelerate."""
+    accelerator.accumulate, clipping at 1.0, a cosine schedule with warmup stepped through accelerate; with 7
+    micro-batches the last window is shorter (accelerate ends it at the end of the data)."""
+    steps = -(-micro_steps // ACCUM)
     model = tiny_llama()
     torch_opt = torch.optim.AdamW(model.parameters(), **HYPER)
     ref = loop(Accelerator(gradient_accumulation_steps=ACCUM, cpu=True), model, torch_opt,
-               get_scheduler("cosine", torch_opt, num_warmup_steps=2, num_training_steps=MICRO_STEPS // ACCUM),
-               list(model.parameters()))
+               get_scheduler("cosine", torch_opt, num_warmup_steps=2, num_training_steps=steps),
+               list(model.parameters()), micro_steps)
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     user_model = tiny_llama()
     engine = infinity.initialize(user_model, engine_config())
     ours = loop(InfinityAccelerator(gradient_accumulation_steps=ACCUM, cpu=True), engine, engine.optimizer,
-                get_scheduler("cosine", engine.optimizer, num_warmup_steps=2, num_training_steps=MICRO_STEPS // ACCUM),
-                list(user_model.parameters()))
-    assert engine.optimizer_steps == MICRO_STEPS // ACCUM
+                get_scheduler("cosine", engine.optimizer, num_warmup_steps=2, num_training_steps=steps),
+                list(user_model.parameters()), micro_steps)
+    assert engine.optimizer_steps == steps and len(ours[1]) == steps
     assert ours[1] == pytest.approx(ref[1], rel=1e-12)
     torch.testing.assert_close(torch.tensor(ours[0]), torch.tensor(ref[0]), rtol=1e-5, atol=0)
     engine.close()
@@ -104,7 +107,7 @@ def test_what_cannot_work_is_refused():
     GradientState._reset_state()
     model = tiny_llama()
     engine = infinity.initialize(model, engine_config())
-    accelerator = InfinityAccelerator(cpu=True)
+    accelerator = InfinityAccelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     with pytest.raises(ConfigError, match=r"prepare the engine first"):
         accelerator.backward(torch.zeros(()))
     with pytest.raises(ConfigError, match=r"pass the engine returned by infinity.initialize"):
@@ -119,6 +122,10 @@ def test_what_cannot_work_is_refused():
     GradientState._reset_state()
     with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=3\) but the engine's train.grad_accum_steps"):
         InfinityAccelerator(gradient_accumulation_steps=3, cpu=True).prepare(engine)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=1\) but the engine's train.grad_accum_steps"):
+        InfinityAccelerator(cpu=True).prepare(engine)
     engine.close()
 
 
