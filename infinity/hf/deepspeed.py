@@ -2,25 +2,25 @@
 JSON path or a dict) and InfinityTrainer runs it on the engine (docs/from-deepspeed.md, the HF section).
 
 Note [deepspeed through the Trainer]: transformers resolves a DeepSpeed config against its TrainingArguments
-(integrations/deepspeed.py `trainer_config_process` / `trainer_config_finalize`): an "auto" value takes the
-argument's value; any other value of a key both have must equal the argument's, or the Trainer refuses the pair.
-The same rule here, for the same keys (`ARGUMENT_KEYS`; the scheduler's step counts once the Trainer knows them),
-so a config that runs under transformers + DeepSpeed runs here unchanged. The resolved config then goes through
-infinity's one translator (infinity/config/deepspeed.py: the same lines, the same refusals of keys infinity cannot
-honour, `deepspeed_lenient=True` as `--deepspeed-lenient`). Of what it translates, the keys the TrainingArguments
-decide (Note [training arguments win] in arguments.py: lr, betas, eps, weight decay, clipping, accumulation,
-precision, activation checkpointing, the micro batch) are already equal to the arguments, so the engine takes them
-from there; the rest (ZeRO stage, placement, NVMe paths, ...) becomes the base of the engine's config, under
-`infinity_config` (a key both set differently is refused). A DeepSpeed `scheduler` replaces the Trainer's
-`lr_scheduler_type`, as under DeepSpeed, and is DeepSpeed's own curve (`deepspeed_schedule`: log or linear warmup
-from warmup_min_lr, then constant, linear decay or cosine), built on the engine's optimizer by
+(`HfTrainerDeepSpeedConfig.trainer_config_process` / `trainer_config_finalize` in its integrations package): an
+"auto" value takes the argument's value; any other value of a key both have must equal the argument's, or the
+Trainer refuses the pair. The same rule here, for the same keys (`ARGUMENT_KEYS`; the scheduler's step counts once
+the Trainer knows them), so a config that runs under transformers + DeepSpeed runs here unchanged. The resolved
+config then goes through infinity's one translator (infinity/config/deepspeed.py: the same lines, the same refusals
+of keys infinity cannot honour, `deepspeed_lenient=True` as `--deepspeed-lenient`). Of what it translates, the keys
+the TrainingArguments decide (Note [training arguments win] in arguments.py: lr, betas, eps, weight decay, clipping,
+accumulation, precision, activation checkpointing, the micro batch) are already equal to the arguments, so the
+engine takes them from there; the rest (ZeRO stage, placement, NVMe paths, ...) becomes the base of the engine's
+config, under `infinity_config` (a key both set differently is refused). A DeepSpeed `scheduler` replaces the
+Trainer's `lr_scheduler_type`, as under DeepSpeed, and is DeepSpeed's own curve (`deepspeed_schedule`: log or linear
+warmup from warmup_min_lr, then constant, linear decay or cosine), built on the engine's optimizer by
 InfinityTrainer.create_scheduler; so this route checks the scheduler itself, not through the translator (whose
 engine schedule differs: Note [deepspeed translation]). Two things the Trainer settles before translating: a
 disabled fp16 / bf16 section's other keys do nothing (a line says so), and an "auto" DeepSpeed buffer size
 (reduce_bucket_size, stage3_prefetch_bucket_size, stage3_param_persistence_threshold, which transformers computes
-from the model's hidden size) asks for the runtime's own choice: infinity sizes those from its plan (a line says so).
-`args.deepspeed` reads None after construction (so neither transformers nor accelerate starts DeepSpeed, which need
-not be installed); `args.infinity_deepspeed` holds the config as given.
+from the model's hidden size) asks for the runtime's own choice: infinity sizes those from its plan (a line says
+so). `args.deepspeed` reads None after construction (so neither transformers nor accelerate starts DeepSpeed, which
+need not be installed); `args.infinity_deepspeed` holds the config as given.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from infinity.config.sections import ConfigError
 
 __all__ = ["DeepSpeedArgumentsMixin", "DeepSpeedPlan", "deepspeed_schedule"]
 
-# the DeepSpeed keys the Trainer fills from its arguments ("auto") or checks against them (Note [deepspeed through
-# the Trainer]): DeepSpeed key -> (TrainingArguments name as the message says it, its value from args)
+# the DeepSpeed keys the Trainer fills from its arguments ("auto") or checks against them
+# (Note [deepspeed through the Trainer]): DeepSpeed key -> (the TrainingArguments name as the message says it,
+# its value from args)
 ARGUMENT_KEYS = {
     "train_micro_batch_size_per_gpu": ("per_device_train_batch_size", lambda a: a.per_device_train_batch_size),
     "gradient_accumulation_steps": ("gradient_accumulation_steps", lambda a: a.gradient_accumulation_steps),
