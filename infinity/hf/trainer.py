@@ -231,16 +231,28 @@ class InfinityTrainerMixin:
         super().__init__(*args, **kwargs)
         _refuse_own_optimizer((self.optimizer, self.lr_scheduler), getattr(self, "optimizer_cls_and_kwargs", None))
         self._given_config = infinity_config
-        self.infinity_config = engine_config_for(self.args, infinity_config)
-        for name in ("gradient_checkpointing", "activation_checkpointing"):  # (transformers 5: the new name rules)
-            if getattr(self.args, name, False):
-                setattr(self.args, name, False)  # the engine checkpoints units; HF's own would do it twice
+        # (transformers 5: activation_checkpointing is the new name): the engine checkpoints units; HF's own would
+        # do it twice, so the arguments say False once the engine's config has read them
+        self._checkpointing = {name: getattr(self.args, name) for name in ("gradient_checkpointing",
+                                                                             "activation_checkpointing")
+                               if getattr(self.args, name, False)}
+        self.infinity_config = self._engine_config()
         self._infinity_weights = infinity_weights
         self._build_engine(self.model)
         self._grad_norm = torch.zeros(())
         self.add_callback(_GradNormLog(self))
         self.callback_handler.callbacks.insert(0, _SayWhatRuns(self))  # before the progress bar starts: its
         # line is printed above the bar, not inside it
+
+    def _engine_config(self):
+        """The engine's config from the arguments as given (Note [training arguments win])."""
+        for name, value in self._checkpointing.items():
+            setattr(self.args, name, value)
+        try:
+            return engine_config_for(self.args, self._given_config)
+        finally:
+            for name in self._checkpointing:
+                setattr(self.args, name, False)
 
     def _build_engine(self, model) -> None:
         """The engine over `model` (a twin of it: Note [the user's model]), with the Trainer's decay groups."""
@@ -262,7 +274,7 @@ class InfinityTrainerMixin:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-            self.infinity_config = engine_config_for(self.args, self._given_config)
+            self.infinity_config = self._engine_config()  # (a hyper-parameter search sets the arguments per trial)
             self._build_engine(model)
         return model
 

@@ -73,14 +73,17 @@ def test_scalar_parameters_train_and_save_as_with_the_trainer(tmp_path):
 
 
 def test_model_init_restarts_from_scratch_each_train(tmp_path):
-    """With model_init=, each train() starts from a fresh model (and fresh optimizer state), as the Trainer's."""
+    """With model_init=, each train() starts from a fresh model (and fresh optimizer state), as the Trainer's; the
+    engine built again keeps what the arguments said (gradient_checkpointing, which the Trainer must not see)."""
     ref = Trainer(model_init=Line, args=args(tmp_path / "ref"), train_dataset=Points())
     ref.train()
-    ours = InfinityTrainer(model_init=Line, args=args(tmp_path / "ours"), train_dataset=Points())
+    ours = InfinityTrainer(model_init=Line, args=args(tmp_path / "ours", gradient_checkpointing=True),
+                           train_dataset=Points())
     ours.train()
     first = weights(ours.model).clone()
     ours.train()
     torch.testing.assert_close(weights(ours.model), first, rtol=0, atol=0)
+    assert ours.engine.config.activation.checkpoint == "units"  # (the rebuilt engine reads the arguments as given)
     torch.testing.assert_close(first, weights(ref.model), rtol=1e-5, atol=1e-6)
     ours.engine.close()
 
