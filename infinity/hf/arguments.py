@@ -15,13 +15,16 @@ Trainer would keep its loss and inputs on the CPU; on a CPU-only machine it is w
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import TrainingArguments
 
 from infinity.config.sections import Config, ConfigError
+from infinity.hf.deepspeed import DeepSpeedArgumentsMixin
 
-__all__ = ["engine_config_for", "refuse_unsupported"]
+__all__ = ["InfinityTrainingArguments", "engine_config_for", "refuse_unsupported"]
 
 ADAMW_OPTIMS = ("adamw_torch", "adamw_torch_fused")  # exactly torch.optim.AdamW's update
 PROFILE_DIR = "profile"  # the profiler's output inside output_dir, unless infinity_config sets profile.trace_dir
@@ -42,8 +45,9 @@ def refuse_unsupported(args) -> None:
     refusals = [
         ("fp16", bool(args.fp16), "fp16=True: infinity's mixed precision is bf16 here; use bf16=True "
                                    "(master weights stay fp32)"),
-        ("deepspeed", args.deepspeed is not None, "deepspeed=...: infinity replaces DeepSpeed; remove it and put "
-                                                   "placement / stage in infinity_config"),
+        ("deepspeed", args.deepspeed is not None, "deepspeed=...: infinity runs a DeepSpeed config through "
+                                                   "infinity.hf.InfinityTrainingArguments(deepspeed=...) (TRL: "
+                                                   "InfinitySFTConfig); use it instead of TrainingArguments"),
         ("fsdp", bool(args.fsdp), "fsdp=...: infinity shards the model itself; remove it and set [zero] stage in "
                                   "infinity_config"),
         ("torch_compile", bool(args.torch_compile), "torch_compile=True: the engine's hooks run per unit; "
@@ -105,6 +109,16 @@ def engine_config_for(args, infinity_config=None) -> Config:
     refuse_unsupported(args)
     user = _as_config(infinity_config).to_dict()
     default = Config().to_dict()
+    plan = getattr(args, "deepspeed_plan", None)
+    if plan is not None:  # the DeepSpeed config's keys under infinity_config's (Note [deepspeed through the Trainer])
+        for dotted, value in plan.engine_sets.items():
+            section, key = dotted.split(".", 1)
+            given, fallback = user[section][key], default[section][key]
+            if _same(given, fallback) or _same(given, value):
+                user[section][key] = value
+                continue
+            raise ConfigError(f"infinity_config sets {dotted} = {given!r} but TrainingArguments(deepspeed=...) sets "
+                              f"it to {value!r}: set it in one of them")
     for section, keys in _mapped(args).items():
         for key, value in keys.items():
             given, fallback = user[section][key], default[section][key]
@@ -125,3 +139,9 @@ def _same(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return list(a) == list(b)
     return a == b
+
+
+@dataclass
+class InfinityTrainingArguments(DeepSpeedArgumentsMixin, TrainingArguments):
+    """`transformers.TrainingArguments` that takes `deepspeed=` (a JSON path or a dict) without DeepSpeed installed:
+    InfinityTrainer runs it on the engine (Note [deepspeed through the Trainer] in deepspeed.py)."""

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from trl import SFTTrainer
+from dataclasses import dataclass
 
+from trl import SFTConfig, SFTTrainer
+
+from infinity.hf.deepspeed import DeepSpeedArgumentsMixin
 from infinity.hf.trainer import InfinityTrainerMixin
 
-__all__ = ["InfinitySFTTrainer"]
+__all__ = ["InfinitySFTConfig", "InfinitySFTTrainer"]
+
+
+@dataclass
+class InfinitySFTConfig(DeepSpeedArgumentsMixin, SFTConfig):
+    """TRL's `SFTConfig` that takes `deepspeed=` without DeepSpeed installed (Note [deepspeed through the Trainer]
+    in deepspeed.py)."""
 
 
 class InfinitySFTTrainer(InfinityTrainerMixin, SFTTrainer):

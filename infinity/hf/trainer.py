@@ -27,6 +27,7 @@ the transformers range in pyproject.toml's `hf` extra.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 
 import torch
 from torch import nn
@@ -37,10 +38,11 @@ from infinity.device.dtypes import name_of
 from infinity.hf.arguments import engine_config_for
 from infinity.runtime.engine import initialize
 
-__all__ = ["EngineForward", "InfinityTrainer", "InfinityTrainerMixin", "run_line"]
+__all__ = ["EngineForward", "InfinityTrainer", "InfinityTrainerMixin", "ModelOptimizer", "run_line"]
 
 ENGINE_CHECKPOINT = "infinity"  # the engine checkpoint inside a Trainer checkpoint-N folder
 SCHEDULER_FILE = "scheduler.pt"  # (transformers' SCHEDULER_NAME)
+OPTIMIZER_FILE = "optimizer.pt"  # (transformers' OPTIMIZER_NAME)
 
 
 class EngineForward(nn.Module):
@@ -72,6 +74,67 @@ class EngineForward(nn.Module):
     @property
     def config(self):
         return self.engine.module.config
+
+
+class _GroupView(MutableMapping):
+    """One of the engine's parameter groups as `trainer.optimizer` shows it (Note [the Trainer's optimizer])."""
+
+    def __init__(self, group: dict, params: list):
+        self._group, self._params = group, params
+
+    def __getitem__(self, key):
+        return self._params if key == "params" else self._group[key]
+
+    def __setitem__(self, key, value):
+        if key == "params":
+            raise ValueError("trainer.optimizer.param_groups[i][\"params\"]: the groups are fixed when the engine "
+                             "is built (the Trainer's decay / no-decay split)")
+        self._group[key] = value
+
+    def __delitem__(self, key):
+        del self._group[key]
+
+    def __iter__(self):
+        return iter(self._group)
+
+    def __len__(self):
+        return len(self._group)
+
+    def __repr__(self):
+        return repr({k: (f"<{len(self._params)} parameters>" if k == "params" else v) for k, v in self.items()})
+
+
+# Note [the Trainer's optimizer]: `trainer.optimizer` is the engine's optimizer as transformers' Trainer shows its
+# own: `step()` is `engine.step()` (through engine.optimizer), and `param_groups[i]["params"]` are the user's model's
+# parameters (`trainer.get_optimizer_group(param)`, code that counts or inspects them), while every other key of a
+# group is the engine's group's own (a scheduler's lr writes are the engine's learning rates). The engine's groups
+# hold parameter names (its checkpoints record them), so the Trainer gets views of them, not the dicts.
+class ModelOptimizer(torch.optim.Optimizer):
+    """`trainer.optimizer`: engine.optimizer with the model's parameters in its groups (Note [the Trainer's
+    optimizer])."""
+
+    def __init__(self, engine_optimizer, model: nn.Module):
+        super().__init__([{"params": []}], dict(engine_optimizer.defaults))
+        by_name = dict(model.named_parameters())
+        self.engine_optimizer = engine_optimizer
+        self.param_groups = [_GroupView(g, [by_name[n] for n in g["params"]]) for g in engine_optimizer.param_groups]
+
+    def add_param_group(self, param_group: dict) -> None:
+        if hasattr(self, "engine_optimizer"):
+            self.engine_optimizer.add_param_group(param_group)  # (refused there, with the reason)
+        self.param_groups.append(param_group)  # (torch's __init__'s placeholder, replaced at once)
+
+    def step(self, closure=None):  # noqa: D102 - torch's signature
+        return self.engine_optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102
+        """Nothing to do: the engine's gradients are consumed by its update."""
+
+    def state_dict(self) -> dict:  # noqa: D102
+        return self.engine_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:  # noqa: D102
+        self.engine_optimizer.load_state_dict(state_dict)
 
 
 class _SayWhatRuns(TrainerCallback):
@@ -122,6 +185,19 @@ def _name_the_base(model, weights) -> None:
             config.base_model_name_or_path = os.path.abspath(weights)
 
 
+def _refuse_own_optimizer(optimizers, optimizer_cls_and_kwargs) -> None:
+    """`optimizers=(optimizer, scheduler)` / `optimizer_cls_and_kwargs=`: the engine's optimizer is its own (AdamW
+    over its shards, state on its tiers); a torch optimizer over the model's parameters would never see a gradient."""
+    if optimizers is not None and any(o is not None for o in optimizers):
+        raise ConfigError("InfinityTrainer(optimizers=...): the engine runs its own AdamW over its shards (state on "
+                          "its tiers), so an optimizer built on the model would never step; set learning_rate, "
+                          "adam_beta1/2, adam_epsilon and weight_decay in TrainingArguments, and lr_scheduler_type "
+                          "(or override create_scheduler to build a torch scheduler on trainer.optimizer)")
+    if optimizer_cls_and_kwargs is not None:
+        raise ConfigError("InfinityTrainer(optimizer_cls_and_kwargs=...): the engine runs its own AdamW; set its "
+                          "hyper-parameters in TrainingArguments")
+
+
 # Note [the user's model]: `trainer.model` keeps the dtype the user gave it (fp32 in, fp32 out), as the Trainer's
 # does, and holds the trained weights after train() and at each save and evaluation. The engine shards and casts
 # the module it is given (its parameters become views of compute-dtype buffers, NaN placeholders between steps:
@@ -153,24 +229,54 @@ class InfinityTrainerMixin:
             engine_config_for(training_args, infinity_config)  # refused before the parent does any work
         self.engine = None
         super().__init__(*args, **kwargs)
-        self.infinity_config = engine_config_for(self.args, infinity_config)
-        for name in ("gradient_checkpointing", "activation_checkpointing"):  # (transformers 5: the new name rules)
-            if getattr(self.args, name, False):
-                setattr(self.args, name, False)  # the engine checkpoints units; HF's own would do it twice
-        model = self.model
-        _name_the_base(model, infinity_weights)
+        _refuse_own_optimizer((self.optimizer, self.lr_scheduler), getattr(self, "optimizer_cls_and_kwargs", None))
+        self._given_config = infinity_config
+        # (transformers 5: activation_checkpointing is the new name): the engine checkpoints units; HF's own would
+        # do it twice, so the arguments say False once the engine's config has read them
+        self._checkpointing = {name: getattr(self.args, name) for name in ("gradient_checkpointing",
+                                                                             "activation_checkpointing")
+                               if getattr(self.args, name, False)}
+        self.infinity_config = self._engine_config()
+        self._infinity_weights = infinity_weights
+        self._build_engine(self.model)
+        self._grad_norm = torch.zeros(())
+        self.add_callback(_GradNormLog(self))
+        self.callback_handler.callbacks.insert(0, _SayWhatRuns(self))  # before the progress bar starts: its
+        # line is printed above the bar, not inside it
+
+    def _engine_config(self):
+        """The engine's config from the arguments as given (Note [training arguments win])."""
+        for name, value in self._checkpointing.items():
+            setattr(self.args, name, value)
+        try:
+            return engine_config_for(self.args, self._given_config)
+        finally:
+            for name in self._checkpointing:
+                setattr(self.args, name, False)
+
+    def _build_engine(self, model) -> None:
+        """The engine over `model` (a twin of it: Note [the user's model]), with the Trainer's decay groups."""
+        _name_the_base(model, self._infinity_weights)
         decay = set(self.get_decay_parameter_names(model))
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [n for n in trainable if n in decay], "weight_decay": self.args.weight_decay},
                   {"params": [n for n in trainable if n not in decay], "weight_decay": 0.0}]
         self._holds_weights = _materialized(model)  # Note [the user's model]
         self.engine = initialize(_twin(model) if self._holds_weights else model, self.infinity_config,
-                                 weights=infinity_weights, param_groups=[g for g in groups if g["params"]])
-        self._forward = EngineForward(self.engine, self.model)
-        self._grad_norm = torch.zeros(())
-        self.add_callback(_GradNormLog(self))
-        self.callback_handler.callbacks.insert(0, _SayWhatRuns(self))  # before the progress bar starts: its
-        # line is printed above the bar, not inside it
+                                 weights=self._infinity_weights, param_groups=[g for g in groups if g["params"]])
+        self._forward = EngineForward(self.engine, model)
+
+    def call_model_init(self, trial=None):
+        """`model_init=`: train() starts from a fresh model each time (the Trainer calls this at its start), so the
+        engine is built again over it: fresh weights and optimizer state (the first call, from the constructor, is
+        the model the constructor's engine is built over)."""
+        model = super().call_model_init(trial)
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+            self.infinity_config = self._engine_config()  # (a hyper-parameter search sets the arguments per trial)
+            self._build_engine(model)
+        return model
 
     # ----------------------------------------------------------------- the user's model (Note [the user's model])
     def hold_trained_weights(self) -> None:
@@ -215,8 +321,20 @@ class InfinityTrainerMixin:
         return self._forward
 
     def create_optimizer(self, model=None):
-        self.optimizer = self.engine.optimizer
+        if self.optimizer is None:
+            self.optimizer = ModelOptimizer(self.engine.optimizer, self.model)
         return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """The Trainer's scheduler, or a DeepSpeed config's (`InfinityTrainingArguments(deepspeed=...)` with a
+        `scheduler`: it replaces lr_scheduler_type, as under DeepSpeed; Note [deepspeed through the Trainer])."""
+        plan = getattr(self.args, "deepspeed_plan", None)
+        if self.lr_scheduler is None and plan is not None and plan.scheduler is not None:
+            from infinity.hf.deepspeed import deepspeed_schedule
+            factor = deepspeed_schedule(plan, self.args, num_training_steps)
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, factor)
+            self._created_lr_scheduler = True
+        return super().create_scheduler(num_training_steps, optimizer)
 
     # ----------------------------------------------------------------- the step
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -288,12 +406,18 @@ class InfinityTrainerMixin:
         self.accelerator.wait_for_everyone()  # the directory is complete when every rank returns
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The engine checkpoint is written by save_model (just before); the scheduler's state here."""
+        """The engine checkpoint is written by save_model (just before); here the scheduler's state and, as the
+        Trainer writes it, the optimizer's `state_dict()` (engine.optimizer's: its groups and learning rates; the
+        Adam moments are in the engine checkpoint `infinity/`, which resuming reads)."""
+        if self.args.should_save:
+            torch.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_FILE))
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         """Nothing: the weights come back with the engine checkpoint (_load_optimizer_and_scheduler)."""
+        if not os.path.isdir(resume_from_checkpoint):  # (the Trainer's words for it)
+            raise ConfigError(f"Can't find a valid checkpoint at {resume_from_checkpoint}: no such directory")
         if not os.path.isdir(os.path.join(resume_from_checkpoint, ENGINE_CHECKPOINT)):
             raise ConfigError(f"resume_from_checkpoint={resume_from_checkpoint!r} has no {ENGINE_CHECKPOINT}/ "
                               f"engine checkpoint: resume from a checkpoint-N folder an Infinity trainer saved")

@@ -142,7 +142,7 @@ def write_safetensors_file(out: str, specs: list[tuple[str, tuple, torch.dtype]]
         f.write(blob)
         for (key, shape, dtype), tensor in zip(specs, tensors, strict=True):
             assert tuple(tensor.shape) == tuple(shape) and tensor.dtype == dtype, (key, tensor.shape, shape, dtype)
-            f.write(memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy()))
+            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
         f.flush()
         os.fsync(f.fileno())
     os.replace(out + ".tmp", out)
@@ -181,7 +181,7 @@ def write_torch(path: str, manifest: dict, out: str, dtype: torch.dtype | None) 
             if index in written:  # the second name of a tied parameter
                 continue
             f.seek(offsets[index])
-            f.write(memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy()))
+            f.write(memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy()))
             written.add(index)
         f.flush()
         os.fsync(f.fileno())
