@@ -78,7 +78,7 @@ from infinity.device.process_group import (
     rank_and_world,
 )
 from infinity.device.streams import host_value, to_host
-from infinity.job.metrics import Earlier, Metrics
+from infinity.job.metrics import Earlier, Metrics, memory_fields
 from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
 from infinity.job.resume import (
     FINAL_CHECKPOINT,
@@ -407,6 +407,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
                       "tokens_per_s": tokens_per_step / seconds, "tokens_per_step": tokens_per_step,
                       "tokens": result.tokens + tokens_per_step,
                       "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap,
+                      **memory_fields(engine.memory_report()),  # state bytes per tier, as the trackers get them
                       **({} if applied else {"skipped": True})}  # (fp16 overflow, train.on_nonfinite = "skip")
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "
