@@ -163,3 +163,22 @@ def test_a_missing_tracker_package_stops_before_any_work(tmp_path, monkeypatch, 
         train(load_job(None, TINY + [f"run.dir={tmp_path}", "run.name=r", f'run.report_to=["{name}"]']),
               verbose=False)
     assert not (tmp_path / "r").exists()
+
+
+def test_wandb_online_without_a_login_stops_before_the_model_with_the_fix(tmp_path, monkeypatch):
+    """Online (WANDB_MODE unset) with no API key, wandb cannot start its run: one line naming `wandb login` and
+    WANDB_MODE=offline, before the model is built (nothing trained, the run directory removed)."""
+    wandb = pytest.importorskip("wandb", reason="wandb not installed (pip install wandb, or the trackers extra)")
+    import infinity.job.train as job_train
+    wandb.teardown()  # wandb reads its environment once a process: forget the offline mode of the run above
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-home"))  # no settings, no key
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # (nor the user's ~/.netrc)
+    built = []
+    monkeypatch.setattr(job_train, "build_model", lambda *a: built.append(a))
+    with pytest.raises(ConfigError, match=r'^run.report_to = \["wandb"\]: wandb could not start its run \(.*API '
+                                          r'key.*\); run `wandb login`, or set WANDB_MODE=offline') as error:
+        train(load_job(None, TINY + [f"run.dir={tmp_path}", "run.name=r", 'run.report_to=["wandb"]']),
+              verbose=False)
+    assert "\n" not in str(error.value) and built == [] and not (tmp_path / "r").exists()
