@@ -92,3 +92,40 @@ def test_a_model_compiled_whole_is_refused_with_the_fix(how):
 def test_compile_settings_that_cannot_work_are_refused(section, message):
     with pytest.raises(ConfigError, match=message):
         infinity.Config.from_dict({"compile": section})
+
+
+@pytest.mark.slow  # transformers' layers traced by dynamo: ~10 s
+def test_a_hugging_face_llama_compiled_trains_as_transformers(tmp_path):
+    """docs/compile.md: a transformers Llama called with use_cache=False compiles one graph for all its layers and
+    trains as transformers itself with torch.optim.AdamW (the reference); with its KV cache each layer would guard
+    on its own cache entry and compile its own graph."""
+    import copy
+
+    import torch._dynamo
+
+    from hf_tiny import HOST, VOCAB, config, transformers
+    torch._dynamo.reset()
+    dynamo_counters().clear()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config("llama", layers=4))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8)
+    engine = infinity.initialize(model, HOST | {"compile": {"units": True, "backend": "aot_eager"},
+                                                "optimizer": {"lr": 1e-2, "weight_decay": 0.0,
+                                                              "betas": [0.9, 0.999], "eps": 1e-8}})
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            x = torch.randint(0, VOCAB, (2, 16), generator=g)
+            loss = engine(input_ids=x, labels=x, use_cache=False).loss
+            engine.backward(loss)
+            engine.step()
+            expected = reference(input_ids=x, labels=x, use_cache=False).loss
+            expected.backward()
+            opt.step()
+            opt.zero_grad()
+            torch.testing.assert_close(loss.detach(), expected.detach())
+    finally:
+        engine.close()
+    counters = dynamo_counters()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
