@@ -12,8 +12,8 @@ from typing import ClassVar
 from infinity.config.options import ConfigError, Section, option, show
 
 VOCAB_SIZE = 256  # byte-level
-TRACKERS = ("tensorboard",)  # run.report_to: job/trackers.py
-LATER_TRACKERS = ("wandb", "mlflow", "trackio", "comet_ml", "clearml", "dvclive", "swanlab")
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # run.report_to: job/trackers.py
+LATER_TRACKERS = ("comet_ml", "clearml", "dvclive", "swanlab", "neptune", "aim")
 SHIPPED = "kjv"
 
 
@@ -84,8 +84,11 @@ class RunConfig(Section):
                                     "directory, for `infinity train --resume` after a crash (0 = only the final "
                                     "one; [checkpoint] keep_last limits how many stay).", "int", ge=0)
     report_to: tuple = option((), 'Trackers that get every step\'s metrics beside metrics.jsonl, named as '
-                               'transformers names them: "tensorboard" (event files in <run>/tensorboard; pip install '
-                               'tensorboard). [] = metrics.jsonl only.', "strs", unique=True)
+                               'transformers names them: "tensorboard" (event files in <run>/tensorboard), '
+                               '"wandb" (<run>/wandb; WANDB_MODE=offline without a network), "mlflow" '
+                               '(MLFLOW_TRACKING_URI, else '
+                               'sqlite <run>/mlflow.db), "trackio" (its local store, TRACKIO_DIR); each its own '
+                               'package (pip install -e ".[trackers]"). [] = metrics.jsonl only.', "strs", unique=True)
     time_limit: str = option("none", 'Wall-clock limit of this process\'s run, e.g. "3h50m", "90m", "45s" (a cluster '
                               'job\'s, less its launch): the run stops after the step that would leave too little '
                               'time for one more step and the final checkpoint, saves it and says so ("none": no '

@@ -399,13 +399,51 @@ class ActivationConfig(Section):
                 f"activation.offload")
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompileConfig(Section):
+    """torch.compile of the units (Note [compiled units] in runtime/compiled.py; docs/compile.md)."""
+
+    SECTION: ClassVar[str] = "compile"
+
+    units: bool = option(False, "Compile each unit's forward with torch.compile (the root unit's code, the engine's "
+                         "hooks, checkpoints and offloads stay outside the compiled code): units of one class share "
+                         "one compiled graph. A model compiled whole (torch.compile(model)) is refused: pass the "
+                         "model itself and set this.", "bool")
+    backend: str = option("inductor", 'torch.compile\'s backend: "inductor" (generated kernels), "aot_eager" '
+                          '(the traced graphs run by eager kernels: to tell a compiler problem from a capture '
+                          'one), "eager".', "enum", choices=("inductor", "aot_eager", "eager"))
+    mode: str = option("default", 'inductor\'s mode: "default", or "max-autotune-no-cudagraphs". The CUDA graph '
+                       'modes ("reduce-overhead", "max-autotune") are refused: a CUDA graph replays the addresses '
+                       'of the parameters it recorded, which the engine frees after each unit and gathers again '
+                       'elsewhere.', "enum",
+                       choices=("default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"))
+    fullgraph: bool = option(False, "true: a graph break inside a unit's forward is an error (torch.compile's "
+                             "fullgraph), instead of a unit compiled in pieces.", "bool")
+
+    def _check(self) -> None:
+        if self.mode in ("reduce-overhead", "max-autotune"):
+            raise ConfigError(f'compile.mode = {show(self.mode)} records CUDA graphs, which replay the addresses of '
+                              f'the parameters they recorded: the engine frees each unit\'s gathered parameters '
+                              f'after use and gathers them again elsewhere; use "default" or '
+                              f'"max-autotune-no-cudagraphs"')
+        given = [k for k in ("backend", "mode", "fullgraph") if not self._is_default(k)]
+        if given and not self.units:
+            raise ConfigError(f"compile.{given[0]} = {show(getattr(self, given[0]))} has no effect with "
+                              f"compile.units = false (nothing is compiled); set compile.units = true, or remove "
+                              f"compile.{given[0]}")
+        if self.mode != "default" and self.backend != "inductor":
+            raise ConfigError(f"compile.mode = {show(self.mode)} is a mode of the inductor backend, not of "
+                              f"compile.backend = {show(self.backend)}; remove compile.mode, or use "
+                              f'compile.backend = "inductor"')
+
+
 # ---------------------------------------------------------------- top level
 
 SECTIONS: dict[str, type[Section]] = {
     cls.SECTION: cls
     for cls in (OptimizerConfig, PrecisionConfig, PlacementConfig, MemoryConfig, NvmeConfig, SwapIOConfig,
                 PrefetchConfig, OverlapConfig, TrainConfig, ProfileConfig, UnitsConfig, CheckpointConfig, ZeroConfig,
-                ActivationConfig)
+                ActivationConfig, CompileConfig)
 }
 
 
@@ -466,6 +504,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     activation: ActivationConfig = field(default_factory=ActivationConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     def __post_init__(self) -> None:
         for name, cls in SECTIONS.items():

@@ -2,7 +2,9 @@
 it) in `<run>/metrics.jsonl`, written by rank 0, and what a resume reads back from it.
 
 Every record passes through `Metrics.record`, which hands it to each sink: the JSONL file is the one every
-run has; a tracker (TensorBoard, Weights & Biases, MLflow) is another sink with the same `write` and `close`.
+run has; a tracker (TensorBoard, Weights & Biases, MLflow, trackio: job/trackers.py) is another sink with the same
+`write` and `close`. A record holds the step's loss, lr, grad norm, time, tokens, overlap and the state bytes per
+tier (`memory_fields`: the engine's memory report).
 Ranks other than 0 record nothing (`Metrics(None)`).
 
 Note [metrics on resume]: a checkpoint is older than the run's last records (the steps after it are trained
@@ -26,7 +28,7 @@ FILE = "metrics.jsonl"
 class Sink(Protocol):
     def write(self, record: dict) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, ok: bool = True) -> None: ...  # ok: the run ended without an error (a tracker marks it)
 
 
 class JsonLines:
@@ -39,7 +41,7 @@ class JsonLines:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         self.file.close()
 
 
@@ -86,10 +88,20 @@ class Metrics:
         for sink in self.sinks:
             sink.write(record)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
         for sink in self.sinks:
-            sink.close()
+            sink.close(ok=kind is None)
         self.sinks.clear()
+
+
+def memory_fields(report: dict) -> dict:
+    """The engine's memory report (`engine.memory_report()`) as a record's fields: state bytes per tier (params,
+    grads and optimizer state on device, host, nvme) and the process's resident memory."""
+    fields = {f"memory_{tier}_bytes": int(total) for tier, total in report["tier_totals"].items()}
+    fields["process_rss_bytes"] = int(report["process_rss_bytes"])
+    if "cuda_peak_bytes" in report:
+        fields["cuda_peak_bytes"] = int(report["cuda_peak_bytes"])
+    return fields
 
 
 def _records(path: Path) -> list[tuple[str, dict | None]]:

@@ -78,7 +78,7 @@ from infinity.device.process_group import (
     rank_and_world,
 )
 from infinity.device.streams import host_value, to_host
-from infinity.job.metrics import Earlier, Metrics
+from infinity.job.metrics import Earlier, Metrics, memory_fields
 from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
 from infinity.job.resume import (
     FINAL_CHECKPOINT,
@@ -227,6 +227,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
     result = Result(run_dir=run_dir, status="starting", steps=start, losses=[], val_loss=None, seconds=0.0)
     # entered before the first step, left after the cleanup (Note [clean stop]); its deadline: Note [time limit]
     stop = StopFlag(parse_duration(job.run.time_limit, "run.time_limit"))
+    sinks: tuple = ()
     try:
         config = job.engine_config(str(run_dir), start)
         _make_dirs(config, job, run_dir)
@@ -235,6 +236,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         earlier: list[float] = []
         if rank == 0 and resume is None:
             atomic_write(run_dir / "config.toml", to_toml(config, job, str(run_dir)))
+        # the trackers before the model: one that cannot start (a login, a server) costs no work
+        sinks = trackers(job.run.report_to, run_dir, to_toml(config, job, str(run_dir))) if rank == 0 else ()
         _measure_links(config, world)
         bundle = build_model(job.model, job.lora)
         engine = infinity.initialize(bundle.model, reserve_activations(job, config, world, torch.cuda.is_available()),
@@ -273,8 +276,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                  f"placement {_placement_text(engine)}; run directory {run_dir}")
         result.status = "running"  # from here on the run directory is the user's (Note [failed start])
         stop.install()
-        sinks = trackers(job.run.report_to, run_dir, to_toml(config, job, str(run_dir))) if rank == 0 else ()
-        with Metrics(run_dir if rank == 0 else None, sinks) as metrics:
+        with Metrics(run_dir if rank == 0 else None, sinks) as metrics:  # (it closes them from here on)
+            sinks = ()
             try:
                 _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
                       elapsed_before=resume.elapsed_s if resume else 0.0)
@@ -283,6 +286,8 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         result.losses = earlier + result.losses  # the whole run's (rank 0 reads the earlier ones from metrics.jsonl)
         _finish(job, config, engine, bundle, run_dir, result, world, rank, say, resume)
     except BaseException as e:
+        for sink in sinks:  # made, not yet handed to the metrics: the tracker's run ends as failed
+            sink.close(ok=False)
         if rank == 0 and result.status != "starting":
             summary = stopped_summary(run_dir, "aborted" if isinstance(e, KeyboardInterrupt) else "failed",
                                       result.steps, e)
@@ -407,6 +412,7 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
                       "tokens_per_s": tokens_per_step / seconds, "tokens_per_step": tokens_per_step,
                       "tokens": result.tokens + tokens_per_step,
                       "elapsed_s": time.perf_counter() - began, "overlap_efficiency": overlap,
+                      **memory_fields(engine.memory_report()),  # state bytes per tier, as the trackers get them
                       **({} if applied else {"skipped": True})}  # (fp16 overflow, train.on_nonfinite = "skip")
             if not math.isfinite(mean_loss):
                 raise FloatingPointError(f"the loss is {mean_loss} at step {step}: lower optimizer.lr or raise "

@@ -39,6 +39,7 @@ from infinity.runtime.accumulation import AccumulationWindow
 from infinity.runtime.activations import activations_for
 from infinity.runtime.chunked_loss import kept_whole, loss_forward
 from infinity.runtime.colocate import FORWARD, Colocation, mid_step, named_full_parameters
+from infinity.runtime.compiled import compile_units, refuse_compiled
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import GraphHooks, UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from infinity.runtime.inference import InferenceForwards, unclaimed
@@ -68,6 +69,7 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
                  lr_schedule: Callable[[int], float] | None = None, group=None, weights=None, strict: bool = True,
                  param_groups: list[dict] | None = None):
+        refuse_compiled(model)  # Note [compiled units]: before any work
         self.module, self.config, self.groups = model, config, resolve_groups(model, config.optimizer, param_groups)
         self.env = resolve(group)
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
@@ -130,6 +132,7 @@ class Engine:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
             self._counters.append(counter)
+        self._handles += compile_units(config.compile, self.units)  # (checkpoints wrap them: Note [compiled units])
         self._handles += self.activations.install() + [self.graph_hooks]  # (after unit hooks: Note [unit checkpoints])
         self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device,
                                            backward_pending=lambda: self._backward_pending)
