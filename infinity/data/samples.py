@@ -253,23 +253,78 @@ def _common(prefix: list[int], ids: list[int]) -> int:
     return n
 
 
-def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str | None = None,
-                 key: str = "data.path") -> list[Sample]:
-    """The samples of `path` (default data.path) in data.format; `key`: the setting that named the file."""
+def check_template(data, tokenizer, tokenizer_where: str) -> None:
     if data.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f'data.format = "chat": the tokenizer in {tokenizer_where} has no chat template; save '
                           f"one with it (tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR)), or use "
                           f'data.format = "completion"')
+
+
+def render_sample(tokenizer, record: dict, data, seq_len: int, where: str) -> Sample | None:
+    """The sample of one record in data.format, limited to seq_len + 1 tokens; None when it has no token to
+    train on (left out)."""
     render = render_chat if data.format == "chat" else render_completion
+    sample = _limit(render(tokenizer, record, data, where), seq_len, data.truncation, where)
+    if len(sample.ids) >= 2 and any(t != IGNORE for t in sample.labels[1:]):
+        return sample
+    return None
+
+
+def no_samples(path: str) -> DataError:
+    return DataError(f"{path}: no record has a token to train on; check data.format and the field names")
+
+
+def record_stream(path: str, key: str = "data.path"):
+    """(where, record) of each record of `path`, as read_records gives them; a .jsonl file is read as it is
+    consumed (not held whole)."""
+    file = Path(path)
+    if file.is_file() and file.suffix.lower() == ".jsonl":
+        return _jsonl(file)
+    return iter(read_records(path, key))
+
+
+def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str | None = None,
+                 key: str = "data.path") -> list[Sample]:
+    """The samples of `path` (default data.path) in data.format; `key`: the setting that named the file."""
+    check_template(data, tokenizer, tokenizer_where)
     samples = []
     for where, record in read_records(path or data.path, key):
-        sample = _limit(render(tokenizer, record, data, where), seq_len, data.truncation, where)
-        if len(sample.ids) >= 2 and any(t != IGNORE for t in sample.labels[1:]):
+        sample = render_sample(tokenizer, record, data, seq_len, where)
+        if sample is not None:
             samples.append(sample)
     if not samples:
-        raise DataError(f"{path or data.path}: no record has a token to train on; check data.format and the "
-                        f"field names")
+        raise no_samples(path or data.path)
     return samples
+
+
+class SampleShard:
+    """Samples read from a shard's memory maps (Note [token shards] in shards.py) as a sequence of Sample:
+    sample i is built when it is read; a slice is a view."""
+
+    def __init__(self, ids, mask, offsets, lo: int = 0, hi: int | None = None):
+        self.ids, self.mask, self.offsets = ids, mask, offsets
+        self.lo, self.hi = lo, len(offsets) - 1 if hi is None else hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            assert step == 1, "a SampleShard slices with step 1"
+            return SampleShard(self.ids, self.mask, self.offsets, self.lo + start, self.lo + max(start, stop))
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        a, b = int(self.offsets[self.lo + i]), int(self.offsets[self.lo + i + 1])
+        import numpy as np
+        ids = np.asarray(self.ids[a:b], dtype=np.int64)
+        labels = np.where(np.asarray(self.mask[a:b]) > 0, ids, IGNORE)
+        return Sample(ids.tolist(), labels.tolist())
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 # ---------------------------------------------------------------- batches
