@@ -68,8 +68,11 @@ def workers_for(size: int, workers: int | None = None) -> int:
 
 
 def ordered_map(fn, chunks: Iterable, workers: int, where: str | None, tokenizer, settings: dict) -> Iterator:
-    """fn(chunk) of each chunk, in order: in this process (workers 1) or in a pool of `workers` spawned processes
-    with at most 2 * workers chunks in flight."""
+    """fn(chunk) of each chunk, in order: in this process (workers 1) or in a pool of `workers` forked processes
+    with at most 2 * workers chunks in flight. (Forked, not spawned: a spawned process runs the caller's main
+    script again, and a script that calls the job without `if __name__ == "__main__"` would start itself over.
+    The job forks before its engine starts any thread; the children use no torch, and their tokenizers run on
+    one thread each.)"""
     if workers <= 1:
         _init_worker(None, tokenizer, settings)
         for chunk in chunks:
@@ -77,7 +80,7 @@ def ordered_map(fn, chunks: Iterable, workers: int, where: str | None, tokenizer
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker,
                              initargs=(where, None, settings)) as pool:
         pending: collections.deque = collections.deque()
         try:

@@ -383,8 +383,9 @@ def attention_inputs(x: torch.Tensor, dtype: torch.dtype) -> dict:
 def masked_loss(dtype: torch.dtype):
     """loss(forward, x, y, num_items=None) of collated rows: the mean cross-entropy over the targets that are not
     -100, or their sum over `num_items` (the window's items: Note [token-weighted windows])."""
-    def loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
-        return token_loss(forward(**attention_inputs(x, dtype)).logits, y, num_items)
+    def loss(forward, x, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
+        inputs = x if isinstance(x, dict) else attention_inputs(x, dtype)  # (a dict: built ahead, ahead.py)
+        return token_loss(forward(**inputs).logits, y, num_items)
     return loss
 
 
@@ -395,7 +396,11 @@ class SampleBatches(RankBatches):
                  packing: bool, dtype: torch.dtype, rank: int = 0, world: int = 1):
         self.train, self.val, self.seq_len, self.seed, self.packing = train, val, seq_len, seed, packing
         self.global_batch, self.rows = global_batch, rank_rows(global_batch, rank, world)
-        self.loss = masked_loss(dtype)
+        self.dtype, self.loss = dtype, masked_loss(dtype)
+
+    def inputs_ahead(self, x: torch.Tensor) -> dict:
+        """The model's inputs of collated rows, built ahead of the step (Note [batches ahead] in ahead.py)."""
+        return attention_inputs(x, self.dtype)
 
     def _batch(self, samples: list[Sample], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
