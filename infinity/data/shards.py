@@ -257,12 +257,12 @@ def open_text(file: Path):
     return gzip.open(file, "rb") if file.suffix == ".gz" else open(file, "rb")
 
 
-def text_chunks(file: Path, size: int = CHUNK_BYTES, check: Callable[[bytes, int, int], None] | None = None
+def text_chunks(file: Path, size: int | None = None, check: Callable[[bytes, int, int], None] | None = None
                 ) -> Iterator[bytes]:
     """The file's bytes in chunks of about `size` that end at a line end (b"\\n") or the end of the file;
     `check(chunk, offset, lines_before)` sees each chunk first (the UTF-8 check)."""
     offset = lines = 0
-    rest = b""
+    rest, size = b"", size or CHUNK_BYTES
     with open_text(file) as f:
         while True:
             block = f.read(size)
