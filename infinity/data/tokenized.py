@@ -192,3 +192,28 @@ def job_batches(job: Job, rank: int = 0, world: int = 1):
     train, val = split(corpus_tokens(job), job.data.val_fraction, job.model.seq_len)
     return Batches(train, val, seq_len=job.model.seq_len, global_batch=job.run.batch_size, seed=job.data.seed,
                    rank=rank, world=world)
+
+
+def prepare(job: Job, workers: int | None = None) -> list[str]:
+    """`infinity data prepare`: the job's data tokenized into its shards now (as the run would: the same cache
+    key, so the run reads them), with a line per file saying what is there."""
+    job, said = resolve_data_format(job)
+    lines = [said] if said else []
+    where = tokenizer_dir(job.model)
+    if job.data.format == "text":
+        ids = corpus_tokens(job, workers)
+        place = getattr(ids, "filename", None)
+        kept = ("the file itself (plain text is read in place)" if where is None and not str(place).endswith(".bin")
+                else str(Path(str(place)).parent))
+        lines.append(f"{job.data.path}: {len(ids):,} {'byte' if where is None else 'token'} ids ({ids.dtype}); "
+                     f"read from {kept}")
+        return lines
+    tokenizer = _tokenizer(job, where) if where else None
+    if tokenizer is None:
+        sample_batches(job)  # its error names what is missing
+    for path, key in ((job.data.path, "data.path"), (job.data.val_path, "data.val_path")):
+        if path:
+            samples = _cached_samples(job, tokenizer, where, path, key, workers)
+            lines.append(f"{path}: {len(samples):,} samples, {len(samples.ids):,} token ids ({samples.ids.dtype}) "
+                         f"with their loss mask; read from {Path(str(samples.ids.filename)).parent}")
+    return lines

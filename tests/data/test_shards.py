@@ -200,3 +200,21 @@ def test_a_resumed_run_on_a_gz_shard_trains_as_the_uninterrupted_one(tmp_path, w
         name = f"rank{r:05d}.bin"
         assert (tmp_path / "whole" / "checkpoint" / name).read_bytes() == \
             (tmp_path / "cut" / "checkpoint" / name).read_bytes()
+
+
+def test_data_prepare_makes_the_shards_the_run_reads(tmp_path, llama, capsys, monkeypatch):
+    """`infinity data prepare PATH --tokenizer DIR` with the run's settings tokenizes once: the run's
+    job_batches then tokenizes nothing; without a tokenizer, chat records are refused naming what is missing."""
+    from infinity.data import samples as samples_module
+    from infinity.job.cli import main
+    path, _ = llama
+    f = write_jsonl(tmp_path / "c.jsonl", list(_varied_chats(12)))
+    assert main(["data", "prepare", str(f), "--tokenizer", str(path), "--set", "model.seq_len=32"]) == 0
+    out = capsys.readouterr().out
+    assert "holds chat records" in out and "12 samples" in out and str(_shard(tmp_path)) in out, out
+    calls = []
+    monkeypatch.setattr(samples_module, "render_sample", lambda *a, **k: calls.append(a))
+    job_batches(load_job(None, [f"model.pretrained={path}", f"data.path={f}", "model.seq_len=32"]))
+    assert not calls
+    assert main(["data", "prepare", str(f)]) == 2
+    assert "needs a tokenizer" in capsys.readouterr().err
