@@ -176,6 +176,10 @@ class RankBatches:
 
     def global_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole global batch of (optimizer step, micro-batch): every rank's rows."""
+        from infinity.data.shards import RELEASE_EVERY, release_pages
+        self._read = getattr(self, "_read", 0) + 1
+        if self._read % RELEASE_EVERY == 0:  # Note [mapped pages]
+            release_pages(self.train, self.val)
         return self._batch(self.train, (self.seed * 1_000_003 + step) * 1009 + micro)
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,8 +105,31 @@ def open_shard(where: Path) -> Shard:
     shard = Shard(where, meta, _map(where / "ids.bin", dtype, n))
     if records is not None:
         shard.mask = _map(where / "mask.bin", np.uint8, n)
-        shard.offsets = np.asarray(_map(where / "offsets.bin", np.int64, int(records) + 1))
+        shard.offsets = _map(where / "offsets.bin", np.int64, int(records) + 1)
     return shard
+
+
+RELEASE_EVERY = 16  # global batches between releases of the maps' pages (Note [mapped pages])
+
+
+def release_pages(*sources) -> None:
+    """Note [mapped pages]: the pages of a memory map that a batch read stay mapped into the process, and count
+    in its RSS (as file pages: clean, the kernel may drop them, but a run's peak RSS would still climb towards
+    the corpus's size as its random windows touch it all). So every RELEASE_EVERY global batches the maps of
+    `sources` (arrays, or objects with `.ids` / `.mask` / `.offsets`) are told MADV_DONTNEED: the pages leave
+    this process (they stay in the page cache, the next read maps them again) and the resident part of the data
+    is that of the last few batches."""
+    import mmap
+    for source in sources:
+        arrays = [source] if isinstance(source, np.ndarray) else \
+            [getattr(source, k, None) for k in ("ids", "mask", "offsets")]
+        for a in arrays:
+            mm = getattr(a, "_mmap", None)  # (numpy.memmap's map; a view shares its base's)
+            if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+                try:
+                    mm.madvise(mmap.MADV_DONTNEED)
+                except (OSError, ValueError):  # closed, or a platform without it: the pages stay (no error)
+                    pass
 
 
 class ShardWriter:
