@@ -16,12 +16,15 @@ into place when complete (a crash leaves no shard that looks whole); a shard who
 unreadable, or whose files are not the sizes it states, is damaged: it is said so and made again. A plain-text
 corpus of byte tokens needs no shard: the file itself is its uint8 ids (mapped after a streaming UTF-8 check).
 
-Note [parallel tokenizing]: the text is cut into chunks at line ends (today's tokenization encodes each line on
-its own, so the cut changes no id) and the records into chunks of records; the chunks are encoded by a pool of
-processes, one per core (each runs the tokenizer's batch API single-threaded: the pool is the parallelism), and
-their ids are written in order, a bounded number of chunks in flight. Small inputs are encoded in this process
-(starting the pool costs more than it saves). A progress line on stderr says the bytes read, the tokens per
-second and the time left.
+Note [parallel tokenizing]: the text is cut into chunks of about 1 MiB at line ends (today's tokenization encodes
+each line on its own, so the cut changes no id) and the records into chunks of 256 records. A fast tokenizer
+encodes text in this process with its backend's batch encode, which runs on every core already (what
+`tokenizer(lines)` runs, without building a BatchEncoding of Python lists: measured ~2x the public call's rate;
+each chunk's first 64 lines are encoded both ways and must agree, else the public call encodes it). Records (a
+chat template renders each prefix of a conversation in Python) and slow tokenizers are encoded by a pool of
+forked processes, one per core, their tokenizers on one thread each, for inputs of 1 MiB or more; the results are
+written in order, at most 2 chunks per process in flight. A progress line on stderr says the bytes read, the
+tokens per second and the time left.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import numpy as np
 from infinity.config.options import ConfigError
 
 SHARD_FORMAT = 1
-CHUNK_BYTES = 4 << 20  # text per chunk of the pool
+CHUNK_BYTES = 1 << 20  # text per chunk
 RECORDS_PER_CHUNK = 256
 
 

@@ -73,7 +73,8 @@ def corpus_tokens(job: Job, workers: int | None = None):
                 sizes.append(len(chunk))
                 yield chunk
         done = tokens = 0
-        for ids in ordered_map(encode_text, chunks(), workers_for(size, workers), where, tokenizer,
+        threaded = getattr(tokenizer, "is_fast", False)  # (its batch encode runs on every core)
+        for ids in ordered_map(encode_text, chunks(), workers_for(size, workers, threaded=threaded), where, tokenizer,
                                _pool_settings(tokenizer, where)):
             writer.add(ids)
             done, tokens = done + sizes.popleft(), tokens + len(ids)
