@@ -18,6 +18,8 @@ import threading
 
 import torch
 
+DEPTH = 2  # steps built ahead
+
 
 def to_device(x, device: torch.device):
     """A batch's inputs (a tensor, or a dict of tensors built ahead) on `device`, copied without blocking."""
@@ -36,7 +38,7 @@ class BatchesAhead:
     """The windows of steps `first` .. `last` - 1 (0-based, as `batches.window` counts them), built ahead on a
     thread (Note [batches ahead]); `window(step)` takes them in order. `close()` stops the thread."""
 
-    def __init__(self, batches, first: int, last: int, accum: int, device: torch.device, depth: int = 2):
+    def __init__(self, batches, first: int, last: int, accum: int, device: torch.device, depth: int = DEPTH):
         self.batches, self.accum, self.next = batches, accum, first
         self.pin = device.type == "cuda" and torch.cuda.is_available()
         self.prepare = getattr(batches, "inputs_ahead", None) if device.type == "cpu" else None

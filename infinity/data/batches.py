@@ -153,9 +153,15 @@ def windows(tokens, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, t
     index = starts[:, None] + torch.arange(seq_len + 1)
     if isinstance(tokens, torch.Tensor):
         rows = tokens[index].long()
-    else:  # a memory map (Note [token shards]): only the windows' pages are read
+    else:  # a memory map (Note [token shards]): each window read from its file (Note [mapped pages])
         import numpy as np
-        rows = torch.from_numpy(np.asarray(tokens[index.numpy()], dtype=np.int64))
+
+        from infinity.data.shards import read_range
+        read = [read_range(tokens, int(s), seq_len + 1) for s in starts]
+        if any(r is None for r in read):
+            rows = torch.from_numpy(np.asarray(tokens[index.numpy()], dtype=np.int64))
+        else:
+            rows = torch.from_numpy(np.stack(read).astype(np.int64))
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 

@@ -317,10 +317,16 @@ class SampleShard:
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        a, b = int(self.offsets[self.lo + i]), int(self.offsets[self.lo + i + 1])
         import numpy as np
-        ids = np.asarray(self.ids[a:b], dtype=np.int64)
-        labels = np.where(np.asarray(self.mask[a:b]) > 0, ids, IGNORE)
+
+        from infinity.data.shards import read_range
+
+        def read(array, start: int, count: int) -> np.ndarray:  # from the file (Note [mapped pages])
+            got = read_range(array, start, count)
+            return np.asarray(array[start:start + count]) if got is None else got
+        a, b = (int(v) for v in read(self.offsets, self.lo + i, 2))
+        ids = read(self.ids, a, b - a).astype(np.int64)
+        labels = np.where(read(self.mask, a, b - a) > 0, ids, IGNORE)
         return Sample(ids.tolist(), labels.tolist())
 
     def __iter__(self):

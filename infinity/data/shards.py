@@ -38,6 +38,7 @@ import os
 import shutil
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -115,13 +116,18 @@ def open_shard(where: Path) -> Shard:
 RELEASE_EVERY = 16  # global batches between releases of the maps' pages (Note [mapped pages])
 
 
+
 def release_pages(*sources) -> None:
-    """Note [mapped pages]: the pages of a memory map that a batch read stay mapped into the process, and count
-    in its RSS (as file pages: clean, the kernel may drop them, but a run's peak RSS would still climb towards
-    the corpus's size as its random windows touch it all). So every RELEASE_EVERY global batches the maps of
-    `sources` (arrays, or objects with `.ids` / `.mask` / `.offsets`) are told MADV_DONTNEED: the pages leave
-    this process (they stay in the page cache, the next read maps them again) and the resident part of the data
-    is that of the last few batches."""
+    """Note [mapped pages]: the pages of a memory map that are read stay mapped into the process and count in
+    its RSS (as file pages: clean, the kernel may drop them, but a run's peak RSS would climb towards the
+    corpus's size as random windows touch it all). A fault maps more than the page read: on ext4 with large
+    folios (Linux 6.x, this machine) reading one byte of a cached file mapped 2 MiB, so even one batch of 16
+    windows mapped 15 MiB of a 24 MiB corpus, and releasing the pages after each batch would still leave the
+    batch size times 2 MiB in the peak. So the batches read their windows and samples with pread from the file
+    behind the map (`read_range`: the page cache serves them, nothing is mapped) and the map serves only
+    metadata (lengths, views). What else touches the map (a user's own indexing) is released every
+    RELEASE_EVERY global batches: MADV_DONTNEED on the maps of `sources` (arrays, or objects with `.ids` /
+    `.mask` / `.offsets`)."""
     import mmap
     for source in sources:
         arrays = [source] if isinstance(source, np.ndarray) else \
@@ -133,6 +139,31 @@ def release_pages(*sources) -> None:
                     mm.madvise(mmap.MADV_DONTNEED)
                 except (OSError, ValueError):  # closed, or a platform without it: the pages stay (no error)
                     pass
+
+
+_FDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a map -> the descriptor its reads use
+
+
+def read_range(array: np.ndarray, start: int, count: int) -> np.ndarray | None:
+    """array[start:start + count] read from the file behind a memory map with pread, without mapping its pages
+    (Note [mapped pages]); None when `array` is not a map of a file (read it by indexing)."""
+    mm = getattr(array, "_mmap", None)
+    name = getattr(array, "filename", None)
+    if mm is None or name is None:
+        return None
+    import mmap
+    base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    at = array.offset - array.offset % mmap.ALLOCATIONGRANULARITY + (array.ctypes.data - base)
+    fd = _FDS.get(mm)
+    if fd is None:  # (the file the map was made of: a shard made again under the same name is another map)
+        fd = _FDS.setdefault(mm, os.open(name, os.O_RDONLY))
+        weakref.finalize(mm, os.close, fd)
+    size = array.dtype.itemsize
+    raw = os.pread(fd, count * size, at + start * size)
+    if len(raw) != count * size:
+        raise OSError(f"{name}: {len(raw)} bytes read at {at + start * size}, not {count * size}: the file "
+                      f"changed while the job read it")
+    return np.frombuffer(raw, dtype=array.dtype)
 
 
 class ShardWriter:

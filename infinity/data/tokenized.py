@@ -218,3 +218,39 @@ def prepare(job: Job, workers: int | None = None) -> list[str]:
             lines.append(f"{path}: {len(samples):,} samples, {len(samples.ids):,} token ids ({samples.ids.dtype}) "
                          f"with their loss mask; read from {Path(str(samples.ids.filename)).parent}")
     return lines
+
+
+# Note [data in the estimate]: the data pipeline's resident bytes, two terms of the estimate's peak (Note [peak
+# memory]): "data", while training: the windows in flight (Note [batches ahead]: DEPTH queued, one being built,
+# one in use; each the global micro-batches as int64 inputs and targets, the rank's rows copied out of them, and
+# on a CPU device the samples' 4D attention masks built ahead with their boolean intermediates) and the bytes
+# read for one batch (Note [mapped pages]: read, not mapped); "tokenize", before it,
+# when this process tokenizes: what tokenizing one chunk holds, measured on 2026-11-28 (1 MiB chunks of text
+# through a 300-token byte-level BPE, ~0.85 tokens per byte, the most tokens per byte of a real tokenizer:
+# +56 MiB over the process's RSS; bytes of a .gz corpus: the chunk and its copy). The peak is the larger of the
+# training's terms plus "data" and the runtime plus "tokenize".
+TOKENIZE_TEXT_BYTES = 64 << 20
+TOKENIZE_RECORDS_BYTES = 64 << 20
+
+
+def resident_bytes(job: Job, world: int, accum: int, *, cuda: bool) -> dict[str, int]:
+    """The data pipeline's terms of the estimate's peak, bytes of one rank (Note [data in the estimate])."""
+    from infinity.data.ahead import DEPTH
+    from infinity.data.shards import CHUNK_BYTES
+    job, _ = resolve_data_format(job)
+    b, t = job.run.batch_size, job.model.seq_len
+    records = job.data.format != "text"
+    where = tokenizer_dir(job.model)
+    micro = b * t * 8 * (3 if records else 2)
+    micro += micro // world
+    if records and not cuda:
+        micro += b // world * t * t * (4 + 3)  # the fp32 mask and three [B, T, T] bool intermediates
+    item = 4 if where else 1
+    pages = b * (t + 1) * item * (3 if records else 1)  # the windows read (Note [mapped pages]: nothing mapped)
+    if records:
+        tokenize = TOKENIZE_RECORDS_BYTES
+    elif where:
+        tokenize = TOKENIZE_TEXT_BYTES
+    else:
+        tokenize = 2 * CHUNK_BYTES if str(job.data.path).endswith(".gz") or job.data.path == "kjv" else 0
+    return {"data": (DEPTH + 2) * accum * micro + pages, "tokenize": tokenize}

@@ -359,14 +359,18 @@ def _job_estimate(args, line, custom, plans: int = 3):
                               f"{args.world_size}")
         return Applied(planned.engine_config(os.path.join(planned.run.dir, "<run>")),
                        planned.run.batch_size // args.world_size)
+    import torch
+
+    from infinity.data.tokenized import resident_bytes
     from infinity.plan.traced import job_depth
+    data = resident_bytes(job, args.world_size, config.train.grad_accum_steps, cuda=torch.cuda.is_available())
     return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                         batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
                         remeasure=args.remeasure, apply=apply,
                         lora=_lora_option(job, custom, line, not config.activation.loss_chunk_tokens),
                         depth=None if custom else job_depth(job.model, job.lora,
                                                             own_llama=not config.activation.loss_chunk_tokens),
-                        plans=plans, runtime_modules=modules)
+                        plans=plans, runtime_modules=modules, data=data)
 
 
 def _lora_option(job, custom, line, own_llama: bool):

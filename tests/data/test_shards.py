@@ -218,3 +218,43 @@ def test_data_prepare_makes_the_shards_the_run_reads(tmp_path, llama, capsys, mo
     assert not calls
     assert main(["data", "prepare", str(f)]) == 2
     assert "needs a tokenizer" in capsys.readouterr().err
+
+
+def _mapped_rss(path) -> int:
+    """Resident bytes of this process's maps of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = len(head) >= 6 and head[-1] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("pread", [True, False])
+def test_the_mapped_pages_stay_within_the_estimates_data_term(tmp_path, monkeypatch, pread):
+    """Note [mapped pages], Note [data in the estimate]: 300 global batches of random windows over a 24 MiB
+    corpus leave none of its map resident (/proc/self/smaps), within the estimate's "data" term; read through
+    the map instead (planted), they map most of the corpus."""
+    import os
+    import random
+
+    from infinity.data import shards
+    from infinity.data.tokenized import resident_bytes
+    if not os.path.exists("/proc/self/smaps"):
+        pytest.skip("reads /proc/self/smaps")
+    text = tmp_path / "big.txt"
+    rng = random.Random(0)
+    text.write_bytes(b"".join(rng.choice([b"in the beginning\n", b"and the earth\n", b"was without form\n"])
+                              for _ in range(1_600_000)))
+    job = load_job(None, [f"data.path={text}", "model.seq_len=256", "run.batch_size=16"])
+    bound = resident_bytes(job, 1, 1, cuda=False)["data"]
+    if not pread:
+        monkeypatch.setattr(shards, "read_range", lambda *a: None)
+    batches = job_batches(job)
+    for step in range(300):
+        batches.global_batch_at(step, 0)
+    grown = _mapped_rss(text)
+    assert (grown <= bound) if pread else (grown > 4 * bound), (grown >> 10, bound >> 10)
