@@ -31,8 +31,8 @@ def corpus_path(path: str) -> Path:
     return SHIPPED_PATH if path == SHIPPED else Path(path)
 
 
-def load_tokens(path: str) -> torch.Tensor:
-    """The corpus as a uint8 tensor of byte tokens."""
+def corpus_file(path: str) -> Path:
+    """The corpus file of `data.path`, or the ConfigError saying what is wrong with it."""
     file = corpus_path(path)
     if file.is_dir():
         raise ConfigError(f"data.path = {path!r} is a directory: point it at a UTF-8 text file inside it (plain "
@@ -44,43 +44,78 @@ def load_tokens(path: str) -> torch.Tensor:
                               f"text file")
         raise ConfigError(f"data.path = {path!r}: no such file; point it at a UTF-8 text file (plain or .gz), "
                           f'or use "kjv" for the shipped corpus')
+    return file
+
+
+def _bad_gzip(path: str, e: Exception) -> ConfigError:
+    return ConfigError(f"data.path = {path!r}: the file ends in .gz but is not a valid gzip file ({e}); "
+                       f"compress it with gzip, or rename it without .gz if it is plain text")
+
+
+def _empty(path: str) -> ConfigError:
+    return ConfigError(f"data.path = {path!r} is empty: point it at a text file with the training text, or "
+                       f'use "kjv" for the shipped corpus')
+
+
+def text_chunks(path: str):
+    """The corpus's text in chunks that end at line ends (shards.text_chunks), each checked to be UTF-8 as it is
+    read: the errors of a bad file are load_tokens's."""
+    from infinity.data.shards import Utf8Check, text_chunks
+    file = corpus_file(path)
+
+    def fail(line: int, at: int, chunk: bytes, local: int) -> None:
+        raise ConfigError(f"data.path = {path!r} line {line}: "
+                          f"{not_utf8(chunk, local, path, base=at - local, head=check.head)}")
+    check = Utf8Check(file, fail)
+    seen = False
     try:
-        raw = file.read_bytes()
-        if file.suffix == ".gz":
-            raw = gzip.decompress(raw)
+        for chunk in text_chunks(file, check=check):
+            seen = True
+            yield chunk
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-        raise ConfigError(f"data.path = {path!r}: the file ends in .gz but is not a valid gzip file ({e}); "
-                          f"compress it with gzip, or rename it without .gz if it is plain text") from None
+        raise _bad_gzip(path, e) from None
     except OSError as e:
         raise ConfigError(f"data.path = {path!r}: cannot read it ({e.strerror}); check the file's "
                           f"permissions") from None
-    if not raw:
-        raise ConfigError(f"data.path = {path!r} is empty: point it at a text file with the training text, or "
-                          f'use "kjv" for the shipped corpus')
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as e:  # binary data would train without a word
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"data.path = {path!r} line {line}: {not_utf8(raw, e.start, path)}") \
-            from None
+    if not seen:
+        raise _empty(path)
+
+
+def byte_tokens(path: str):
+    """The corpus as uint8 byte tokens, memory-mapped (Note [token shards] in shards.py): a plain text file is
+    its own ids (checked to be UTF-8 as it streams past); a .gz file is decompressed once into a shard."""
+    import numpy as np
+    file = corpus_file(path)
+    if file.suffix == ".gz":
+        return byte_shard(path, file).ids
+    for _ in text_chunks(path):
+        pass
+    return np.memmap(file, dtype=np.uint8, mode="r")
+
+
+def load_tokens(path: str) -> torch.Tensor:
+    """The corpus as a uint8 tensor of byte tokens, read whole into memory (the job maps it instead:
+    `byte_tokens`)."""
+    raw = b"".join(text_chunks(path))
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def not_utf8(raw: bytes, at: int, path: str) -> str:
+def not_utf8(raw: bytes, at: int, path: str, base: int = 0, head: bytes | None = None) -> str:
     """What is wrong with `raw` (a file's bytes, or one line of them), whose byte `at` is not UTF-8, and the fix.
 
     Note [text in another encoding]: a file that is not UTF-8 is most often text saved in another encoding (Latin-1
     / Windows-1252 from an older editor, UTF-16 from Windows tools), not binary data: calling it binary sends the
     user looking for the wrong problem. So: a UTF-16 byte-order mark says UTF-16; bytes that read as text in
     Windows-1252 (no NUL, few control bytes) say Latin-1 / Windows-1252 and show the bytes around `at` read so;
-    only the rest is called binary. Each names the conversion to UTF-8."""
-    bad = f"not UTF-8 text (byte {at}: {raw[at:at + 1]!r})"
+    only the rest is called binary. Each names the conversion to UTF-8. (`raw` may be a part of the file that
+    starts at byte `base`; `head`: the file's first bytes then.)"""
+    bad = f"not UTF-8 text (byte {base + at}: {raw[at:at + 1]!r})"
+    head = (raw if head is None else head)[:1 << 20]
     iconv = (f"zcat {path} | iconv -f {{}} -t utf-8 | gzip > utf8.txt.gz" if str(path).endswith(".gz") else
              f"iconv -f {{}} -t utf-8 {path} > utf8.txt")
     convert = f"convert it to UTF-8, e.g. {iconv}, and point data.path at that"
-    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
         return f"{bad}; the file is UTF-16 text (it starts with a UTF-16 byte-order mark): {convert.format('utf-16')}"
-    head = raw[:1 << 20]
     controls = sum(head.count(bytes([c])) for c in (*range(0, 9), 11, *range(14, 32), 127))
     if b"\x00" not in head and controls <= len(head) // 100:
         lo, hi = max(0, at - 20), at + 20
@@ -113,10 +148,20 @@ def rank_rows(global_batch: int, rank: int, world: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def windows(tokens: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def windows(tokens, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-byte targets (int64, [len(starts), seq_len]) of the windows at `starts`."""
     index = starts[:, None] + torch.arange(seq_len + 1)
-    rows = tokens[index].long()
+    if isinstance(tokens, torch.Tensor):
+        rows = tokens[index].long()
+    else:  # a memory map (Note [token shards]): each window read from its file (Note [mapped pages])
+        import numpy as np
+
+        from infinity.data.shards import read_range
+        read = [read_range(tokens, int(s), seq_len + 1) for s in starts]
+        if any(r is None for r in read):
+            rows = torch.from_numpy(np.asarray(tokens[index.numpy()], dtype=np.int64))
+        else:
+            rows = torch.from_numpy(np.stack(read).astype(np.int64))
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
@@ -137,6 +182,10 @@ class RankBatches:
 
     def global_batch_at(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole global batch of (optimizer step, micro-batch): every rank's rows."""
+        from infinity.data.shards import RELEASE_EVERY, release_pages
+        self._read = getattr(self, "_read", 0) + 1
+        if self._read % RELEASE_EVERY == 0:  # Note [mapped pages]
+            release_pages(self.train, self.val)
         return self._batch(self.train, (self.seed * 1_000_003 + step) * 1009 + micro)
 
     def batch(self, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,7 +226,7 @@ class Batches(RankBatches):
     @classmethod
     def from_config(cls, data: DataConfig, *, seq_len: int, global_batch: int, rank: int = 0,
                     world: int = 1) -> "Batches":
-        train, val = split(load_tokens(data.path), data.val_fraction, seq_len)
+        train, val = split(byte_tokens(data.path), data.val_fraction, seq_len)
         return cls(train, val, seq_len=seq_len, global_batch=global_batch, seed=data.seed, rank=rank, world=world)
 
     def _starts(self, tokens: torch.Tensor, seed: int, count: int) -> torch.Tensor:
@@ -191,3 +240,21 @@ class Batches(RankBatches):
     def tokens_per_batch(self) -> int:
         """Tokens of one global micro-batch."""
         return self.global_batch * self.seq_len
+
+
+def byte_shard(path: str, file: Path):
+    """A .gz corpus's bytes as a uint8 shard (decompressed once; Note [token shards])."""
+    import numpy as np
+
+    from infinity.data.shards import TokenizeProgress, cached
+
+    def build(writer) -> dict:
+        progress = TokenizeProgress(f"{file.name} (decompressing)", 0)
+        done = 0
+        for chunk in text_chunks(path):
+            writer.add(np.frombuffer(chunk, dtype=np.uint8))
+            done += len(chunk)
+            progress.update(done, done)
+        progress.done(done, done, writer.final)
+        return {"tokenizer": "bytes"}
+    return cached(file, None, {"format": "bytes"}, build, records=False, dtype=lambda: np.dtype(np.uint8))

@@ -253,23 +253,84 @@ def _common(prefix: list[int], ids: list[int]) -> int:
     return n
 
 
-def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str | None = None,
-                 key: str = "data.path") -> list[Sample]:
-    """The samples of `path` (default data.path) in data.format; `key`: the setting that named the file."""
+def check_template(data, tokenizer, tokenizer_where: str) -> None:
     if data.format == "chat" and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f'data.format = "chat": the tokenizer in {tokenizer_where} has no chat template; save '
                           f"one with it (tokenizer.chat_template = ...; tokenizer.save_pretrained(DIR)), or use "
                           f'data.format = "completion"')
+
+
+def render_sample(tokenizer, record: dict, data, seq_len: int, where: str) -> Sample | None:
+    """The sample of one record in data.format, limited to seq_len + 1 tokens; None when it has no token to
+    train on (left out)."""
     render = render_chat if data.format == "chat" else render_completion
+    sample = _limit(render(tokenizer, record, data, where), seq_len, data.truncation, where)
+    if len(sample.ids) >= 2 and any(t != IGNORE for t in sample.labels[1:]):
+        return sample
+    return None
+
+
+def no_samples(path: str) -> DataError:
+    return DataError(f"{path}: no record has a token to train on; check data.format and the field names")
+
+
+def record_stream(path: str, key: str = "data.path"):
+    """(where, record) of each record of `path`, as read_records gives them; a .jsonl file is read as it is
+    consumed (not held whole)."""
+    file = Path(path)
+    if file.is_file() and file.suffix.lower() == ".jsonl":
+        return _jsonl(file)
+    return iter(read_records(path, key))
+
+
+def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str | None = None,
+                 key: str = "data.path") -> list[Sample]:
+    """The samples of `path` (default data.path) in data.format; `key`: the setting that named the file."""
+    check_template(data, tokenizer, tokenizer_where)
     samples = []
     for where, record in read_records(path or data.path, key):
-        sample = _limit(render(tokenizer, record, data, where), seq_len, data.truncation, where)
-        if len(sample.ids) >= 2 and any(t != IGNORE for t in sample.labels[1:]):
+        sample = render_sample(tokenizer, record, data, seq_len, where)
+        if sample is not None:
             samples.append(sample)
     if not samples:
-        raise DataError(f"{path or data.path}: no record has a token to train on; check data.format and the "
-                        f"field names")
+        raise no_samples(path or data.path)
     return samples
+
+
+class SampleShard:
+    """Samples read from a shard's memory maps (Note [token shards] in shards.py) as a sequence of Sample:
+    sample i is built when it is read; a slice is a view."""
+
+    def __init__(self, ids, mask, offsets, lo: int = 0, hi: int | None = None):
+        self.ids, self.mask, self.offsets = ids, mask, offsets
+        self.lo, self.hi = lo, len(offsets) - 1 if hi is None else hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            assert step == 1, "a SampleShard slices with step 1"
+            return SampleShard(self.ids, self.mask, self.offsets, self.lo + start, self.lo + max(start, stop))
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        import numpy as np
+
+        from infinity.data.shards import read_range
+
+        def read(array, start: int, count: int) -> np.ndarray:  # from the file (Note [mapped pages])
+            got = read_range(array, start, count)
+            return np.asarray(array[start:start + count]) if got is None else got
+        a, b = (int(v) for v in read(self.offsets, self.lo + i, 2))
+        ids = read(self.ids, a, b - a).astype(np.int64)
+        labels = np.where(read(self.mask, a, b - a) > 0, ids, IGNORE)
+        return Sample(ids.tolist(), labels.tolist())
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 # ---------------------------------------------------------------- batches
@@ -328,8 +389,9 @@ def attention_inputs(x: torch.Tensor, dtype: torch.dtype) -> dict:
 def masked_loss(dtype: torch.dtype):
     """loss(forward, x, y, num_items=None) of collated rows: the mean cross-entropy over the targets that are not
     -100, or their sum over `num_items` (the window's items: Note [token-weighted windows])."""
-    def loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
-        return token_loss(forward(**attention_inputs(x, dtype)).logits, y, num_items)
+    def loss(forward, x, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
+        inputs = x if isinstance(x, dict) else attention_inputs(x, dtype)  # (a dict: built ahead, ahead.py)
+        return token_loss(forward(**inputs).logits, y, num_items)
     return loss
 
 
@@ -340,7 +402,11 @@ class SampleBatches(RankBatches):
                  packing: bool, dtype: torch.dtype, rank: int = 0, world: int = 1):
         self.train, self.val, self.seq_len, self.seed, self.packing = train, val, seq_len, seed, packing
         self.global_batch, self.rows = global_batch, rank_rows(global_batch, rank, world)
-        self.loss = masked_loss(dtype)
+        self.dtype, self.loss = dtype, masked_loss(dtype)
+
+    def inputs_ahead(self, x: torch.Tensor) -> dict:
+        """The model's inputs of collated rows, built ahead of the step (Note [batches ahead] in ahead.py)."""
+        return attention_inputs(x, self.dtype)
 
     def _batch(self, samples: list[Sample], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)

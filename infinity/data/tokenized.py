@@ -12,22 +12,17 @@ or setting tokenizes again, under a new key. Only tensors are read back (safeten
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import os
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from infinity.config.job import DataConfig, ModelConfig, RunConfig
 from infinity.config.options import ConfigError
 from infinity.config.sections import Config
-from infinity.models.build import TOKENIZER_IDENTITY_FILES, need_transformers, tokenizer_dir
-
-CACHE_DIR = ".infinity-tokens"  # beside the data file (Note [tokenized data cache])
-CACHE_FORMAT = 1
+from infinity.data.shards import CACHE_DIR, cache_key, cached, file_sha256  # noqa: F401 - (the cache's names here too)
+from infinity.models.build import need_transformers, tokenizer_dir
 
 
 class Job(Protocol):
@@ -42,96 +37,57 @@ class Job(Protocol):
     def engine_config(self, run_dir: str, start: int = 0) -> Config: ...
 
 
-@functools.lru_cache(maxsize=16)
-def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def _pool_settings(tokenizer, where: str, extra: dict | None = None) -> dict:
+    from infinity.data.shards import smallest_dtype
+    return {"dtype": smallest_dtype(max(len(tokenizer), tokenizer.vocab_size or 0)), **(extra or {})}
 
 
-def file_sha256(path: Path | str) -> str:
-    """SHA-256 of a file's bytes, read once per process while its size and mtime stay the same (the cache key of
-    tokenized data, and what a checkpoint records of the data files: Note [changed data file])."""
-    st = os.stat(path)
-    return _file_sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+def corpus_tokens(job: Job, workers: int | None = None):
+    """The job's corpus as token ids, memory-mapped (Note [token shards]): bytes (uint8), or the pretrained
+    model's tokenizer's ids in the smallest dtype that holds them, tokenized once in parallel (Note [parallel
+    tokenizing])."""
+    import collections
 
-
-def cache_key(data_file: Path, tokenizer_where: str, settings: dict) -> str:
-    """The key of a data file's token ids (Note [tokenized data cache])."""
-    import transformers
-    files = {name: file_sha256(Path(tokenizer_where, name)) for name in TOKENIZER_IDENTITY_FILES
-             if os.path.isfile(os.path.join(tokenizer_where, name))}
-    payload = {"format": CACHE_FORMAT, "data": file_sha256(data_file), "tokenizer": files, "settings": settings,
-               "transformers": transformers.__version__}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
-
-
-def _cache_files(data_file: Path, key: str) -> list[Path]:
-    """Where the cache of `data_file` under `key` is looked for: beside the data, then the user's cache."""
-    from infinity.machine.link_rates import cache_path
-    name = f"{data_file.name}.{key}.safetensors"
-    return [data_file.parent / CACHE_DIR / name, cache_path().parent / "tokens" / name]
-
-
-def cached(data_file: Path, tokenizer_where: str, settings: dict,
-           make: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The tensors `make()` gives for this data file, tokenizer and settings: read from the cache when it holds
-    them, else made and saved there (Note [tokenized data cache])."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load, save
-
-    from io_engine import atomic_write
-    key = cache_key(data_file, tokenizer_where, settings)
-    places = _cache_files(data_file, key)
-    for place in places:
-        if place.is_file():
-            try:
-                return load(place.read_bytes())
-            except (SafetensorError, OSError, ValueError):
-                break  # damaged (a disk error, a partial copy): made again and replaced below
-    tensors = make()
-    payload = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"key": key})
-    errors = []
-    for place in places:
-        try:
-            place.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write(place, payload)
-            return tensors
-        except OSError as e:
-            errors.append(f"{place.parent}: {e.strerror}")
-    import sys
-    print(f"note: the token ids of {data_file} are not cached ({'; '.join(errors)}): the next start tokenizes "
-          f"again", file=sys.stderr, flush=True)
-    return tensors
-
-
-def corpus_tokens(job: Job) -> torch.Tensor:
-    """The job's corpus as token ids: bytes (uint8), or int32 ids of the pretrained model's tokenizer."""
-    from infinity.data.batches import corpus_path, load_tokens
-    raw = load_tokens(job.data.path)
+    from infinity.data.batches import byte_tokens, corpus_file, text_chunks
+    from infinity.data.pool import encode_text, ordered_map, workers_for
+    from infinity.data.shards import TokenizeProgress
     where = tokenizer_dir(job.model)
     if where is None:
-        return raw
+        return byte_tokens(job.data.path)
     transformers = need_transformers(f"model.pretrained = {where!r}", 'or --set model.tokenizer=bytes')
+    file = corpus_file(job.data.path)
+    tokenizer = None
 
-    def tokenize() -> dict[str, torch.Tensor]:
+    def dtype():
+        nonlocal tokenizer
         tokenizer = _tokenizer(job, where)
-        lines = bytes(raw.numpy()).decode("utf-8", errors="replace").splitlines(keepends=True)
-        ids: list[int] = []
-        for i in range(0, len(lines), 4096):  # batches of lines: a fast tokenizer encodes them in parallel
-            chunk = tokenizer(lines[i:i + 4096], add_special_tokens=False, verbose=False)["input_ids"]
-            for row in chunk:
-                ids.extend(row)
-        return {"ids": torch.tensor(ids, dtype=torch.int32)}
-    tokens = cached(corpus_path(job.data.path), where, {"format": "text"}, tokenize)["ids"]
+        return _pool_settings(tokenizer, where)["dtype"]
+
+    def build(writer) -> dict:
+        size = os.path.getsize(file)
+        progress = TokenizeProgress(file.name, size if file.suffix != ".gz" else 0)
+        sizes: collections.deque = collections.deque()
+
+        def chunks():
+            for chunk in text_chunks(job.data.path):
+                sizes.append(len(chunk))
+                yield chunk
+        done = tokens = 0
+        threaded = getattr(tokenizer, "is_fast", False)  # (its batch encode runs on every core)
+        for ids in ordered_map(encode_text, chunks(), workers_for(size, workers, threaded=threaded), where, tokenizer,
+                               _pool_settings(tokenizer, where)):
+            writer.add(ids)
+            done, tokens = done + sizes.popleft(), tokens + len(ids)
+            progress.update(done, tokens)
+        progress.done(done, tokens, writer.final)
+        return {"tokenizer": where}
+    shard = cached(file, where, {"format": "text"}, build, records=False, dtype=dtype)
     vocab = transformers.AutoConfig.from_pretrained(where, local_files_only=True).vocab_size
-    if len(tokens) and int(tokens.max()) >= vocab:
-        raise ConfigError(f"model.pretrained = {where!r}: its tokenizer gives token id {int(tokens.max())}, beyond "
-                          f"the model's vocabulary of {vocab}: save the model's own tokenizer there, or --set "
-                          f"model.tokenizer=bytes")
-    return tokens
+    if shard.meta["max_id"] >= vocab:
+        raise ConfigError(f"model.pretrained = {where!r}: its tokenizer gives token id {shard.meta['max_id']}, "
+                          f"beyond the model's vocabulary of {vocab}: save the model's own tokenizer there, or "
+                          f"--set model.tokenizer=bytes")
+    return shard.ids
 
 
 def _tokenizer(job: Job, where: str):
@@ -177,30 +133,53 @@ def resolve_data_format(job: Job) -> tuple[Job, str | None]:
     return job, said if changed else None
 
 
-def _cached_samples(job: Job, tokenizer, where: str, path: str, key: str = "data.path") -> list:
-    """load_samples of `path`, through the cache (Note [tokenized data cache]): ids and labels of all samples
-    end to end, and each sample's length."""
-    from infinity.data.samples import Sample, load_samples
+def _cached_samples(job: Job, tokenizer, where: str, path: str, key: str = "data.path",
+                    workers: int | None = None):
+    """The samples of `path` (samples.render_sample of each record) through the cache (Note [tokenized data
+    cache]): a shard of their ids, loss mask and boundaries (Note [token shards]), read as samples.SampleShard."""
+    import collections
+
+    from infinity.data.pool import ordered_map, render_records, workers_for
+    from infinity.data.samples import SampleShard, check_template, load_samples, no_samples, record_stream
+    from infinity.data.shards import RECORDS_PER_CHUNK, TokenizeProgress
     d = job.data
     settings = {"format": d.format, "prompt_field": d.prompt_field, "completion_field": d.completion_field,
                 "messages_field": d.messages_field, "train_on_prompt": d.train_on_prompt,
                 "truncation": d.truncation, "seq_len": job.model.seq_len}
-
-    def tokenize() -> dict[str, torch.Tensor]:
-        samples = load_samples(d, tokenizer, where, job.model.seq_len, path, key)
-        return {"ids": torch.tensor([t for s in samples for t in s.ids], dtype=torch.int32),
-                "labels": torch.tensor([t for s in samples for t in s.labels], dtype=torch.int32),
-                "lengths": torch.tensor([len(s.ids) for s in samples], dtype=torch.int64)}
     file = Path(path)
     if not file.is_file():
         return load_samples(d, tokenizer, where, job.model.seq_len, path, key)  # its error names the path
-    saved = cached(file, where, settings, tokenize)
-    ids, labels = saved["ids"].tolist(), saved["labels"].tolist()
-    out, at = [], 0
-    for n in saved["lengths"].tolist():
-        out.append(Sample(ids[at:at + n], labels[at:at + n]))
-        at += n
-    return out
+    check_template(d, tokenizer, where)
+    pool = _pool_settings(tokenizer, where, {"data": d, "seq_len": job.model.seq_len})
+
+    def build(writer) -> dict:
+        size = file.stat().st_size
+        progress = TokenizeProgress(file.name, size)
+        counts: collections.deque = collections.deque()
+
+        def chunks():
+            chunk: list = []
+            for item in record_stream(path, key):
+                chunk.append(item)
+                if len(chunk) == RECORDS_PER_CHUNK:
+                    counts.append(len(chunk))
+                    yield chunk
+                    chunk = []
+            if chunk:
+                counts.append(len(chunk))
+                yield chunk
+        records = tokens = 0
+        for ids, mask, lengths in ordered_map(render_records, chunks(), workers_for(size, workers), where,
+                                              tokenizer, pool):
+            writer.add(ids, mask, lengths)
+            records, tokens = records + counts.popleft(), tokens + len(ids)
+            progress.update(int(size * records / max(records + len(counts), 1)), tokens)
+        if writer.samples == 0:
+            raise no_samples(path)
+        progress.done(size, tokens, writer.final)
+        return {"tokenizer": where, "records": records}
+    shard = cached(file, where, settings, build, records=True, dtype=lambda: pool["dtype"])
+    return SampleShard(shard.ids, shard.mask, shard.offsets)
 
 
 def job_batches(job: Job, rank: int = 0, world: int = 1):
@@ -214,3 +193,64 @@ def job_batches(job: Job, rank: int = 0, world: int = 1):
     train, val = split(corpus_tokens(job), job.data.val_fraction, job.model.seq_len)
     return Batches(train, val, seq_len=job.model.seq_len, global_batch=job.run.batch_size, seed=job.data.seed,
                    rank=rank, world=world)
+
+
+def prepare(job: Job, workers: int | None = None) -> list[str]:
+    """`infinity data prepare`: the job's data tokenized into its shards now (as the run would: the same cache
+    key, so the run reads them), with a line per file saying what is there."""
+    job, said = resolve_data_format(job)
+    lines = [said] if said else []
+    where = tokenizer_dir(job.model)
+    if job.data.format == "text":
+        ids = corpus_tokens(job, workers)
+        place = getattr(ids, "filename", None)
+        kept = ("the file itself (plain text is read in place)" if where is None and not str(place).endswith(".bin")
+                else str(Path(str(place)).parent))
+        lines.append(f"{job.data.path}: {len(ids):,} {'byte' if where is None else 'token'} ids ({ids.dtype}); "
+                     f"read from {kept}")
+        return lines
+    tokenizer = _tokenizer(job, where) if where else None
+    if tokenizer is None:
+        sample_batches(job)  # its error names what is missing
+    for path, key in ((job.data.path, "data.path"), (job.data.val_path, "data.val_path")):
+        if path:
+            samples = _cached_samples(job, tokenizer, where, path, key, workers)
+            lines.append(f"{path}: {len(samples):,} samples, {len(samples.ids):,} token ids ({samples.ids.dtype}) "
+                         f"with their loss mask; read from {Path(str(samples.ids.filename)).parent}")
+    return lines
+
+
+# Note [data in the estimate]: the data pipeline's resident bytes, two terms of the estimate's peak (Note [peak
+# memory]): "data", while training: the windows in flight (Note [batches ahead]: DEPTH queued, one being built,
+# one in use; each the global micro-batches as int64 inputs and targets, the rank's rows copied out of them, and
+# on a CPU device the samples' 4D attention masks built ahead with their boolean intermediates) and the bytes
+# read for one batch (Note [mapped pages]: read, not mapped); "tokenize", before it,
+# when this process tokenizes: what tokenizing one chunk holds, measured on 2026-11-28 (1 MiB chunks of text
+# through a 300-token byte-level BPE, ~0.85 tokens per byte, the most tokens per byte of a real tokenizer:
+# +56 MiB over the process's RSS; bytes of a .gz corpus: the chunk and its copy). The peak is the larger of the
+# training's terms plus "data" and the runtime plus "tokenize".
+TOKENIZE_TEXT_BYTES = 64 << 20
+TOKENIZE_RECORDS_BYTES = 64 << 20
+
+
+def resident_bytes(job: Job, world: int, accum: int, *, cuda: bool) -> dict[str, int]:
+    """The data pipeline's terms of the estimate's peak, bytes of one rank (Note [data in the estimate])."""
+    from infinity.data.ahead import DEPTH
+    from infinity.data.shards import CHUNK_BYTES
+    job, _ = resolve_data_format(job)
+    b, t = job.run.batch_size, job.model.seq_len
+    records = job.data.format != "text"
+    where = tokenizer_dir(job.model)
+    micro = b * t * 8 * (3 if records else 2)
+    micro += micro // world
+    if records and not cuda:
+        micro += b // world * t * t * (4 + 3)  # the fp32 mask and three [B, T, T] bool intermediates
+    item = 4 if where else 1
+    pages = b * (t + 1) * item * (3 if records else 1)  # the windows read (Note [mapped pages]: nothing mapped)
+    if records:
+        tokenize = TOKENIZE_RECORDS_BYTES
+    elif where:
+        tokenize = TOKENIZE_TEXT_BYTES
+    else:
+        tokenize = 2 * CHUNK_BYTES if str(job.data.path).endswith(".gz") or job.data.path == "kjv" else 0
+    return {"data": (DEPTH + 2) * accum * micro + pages, "tokenize": tokenize}

@@ -9,6 +9,7 @@
     infinity config --defaults                 every key with its default and meaning
     infinity config [--config FILE] [--set ...]  the resolved config of a job
     infinity profile RUN_DIR [--json] [--steps N]   the profile summary of a finished run (Note [profile command])
+    infinity data prepare PATH [--tokenizer DIR] [--config FILE] [--set ...]   tokenize data ahead of a run
     infinity bench-links [--dir DIR] [--remeasure]   the link rates the auto policy uses (cached)
     infinity bench-io ...                      python -m io_engine.bench ...
 
@@ -104,6 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the summary.json of every rank")
     p.add_argument("--steps", type=_step_rows, default=10, metavar="N",
                    help="step rows to show, the last N (default 10; 0: none, only the median step and the links)")
+
+    p = sub.add_parser("data", help="prepare a job's data ahead of a run (token shards, docs/data.md)")
+    p = p.add_subparsers(dest="data_command", required=True, metavar="action").add_parser(
+        "prepare", help="tokenize PATH once into the token shards a run reads (Note [token shards])",
+        description="Tokenize PATH (data.path) with the tokenizer of DIR (model.pretrained; none: byte tokens) "
+                    "into the cache a run with the same data settings reads; give the run's --config / --set "
+                    "(data.format, model.seq_len, ...) so the key matches.")
+    p.add_argument("path", metavar="PATH", help="the data file (data.path)")
+    p.add_argument("--tokenizer", metavar="DIR", help="the pretrained model directory whose tokenizer the run uses")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="tokenizing processes (default: a core "
+                   "each for inputs of 16 MiB or more)")
+    _add_job_args(p)
 
     p = sub.add_parser("bench-links", help="measure (or show the cached) link rates used by the auto policy")
     p.add_argument("--dir", default=None, help="directory on the swap disk (default: the temp directory)")
@@ -206,7 +219,7 @@ def _dispatch(args) -> int:
     from infinity.state.weights import WeightsError
     try:
         return {"train": _train, "estimate": _estimate, "config": _config, "bench-links": _bench_links,
-                "profile": _profile}[args.command](args)
+                "profile": _profile, "data": _data}[args.command](args)
     except (ConfigError, PlacementError, PreflightError, CheckpointError, WeightsError) as e:  # bad input: exit 2
         print(f"infinity {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -240,6 +253,16 @@ def _train(args) -> int:
         job = line.job()
     result = train(job, verbose=not args.quiet, resume=resume)
     return EXIT_INTERRUPTED if result.status == "interrupted" else 0
+
+
+def _data(args) -> int:
+    from infinity.data.tokenized import prepare
+    from infinity.job.spec import JobLine
+    line = _line(args)
+    sets = (f"data.path={args.path}",) + ((f"model.pretrained={args.tokenizer}",) if args.tokenizer else ())
+    for said in prepare(JobLine(line.config, line.sets + sets).job(), args.workers):
+        print(said)
+    return 0
 
 
 def _config(args) -> int:
@@ -336,14 +359,18 @@ def _job_estimate(args, line, custom, plans: int = 3):
                               f"{args.world_size}")
         return Applied(planned.engine_config(os.path.join(planned.run.dir, "<run>")),
                        planned.run.batch_size // args.world_size)
+    import torch
+
+    from infinity.data.tokenized import resident_bytes
     from infinity.plan.traced import job_depth
+    data = resident_bytes(job, args.world_size, config.train.grad_accum_steps, cuda=torch.cuda.is_available())
     return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                         batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
                         remeasure=args.remeasure, apply=apply,
                         lora=_lora_option(job, custom, line, not config.activation.loss_chunk_tokens),
                         depth=None if custom else job_depth(job.model, job.lora,
                                                             own_llama=not config.activation.loss_chunk_tokens),
-                        plans=plans, runtime_modules=modules)
+                        plans=plans, runtime_modules=modules, data=data)
 
 
 def _lora_option(job, custom, line, own_llama: bool):

@@ -67,8 +67,9 @@ import torch
 from infinity.config.job import parse_duration
 from infinity.config.options import show
 from infinity.config.sections import Config, ConfigError, SettingWarning
+from infinity.data.ahead import BatchesAhead, to_device
 from infinity.data.batches import Batches
-from infinity.data.tokenized import job_batches, resolve_data_format
+from infinity.data.tokenized import job_batches, resident_bytes, resolve_data_format
 from infinity.device.process_group import (
     barrier,
     broadcast_object,
@@ -278,11 +279,13 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         stop.install()
         with Metrics(run_dir if rank == 0 else None, sinks) as metrics:  # (it closes them from here on)
             sinks = ()
-            try:
-                _loop(job, config, engine, bundle, batches, stop, metrics, say, result,
+            ahead = BatchesAhead(batches, start, job.run.steps, config.train.grad_accum_steps, engine.device)
+            try:  # (the batches built ahead of the step: Note [batches ahead])
+                _loop(job, config, engine, bundle, ahead, stop, metrics, say, result,
                       elapsed_before=resume.elapsed_s if resume else 0.0)
             finally:
                 stop.training = False
+                ahead.close()
         result.losses = earlier + result.losses  # the whole run's (rank 0 reads the earlier ones from metrics.jsonl)
         _finish(job, config, engine, bundle, run_dir, result, world, rank, say, resume)
     except BaseException as e:
@@ -365,19 +368,20 @@ def _estimate(job: Job, config: Config, world: int, say: Progress):
         return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
                             batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
                             depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens),
-                            runtime_modules=runtime_modules(job.model, job.lora))
+                            runtime_modules=runtime_modules(job.model, job.lora),
+                            data=resident_bytes(job, world, config.train.grad_accum_steps,
+                                                cuda=torch.cuda.is_available()))
     except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run
         say.note(f"(no estimate: {type(e).__name__}: {e})")
         return None
 
 
-def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batches, stop: StopFlag, metrics: Metrics,
-          say: Progress, result: Result, *, elapsed_before: float = 0.0) -> None:
+def _loop(job: Job, config: Config, engine, bundle: ModelBundle, ahead: BatchesAhead, stop: StopFlag,
+          metrics: Metrics, say: Progress, result: Result, *, elapsed_before: float = 0.0) -> None:
     """Steps result.steps + 1 .. run.steps (> 0 when resuming: the batches and LR continue from there);
     `result` follows the steps done, so a run stopped by an error still reports where it was."""
     start, run_dir = result.steps, result.run_dir
-    accum = config.train.grad_accum_steps
-    device = engine.device
+    device, batches = engine.device, ahead.batches
     loss_of = batches.loss or bundle.loss  # samples carry their masked loss (Note [masked fine-tuning loss])
     began = time.perf_counter() - elapsed_before
     recent: list[float] = []
@@ -390,10 +394,10 @@ def _loop(job: Job, config: Config, engine, bundle: ModelBundle, batches: Batche
         with part.host("data"):
             # the window's trained tokens (not padding, not masked -100) over all ranks: each micro-batch's loss is
             # its summed loss over them (Note [token-weighted windows]), so the ranks' shares add up to the mean
-            window, tokens_per_step = batches.window(step - 1, accum)
+            window, tokens_per_step = ahead.window(step - 1)
         for x, y in window:
             with part.host("data"):
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                x, y = to_device(x, device), y.to(device, non_blocking=True)
             with part.host("loss"):
                 loss = loss_of(engine, x, y, tokens_per_step)
             engine.backward(loss, num_items_in_batch=tokens_per_step)

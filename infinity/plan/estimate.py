@@ -237,7 +237,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
              batch_size: int = 1, seq_len: int = 128, rates: cost_model.LinkRates | None = None,
              cuda: bool | None = None, remeasure: bool = False, budgets: Budgets | None = None,
              apply: Callable | None = None, lora: tuple | None = None, depth=None, plans: int = 3,
-             runtime_modules: tuple[str, ...] = ()) -> Estimate:
+             runtime_modules: tuple[str, ...] = (), data: dict[str, int] | None = None) -> Estimate:
     """Predict a run of `config` at `world_size` for the model `make_model()` builds (a ModelBundle from
     `infinity.job.train.build_model`, or anything with `.model` on meta and `.loss(forward, x, y)`).
 
@@ -248,7 +248,9 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     run that does not fit gets the plans of Note [plan search] (`default_apply` for an engine config alone);
     `lora = (sets, make_lora_model[, lora_depth])`: the `--set` lines that wrap a pretrained model with LoRA,
     and its model. `depth` (estimate_model.Depth): the model's blocks repeat; it is estimated from shallow
-    copies (Note [deepened estimate]). `plans`: how many plans to show (each is judged again).
+    copies (Note [deepened estimate]). `plans`: how many plans to show (each is judged again). `data`: the data
+    pipeline's terms, "data" (while training) and "tokenize" (before it), of one rank (Note [data in the estimate]
+    in infinity/data/tokenized.py).
     """
     from infinity.plan.traced import model_facts
     local = local_world_size or world_size
@@ -289,7 +291,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                         bytes_of=activation_bytes)
 
     def peak_of(plan: Plan, trace: Trace, activation) -> tuple[dict[str, int], dict[str, int]]:
-        terms = peak_terms(plan, trace, cuda=cuda, runtime=ctx.runtime, activation=activation)
+        terms = {**peak_terms(plan, trace, cuda=cuda, runtime=ctx.runtime, activation=activation), **(data or {})}
         return terms, peak_from_terms(terms, cuda)
     ctx.peak_of = peak_of  # as initialize plans
     mine = plan_search.judge(ctx, plan_search.Applied(config, batch_size))
@@ -389,14 +391,16 @@ def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, activation
 
 
 def peak_from_terms(terms: dict[str, int], cuda: bool) -> dict[str, int]:
-    """Sum the terms into the peak of each memory (Note [peak memory])."""
+    """Sum the terms into the peak of each memory (Note [peak memory]; the data's: Note [data in the estimate])."""
     train_device = terms["working_device"] + terms["activations"]
+    data, tokenize = terms.get("data", 0), terms["runtime"] + terms.get("tokenize", 0)
     if cuda:
-        return {"ram": terms["runtime"] + terms["state_host"] + max(terms["working_host"] + terms["activations_host"],
-                                                                    terms["init"]),
+        return {"ram": max(tokenize, data + terms["runtime"] + terms["state_host"]
+                           + max(terms["working_host"] + terms["activations_host"], terms["init"])),
                 "device": terms["state_device"] + train_device}
-    return {"ram": terms["runtime"] + terms["state_device"] + terms["state_host"]
-            + max(train_device + terms["activations_host"] + terms["working_host"] + terms["allocator"], terms["init"])}
+    return {"ram": max(tokenize, data + terms["runtime"] + terms["state_device"] + terms["state_host"]
+                       + max(train_device + terms["activations_host"] + terms["working_host"] + terms["allocator"],
+                             terms["init"]))}
 
 
 # ---------------------------------------------------------------- text

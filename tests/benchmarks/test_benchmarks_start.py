@@ -92,6 +92,8 @@ TINY = {
 # Smallest real runs over ~10 s (fresh processes importing transformers, or whole `infinity train` jobs): slow
 SLOW_TINY = {
     "bench_chunked_loss.py": ["--vocab", "256", "--hidden", "16", "--seq", "16", "--chunk", "8", "--repeats", "1"],
+    "bench_data.py": ["--dir", "{dir}", "--tokenize-mib", "1", "--sizes-mib", "2", "--repeats", "1", "--steps", "1",
+                      "--json", "{json}"],  # (three `infinity train` jobs)
     "bench_estimate.py": ["--repeats", "1", "--json", "{json}"],  # (a 70B estimated twice, each its own process)
     "bench_finetune.py": ["--dir", "{dir}", "--hidden", "32", "--layers", "1", "--intermediate", "64", "--vocab",
                           "256", "--heads", "2", "--kv-heads", "1", "--steps", "1", "--seq", "8", "--shard-size",

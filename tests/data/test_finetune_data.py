@@ -409,19 +409,19 @@ def test_tokenized_data_is_cached_beside_the_data_and_made_again_when_it_changes
     first = job_batches(job)
     assert list((tmp_path / ".infinity-tokens").iterdir())
     calls = []
-    real = samples_module.load_samples
-    monkeypatch.setattr(samples_module, "load_samples", lambda *a, **k: calls.append(a) or real(*a, **k))
+    real = samples_module.render_sample
+    monkeypatch.setattr(samples_module, "render_sample", lambda *a, **k: calls.append(a) or real(*a, **k))
     again = job_batches(job)
     assert not calls, "the second start tokenized again"
-    assert [(s.ids, s.labels) for s in again.train + again.val] == [(s.ids, s.labels) for s in fresh] == \
-        [(s.ids, s.labels) for s in first.train + first.val]
+    assert [(s.ids, s.labels) for s in [*again.train, *again.val]] == [(s.ids, s.labels) for s in fresh] == \
+        [(s.ids, s.labels) for s in [*first.train, *first.val]]
     write_jsonl(f, list(_sums(9)))  # the data changed
     job_batches(job)
-    assert len(calls) == 1
+    assert len(calls) == 9  # (one per record)
     config = json.loads((own / "tokenizer_config.json").read_text())  # the tokenizer changed
     (own / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|user|>"}))
     changed = job_batches(job)
-    assert len(calls) == 2 and changed.train[0].ids[-1] != again.train[0].ids[-1]  # another EOS
+    assert len(calls) == 18 and changed.train[0].ids[-1] != again.train[0].ids[-1]  # another EOS
     # a text corpus: the ids of the tokenizer, cached
     corpus = tmp_path / "c.txt"
     corpus.write_text("two plus two is four.\n" * 40)
@@ -429,7 +429,7 @@ def test_tokenized_data_is_cached_beside_the_data_and_made_again_when_it_changes
     ids = corpus_tokens(text)
     assert ids.tolist() == tok("two plus two is four.\n" * 40, add_special_tokens=False)["input_ids"]
     assert any(p.name.startswith("c.txt.") for p in (tmp_path / ".infinity-tokens").iterdir())
-    assert torch.equal(corpus_tokens(text), ids)
+    assert corpus_tokens(text).tolist() == ids.tolist()
 
 
 def _varied_chats(n):
