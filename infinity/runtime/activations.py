@@ -1,6 +1,6 @@
 """Activations: what the forward keeps for backward, counted; unit checkpoints; their inputs on the host.
 
-    acts = activations_for(config.activation, units, streams, device)
+    acts = activations_for(config, units, streams, device)  # config: the engine's ([activation], [compile])
     handles = acts.install()                 # wraps each unit module's forward (not the root's)
     with acts.forward():                     # the engine's forward: counts the saved bytes
         output = model(batch)
@@ -62,6 +62,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from infinity.device.streams import Streams
+from infinity.runtime.compiled import compile_units
 from infinity.units.builder import units_in
 from infinity.units.unit import Unit
 
@@ -219,13 +220,15 @@ class Activations:
     """Counts saved activations; with checkpoint = "units", checkpoints every unit but the root."""
 
     def __init__(self, units: list[Unit], checkpointing: bool, inputs: KeepInputs | HostInputs, meter: SavedBytes,
-                 regions: list[tuple[nn.Module, list[Unit]]] = ()):
+                 regions: list[tuple[nn.Module, list[Unit]]] = (), compile_config=None):
         self.units, self.checkpointing, self.inputs, self.meter = units, checkpointing, inputs, meter
         self.regions = list(regions)  # split blocks and their units (Note [tiles are units] in units/tiling.py)
+        self.compile_config = compile_config  # `[compile]`: None or units = false, nothing compiled
 
     def install(self) -> list:
         """Hooks and wrapped forwards of every unit module but the root's; returns removable handles."""
-        handles = []
+        # compiled first, so that the checkpoints below wrap the compiled forwards (Note [compiled units])
+        handles = compile_units(self.compile_config, self.units) if self.compile_config is not None else []
         in_region = units_in(self.regions)
         for unit in self.units[1:]:
             handles += _UnitMarks.install(unit, self.meter)
@@ -271,7 +274,9 @@ class Activations:
 def activations_for(config, units: list[Unit], streams: Streams, device: torch.device,
                     regions: list[tuple[nn.Module, list[Unit]]] = ()) -> Activations:
     """The `[activation]` section's types: where checkpoint inputs stay, whether units (and split blocks,
-    `regions`) are checkpointed."""
+    `regions`) are checkpointed; and `[compile]`'s, whether the units' forwards are compiled (`config`: the
+    engine's Config)."""
     meter = SavedBytes()
-    inputs = HostInputs(streams, device, meter) if config.offload == "host" else KeepInputs()
-    return Activations(units, config.checkpoint == "units", inputs, meter, regions)
+    act = config.activation
+    inputs = HostInputs(streams, device, meter) if act.offload == "host" else KeepInputs()
+    return Activations(units, act.checkpoint == "units", inputs, meter, regions, compile_config=config.compile)

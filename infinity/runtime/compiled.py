@@ -1,7 +1,7 @@
 """Compiled units: `[compile] units = true` compiles each unit module's forward; a model compiled whole is refused.
 
-    refuse_compiled(model)                  # initialize's first check: torch.compile(model) / module.compile()
-    handles = compile_units(config.compile, units)   # before the checkpoints wrap the same forwards
+    refuse_compiled(model)      # initialize's first check (inference.unclaimed): torch.compile(model), .compile()
+    handles = compile_units(config.compile, units)   # Activations.install, before its checkpoints wrap them
 
 Note [compiled units]: the engine drives a step through hooks at every unit's boundary (unshard before its
 forward, reshard after, a hook on its outputs' gradients, saved-tensor hooks that count and offload activations),

@@ -39,7 +39,6 @@ from infinity.runtime.accumulation import AccumulationWindow
 from infinity.runtime.activations import activations_for
 from infinity.runtime.chunked_loss import kept_whole, loss_forward
 from infinity.runtime.colocate import FORWARD, Colocation, mid_step, named_full_parameters
-from infinity.runtime.compiled import compile_units, refuse_compiled
 from infinity.runtime.grad_reduce import GradReducer
 from infinity.runtime.hooks import GraphHooks, UnitCallbacks, install_unit_hooks, tensors_needing_grad, to_device
 from infinity.runtime.inference import InferenceForwards, unclaimed
@@ -69,7 +68,6 @@ class Engine:
     def __init__(self, model: nn.Module, config: Config, *, init_fn: Callable[[nn.Module], None] | None = None,
                  lr_schedule: Callable[[int], float] | None = None, group=None, weights=None, strict: bool = True,
                  param_groups: list[dict] | None = None):
-        refuse_compiled(model)  # Note [compiled units]: before any work
         self.module, self.config, self.groups = model, config, resolve_groups(model, config.optimizer, param_groups)
         self.env = resolve(group)
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
@@ -115,7 +113,7 @@ class Engine:
         self.reducer = GradReducer(self.manager, self.env.world_size, profiler=self.profiler,
                                    before_unit=self.updates.before_grads, on_final=self.updates.grads_final,
                                    keep_final=self.updates.keep_grads)
-        self.activations = activations_for(config.activation, self.units, self.streams, self.env.device, self.regions)
+        self.activations = activations_for(config, self.units, self.streams, self.env.device, self.regions)
         self.prefetcher = Prefetcher(self.units, self.manager, config.prefetch.units_ahead,
                                      config.prefetch.max_bytes_in_flight, ready=self.updates.ready, trace=trace,
                                      fetch_inputs=self.activations.fetch)
@@ -132,7 +130,6 @@ class Engine:
             handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
             self._handles += handles
             self._counters.append(counter)
-        self._handles += compile_units(config.compile, self.units)  # (checkpoints wrap them: Note [compiled units])
         self._handles += self.activations.install() + [self.graph_hooks]  # (after unit hooks: Note [unit checkpoints])
         self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device,
                                            backward_pending=lambda: self._backward_pending)

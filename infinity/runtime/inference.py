@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from infinity.runtime.compiled import refuse_compiled
 from infinity.runtime.hooks import tensors_needing_grad, to_device
 from infinity.runtime.prefetch import Prefetcher
 from infinity.units.sharded_param import RELEASED
@@ -40,7 +41,9 @@ _CLAIMED: weakref.WeakSet = weakref.WeakSet()  # the models of open engines
 
 
 def unclaimed(model: nn.Module) -> nn.Module:
-    """`model`, if no open engine holds it (Note [one engine per model])."""
+    """`model`, if no open engine holds it (Note [one engine per model]) and it is not compiled whole (Note
+    [compiled units])."""
+    refuse_compiled(model)
     if model in _CLAIMED:
         raise RuntimeError("this model is already in an open Engine (an earlier infinity.initialize): call close() "
                            "on that engine first, or initialize a new model")

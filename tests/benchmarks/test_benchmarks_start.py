@@ -94,6 +94,8 @@ SLOW_TINY = {
     "bench_chunked_loss.py": ["--vocab", "256", "--hidden", "16", "--seq", "16", "--chunk", "8", "--repeats", "1"],
     "bench_data.py": ["--dir", "{dir}", "--tokenize-mib", "1", "--sizes-mib", "2", "--repeats", "1", "--steps", "1",
                       "--json", "{json}"],  # (three `infinity train` jobs)
+    "bench_compile.py": ["--layers", "1", "--width", "16", "--heads", "2", "--seq", "16", "--batch", "2", "--steps",
+                         "2", "--warmup", "1", "--repeats", "1"],  # (inductor's first compile)
     "bench_estimate.py": ["--repeats", "1", "--json", "{json}"],  # (a 70B estimated twice, each its own process)
     "bench_finetune.py": ["--dir", "{dir}", "--hidden", "32", "--layers", "1", "--intermediate", "64", "--vocab",
                           "256", "--heads", "2", "--kv-heads", "1", "--steps", "1", "--seq", "8", "--shard-size",

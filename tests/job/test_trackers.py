@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -37,7 +38,10 @@ def run(tmp_path_factory):
     mp.setenv("WANDB_DIR", str(root / "wandb-home"))  # (wandb's own settings and caches: not the user's)
     mp.setenv("WANDB_CONFIG_DIR", str(root / "wandb-home"))
     mp.setenv("WANDB_CACHE_DIR", str(root / "wandb-home"))
-    mp.setenv("TRACKIO_DIR", str(root / "trackio"))  # read at trackio's import: the first is the run's
+    mp.setenv("TRACKIO_DIR", str(root / "trackio"))  # its store, read when trackio is imported; and if another
+    for name, module in list(sys.modules.items()):  # test imported it already, where its modules keep the path
+        if name.split(".")[0] == "trackio" and isinstance(getattr(module, "TRACKIO_DIR", None), Path):
+            mp.setattr(module, "TRACKIO_DIR", root / "trackio")
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # the sqlite store in the run directory
     names = [n for n in ALL if find_spec(n) is not None]
     try:
