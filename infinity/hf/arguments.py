@@ -50,8 +50,9 @@ def refuse_unsupported(args) -> None:
                                                    "InfinitySFTConfig); use it instead of TrainingArguments"),
         ("fsdp", bool(args.fsdp), "fsdp=...: infinity shards the model itself; remove it and set [zero] stage in "
                                   "infinity_config"),
-        ("torch_compile", bool(args.torch_compile), "torch_compile=True: the engine's hooks run per unit; "
-                                                    "remove it"),
+        ("torch_compile", bool(args.torch_compile), "torch_compile=True: a model compiled whole cannot "
+                                                    "run the engine's per-unit hooks; remove it and set [compile] "
+                                                    "units = true in infinity_config (docs/compile.md)"),
         ("optim_args", bool(args.optim_args), "optim_args=...: the engine takes only lr / betas / eps / "
                                               "weight_decay; remove it"),
         ("gradient_checkpointing_kwargs", bool(set(args.gradient_checkpointing_kwargs or {}) - CHECKPOINT_KWARGS),
