@@ -82,12 +82,26 @@ def corpus_tokens(job: Job, workers: int | None = None):
         progress.done(done, tokens, writer.final)
         return {"tokenizer": where}
     shard = cached(file, where, {"format": "text"}, build, records=False, dtype=dtype)
-    vocab = transformers.AutoConfig.from_pretrained(where, local_files_only=True).vocab_size
+    vocab = _vocab_size(transformers, where)
     if shard.meta["max_id"] >= vocab:
         raise ConfigError(f"model.pretrained = {where!r}: its tokenizer gives token id {shard.meta['max_id']}, "
                           f"beyond the model's vocabulary of {vocab}: save the model's own tokenizer there, or "
                           f"--set model.tokenizer=bytes")
     return shard.ids
+
+
+def _vocab_size(transformers, where: str) -> int:
+    """The model's vocabulary: config.json's vocab_size as the file says it (AutoConfig's import of the model's
+    configuration module costs ~2 s of a start that reads its tokens from the cache), else AutoConfig's."""
+    import json
+    try:
+        with open(os.path.join(where, "config.json")) as f:
+            vocab = json.load(f).get("vocab_size")
+        if isinstance(vocab, int):
+            return vocab
+    except (OSError, ValueError):
+        pass
+    return transformers.AutoConfig.from_pretrained(where, local_files_only=True).vocab_size
 
 
 def _tokenizer(job: Job, where: str):
@@ -220,15 +234,15 @@ def prepare(job: Job, workers: int | None = None) -> list[str]:
     return lines
 
 
-# Note [data in the estimate]: the data pipeline's resident bytes, two terms of the estimate's peak (Note [peak
-# memory]): "data", while training: the windows in flight (Note [batches ahead]: DEPTH queued, one being built,
-# one in use; each the global micro-batches as int64 inputs and targets, the rank's rows copied out of them, and
-# on a CPU device the samples' 4D attention masks built ahead with their boolean intermediates) and the bytes
-# read for one batch (Note [mapped pages]: read, not mapped); "tokenize", before it,
-# when this process tokenizes: what tokenizing one chunk holds, measured on 2026-11-28 (1 MiB chunks of text
-# through a 300-token byte-level BPE, ~0.85 tokens per byte, the most tokens per byte of a real tokenizer:
-# +56 MiB over the process's RSS; bytes of a .gz corpus: the chunk and its copy). The peak is the larger of the
-# training's terms plus "data" and the runtime plus "tokenize".
+# Note [data in the estimate]: the data pipeline's resident bytes, two terms of the estimate's peak (Note
+# [peak memory]): "data", while training: the windows in flight (Note [batches ahead]: DEPTH queued, one being
+# built, one in use; each the global micro-batches as int64 inputs and targets, the rank's rows copied out of
+# them, and on a CPU device the samples' 4D attention masks built ahead with their boolean intermediates) and
+# the bytes read for one batch (Note [mapped pages]: read, not mapped); "tokenize", before it, when this process
+# tokenizes: what tokenizing one chunk holds, measured on 2026-11-28 (1 MiB chunks of text through a 300-token
+# byte-level BPE, ~0.85 tokens per byte, the most tokens per byte of a real tokenizer: +56 MiB over the
+# process's RSS; bytes of a .gz corpus: the chunk and its copy). The peak is the larger of the training's terms
+# plus "data" and the runtime plus "tokenize".
 TOKENIZE_TEXT_BYTES = 64 << 20
 TOKENIZE_RECORDS_BYTES = 64 << 20
 
