@@ -252,12 +252,12 @@ def cache_key(data_file: Path, tokenizer_where: str | None, settings: dict) -> s
     """The key of a data file's token ids (Note [tokenized data cache]); `tokenizer_where` None: byte tokens."""
     files, version = {}, None
     if tokenizer_where is not None:
-        import transformers
+        from importlib.metadata import version as installed
 
         from infinity.models.build import TOKENIZER_IDENTITY_FILES
         files = {name: file_sha256(Path(tokenizer_where, name)) for name in TOKENIZER_IDENTITY_FILES
                  if os.path.isfile(os.path.join(tokenizer_where, name))}
-        version = transformers.__version__
+        version = installed("transformers")  # (transformers.__version__, without importing it)
     payload = {"format": CACHE_FORMAT, "data": file_sha256(data_file), "tokenizer": files, "settings": settings,
                "transformers": version}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]

@@ -82,12 +82,26 @@ def corpus_tokens(job: Job, workers: int | None = None):
         progress.done(done, tokens, writer.final)
         return {"tokenizer": where}
     shard = cached(file, where, {"format": "text"}, build, records=False, dtype=dtype)
-    vocab = transformers.AutoConfig.from_pretrained(where, local_files_only=True).vocab_size
+    vocab = _vocab_size(transformers, where)
     if shard.meta["max_id"] >= vocab:
         raise ConfigError(f"model.pretrained = {where!r}: its tokenizer gives token id {shard.meta['max_id']}, "
                           f"beyond the model's vocabulary of {vocab}: save the model's own tokenizer there, or "
                           f"--set model.tokenizer=bytes")
     return shard.ids
+
+
+def _vocab_size(transformers, where: str) -> int:
+    """The model's vocabulary: config.json's vocab_size as the file says it (AutoConfig's import of the model's
+    configuration module costs ~2 s of a start that reads its tokens from the cache), else AutoConfig's."""
+    import json
+    try:
+        with open(os.path.join(where, "config.json")) as f:
+            vocab = json.load(f).get("vocab_size")
+        if isinstance(vocab, int):
+            return vocab
+    except (OSError, ValueError):
+        pass
+    return transformers.AutoConfig.from_pretrained(where, local_files_only=True).vocab_size
 
 
 def _tokenizer(job: Job, where: str):
@@ -220,17 +234,17 @@ def prepare(job: Job, workers: int | None = None) -> list[str]:
     return lines
 
 
-# Note [data in the estimate]: the data pipeline's resident bytes, two terms of the estimate's peak (Note [peak
-# memory]): "data", while training: the windows in flight (Note [batches ahead]: DEPTH queued, one being built,
-# one in use; each the global micro-batches as int64 inputs and targets, the rank's rows copied out of them, and
-# on a CPU device the samples' 4D attention masks built ahead with their boolean intermediates) and the bytes
-# read for one batch (Note [mapped pages]: read, not mapped); "tokenize", before it,
-# when this process tokenizes: what tokenizing one chunk holds, measured on 2026-11-28 (1 MiB chunks of text
-# through a 300-token byte-level BPE, ~0.85 tokens per byte, the most tokens per byte of a real tokenizer:
-# +56 MiB over the process's RSS; bytes of a .gz corpus: the chunk and its copy). The peak is the larger of the
+# Note [data in the estimate]: the data pipeline's resident bytes, two terms of the estimate's peak
+# (Note [peak memory]): "data", while training: the windows in flight (Note [batches ahead]: DEPTH queued, one
+# being built, one in use; each the global micro-batches as int64 inputs and targets, the rank's rows copied out
+# of them, and on a CPU device the samples' 4D attention masks built ahead with their boolean intermediates) and
+# the bytes read for one batch (Note [mapped pages]: read, not mapped); "tokenize", before it, when this process
+# tokenizes: what tokenizing one chunk holds (a file smaller than a chunk is its own chunk), TOKENIZE_PER_BYTE
+# per byte of it, measured on 2026-11-28 (1 MiB chunks of text through a 300-token byte-level BPE, ~0.85 tokens
+# per byte, the most tokens per byte of a real tokenizer: +56 MiB over the process's RSS; records are counted at
+# the same rate, unmeasured; bytes of a .gz corpus: the chunk and its copy). The peak is the larger of the
 # training's terms plus "data" and the runtime plus "tokenize".
-TOKENIZE_TEXT_BYTES = 64 << 20
-TOKENIZE_RECORDS_BYTES = 64 << 20
+TOKENIZE_PER_BYTE = 56  # bytes held per byte of the chunk being tokenized (measured: +56 MiB for 1 MiB chunks)
 
 
 def resident_bytes(job: Job, world: int, accum: int, *, cuda: bool) -> dict[str, int]:
@@ -247,10 +261,12 @@ def resident_bytes(job: Job, world: int, accum: int, *, cuda: bool) -> dict[str,
         micro += b // world * t * t * (4 + 3)  # the fp32 mask and three [B, T, T] bool intermediates
     item = 4 if where else 1
     pages = b * (t + 1) * item * (3 if records else 1)  # the windows read (Note [mapped pages]: nothing mapped)
-    if records:
-        tokenize = TOKENIZE_RECORDS_BYTES
-    elif where:
-        tokenize = TOKENIZE_TEXT_BYTES
+    from infinity.data.batches import corpus_path
+    file = corpus_path(job.data.path)
+    size = file.stat().st_size if file.is_file() else CHUNK_BYTES
+    chunk = min(size * (4 if file.suffix == ".gz" else 1), CHUNK_BYTES)  # (a chunk of a small file is the file)
+    if records or where:
+        tokenize = TOKENIZE_PER_BYTE * chunk
     else:
-        tokenize = 2 * CHUNK_BYTES if str(job.data.path).endswith(".gz") or job.data.path == "kjv" else 0
+        tokenize = 2 * chunk if file.suffix == ".gz" else 0
     return {"data": (DEPTH + 2) * accum * micro + pages, "tokenize": tokenize}

@@ -189,6 +189,27 @@ def train(job: Job, *, verbose: bool = True, resume: Resume | None = None) -> Re
             dist.destroy_process_group()
 
 
+def rank_batches(job: Job, rank: int, world: int):
+    """The job's batches for this rank: rank 0 tokenizes (or checks) the data first and the other ranks then read
+    its token shards (Note [token shards]): every rank tokenizing at once would run a pool per rank on the same
+    cores. Rank 0's error is every rank's."""
+    if world == 1:
+        return job_batches(job, rank, world)
+    batches, error = None, None
+    if rank == 0:
+        try:
+            batches = job_batches(job, rank, world)
+        except ConfigError as e:
+            error = str(e)
+        except Exception as e:  # the other ranks must not wait for data that will not come
+            broadcast_object(f"rank 0 could not read the data ({type(e).__name__}: {e})", default_group())
+            raise
+    error = broadcast_object(error, default_group())
+    if error is not None:
+        raise ConfigError(error)
+    return batches if rank == 0 else job_batches(job, rank, world)
+
+
 def _open_run_dir(job: Job, resume: Resume | None, rank: int, world: int) -> RunDir:
     """The run directory, created (a new run) and locked by rank 0 (Note [run directory lock])."""
     run, error = None, None
@@ -221,7 +242,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                           f"another disk set run.dir there")
     check_installed(job.run.report_to)  # a tracker's package: before any work
     job, format_said = resolve_data_format(job)  # Note [data format from the records]
-    batches = job_batches(job, rank, world)  # bad data settings fail before any work
+    batches = rank_batches(job, rank, world)  # bad data settings fail before any work
     run = _open_run_dir(job, resume, rank, world)
     run_dir, engine, say = run.path, None, None
     start = resume.step if resume else 0

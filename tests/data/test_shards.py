@@ -258,3 +258,33 @@ def test_the_mapped_pages_stay_within_the_estimates_data_term(tmp_path, monkeypa
         batches.global_batch_at(step, 0)
     grown = _mapped_rss(text)
     assert (grown <= bound) if pread else (grown > 4 * bound), (grown >> 10, bound >> 10)
+
+
+def _prepare_on_rank(rank, world, job_args):
+    """(tokenizing calls of this rank, error) of the job's batches at world 2 (train.rank_batches)."""
+    from infinity.config.sections import ConfigError
+    from infinity.data import pool
+    from infinity.job.train import rank_batches
+    calls = []
+    real = pool.encode_text
+    pool.encode_text = lambda chunk: calls.append(len(chunk)) or real(chunk)
+    try:
+        batches = rank_batches(load_job(None, job_args), rank, world)
+        return len(calls), None, batches.global_batch_at(0, 0)[0].tolist()
+    except ConfigError as e:
+        return len(calls), str(e), None
+
+
+def test_rank_0_tokenizes_and_the_other_ranks_read_its_shards(tmp_path, llama):
+    """At world 2 (gloo), rank 0 tokenizes the corpus and rank 1 reads the shard it wrote (no encode call),
+    both with the same global batch; a data error of rank 0 is rank 1's too (no rank waits)."""
+    from dist_utils import run_distributed
+    path, _ = llama
+    text = tmp_path / "k.txt"
+    text.write_bytes(KJV[:50_000])
+    args = [f"model.pretrained={path}", f"data.path={text}", "model.seq_len=32", "run.batch_size=4"]
+    (c0, e0, b0), (c1, e1, b1) = run_distributed(_prepare_on_rank, 2, args)
+    assert c0 > 0 and c1 == 0 and e0 is e1 is None and b0 == b1
+    bad = args[:1] + [f"data.path={tmp_path / 'missing.txt'}"] + args[2:]
+    (_, e0, _), (_, e1, _) = run_distributed(_prepare_on_rank, 2, bad)
+    assert e0 == e1 and "no such file" in e0
