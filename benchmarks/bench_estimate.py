@@ -32,7 +32,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import machine, median, write_json  # noqa: E402
+from common import bpe_tokenizer, machine, median, write_json  # noqa: E402
 
 LLAMA_2_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
                "intermediate_size": 28672, "num_attention_heads": 64, "num_hidden_layers": 80,
@@ -56,20 +56,14 @@ def run(command: list[str], cwd: str | None) -> dict:
 
 
 COMMON = ["run.batch_size=4", "run.eval_every=0", "run.eval_batches=1", "model.seq_len=64"]
-SHAPE = ["model.n_layer=2", "model.d_model=64", "model.n_head=4"]
+TINY_SHAPE = ["model.n_layer=2", "model.d_model=64", "model.n_head=4"]
 
 
 def tiny_pretrained(root: str) -> tuple[str, str]:
     """A tiny Llama with its own BPE tokenizer, saved as a pretrained directory, and a text corpus."""
     import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     text = "the stone is grey and the sky is blue; what is two plus two? four. " * 40
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+    fast = bpe_tokenizer([text])
     cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     path = os.path.join(root, "pretrained")
@@ -84,7 +78,7 @@ def tiny_pretrained(root: str) -> tuple[str, str]:
 def accuracy(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path, corpus = tiny_pretrained(tmp)
-        sources = {"gpt": SHAPE, "llama": SHAPE + ["model.kind=llama"],
+        sources = {"gpt": TINY_SHAPE, "llama": TINY_SHAPE + ["model.kind=llama"],
                    "pretrained": [f"model.pretrained={path}", f"data.path={corpus}"],
                    "pretrained-lora": [f"model.pretrained={path}", f"data.path={corpus}", "model.lora.r=8"]}
         runs: dict[str, list[dict]] = {}

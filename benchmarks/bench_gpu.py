@@ -478,6 +478,16 @@ def deepspeed_step_times(args, offload: str) -> list[float]:
     return json.loads(done.stdout.strip().splitlines()[-1])["times"]
 
 
+def deepspeed_config(batch: int, stage: int, offload: dict, bf16: bool = False) -> dict:
+    """DeepSpeed's config for the comparisons: ZeRO `stage` with the optimizer `offload`ed, AdamW at infinity's
+    hyper-parameters, no clipping (as infinity's runs; DeepSpeed clips at 1.0 unless set)."""
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "bf16": {"enabled": bf16},
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                      "weight_decay": WD}},
+            "zero_optimization": {"stage": stage, "offload_optimizer": offload}, "steps_per_print": 10**9}
+
+
 def ds_worker(args) -> None:
     """The child: one DeepSpeed ZeRO-3 engine, its step times printed as JSON on the last line."""
     import deepspeed
@@ -489,12 +499,7 @@ def ds_worker(args) -> None:
     offload = {"device": args.ds_worker, "pin_memory": device.type == "cuda"}
     if args.ds_worker == "nvme":
         offload.update(nvme_path=tempfile.mkdtemp(prefix="bench-gpu-ds-", dir=args.dir), buffer_count=4)
-    ds_config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-                 "gradient_clipping": 0.0,  # as infinity's runs (DeepSpeed clips at 1.0 unless set)
-                 "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                           "weight_decay": WD}},
-                 "zero_optimization": {"stage": 3, "offload_optimizer": offload},
-                 "steps_per_print": 10**9}
+    ds_config = deepspeed_config(args.batch, 3, offload)
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     x, y = (t.to(engine.device) for t in synthetic_batch(cfg, args.batch, torch.Generator().manual_seed(0)))

@@ -52,6 +52,7 @@ from bench_gpu import (  # noqa: E402
     LR,
     WD,
     cpu_adam_floor,
+    deepspeed_config,
     diagnostic,
     disk_floor,
     fast_init,
@@ -264,14 +265,7 @@ def ds_worker(args) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(lcfg)
     bf16 = device.type == "cuda"
-    ds_config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-                 "gradient_clipping": 0.0,  # as infinity's unclipped run (DeepSpeed clips at 1.0 unless set)
-                 "bf16": {"enabled": bf16},
-                 "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                           "weight_decay": WD}},
-                 "zero_optimization": {"stage": args.ds_stage,
-                                       "offload_optimizer": {"device": "cpu", "pin_memory": bf16}},
-                 "steps_per_print": 10**9}
+    ds_config = deepspeed_config(args.batch, args.ds_stage, {"device": "cpu", "pin_memory": bf16}, bf16)
     deepspeed.init_distributed(dist_backend="nccl" if bf16 else "gloo")
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     (x,) = tokens(lcfg, args)

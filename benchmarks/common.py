@@ -12,6 +12,19 @@ import psutil
 import torch
 
 
+def bpe_tokenizer(texts, vocab_size: int = 300):
+    """A byte-level BPE tokenizer trained here on `texts` (no download), EOS and padding "</s>"."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:

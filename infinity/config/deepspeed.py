@@ -266,15 +266,16 @@ def _scheduler(t: Translation, flat: dict, take) -> None:
         t.refuse(f"scheduler.params.{key}", value, "not a schedule parameter infinity has")
 
 
-def read(path) -> dict:
-    """A DeepSpeed config file's JSON."""
+def read(path, where: str | None = None) -> dict:
+    """A DeepSpeed config file's JSON; `where` names it in an error (default: the command line's `--deepspeed`)."""
+    where = where or f"--deepspeed {path}"
     try:
         with open(path) as f:
             return json.load(f)
     except OSError as e:
-        raise ConfigError(f"--deepspeed {path}: cannot read it ({e.strerror})") from None
+        raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
     except ValueError as e:
-        raise ConfigError(f"--deepspeed {path}: invalid JSON: {e}") from None
+        raise ConfigError(f"{where}: invalid JSON: {e}") from None
 
 
 def refusal(t: Translation, where: str) -> ConfigError:

@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from infinity.config.deepspeed import Translation, translate
+from infinity.config.deepspeed import Translation, read, translate
 from infinity.config.sections import ConfigError
 
 __all__ = ["DeepSpeedArgumentsMixin", "DeepSpeedPlan", "deepspeed_schedule"]
@@ -114,13 +114,7 @@ def _read(source) -> dict:
                 return json.loads(text)
             except ValueError as e:
                 raise ConfigError(f"TrainingArguments(deepspeed=...): invalid JSON: {e}") from None
-        try:
-            with open(text) as f:
-                return json.load(f)
-        except OSError as e:
-            raise ConfigError(f"TrainingArguments(deepspeed={text!r}): cannot read it ({e.strerror})") from None
-        except ValueError as e:
-            raise ConfigError(f"TrainingArguments(deepspeed={text!r}): invalid JSON: {e}") from None
+        return read(text, f"TrainingArguments(deepspeed={text!r})")
     raise ConfigError(f"TrainingArguments(deepspeed=...) is a JSON file's path or a dict, not {type(source).__name__}")
 
 

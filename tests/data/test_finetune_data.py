@@ -35,14 +35,8 @@ TEXT = ("What is two plus two? Four. Name a colour: red, green, blue. The stone 
 
 def make_tokenizer(chat: bool = True):
     """A byte-level BPE tokenizer trained here (no download), EOS </s>, with a chat template if `chat`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
-    out = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+    from hf_tiny import bpe_tokenizer
+    out = bpe_tokenizer([TEXT], specials=SPECIALS)
     if chat:
         out.chat_template = TEMPLATE
     return out

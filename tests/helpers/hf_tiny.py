@@ -22,6 +22,18 @@ HOST = {"placement": {"params": "host", "grads": "host", "optimizer": "host"},
         "overlap": {"optimizer_with_backward": False}}
 
 
+def bpe_tokenizer(texts, vocab_size: int = 300, specials=("</s>",)):
+    """A byte-level BPE tokenizer trained here on `texts` (no download), EOS and padding "</s>"."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+
+
 def nvme(swap: str) -> dict:
     return {**HOST, "placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"}, "nvme": {"paths": [swap]}}
 

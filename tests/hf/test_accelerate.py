@@ -19,14 +19,6 @@ HYPER = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-7, weight_decay=0.05)
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
-@pytest.fixture(autouse=True)
 def fresh_state():
     """accelerate keeps one process-wide state (its gradient accumulation plugin among it): reset per test."""
     from accelerate.state import AcceleratorState, GradientState

@@ -18,16 +18,6 @@ from infinity.hf.trainer import run_line  # noqa: E402
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one intra-op thread (the default, one per core, spent most of the reference's time
-    waiting on the shared machine's cores)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def tiny_llama(seed=0):
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

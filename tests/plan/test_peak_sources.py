@@ -21,15 +21,10 @@ SHAPE = ["model.n_layer=2", "model.d_model=64", "model.n_head=4"]
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from hf_tiny import bpe_tokenizer
     path = tmp_path_factory.mktemp("pretrained")
     text = "the stone is grey and the sky is blue; what is two plus two? four. " * 40
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                        show_progress=False))
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="</s>")
+    fast = bpe_tokenizer([text])
     cfg = transformers.LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
