@@ -23,9 +23,12 @@ class DataConfig(Section):
 
     SECTION: ClassVar[str] = "data"
 
-    path: str = option(SHIPPED, 'Text file to train on (plain or .gz), or "kjv" for the corpus shipped in '
+    path: str = option(SHIPPED, 'The data to train on: a text file (plain or .gz), a file of records (.jsonl, '
+                        ".json, .parquet, .arrow), a directory of such files or a glob pattern (every file, in "
+                        'the order of their paths: docs/data.md), or "kjv" for the corpus shipped in '
                         "infinity/corpus/kjv.txt.gz (King James Bible, public domain).", "str")
-    val_fraction: float = option(0.05, "Fraction of the corpus (its tail) held out for the validation loss.",
+    val_fraction: float = option(0.05, "Fraction of the corpus held out for the validation loss: the tail of each "
+                                  "file.",
                                   "float", gt=0.0, lt=0.5, example=0.05)
     seed: int = option(1234, "Seed of the batch sampler (independent of train.seed, which seeds the weights).",
                         "int", ge=0)
@@ -33,6 +36,9 @@ class DataConfig(Section):
                           '"completion": records with a prompt and a completion field; "chat": records with a '
                           "list of messages rendered by the tokenizer's chat template (docs/finetune-data.md).",
                           "enum", choices=("text", "completion", "chat"))
+    text_field: str = option("text", 'Field of the text in records read as data.format = "text" (a parquet, '
+                              "arrow or JSON file of documents, as Hugging Face pretraining datasets hold them).",
+                              "str")
     prompt_field: str = option("prompt", 'Field of the prompt in format = "completion" records.', "str")
     completion_field: str = option("completion", 'Field of the completion in format = "completion" records.', "str")
     messages_field: str = option("messages", 'Field of the message list in format = "chat" records.', "str")
@@ -42,15 +48,16 @@ class DataConfig(Section):
                             "itself: block-diagonal attention); false: one record per row, padded.", "bool")
     truncation: str = option("right", 'A record longer than model.seq_len + 1 tokens: "right" cuts its end, '
                               '"refuse" stops with the record\'s line.', "enum", choices=("right", "refuse"))
-    val_path: str = option("", "A file of validation records (same format); empty: the last data.val_fraction of "
-                           "the records.", "path")
+    val_path: str = option("", "The validation records (same format; a file, a directory or a glob pattern as "
+                           "data.path); empty: the last data.val_fraction of each file's records.", "path")
 
     def check_format_keys(self) -> None:
         """Note [no silent keys]: a data key that data.format (resolved: Note [data format from the records])
         does not read is an error when set, not a setting that silently does nothing."""
         unused = {"text": ("prompt_field", "completion_field", "messages_field", "train_on_prompt", "packing",
                            "truncation", "val_path"),
-                  "completion": ("messages_field",), "chat": ("prompt_field", "completion_field")}[self.format]
+                  "completion": ("messages_field", "text_field"),
+                  "chat": ("prompt_field", "completion_field", "text_field")}[self.format]
         given = [k for k in unused + (("val_fraction",) if self.val_path else ()) if not self._is_default(k)]
         if not given:
             return

@@ -15,6 +15,7 @@ samples per step, and a run is reproducible from its config alone.
 from __future__ import annotations
 
 import gzip
+import os
 import zlib
 from pathlib import Path
 
@@ -22,8 +23,7 @@ import torch
 
 from infinity.config.job import SHIPPED, DataConfig
 from infinity.config.options import ConfigError
-
-SHIPPED_PATH = Path(__file__).resolve().parents[1] / "corpus" / "kjv.txt.gz"
+from infinity.data.sources import SHIPPED_PATH, DataInput, TokenStream, not_utf8, record_text_chunks, resolve
 
 
 def corpus_path(path: str) -> Path:
@@ -32,40 +32,35 @@ def corpus_path(path: str) -> Path:
 
 
 def corpus_file(path: str) -> Path:
-    """The corpus file of `data.path`, or the ConfigError saying what is wrong with it."""
-    file = corpus_path(path)
-    if file.is_dir():
-        raise ConfigError(f"data.path = {path!r} is a directory: point it at a UTF-8 text file inside it (plain "
-                          f'or .gz), or use "kjv" for the shipped corpus')
-    if not file.is_file():
-        if path == SHIPPED:
-            raise ConfigError(f'data.path = "kjv": the shipped corpus {file} is missing (it is part of the '
-                              f"repository; install from a checkout: pip install -e .), or set data.path to a "
-                              f"text file")
-        raise ConfigError(f"data.path = {path!r}: no such file; point it at a UTF-8 text file (plain or .gz), "
-                          f'or use "kjv" for the shipped corpus')
-    return file
+    """The one corpus file of `data.path`, or the ConfigError saying what is wrong with it."""
+    found = resolve(path)
+    if found.several:
+        raise ConfigError(f"data.path = {path!r} names several files here, where one file is read: point it at a "
+                          f"UTF-8 text file (plain or .gz)")
+    return found.files[0]
 
 
-def _bad_gzip(path: str, e: Exception) -> ConfigError:
-    return ConfigError(f"data.path = {path!r}: the file ends in .gz but is not a valid gzip file ({e}); "
+def _bad_gzip(say: str, e: Exception) -> ConfigError:
+    return ConfigError(f"{say}: the file ends in .gz but is not a valid gzip file ({e}); "
                        f"compress it with gzip, or rename it without .gz if it is plain text")
 
 
-def _empty(path: str) -> ConfigError:
-    return ConfigError(f"data.path = {path!r} is empty: point it at a text file with the training text, or "
+def empty_corpus(say: str) -> ConfigError:
+    return ConfigError(f"{say} is empty: point it at a text file with the training text, or "
                        f'use "kjv" for the shipped corpus')
 
 
-def text_chunks(path: str):
+def text_chunks(path: str, file: Path | None = None, *, say: str | None = None, empty_ok: bool = False):
     """The corpus's text in chunks that end at line ends (shards.text_chunks), each checked to be UTF-8 as it is
-    read: the errors of a bad file are load_tokens's."""
+    read: the errors of a bad file are load_tokens's. `file`: one file of several that data.path names (`say`
+    names both in errors; `empty_ok`: an empty one adds nothing)."""
     from infinity.data.shards import Utf8Check, text_chunks
-    file = corpus_file(path)
+    file = file or corpus_file(path)
+    say = say or f"data.path = {path!r}"
 
     def fail(line: int, at: int, chunk: bytes, local: int) -> None:
-        raise ConfigError(f"data.path = {path!r} line {line}: "
-                          f"{not_utf8(chunk, local, path, base=at - local, head=check.head)}")
+        raise ConfigError(f"{say} line {line}: "
+                          f"{not_utf8(chunk, local, str(file), base=at - local, head=check.head)}")
     check = Utf8Check(file, fail)
     seen = False
     try:
@@ -73,24 +68,42 @@ def text_chunks(path: str):
             seen = True
             yield chunk
     except (gzip.BadGzipFile, EOFError, zlib.error) as e:
-        raise _bad_gzip(path, e) from None
+        raise _bad_gzip(say, e) from None
     except OSError as e:
-        raise ConfigError(f"data.path = {path!r}: cannot read it ({e.strerror}); check the file's "
+        raise ConfigError(f"{say}: cannot read it ({e.strerror}); check the file's "
                           f"permissions") from None
-    if not seen:
-        raise _empty(path)
+    if not seen and not empty_ok:
+        raise empty_corpus(say)
 
 
-def byte_tokens(path: str):
+def input_chunks(found: DataInput, file: Path, text_field: str):
+    """The text of one file of `found` in chunks: a text file's (`text_chunks`), or a record file's texts (Note
+    [text records])."""
+    if found.records:
+        return record_text_chunks(file, text_field, found.say(file))
+    return text_chunks(found.given, file, say=found.say(file), empty_ok=found.several)
+
+
+def byte_tokens(path: str, text_field: str = "text"):
     """The corpus as uint8 byte tokens, memory-mapped (Note [token shards] in shards.py): a plain text file is
-    its own ids (checked to be UTF-8 as it streams past); a .gz file is decompressed once into a shard."""
+    its own ids (checked to be UTF-8 as it streams past); a .gz file, or a record file's texts, are written once
+    into a shard. Several files (Note [data of several files]): their ids end to end, a TokenStream."""
     import numpy as np
-    file = corpus_file(path)
-    if file.suffix == ".gz":
-        return byte_shard(path, file).ids
-    for _ in text_chunks(path):
-        pass
-    return np.memmap(file, dtype=np.uint8, mode="r")
+    found = resolve(path)
+    parts = []
+    for file in found.files:
+        if file.suffix == ".gz" or found.records:
+            parts.append(byte_shard(found, file, text_field).ids)
+            continue
+        for _ in input_chunks(found, file, text_field):
+            pass
+        parts.append(np.memmap(file, dtype=np.uint8, mode="r") if os.path.getsize(file) else
+                     np.empty(0, np.uint8))
+    if not found.several:
+        return parts[0]
+    if not sum(len(p) for p in parts):
+        raise empty_corpus(f"data.path = {path!r}")
+    return TokenStream(parts)
 
 
 def load_tokens(path: str) -> torch.Tensor:
@@ -100,37 +113,16 @@ def load_tokens(path: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def not_utf8(raw: bytes, at: int, path: str, base: int = 0, head: bytes | None = None) -> str:
-    """What is wrong with `raw` (a file's bytes, or one line of them), whose byte `at` is not UTF-8, and the fix.
-
-    Note [text in another encoding]: a file that is not UTF-8 is most often text saved in another encoding (Latin-1
-    / Windows-1252 from an older editor, UTF-16 from Windows tools), not binary data: calling it binary sends the
-    user looking for the wrong problem. So: a UTF-16 byte-order mark says UTF-16; bytes that read as text in
-    Windows-1252 (no NUL, few control bytes) say Latin-1 / Windows-1252 and show the bytes around `at` read so;
-    only the rest is called binary. Each names the conversion to UTF-8. (`raw` may be a part of the file that
-    starts at byte `base`; `head`: the file's first bytes then.)"""
-    bad = f"not UTF-8 text (byte {base + at}: {raw[at:at + 1]!r})"
-    head = (raw if head is None else head)[:1 << 20]
-    iconv = (f"zcat {path} | iconv -f {{}} -t utf-8 | gzip > utf8.txt.gz" if str(path).endswith(".gz") else
-             f"iconv -f {{}} -t utf-8 {path} > utf8.txt")
-    convert = f"convert it to UTF-8, e.g. {iconv}, and point data.path at that"
-    if head[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        return f"{bad}; the file is UTF-16 text (it starts with a UTF-16 byte-order mark): {convert.format('utf-16')}"
-    controls = sum(head.count(bytes([c])) for c in (*range(0, 9), 11, *range(14, 32), 127))
-    if b"\x00" not in head and controls <= len(head) // 100:
-        lo, hi = max(0, at - 20), at + 20
-        lo = raw.rfind(b"\n", lo, at) + 1 or lo
-        hi = min(x for x in (raw.find(b"\n", at, hi), hi) if x >= 0)
-        seen = raw[lo:hi].decode("cp1252", errors="replace")
-        return (f"{bad}; it looks like text in another encoding, Latin-1 or Windows-1252 (read so, it says "
-                f"{seen!r}), not binary data: {convert.format('latin1')}")
-    return f"{bad}; the file looks binary (NUL or control bytes), not text: point data.path at a UTF-8 text file"
-
-
-def split(tokens: torch.Tensor, val_fraction: float, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, validation) token ranges; both must hold at least one window of seq_len + 1."""
-    n_val = int(len(tokens) * val_fraction)
-    train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+def split(tokens, val_fraction: float, seq_len: int):
+    """(train, validation) token ranges: the last val_fraction held out (of each file: Note [data of several
+    files]); both must hold at least one window of seq_len + 1."""
+    if isinstance(tokens, TokenStream):
+        from infinity.data.sources import split_parts
+        heads, tails = split_parts(tokens.parts, val_fraction)
+        train, val = TokenStream(heads), TokenStream(tails)
+    else:
+        n_val = int(len(tokens) * val_fraction)
+        train, val = tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
     for name, part in (("training", train), ("validation", val)):
         if len(part) < seq_len + 2:
             raise ConfigError(f"the corpus's {name} part has {len(part)} bytes, fewer than one sequence of "
@@ -151,7 +143,10 @@ def rank_rows(global_batch: int, rank: int, world: int) -> slice:
 def windows(tokens, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-byte targets (int64, [len(starts), seq_len]) of the windows at `starts`."""
     index = starts[:, None] + torch.arange(seq_len + 1)
-    if isinstance(tokens, torch.Tensor):
+    if isinstance(tokens, TokenStream):  # several files (Note [data of several files])
+        import numpy as np
+        rows = torch.from_numpy(np.stack([tokens.read(int(s), seq_len + 1) for s in starts]).astype(np.int64))
+    elif isinstance(tokens, torch.Tensor):
         rows = tokens[index].long()
     else:  # a memory map (Note [token shards]): each window read from its file (Note [mapped pages])
         import numpy as np
@@ -226,7 +221,7 @@ class Batches(RankBatches):
     @classmethod
     def from_config(cls, data: DataConfig, *, seq_len: int, global_batch: int, rank: int = 0,
                     world: int = 1) -> "Batches":
-        train, val = split(byte_tokens(data.path), data.val_fraction, seq_len)
+        train, val = split(byte_tokens(data.path, data.text_field), data.val_fraction, seq_len)
         return cls(train, val, seq_len=seq_len, global_batch=global_batch, seed=data.seed, rank=rank, world=world)
 
     def _starts(self, tokens: torch.Tensor, seed: int, count: int) -> torch.Tensor:
@@ -242,19 +237,21 @@ class Batches(RankBatches):
         return self.global_batch * self.seq_len
 
 
-def byte_shard(path: str, file: Path):
-    """A .gz corpus's bytes as a uint8 shard (decompressed once; Note [token shards])."""
+def byte_shard(found: DataInput, file: Path, text_field: str = "text"):
+    """The bytes of a .gz file, or of a record file's texts (Note [text records]), as a uint8 shard (written
+    once; Note [token shards])."""
     import numpy as np
 
     from infinity.data.shards import TokenizeProgress, cached
 
     def build(writer) -> dict:
-        progress = TokenizeProgress(f"{file.name} (decompressing)", 0)
+        progress = TokenizeProgress(f"{file.name} ({'decompressing' if file.suffix == '.gz' else 'reading'})", 0)
         done = 0
-        for chunk in text_chunks(path):
+        for chunk in input_chunks(found, file, text_field):
             writer.add(np.frombuffer(chunk, dtype=np.uint8))
             done += len(chunk)
             progress.update(done, done)
         progress.done(done, done, writer.final)
         return {"tokenizer": "bytes"}
-    return cached(file, None, {"format": "bytes"}, build, records=False, dtype=lambda: np.dtype(np.uint8))
+    settings = {"format": "bytes", **({"text_field": text_field} if found.records else {})}
+    return cached(file, None, settings, build, records=False, dtype=lambda: np.dtype(np.uint8))

@@ -29,22 +29,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from infinity.config.options import ConfigError
-from infinity.data.batches import RankBatches, not_utf8, rank_rows
+from infinity.data.batches import RankBatches, rank_rows
+from infinity.data.sources import DataError, is_records, resolve, stream_records  # noqa: F401 - (DataError here too)
 from infinity.runtime.chunked_loss import token_loss
 
 IGNORE = -100  # transformers' ignore_index
 ROLES = ("system", "user", "assistant", "tool")
-FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
-
-
-class DataError(ConfigError):
-    """Bad training data: the message names the file and the line (or record)."""
 
 
 @dataclass(frozen=True)
@@ -56,53 +51,10 @@ class Sample:
 # ---------------------------------------------------------------- reading
 
 def read_records(path: str, key: str = "data.path") -> list[tuple[str, dict]]:
-    """(where, record) of each record of a local file; `where` is "FILE line N" (jsonl) or "FILE record N";
-    `key`: the setting that named the file (data.path, data.val_path), as its errors name it."""
-    file = Path(path)
-    if file.is_dir():
-        raise ConfigError(f"{key} = {path!r} is a directory: point it at a .jsonl, .json, .parquet or .arrow file "
-                          f"inside it")
-    if not file.is_file():
-        raise ConfigError(f"{key} = {path!r}: no such file; point it at a local .jsonl, .json, .parquet or "
-                          f".arrow file")
-    kind = FILE_KINDS.get(file.suffix.lower())
-    if kind is None:
-        raise ConfigError(f"{key} = {path!r}: data.format needs a .jsonl, .json, .parquet or .arrow file; "
-                          f'rename or convert it, or set data.format = "text" to train on it as plain text')
-    if file.suffix.lower() == ".jsonl":
-        return list(_jsonl(file))
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(f"{key} = {path!r}: reading {file.suffix} files needs Hugging Face datasets: "
-                          f'pip install "infinity[hf]"') from None
-    try:
-        table = datasets.load_dataset(kind, data_files=str(file), split="train")
-    except Exception as e:  # datasets raises many kinds (ArrowInvalid, DatasetGenerationError, ...)
-        raise DataError(f"{file}: Hugging Face datasets cannot read it as {kind} ({type(e).__name__}: {e}); fix "
-                        f"the file") from None
-    return [(f"{file} record {i + 1}", row) for i, row in enumerate(table)]
-
-
-def _jsonl(file: Path):
-    with open(file, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            where = f"{file} line {n}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: {not_utf8(raw, e.start, file)}") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno}); each line must be one JSON "
-                                f"object") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: a JSON {type(record).__name__}, not an object; each line must be one "
-                                f"JSON object")
-            yield where, record
+    """(where, record) of each record of the files `path` names (Note [data of several files]); `where` is
+    "FILE line N" (jsonl) or "FILE record N"; `key`: the setting that named them (data.path, data.val_path), as
+    its errors name it. Held whole: the job streams them instead (`record_stream`)."""
+    return list(record_stream(path, key))
 
 
 def _field(record: dict, name: str, key: str, where: str, kind: type) -> Any:
@@ -124,20 +76,22 @@ def record_format(record: dict, data) -> str | None:
         return "chat"
     if data.prompt_field in record and data.completion_field in record:
         return "completion"
-    if isinstance(record.get("text"), str):
+    if isinstance(record.get(data.text_field), str):
         return "text"
     return None
 
 
 def first_record(path: str) -> tuple[str, dict] | None:
-    """(where, record) of the file's first record when it holds records (a .jsonl / .json / .parquet / .arrow
-    file, or text whose first line is a JSON object), else None (plain text)."""
-    file = Path(path)
-    if not file.is_file():
+    """(where, record) of the first record of the files `path` names when they hold records (.jsonl / .json /
+    .parquet / .arrow files, or text whose first line is a JSON object), else None (plain text, or files that
+    cannot be read: their reading names what is wrong)."""
+    try:
+        found = resolve(path)
+    except ConfigError:
         return None
-    if file.suffix.lower() in (".parquet", ".arrow", ".json"):
-        records = read_records(path)
-        return records[0] if records else None
+    file = found.files[0]
+    if found.records and file.suffix.lower() != ".jsonl":
+        return next(stream_records(file, found.say(file)), None)
     with open(file, "rb") as f:
         for raw in f:
             if raw.strip():
@@ -166,13 +120,19 @@ def resolve_format(data, explicit: bool = False) -> tuple[str, str | None]:
             raise ConfigError(f'data.format = "text" is set, but data.path = {data.path!r} holds {kind} records '
                               f'({where}: {", ".join(sorted(record))}): set data.format = "{kind}" (or remove the '
                               f"key: the records say what they are), or give a plain text file")
+        if kind == "text" and resolve(data.path).records:
+            return "text", None  # Note [text records]
         if kind in ("chat", "completion"):
             return kind, (f"data: {data.path} holds {kind} records ({where}: {', '.join(sorted(record))}); read as "
                           f'data.format = "{kind}" (set it in the job file to say so)')
-        what = "text records (a \"text\" field)" if kind == "text" else f"JSON records with fields {sorted(record)}"
-        raise ConfigError(f'data.path = {data.path!r} holds {what}, and data.format = "text" would train on the '
-                          f'JSON syntax: set data.format = "chat" (a list of messages) or "completion" (prompt and '
-                          f"completion fields; data.*_field names them), or give a plain text file")
+        if kind == "text":
+            raise ConfigError(f'data.path = {data.path!r} holds JSON lines with a "{data.text_field}" field in a file '
+                              f'that is not .jsonl, and data.format = "text" would train on the JSON syntax: name it '
+                              f"*.jsonl to train on each record's {data.text_field!r}, or give a plain text file")
+        raise ConfigError(f'data.path = {data.path!r} holds JSON records with fields {sorted(record)}, and '
+                          f'data.format = "text" would train on the JSON syntax: set data.text_field to the field '
+                          f'that holds the text, data.format = "chat" (a list of messages) or "completion" (prompt '
+                          f"and completion fields; data.*_field names them), or give a plain text file")
     if kind is not None and kind != data.format and kind != "text":
         fields = ", ".join(sorted(record))
         raise ConfigError(f'data.format = "{data.format}" but {where} is a {kind} record ({fields}): set '
@@ -275,12 +235,16 @@ def no_samples(path: str) -> DataError:
 
 
 def record_stream(path: str, key: str = "data.path"):
-    """(where, record) of each record of `path`, as read_records gives them; a .jsonl file is read as it is
-    consumed (not held whole)."""
-    file = Path(path)
-    if file.is_file() and file.suffix.lower() == ".jsonl":
-        return _jsonl(file)
-    return iter(read_records(path, key))
+    """(where, record) of each record of the files `path` names, in order, read as they are consumed (Note [text
+    records]: never held whole)."""
+    found = resolve(path, key)
+    if not found.records:
+        file = found.files[0]
+        raise ConfigError(f"{found.say(file) if found.several else key + ' = ' + repr(path)}: data.format needs "
+                          f".jsonl, .json, .parquet or .arrow files; rename or convert it, or set data.format = "
+                          f'"text" to train on it as plain text')
+    for file in found.files:
+        yield from stream_records(file, found.say(file))
 
 
 def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str | None = None,
@@ -288,7 +252,7 @@ def load_samples(data, tokenizer, tokenizer_where: str, seq_len: int, path: str 
     """The samples of `path` (default data.path) in data.format; `key`: the setting that named the file."""
     check_template(data, tokenizer, tokenizer_where)
     samples = []
-    for where, record in read_records(path or data.path, key):
+    for where, record in record_stream(path or data.path, key):
         sample = render_sample(tokenizer, record, data, seq_len, where)
         if sample is not None:
             samples.append(sample)
@@ -422,10 +386,18 @@ class SampleBatches(RankBatches):
         return self.global_batch * self.seq_len
 
 
-def split_samples(samples: list[Sample], val_fraction: float, where: str) -> tuple[list[Sample], list[Sample]]:
-    n_val = max(1, int(len(samples) * val_fraction))
-    if len(samples) - n_val < 1:
+def split_samples(samples, val_fraction: float, where: str) -> tuple:
+    """(train, validation) samples: the last val_fraction of the records (of each file: Note [data of several
+    files]), at least one."""
+    from infinity.data.sources import SampleChain, split_parts
+    parts = getattr(samples, "parts", None)
+    if parts is not None:
+        heads, tails = split_parts(parts, val_fraction, floor=1)
+        train, val = SampleChain(heads), SampleChain(tails)
+    else:
+        n_val = max(1, int(len(samples) * val_fraction))
+        train, val = samples[: len(samples) - n_val], samples[len(samples) - n_val:]
+    if len(train) < 1 or len(val) < 1:
         raise ConfigError(f"{where}: {len(samples)} record(s): too few to hold out data.val_fraction for "
                           f"validation; add records or set data.val_path")
-    return samples[: len(samples) - n_val], samples[len(samples) - n_val:]
-
+    return train, val

@@ -96,6 +96,10 @@ def open_shard(where: Path) -> Shard:
         raise DamagedShard(f"its meta.json is missing or unreadable ({type(e).__name__})") from None
     if meta.get("format") != SHARD_FORMAT:
         raise DamagedShard(f"it is of shard format {meta.get('format')}, not {SHARD_FORMAT}")
+    parts = meta.get("parts")  # several files' counts (Note [data of several files] in sources.py)
+    if parts is not None and (not isinstance(parts, list) or sum(parts) != int(records if records is not None
+                                                                                 else n)):
+        raise DamagedShard(f"its files' counts in meta.json do not add up to its {'samples' if records else 'tokens'}")
     want = {"ids.bin": n * dtype.itemsize}
     if records is not None:
         want.update({"mask.bin": n, "offsets.bin": (int(records) + 1) * 8})
@@ -126,10 +130,13 @@ def release_pages(*sources) -> None:
     batch size times 2 MiB in the peak. So the batches read their windows and samples with pread from the file
     behind the map (`read_range`: the page cache serves them, nothing is mapped) and the map serves only
     metadata (lengths, views). What else touches the map (a user's own indexing) is released every
-    RELEASE_EVERY global batches: MADV_DONTNEED on the maps of `sources` (arrays, or objects with `.ids` /
-    `.mask` / `.offsets`)."""
+    RELEASE_EVERY global batches: MADV_DONTNEED on the maps of `sources` (arrays, objects with `.ids` /
+    `.mask` / `.offsets`, or with `.parts` of those)."""
     import mmap
     for source in sources:
+        if hasattr(source, "parts"):  # several files (sources.TokenStream, sources.SampleChain)
+            release_pages(*source.parts)
+            continue
         arrays = [source] if isinstance(source, np.ndarray) else \
             [getattr(source, k, None) for k in ("ids", "mask", "offsets")]
         for a in arrays:
@@ -248,9 +255,12 @@ def file_sha256(path: Path | str) -> str:
     return _file_sha256(os.path.abspath(path), st.st_size, st.st_mtime_ns)
 
 
-def cache_key(data_file: Path, tokenizer_where: str | None, settings: dict) -> str:
-    """The key of a data file's token ids (Note [tokenized data cache]); `tokenizer_where` None: byte tokens."""
-    files, version = {}, None
+def cache_key(data_file: Path, tokenizer_where: str | None, settings: dict,
+              files: list[tuple[str, Path]] | None = None) -> str:
+    """The key of a data file's token ids (Note [tokenized data cache]); `tokenizer_where` None: byte tokens;
+    `files`: (name, file) of several files read as one (Note [data of several files] in sources.py), keyed by
+    each one's name and bytes."""
+    several, files, version = files, {}, None
     if tokenizer_where is not None:
         from importlib.metadata import version as installed
 
@@ -258,7 +268,8 @@ def cache_key(data_file: Path, tokenizer_where: str | None, settings: dict) -> s
         files = {name: file_sha256(Path(tokenizer_where, name)) for name in TOKENIZER_IDENTITY_FILES
                  if os.path.isfile(os.path.join(tokenizer_where, name))}
         version = installed("transformers")  # (transformers.__version__, without importing it)
-    payload = {"format": CACHE_FORMAT, "data": file_sha256(data_file), "tokenizer": files, "settings": settings,
+    data = file_sha256(data_file) if several is None else [[name, file_sha256(f)] for name, f in several]
+    payload = {"format": CACHE_FORMAT, "data": data, "tokenizer": files, "settings": settings,
                "transformers": version}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -271,18 +282,20 @@ def _cache_files(data_file: Path, key: str) -> list[Path]:
 
 
 def cached(data_file: Path, tokenizer_where: str | None, settings: dict, build: Callable, *, records: bool,
-           dtype: Callable[[], np.dtype]) -> Shard:
-    """The shard (shards.Shard) of this data file, tokenizer and settings: mapped from the cache when it holds a
-    whole one, else written there by `build(writer)` (which returns the shard's extra meta). A damaged shard is
-    said so and made again (Note [tokenized data cache], Note [token shards])."""
-    key = cache_key(data_file, tokenizer_where, settings)
+           dtype: Callable[[], np.dtype], files: list[tuple[str, Path]] | None = None) -> Shard:
+    """The shard (shards.Shard) of this data file (or of several `files`, placed and named by `data_file`:
+    sources.DataInput.anchor), tokenizer and settings: mapped from the cache when it holds a whole one, else
+    written there by `build(writer)` (which returns the shard's extra meta). A damaged shard is said so and made
+    again (Note [tokenized data cache], Note [token shards])."""
+    key = cache_key(data_file, tokenizer_where, settings, files)
+    what = data_file if files is None else f"the {len(files)} files of {data_file.parent}"
     places = _cache_files(data_file, key)
     for place in places:
         if place.exists():
             try:
                 return open_shard(place)
             except DamagedShard as e:
-                print(f"note: the token cache {place} is damaged ({e}): tokenizing {data_file} again",
+                print(f"note: the token cache {place} is damaged ({e}): tokenizing {what} again",
                       file=sys.stderr, flush=True)
                 shutil.rmtree(place, ignore_errors=True)
     errors = []
@@ -295,7 +308,8 @@ def cached(data_file: Path, tokenizer_where: str | None, settings: dict, build: 
             continue
         try:
             meta = build(writer)
-            return writer.commit({"key": key, "data": str(data_file), "settings": settings, **(meta or {})})
+            data = str(data_file) if files is None else [str(f) for _, f in files]
+            return writer.commit({"key": key, "data": data, "settings": settings, **(meta or {})})
         except OSError as e:  # (reading the data names its own errors: ConfigError)
             writer.abort()
             errors.append(f"{place.parent}: {e.strerror or e}")
@@ -343,7 +357,7 @@ def text_chunks(file: Path, size: int | None = None, check: Callable[[bytes, int
 
 class Utf8Check:
     """The streaming UTF-8 check of a text file: `bad(chunk, offset, lines)` raises the caller's error naming the
-    line, byte and likely encoding (batches.not_utf8) of the first byte that is not UTF-8."""
+    line, byte and likely encoding (sources.not_utf8) of the first byte that is not UTF-8."""
 
     def __init__(self, file: Path, fail: Callable[[int, int, bytes, int], None]):
         self.file, self.fail = file, fail

@@ -45,17 +45,18 @@ def _pool_settings(tokenizer, where: str, extra: dict | None = None) -> dict:
 def corpus_tokens(job: Job, workers: int | None = None):
     """The job's corpus as token ids, memory-mapped (Note [token shards]): bytes (uint8), or the pretrained
     model's tokenizer's ids in the smallest dtype that holds them, tokenized once in parallel (Note [parallel
-    tokenizing])."""
+    tokenizing]); several files' ids end to end (a sources.TokenStream, Note [data of several files])."""
     import collections
 
-    from infinity.data.batches import byte_tokens, corpus_file, text_chunks
+    from infinity.data.batches import byte_tokens, input_chunks
     from infinity.data.pool import encode_text, ordered_map, workers_for
     from infinity.data.shards import TokenizeProgress
+    from infinity.data.sources import TokenStream, cut, resolve
     where = tokenizer_dir(job.model)
     if where is None:
-        return byte_tokens(job.data.path)
+        return byte_tokens(job.data.path, job.data.text_field)
     transformers = need_transformers(f"model.pretrained = {where!r}", 'or --set model.tokenizer=bytes')
-    file = corpus_file(job.data.path)
+    found = resolve(job.data.path)
     tokenizer = None
 
     def dtype():
@@ -64,30 +65,39 @@ def corpus_tokens(job: Job, workers: int | None = None):
         return _pool_settings(tokenizer, where)["dtype"]
 
     def build(writer) -> dict:
-        size = os.path.getsize(file)
-        progress = TokenizeProgress(file.name, size if file.suffix != ".gz" else 0)
-        sizes: collections.deque = collections.deque()
+        size = sum(os.path.getsize(f) for f in found.files)
+        gz = any(f.suffix == ".gz" for f in found.files)
+        progress = TokenizeProgress(found.anchor.name, 0 if gz or found.records else size)
+        sizes: collections.deque = collections.deque()  # (file index, bytes) of each chunk in flight
+        counts = [0] * len(found.files)
 
         def chunks():
-            for chunk in text_chunks(job.data.path):
-                sizes.append(len(chunk))
-                yield chunk
+            for k, file in enumerate(found.files):
+                for chunk in input_chunks(found, file, job.data.text_field):
+                    sizes.append((k, len(chunk)))
+                    yield chunk
         done = tokens = 0
         threaded = getattr(tokenizer, "is_fast", False)  # (its batch encode runs on every core)
         for ids in ordered_map(encode_text, chunks(), workers_for(size, workers, threaded=threaded), where, tokenizer,
                                _pool_settings(tokenizer, where)):
             writer.add(ids)
-            done, tokens = done + sizes.popleft(), tokens + len(ids)
+            k, n = sizes.popleft()
+            counts[k] += len(ids)
+            done, tokens = done + n, tokens + len(ids)
             progress.update(done, tokens)
+        if tokens == 0:
+            from infinity.data.batches import empty_corpus
+            raise empty_corpus(found.say())
         progress.done(done, tokens, writer.final)
-        return {"tokenizer": where}
-    shard = cached(file, where, {"format": "text"}, build, records=False, dtype=dtype)
+        return {"tokenizer": where, **({"parts": counts} if found.several else {})}
+    settings = {"format": "text", **({"text_field": job.data.text_field} if found.records else {})}
+    shard = cached(found.anchor, where, settings, build, records=False, dtype=dtype, files=found.named())
     vocab = _vocab_size(transformers, where)
     if shard.meta["max_id"] >= vocab:
         raise ConfigError(f"model.pretrained = {where!r}: its tokenizer gives token id {shard.meta['max_id']}, "
                           f"beyond the model's vocabulary of {vocab}: save the model's own tokenizer there, or "
                           f"--set model.tokenizer=bytes")
-    return shard.ids
+    return TokenStream(cut(shard.ids, shard.meta["parts"])) if found.several else shard.ids
 
 
 def _vocab_size(transformers, where: str) -> int:
@@ -149,51 +159,62 @@ def resolve_data_format(job: Job) -> tuple[Job, str | None]:
 
 def _cached_samples(job: Job, tokenizer, where: str, path: str, key: str = "data.path",
                     workers: int | None = None):
-    """The samples of `path` (samples.render_sample of each record) through the cache (Note [tokenized data
-    cache]): a shard of their ids, loss mask and boundaries (Note [token shards]), read as samples.SampleShard."""
+    """The samples of the files `path` names (samples.render_sample of each record) through the cache (Note
+    [tokenized data cache]): a shard of their ids, loss mask and boundaries (Note [token shards]), read as a
+    samples.SampleShard, or, for several files, a sources.SampleChain of each file's range of it (Note [data of
+    several files])."""
     import collections
 
     from infinity.data.pool import ordered_map, render_records, workers_for
-    from infinity.data.samples import SampleShard, check_template, load_samples, no_samples, record_stream
+    from infinity.data.samples import SampleShard, check_template, no_samples, record_stream
     from infinity.data.shards import RECORDS_PER_CHUNK, TokenizeProgress
+    from infinity.data.sources import SampleChain, cut, resolve, stream_records
     d = job.data
     settings = {"format": d.format, "prompt_field": d.prompt_field, "completion_field": d.completion_field,
                 "messages_field": d.messages_field, "train_on_prompt": d.train_on_prompt,
                 "truncation": d.truncation, "seq_len": job.model.seq_len}
-    file = Path(path)
-    if not file.is_file():
-        return load_samples(d, tokenizer, where, job.model.seq_len, path, key)  # its error names the path
+    found = resolve(path, key)
+    if not found.records:
+        next(record_stream(path, key))  # its error names the file that is not of records
     check_template(d, tokenizer, where)
     pool = _pool_settings(tokenizer, where, {"data": d, "seq_len": job.model.seq_len})
 
     def build(writer) -> dict:
-        size = file.stat().st_size
-        progress = TokenizeProgress(file.name, size)
-        counts: collections.deque = collections.deque()
+        size = sum(f.stat().st_size for f in found.files)
+        progress = TokenizeProgress(found.anchor.name, size)
+        pending: collections.deque = collections.deque()  # (file index, records) of each chunk in flight
+        counts = [0] * len(found.files)
+        read = [0]  # bytes of the files read whole
 
         def chunks():
-            chunk: list = []
-            for item in record_stream(path, key):
-                chunk.append(item)
-                if len(chunk) == RECORDS_PER_CHUNK:
-                    counts.append(len(chunk))
+            for k, file in enumerate(found.files):
+                chunk: list = []
+                for item in stream_records(file, found.say(file)):
+                    chunk.append(item)
+                    if len(chunk) == RECORDS_PER_CHUNK:
+                        pending.append((k, len(chunk)))
+                        yield chunk
+                        chunk = []
+                if chunk:
+                    pending.append((k, len(chunk)))
                     yield chunk
-                    chunk = []
-            if chunk:
-                counts.append(len(chunk))
-                yield chunk
+                read[0] += file.stat().st_size
         records = tokens = 0
         for ids, mask, lengths in ordered_map(render_records, chunks(), workers_for(size, workers), where,
                                               tokenizer, pool):
             writer.add(ids, mask, lengths)
-            records, tokens = records + counts.popleft(), tokens + len(ids)
-            progress.update(int(size * records / max(records + len(counts), 1)), tokens)
+            k, n = pending.popleft()
+            counts[k] += len(lengths)
+            records, tokens = records + n, tokens + len(ids)
+            progress.update(read[0], tokens)
         if writer.samples == 0:
             raise no_samples(path)
         progress.done(size, tokens, writer.final)
-        return {"tokenizer": where, "records": records}
-    shard = cached(file, where, settings, build, records=True, dtype=lambda: pool["dtype"])
-    return SampleShard(shard.ids, shard.mask, shard.offsets)
+        return {"tokenizer": where, "records": records, **({"parts": counts} if found.several else {})}
+    shard = cached(found.anchor, where, settings, build, records=True, dtype=lambda: pool["dtype"],
+                   files=found.named())
+    samples = SampleShard(shard.ids, shard.mask, shard.offsets)
+    return SampleChain(cut(samples, shard.meta["parts"])) if found.several else samples
 
 
 def job_batches(job: Job, rank: int = 0, world: int = 1):
@@ -209,19 +230,30 @@ def job_batches(job: Job, rank: int = 0, world: int = 1):
                    rank=rank, world=world)
 
 
+def _kept(ids) -> str:
+    """Where the job reads these ids from (the files themselves, or their shard's directory)."""
+    parts = getattr(ids, "parts", [ids])
+    places = {str(getattr(p, "filename", None) or "") for p in parts}
+    if not any(place.endswith(".bin") for place in places):
+        return "the files themselves (plain text is read in place)"
+    return ", ".join(sorted({str(Path(place).parent) for place in places if place.endswith(".bin")}))
+
+
 def prepare(job: Job, workers: int | None = None) -> list[str]:
     """`infinity data prepare`: the job's data tokenized into its shards now (as the run would: the same cache
-    key, so the run reads them), with a line per file saying what is there."""
+    key, so the run reads them), with a line per setting saying what is there."""
+    from infinity.data.sources import resolve
     job, said = resolve_data_format(job)
     lines = [said] if said else []
     where = tokenizer_dir(job.model)
+
+    def files(path: str, key: str) -> str:
+        count = len(resolve(path, key).files)
+        return f" ({count} files)" if count > 1 else ""
     if job.data.format == "text":
         ids = corpus_tokens(job, workers)
-        place = getattr(ids, "filename", None)
-        kept = ("the file itself (plain text is read in place)" if where is None and not str(place).endswith(".bin")
-                else str(Path(str(place)).parent))
-        lines.append(f"{job.data.path}: {len(ids):,} {'byte' if where is None else 'token'} ids ({ids.dtype}); "
-                     f"read from {kept}")
+        lines.append(f"{job.data.path}{files(job.data.path, 'data.path')}: {len(ids):,} "
+                     f"{'byte' if where is None else 'token'} ids ({ids.dtype}); read from {_kept(ids)}")
         return lines
     tokenizer = _tokenizer(job, where) if where else None
     if tokenizer is None:
@@ -229,8 +261,9 @@ def prepare(job: Job, workers: int | None = None) -> list[str]:
     for path, key in ((job.data.path, "data.path"), (job.data.val_path, "data.val_path")):
         if path:
             samples = _cached_samples(job, tokenizer, where, path, key, workers)
-            lines.append(f"{path}: {len(samples):,} samples, {len(samples.ids):,} token ids ({samples.ids.dtype}) "
-                         f"with their loss mask; read from {Path(str(samples.ids.filename)).parent}")
+            shard = getattr(samples, "parts", [samples])[0]
+            lines.append(f"{path}{files(path, key)}: {len(samples):,} samples, {len(shard.ids):,} token ids "
+                         f"({shard.ids.dtype}) with their loss mask; read from {Path(str(shard.ids.filename)).parent}")
     return lines
 
 
@@ -261,12 +294,17 @@ def resident_bytes(job: Job, world: int, accum: int, *, cuda: bool) -> dict[str,
         micro += b // world * t * t * (4 + 3)  # the fp32 mask and three [B, T, T] bool intermediates
     item = 4 if where else 1
     pages = b * (t + 1) * item * (3 if records else 1)  # the windows read (Note [mapped pages]: nothing mapped)
-    from infinity.data.batches import corpus_path
-    file = corpus_path(job.data.path)
-    size = file.stat().st_size if file.is_file() else CHUNK_BYTES
-    chunk = min(size * (4 if file.suffix == ".gz" else 1), CHUNK_BYTES)  # (a chunk of a small file is the file)
+    from infinity.data.sources import resolve
+    try:
+        found = resolve(job.data.path)
+    except ConfigError:  # (the job's start names it)
+        found = None
+    file = max(found.files, key=lambda f: f.stat().st_size) if found else None
+    packed = found is not None and (file.suffix == ".gz" or found.records)  # (read whole, or in record batches)
+    size = file.stat().st_size * (4 if packed else 1) if found else CHUNK_BYTES
+    chunk = min(size, CHUNK_BYTES)  # (a chunk of a small file is the file)
     if records or where:
         tokenize = TOKENIZE_PER_BYTE * chunk
     else:
-        tokenize = 2 * chunk if file.suffix == ".gz" else 0
+        tokenize = 2 * chunk if packed else 0
     return {"data": (DEPTH + 2) * accum * micro + pages, "tokenize": tokenize}

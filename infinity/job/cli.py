@@ -112,10 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize PATH (data.path) with the tokenizer of DIR (model.pretrained; none: byte tokens) "
                     "into the cache a run with the same data settings reads; give the run's --config / --set "
                     "(data.format, model.seq_len, ...) so the key matches.")
-    p.add_argument("path", metavar="PATH", help="the data file (data.path)")
+    p.add_argument("path", metavar="PATH", help="the data (data.path): a file, a directory or a glob pattern")
     p.add_argument("--tokenizer", metavar="DIR", help="the pretrained model directory whose tokenizer the run uses")
     p.add_argument("--workers", type=int, default=None, metavar="N", help="tokenizing processes (default: a core "
-                   "each for inputs of 16 MiB or more)")
+                   "each for records and slow tokenizers, for inputs of 1 MiB or more)")
     _add_job_args(p)
 
     p = sub.add_parser("bench-links", help="measure (or show the cached) link rates used by the auto policy")

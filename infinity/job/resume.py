@@ -72,10 +72,37 @@ def train_position(job: Job, config: Config, step: int, elapsed_s: float, world:
 def data_fingerprint(job: Job) -> dict[str, str]:
     """Note [changed data file]: SHA-256 of the data files the batches are drawn from (data.path, data.val_path;
     not the shipped corpus). `--resume` refuses a file whose bytes changed since the checkpoint: the batches after
-    it would not be the run's, and the run would mix two datasets without a word (its keys alone are the same)."""
+    it would not be the run's, and the run would mix two datasets without a word (its keys alone are the same).
+    A directory or pattern (Note [data of several files]): "KEY:NAME" holds each file's, and KEY the SHA-256 of
+    them all, so a file added, removed or changed is named."""
+    from infinity.config.job import SHIPPED
+    from infinity.data.sources import resolve
     from infinity.data.tokenized import file_sha256
-    return {key: file_sha256(path) for key, path in (("data.path", job.data.path), ("data.val_path", job.data.val_path))
-            if path and os.path.isfile(path)}
+    out = {}
+    for key, path in (("data.path", job.data.path), ("data.val_path", job.data.val_path)):
+        if not path or (path == SHIPPED and key == "data.path"):
+            continue
+        try:
+            found = resolve(path, key)
+        except ConfigError:  # (gone: the start names it)
+            continue
+        if not found.several:
+            out[key] = file_sha256(found.files[0])
+            continue
+        files = {f"{key}:{found.name(f)}": file_sha256(f) for f in found.files}
+        out[key] = hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
+        out.update(files)
+    return out
+
+
+def _changed_files(saved: dict, now: dict, key: str) -> str:
+    """Which of several files changed since the checkpoint (Note [changed data file]), as a clause."""
+    names = lambda d: {k.split(":", 1)[1]: v for k, v in d.items() if k.startswith(key + ":")}  # noqa: E731
+    before, after = names(saved), names(now)
+    said = [(what, sorted(n for n in group)) for what, group in (
+        ("changed", {n for n in before.keys() & after.keys() if before[n] != after[n]}),
+        ("added", after.keys() - before.keys()), ("removed", before.keys() - after.keys()))]
+    return "; ".join(f"{what}: {', '.join(n[:5])}{' ...' if len(n) > 5 else ''}" for what, n in said if n)
 
 
 # What a pretrained directory's model and tokens are, besides its weights (Note [moved pretrained directory])
@@ -342,12 +369,14 @@ def load_resume(path: str | os.PathLike, config_path: str | os.PathLike | None =
                               f"{show(saved_batches[key])}, so the batches after the checkpoint would differ from "
                               f"the run's: resume with the run's value (drop the --set or --config that changes it)")
     saved_data = position.get("data_files", {})
-    for key, digest in data_fingerprint(job).items():
-        if key in saved_data and saved_data[key] != digest:
+    now_data = data_fingerprint(job)
+    for key in ("data.path", "data.val_path"):
+        if key in saved_data and key in now_data and saved_data[key] != now_data[key]:
+            which = _changed_files(saved_data, now_data, key)
             raise ConfigError(f"--resume {path}: {key} = {show(getattr(job.data, key.split('.')[1]))} has changed "
-                              f"since the checkpoint (its SHA-256 differs), so the batches after it would not be "
-                              f"the run's: restore the run's file, or train a new run on the new data (infinity "
-                              f"train --config {run_dir / 'config.toml'} --set run.name=<new name>)")
+                              f"since the checkpoint ({which or 'its SHA-256 differs'}), so the batches after it "
+                              f"would not be the run's: restore the run's file, or train a new run on the new "
+                              f"data (infinity train --config {run_dir / 'config.toml'} --set run.name=<new name>)")
     from infinity.state.checkpoint_load import check_references
     check_references(str(checkpoint), job.model.pretrained or None)  # Note [pretrained references]: files still there
     if job.run.steps <= position["step"]:

@@ -196,12 +196,17 @@ def test_missing_data_files_name_the_key_that_set_them(tmp_path, llama):
                                                   for i in range(10)])
     common = [f"model.pretrained={path}", "data.format=completion", "model.seq_len=32", "run.batch_size=2",
               f"run.dir={tmp_path}"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "notes.txt").write_text("not records\n")
     for sets, needle in (([f"data.path={train_f}", f"data.val_path={tmp_path / 'nope.jsonl'}"],
                           f"data.val_path = '{tmp_path / 'nope.jsonl'}': no such file"),
-                         ([f"data.path={tmp_path}"], f"data.path = '{tmp_path}' is a directory: point it at a "
-                                                     f".jsonl, .json, .parquet or .arrow file inside it"),
+                         ([f"data.path={empty}"], f"data.path = '{empty}' is a directory with no file in it"),
                          ([f"data.path={train_f}", f"data.val_path={tmp_path}"],
-                          f"data.val_path = '{tmp_path}' is a directory")):
+                          f"data.val_path = '{tmp_path}' holds both text ({tmp_path / 'notes.txt'}) and record "
+                          f"files ({train_f})"),
+                         ([f"data.path={train_f}", f"data.val_path={tmp_path / 'v*.jsonl'}"],
+                          f"data.val_path = '{tmp_path / 'v*.jsonl'}' matches no file")):
         with pytest.raises(ConfigError) as e:
             job_batches(load_job(None, common + sets))
         assert needle in str(e.value)
@@ -352,8 +357,9 @@ def test_validation_file_or_fraction(tmp_path, llama):
 
 def test_records_under_the_text_format_are_read_as_what_they_are_or_refused(tmp_path, llama):
     """Note [data format from the records]: chat / completion JSONL under the default data.format = "text" gives
-    the batches of the format said explicitly, and a line saying so; other records, or a format the records do
-    not have, are refused naming data.format (never trained on as JSON text)."""
+    the batches of the format said explicitly, and a line saying so; records without a text field
+    (data.text_field: Note [text records]), or a format the records do not have, are refused naming the key
+    (never trained on as JSON text)."""
     from infinity.data.tokenized import job_batches, resolve_data_format
     from infinity.job.spec import load_job
     path, _, _ = llama
@@ -367,9 +373,9 @@ def test_records_under_the_text_format_are_read_as_what_they_are_or_refused(tmp_
         explicit = job_batches(load_job(None, common + [f"data.path={f}", f"data.format={kind}"]))
         for got, want in zip(job_batches(job).batch(0, 0), explicit.batch(0, 0)):
             assert torch.equal(got, want)
-    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}] * 4)
-    with pytest.raises(ConfigError, match=r'text records.*data.format = "text" would train on the JSON syntax'):
-        job_batches(load_job(None, common + [f"data.path={texts}"]))
+    titles = write_jsonl(tmp_path / "t.jsonl", [{"title": "hello"}] * 4)
+    with pytest.raises(ConfigError, match=r"fields \['title'\].*would train on the JSON syntax: set data.text_field"):
+        job_batches(load_job(None, common + [f"data.path={titles}"]))
     with pytest.raises(ConfigError, match=r'data.format = "completion" but .*c.jsonl line 1 is a chat record.*'
                                           r'set data.format = "chat"'):
         job_batches(load_job(None, common + [f"data.path={chat}", "data.format=completion"]))

@@ -115,10 +115,16 @@ def test_an_explicit_format_the_records_have_is_kept_and_plain_text_is_unchanged
         assert job.data.format == "text" and said is None
 
 
-def test_an_explicit_text_format_on_text_records_is_refused(tmp_path):
+def test_text_records_outside_a_jsonl_file_are_refused(tmp_path):
+    """Note [text records]: a .jsonl file's "text" records train as text; the same lines in a .txt file would
+    train on their JSON syntax, so they are refused naming the rename."""
     texts = _jsonl(tmp_path / "t.jsonl", [{"text": "hello"}] * 3)
-    with pytest.raises(ConfigError, match=r'holds text records .*data.format = "text" would train on the JSON syntax'):
-        resolve_data_format(load_job(None, [f"data.path={texts}", "data.format=text"]))
+    assert resolve_data_format(load_job(None, [f"data.path={texts}", "data.format=text"]))[0].data.format == "text"
+    lines = tmp_path / "t.txt"
+    lines.write_bytes(texts.read_bytes())
+    with pytest.raises(ConfigError, match=r'JSON lines with a "text" field in a file that is not .jsonl.*name it '
+                                          r"\*.jsonl"):
+        resolve_data_format(load_job(None, [f"data.path={lines}", "data.format=text"]))
 
 
 # ------------------------------------------------------------------ text in another encoding
