@@ -17,7 +17,14 @@ cores, the second start's cache read, and the job's peak RSS against the corpus 
    train --set data.path=CORPUS --set run.steps=5` in a fresh process per size; its summary.json's peak RSS and
    the estimate's prediction.
 
-The corpora are written under --dir and removed at the end (--keep keeps them).
+3. Files (`--files-mib`, default 20,200): the same byte-token job on a parquet file of documents (a "text" column
+   of ~4 KiB texts cut from a generated corpus, row groups of 1024; Note [text records]: streamed through
+   datasets) and on a directory of 10 text files (Note [data of several files]), each at every size: its peak RSS
+   (the first start, which writes the parquet's byte shard, is not the run's: the shard is made first by
+   `infinity data prepare` in its own process, whose peak RSS is reported too).
+
+`--parts` picks the parts (default tokenize,sizes,files). The corpora are written under --dir and removed at the
+end (--keep keeps them).
 """
 
 from __future__ import annotations
@@ -154,6 +161,8 @@ def main() -> None:
     ap.add_argument("--sizes-mib", default="200,2048", help="byte-token corpora for peak RSS vs size ('' = none)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--files-mib", default="20,200", help="parquet / directory corpora for peak RSS ('' = none)")
+    ap.add_argument("--parts", default="tokenize,sizes,files", help="the parts to run, comma-separated")
     ap.add_argument("--keep", action="store_true", help="keep the generated corpora")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -161,7 +170,62 @@ def main() -> None:
     work = os.path.join(args.dir, "bench-data")
     os.makedirs(work, exist_ok=True)
     result: dict = {"machine": machine(), "args": vars(args)}
+    parts = set(args.parts.split(","))
     try:
+        if "files" in parts:
+            result["files_rss"] = files_rss(work, [int(m) for m in args.files_mib.split(",") if m], args.steps,
+                                            args.keep)
+        if "tokenize" in parts or "sizes" in parts:
+            tokenize_and_sizes(work, args, parts, result)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    write_json(args.json, result)
+
+
+def prepare_peak(path: str) -> float:
+    """Peak RSS (MiB) of `infinity data prepare PATH` (byte tokens) in a fresh process."""
+    code = ("import resource, sys\nfrom infinity.job.cli import main\nrc = main(['data', 'prepare', sys.argv[1]])\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)\nsys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, env=env())
+    if out.returncode != 0:
+        raise SystemExit(f"infinity data prepare {path} failed:\n{out.stderr[-3000:]}")
+    return round(float(out.stdout.split()[-1]), 1)
+
+
+def files_rss(work: str, sizes: list[int], steps: int, keep: bool) -> dict:
+    """Part 3: peak RSS of byte-token jobs on a parquet file of documents and on a directory of 10 text files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    out = {}
+    for size in sizes:
+        text = write_corpus(os.path.join(work, f"docs{size}.txt"), size, seed=3)
+        parquet = os.path.join(work, f"docs{size}.parquet")
+        with open(text, "rb") as f, pq.ParquetWriter(parquet, pa.schema([("text", pa.string())])) as w:
+            while block := f.read(4096 * 1024):
+                w.write_table(pa.table({"text": [block[i:i + 4096].decode("utf-8", "replace")
+                                                 for i in range(0, len(block), 4096)]}), row_group_size=1024)
+        directory = os.path.join(work, f"dir{size}")
+        os.makedirs(directory, exist_ok=True)
+        with open(text, "rb") as f:
+            piece = -(-os.path.getsize(text) // 10)
+            for k in range(10):
+                with open(os.path.join(directory, f"part-{k:02d}.txt"), "wb") as g:
+                    g.write(f.read(piece))
+        os.remove(text)
+        out[f"parquet_{size}MiB"] = {"prepare_peak_rss_MiB": prepare_peak(parquet),
+                                     **train_peak(work, f"parquet{size}", [f"data.path={parquet}"], steps)}
+        out[f"dir_{size}MiB"] = train_peak(work, f"dir{size}", [f"data.path={directory}"], steps)
+        if not keep:
+            shutil.rmtree(directory, ignore_errors=True)
+            shutil.rmtree(os.path.join(work, ".infinity-tokens"), ignore_errors=True)
+            os.remove(parquet)
+    return out
+
+
+def tokenize_and_sizes(work: str, args, parts: set, result: dict) -> None:
+    """Parts 1 and 2."""
+    if "tokenize" in parts:
         text = write_corpus(os.path.join(work, f"text{args.tokenize_mib}.txt"), args.tokenize_mib)
         os.makedirs(os.path.join(work, "small"), exist_ok=True)
         small = write_corpus(os.path.join(work, "small", f"text{args.small_mib}.txt"), args.small_mib, seed=1)
@@ -184,19 +248,15 @@ def main() -> None:
         result["tokenized_job_rss"] = {
             f"{args.small_mib}MiB": train_peak(work, "small", tok_sets + [f"data.path={small}"], 3),
             f"{args.tokenize_mib}MiB": train_peak(work, "big", tok_sets + [f"data.path={text}"], 3)}
-        sizes = [int(s) for s in args.sizes_mib.split(",") if s]
-        if sizes:
-            result["bytes_rss_vs_size"] = {}
-            for size in sizes:
-                corpus = write_corpus(os.path.join(work, f"bytes{size}.txt"), size, seed=2)
-                result["bytes_rss_vs_size"][f"{size}MiB"] = train_peak(work, f"bytes{size}",
-                                                                       [f"data.path={corpus}"], args.steps)
-                if not args.keep:
-                    os.remove(corpus)
-    finally:
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    write_json(args.json, result)
+    sizes = [int(s) for s in args.sizes_mib.split(",") if s] if "sizes" in parts else []
+    if sizes:
+        result["bytes_rss_vs_size"] = {}
+        for size in sizes:
+            corpus = write_corpus(os.path.join(work, f"bytes{size}.txt"), size, seed=2)
+            result["bytes_rss_vs_size"][f"{size}MiB"] = train_peak(work, f"bytes{size}",
+                                                                   [f"data.path={corpus}"], args.steps)
+            if not args.keep:
+                os.remove(corpus)
 
 
 if __name__ == "__main__":

@@ -280,6 +280,22 @@ def prepare(job: Job, workers: int | None = None) -> list[str]:
 TOKENIZE_PER_BYTE = 56  # bytes held per byte of the chunk being tokenized (measured: +56 MiB for 1 MiB chunks)
 
 
+def reader_modules(job: Job) -> tuple[str, ...]:
+    """The Python modules reading the job's data imports (Note [text records]: pyarrow for parquet and arrow files,
+    ~60 MiB of RSS; Hugging Face datasets for .json files), for the estimate's runtime probe beside the model's
+    (models/build.py `runtime_modules`, Note [peak memory] runtime)."""
+    from infinity.data.sources import resolve
+    found = []
+    for path, key in ((job.data.path, "data.path"), (job.data.val_path, "data.val_path")):
+        try:
+            found += list(resolve(path, key).files) if path else []
+        except ConfigError:  # (the job's start names it)
+            pass
+    suffixes = {f.suffix.lower() for f in found}
+    return (("pyarrow.parquet",) if suffixes & {".parquet", ".arrow"} else ()) + \
+        (("datasets",) if ".json" in suffixes else ())
+
+
 def resident_bytes(job: Job, world: int, accum: int, *, cuda: bool) -> dict[str, int]:
     """The data pipeline's terms of the estimate's peak, bytes of one rank (Note [data in the estimate])."""
     from infinity.data.ahead import DEPTH

@@ -69,7 +69,7 @@ from infinity.config.options import show
 from infinity.config.sections import Config, ConfigError, SettingWarning
 from infinity.data.ahead import BatchesAhead, to_device
 from infinity.data.batches import Batches
-from infinity.data.tokenized import job_batches, resident_bytes, resolve_data_format
+from infinity.data.tokenized import job_batches, reader_modules, resident_bytes, resolve_data_format
 from infinity.device.process_group import (
     barrier,
     broadcast_object,
@@ -389,7 +389,7 @@ def _estimate(job: Job, config: Config, world: int, say: Progress):
         return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
                             batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
                             depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens),
-                            runtime_modules=runtime_modules(job.model, job.lora),
+                            runtime_modules=runtime_modules(job.model, job.lora) + reader_modules(job),
                             data=resident_bytes(job, world, config.train.grad_accum_steps,
                                                 cuda=torch.cuda.is_available()))
     except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run

@@ -92,8 +92,8 @@ TINY = {
 # Smallest real runs over ~10 s (fresh processes importing transformers, or whole `infinity train` jobs): slow
 SLOW_TINY = {
     "bench_chunked_loss.py": ["--vocab", "256", "--hidden", "16", "--seq", "16", "--chunk", "8", "--repeats", "1"],
-    "bench_data.py": ["--dir", "{dir}", "--tokenize-mib", "1", "--sizes-mib", "2", "--repeats", "1", "--steps", "1",
-                      "--json", "{json}"],  # (three `infinity train` jobs)
+    "bench_data.py": ["--dir", "{dir}", "--tokenize-mib", "1", "--sizes-mib", "2", "--files-mib", "1", "--repeats", "1",
+                      "--steps", "1", "--json", "{json}"],  # (five `infinity train` jobs)
     "bench_compile.py": ["--layers", "1", "--width", "16", "--heads", "2", "--seq", "16", "--batch", "2", "--steps",
                          "2", "--warmup", "1", "--repeats", "1"],  # (inductor's first compile)
     "bench_estimate.py": ["--repeats", "1", "--json", "{json}"],  # (a 70B estimated twice, each its own process)

@@ -23,7 +23,7 @@ from infinity.config.options import ConfigError  # noqa: E402
 from infinity.data.batches import SHIPPED_PATH, Batches, byte_tokens, split  # noqa: E402
 from infinity.data.samples import load_samples  # noqa: E402
 from infinity.data.sources import TokenStream, resolve  # noqa: E402
-from infinity.data.tokenized import corpus_tokens, job_batches, prepare  # noqa: E402
+from infinity.data.tokenized import corpus_tokens, job_batches, prepare, reader_modules  # noqa: E402
 from infinity.job.spec import load_job  # noqa: E402
 
 KJV = gzip.decompress(SHIPPED_PATH.read_bytes())
@@ -119,7 +119,7 @@ def test_a_directory_tokenized_is_each_files_ids_in_one_shard_made_again_when_a_
                                                    f"{d / '.infinity-tokens' / 'corpus.'}")
 
 
-@pytest.mark.parametrize("kind", ["parquet", "arrow", "jsonl"])
+@pytest.mark.parametrize("kind", ["parquet", "arrow", "arrow-file", "jsonl"])
 def test_text_records_are_the_ids_of_the_same_text_in_a_text_file(tmp_path, llama, kind):
     """Note [text records]: a parquet / arrow / jsonl file of documents ("text" column, another column beside it)
     under data.format = "text" gives the ids of a .txt file holding the texts, each ending with a line end
@@ -127,13 +127,14 @@ def test_text_records_are_the_ids_of_the_same_text_in_a_text_file(tmp_path, llam
     the field is refused naming data.text_field."""
     path, _ = llama
     docs = [KJV[i * 700:(i + 1) * 700 - (i % 3)].decode() for i in range(60)]  # some end with a line end
-    f = tmp_path / f"docs.{kind}"
+    f = tmp_path / f"docs.{kind.split('-')[0]}"
     table = pa.table({"text": docs, "id": list(range(len(docs)))})
     if kind == "parquet":
         pq.write_table(table, f, row_group_size=16)
-    elif kind == "arrow":
-        with pa.OSFile(str(f), "wb") as out, pa.ipc.new_stream(out, table.schema) as w:
-            w.write_table(table)
+    elif kind.startswith("arrow"):  # an IPC stream (datasets.save_to_disk's) or an IPC file, in batches of 25
+        new = pa.ipc.new_stream if kind == "arrow" else pa.ipc.new_file
+        with pa.OSFile(str(f), "wb") as out, new(out, table.schema) as w:
+            w.write_table(table, max_chunksize=25)
     else:
         write_jsonl(f, [{"text": t, "id": i} for i, t in enumerate(docs)])
     same = tmp_path / "same.txt"
@@ -142,6 +143,8 @@ def test_text_records_are_the_ids_of_the_same_text_in_a_text_file(tmp_path, llam
         got = corpus_tokens(load_job(None, tokenizer + [f"data.path={f}", "model.seq_len=32"]))
         want = corpus_tokens(load_job(None, tokenizer + [f"data.path={same}", "model.seq_len=32"]))
         assert np.asarray(got).tolist() == np.asarray(want).tolist() and len(got) > 10_000
+    assert reader_modules(load_job(None, [f"data.path={f}"])) == \
+        {"parquet": ("pyarrow.parquet",), "arrow": ("pyarrow.parquet",), "jsonl": ()}[kind.split("-")[0]]
     with pytest.raises(ConfigError, match=r"no field 'body' \(it has \['id', 'text'\]\).*set it to the field"):
         corpus_tokens(load_job(None, [f"data.path={f}", "data.text_field=body", "model.seq_len=32"]))
     with pytest.raises(ConfigError, match=r'data.text_field = "body" has no effect with data.format = "chat"'):
