@@ -275,8 +275,12 @@ def prepare(job: Job, workers: int | None = None) -> list[str]:
 # tokenizes: what tokenizing one chunk holds (a file smaller than a chunk is its own chunk), TOKENIZE_PER_BYTE
 # per byte of it, measured on 2026-11-28 (1 MiB chunks of text through a 300-token byte-level BPE, ~0.85 tokens
 # per byte, the most tokens per byte of a real tokenizer: +56 MiB over the process's RSS; records are counted at
-# the same rate, unmeasured; bytes of a .gz corpus: the chunk and its copy). The peak is the larger of the
-# training's terms plus "data" and the runtime plus "tokenize".
+# the same rate, unmeasured; bytes of a .gz corpus or of text records: the chunk and its copy). The same day,
+# encode_text alone on one 1 MiB chunk (peak over the RSS before it, generated lines, BPEs trained on them) held
+# 41 B per byte at 0.84 tokens per byte (300 ids), 22 B at 0.30 (4096 ids) and 13 B at 0.16 (8298 ids): about
+# 7 B + 41 B per token. So the term is a bound, ~35-45 MiB over for tokenizers of real vocabularies (a transient
+# term: it is the peak only when the training's terms are smaller). The peak is the larger of the training's
+# terms plus "data" and the runtime plus "tokenize".
 TOKENIZE_PER_BYTE = 56  # bytes held per byte of the chunk being tokenized (measured: +56 MiB for 1 MiB chunks)
 
 
