@@ -15,6 +15,8 @@ VOCAB, ACCUM, MICRO_STEPS, HYPER = 64, 2, 8, dict(lr=3e-3, betas=(0.9, 0.95), ep
 
 
 def main(kind: str, out: str) -> None:
+    import faulthandler
+    faulthandler.dump_traceback_later(150, exit=True)  # a hang shows every thread's stack in the test's message
     torch.set_num_threads(1)
     if kind == "torch":
         from accelerate import Accelerator as Cls
