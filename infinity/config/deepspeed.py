@@ -6,7 +6,8 @@ Note [deepspeed translation]: a key is translated only where infinity does the s
 near thing the line says how it differs (the warmup's first step); where it has no counterpart (a tuning knob of
 DeepSpeed's own buffers, a log warmup) the key is refused, and the run does not start unless the user says
 `--deepspeed-lenient`, which trains without those keys and prints them. Nothing is dropped in silence. "auto"
-values (as the HF integration writes them) take infinity's value for the key, and the line says so.
+values (as the HF integration writes them) take infinity's value for the key, and the line says so; an "auto"
+tuning knob with no counterpart (a bucket size) leaves the choice to infinity, which is what "auto" asks.
 The table of keys is docs/from-deepspeed.md.
 """
 
@@ -187,6 +188,8 @@ def translate(ds: dict, world_size: int = 1) -> Translation:
             continue
         if key in NOTHING_TO_DO:
             t.note(key, value, NOTHING_TO_DO[key])
+        elif key in NO_COUNTERPART and value == "auto":  # (the HF integration's "auto": the runtime chooses)
+            t.note(key, value, f"infinity chooses its own: {NO_COUNTERPART[key]}")
         elif key in NO_COUNTERPART:
             t.refuse(key, value, NO_COUNTERPART[key])
         elif not key.startswith("activation_checkpointing."):

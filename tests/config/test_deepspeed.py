@@ -50,6 +50,18 @@ def test_every_key_it_cannot_honour_is_named_with_its_reason(patch, named):
     assert [r for r in t.refused if r.startswith(named)], t.refused
 
 
+def test_an_auto_tuning_knob_is_left_to_infinity_not_refused():
+    """The HF integration's ZeRO-3 template writes "auto" bucket sizes: `infinity train --deepspeed` takes them as
+    the HF route does (infinity's own sizing, a line each), while a number for the same key is still refused.
+    Planted: the "auto" branch removed -> the three keys are refused, the test fails."""
+    knobs = {"reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+             "stage3_param_persistence_threshold": "auto"}
+    t = translate({"zero_optimization": {"stage": 3, **knobs}})
+    assert not t.refused, t.refused
+    assert sum("= \"auto\" -> nothing to set (infinity chooses its own" in line for line in t.lines) == 3, t.lines
+    assert translate({"zero_optimization": {"reduce_bucket_size": 5e8}}).refused
+
+
 def test_deepspeed_adam_is_adamw_unless_adam_w_mode_is_false():
     assert "optimizer.name=\"adamw\"" in translate({"optimizer": {"type": "Adam", "params": {}}}).sets
     assert "optimizer.name=\"adam\"" in translate({"optimizer": {"type": "Adam",
