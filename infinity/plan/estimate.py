@@ -165,7 +165,8 @@ def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nv
 _RUNTIME_PROBE = """
 import importlib, json, statistics, sys, time
 import psutil, torch, infinity
-for name in sys.argv[1:]:  # what the run imports beyond them (transformers' model, PEFT): loaded as it loads them
+backend = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--compile=")), None)
+for name in (a for a in sys.argv[1:] if not a.startswith("--")):  # what the run imports beyond them: as it does
     try:
         importlib.import_module(name)
     except ImportError:
@@ -173,7 +174,7 @@ for name in sys.argv[1:]:  # what the run imports beyond them (transformers' mod
 from infinity.models.gpt import GPT, GPTConfig
 with infinity.meta_init():  # meta tensors load torch's meta kernels (tens of MiB), as every real run does
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16))
-with infinity.initialize(model, {}) as engine:
+with infinity.initialize(model, {"compile": {"units": True, "backend": backend}} if backend else {}) as engine:
     x = torch.randint(0, 64, (2, 16))
     seconds = []
     for _ in range(6):
@@ -194,18 +195,22 @@ PEAK_ERROR = (1.02, 1.06)
 ERROR_MEASURED = "2026-11-28, 2-core CPU, 23 GiB: benchmarks/bench_estimate.py --accuracy"
 
 
-def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = ()) -> dict:
+def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = (), compiled: str | None = None) -> dict:
     """Note [peak memory] runtime and Note [host time]: a fresh process after torch, infinity, `modules` (what the
     run imports beyond them: models/build.py's `runtime_modules`, e.g. transformers' modeling code, ~160 MiB) and
     their kernels are loaded builds a tiny model on the meta device and trains it for six steps: its RSS ("rss"),
     its units, the median of steps 2-6 ("step_s": the engine's host time per step, the tiny model's compute is
     nil) and step 1 ("first_step_s"). Measured once per machine, torch version, version of infinity's code (what
     a run imports is the code's: torch._dynamo's import, gone on 2026-11-26, was 71 MiB of it) and set of packages
-    the modules are of, then cached. A probe that fails is an error naming it."""
+    the modules are of, then cached. `compiled`: the [compile] backend when the run compiles its units (Note
+    [compiled units]): the probe compiles its tiny model's units with it, so torch._dynamo's and the backend's
+    import and a compile are in its RSS (+190 MiB for inductor on 2026-11-28, a 2 x 64 GPT on the CPU: the
+    estimate was 1.75x under without it). A probe that fails is an error naming it."""
     def measure() -> dict:
         try:
-            out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, *modules], capture_output=True, text=True,
-                                 check=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
+            flags = [f"--compile={compiled}"] if compiled else []
+            out = subprocess.run([sys.executable, "-c", _RUNTIME_PROBE, *modules, *flags], capture_output=True,
+                                 text=True, check=True, timeout=300, env={**os.environ, "WORLD_SIZE": "1"})
         except subprocess.CalledProcessError as e:
             raise PreflightError(f"the runtime memory probe failed (a fresh python importing torch and infinity): "
                                f"{(e.stderr or '').strip().splitlines()[-1:] or e.returncode}; run "
@@ -214,21 +219,23 @@ def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = ()) -> dic
     # keyed by the packages (transformers, peft, ...), not each module: one model's modeling code or a tokenizer
     # more weighs a few MiB beside the ~160 MiB of the package itself, and each probe is a process of its own
     packages = sorted({m.split(".")[0] for m in modules})
-    name = "runtime_probe" + (f"|{','.join(packages)}" if packages else "")
+    name = ("runtime_probe" + (f"|{','.join(packages)}" if packages else "")
+            + (f"|compile={compiled}" if compiled else ""))
     return dict(link_rates.cached_measurement(name, measure, remeasure=remeasure, of_code=True))
 
 
-def runtime_rss(remeasure: bool = False, modules: tuple[str, ...] = ()) -> int:
+def runtime_rss(remeasure: bool = False, modules: tuple[str, ...] = (), compiled: str | None = None) -> int:
     """Note [peak memory] runtime: the probe's RSS (`runtime_probe`)."""
-    return int(runtime_probe(remeasure, modules)["rss"])
+    return int(runtime_probe(remeasure, modules, compiled)["rss"])
 
 
-def host_time(units: int, remeasure: bool = False, modules: tuple[str, ...] = ()) -> tuple[float, float]:
+def host_time(units: int, remeasure: bool = False, modules: tuple[str, ...] = (),
+              compiled: str | None = None) -> tuple[float, float]:
     """Note [host time]: (seconds per steady step, extra seconds of the first step) the engine's host work adds to
     the byte model's step for a model of `units` units: the probe's, scaled by units (its work is per unit: the
     hooks, the gathers, the update's calls). The first step's extra is a floor: a large model's first step also
     faults in its state's pages and creates its swap files, which the probe's tiny one does not."""
-    probe = runtime_probe(remeasure, modules)
+    probe = runtime_probe(remeasure, modules, compiled)
     scale = units / max(1, int(probe.get("units", 1)))
     return probe["step_s"] * scale, max(0.0, probe["first_step_s"] - probe["step_s"]) * scale
 
@@ -278,6 +285,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         lambda c: resolve_budgets_for(c, local_world_size=local, cuda=cuda, nvme_free=nvme_free,
                                       check_machine=world_size == 1))
     budgets = budgets_of(config)
+    compiled = config.compile.backend if config.compile.units else None  # (the probe compiles as the run does)
     from infinity.plan import search as plan_search
     from infinity.plan import table
     # a pretrained model's frozen weights are all read from its safetensors files: its checkpoints refer to them
@@ -287,7 +295,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
                         activations_of=lambda a: activation_bytes(trace, a), trace_at=trace_at,
                         config=config, world_size=world_size, budgets=budgets, trace=trace, rates=rates, cuda=cuda,
                         flops=trace.flops, local_world_size=local, batch_size=batch_size, budgets_of=budgets_of,
-                        runtime=runtime_rss(remeasure, runtime_modules), plan_rates=link_rates.cached_link_rates(cuda),
+                        runtime=runtime_rss(remeasure, runtime_modules, compiled),
+                        plan_rates=link_rates.cached_link_rates(cuda),
                         bytes_of=activation_bytes)
 
     def peak_of(plan: Plan, trace: Trace, activation) -> tuple[dict[str, int], dict[str, int]]:
@@ -310,7 +319,7 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         est.traffic.add(cost_model.activation_offload_traffic(activation_terms(trace, config.activation)["host"],
                                                                cuda=cuda, accum=config.train.grad_accum_steps))
         est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
-        est.host_s, est.first_extra_s = host_time(len(plan.units), remeasure, runtime_modules)
+        est.host_s, est.first_extra_s = host_time(len(plan.units), remeasure, runtime_modules, compiled)
     est.table = table.build_table(ctx)
     if not mine.fits and not unusable and apply is not None:  # over a budget, or the RAM / disk checks fail
         est.searched = True

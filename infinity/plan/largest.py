@@ -206,6 +206,8 @@ def run(family: str, seq_len: int, judge_job: Callable[[list[str]], object],
     ladder = ladder or LADDERS[family]
     with tempfile.TemporaryDirectory(prefix="infinity-largest-") as root:
         full = largest(ladder, lambda r: judge_job(r.sets()), MODES[0])
+        # (a rung's stand-in directory holds only its config.json: its data term counts byte tokens, not the user's
+        # tokenizer's ids, 3 bytes per token of one batch's reads less)
         lora = largest(ladder, lambda r: judge_job([f"model.pretrained={r.pretrained(root, seq_len)}",
-                                                    *LORA_SETS]), MODES[1])
+                                                    "model.tokenizer=bytes", *LORA_SETS]), MODES[1])
     return [full, lora]

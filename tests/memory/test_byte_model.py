@@ -42,7 +42,7 @@ def test_planner_estimate_and_memory_report_agree_on_one_runs_working_bytes(tmp_
     `infinity estimate`'s peak terms and in memory_report's plan section; the staging pool the run really
     allocated (update pipeline, read-ahead, fresh copies) stays within them, and all of it within the
     host budget. Planted: a plan without its read-ahead term (the pool outgrows it)."""
-    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(): 0)  # no probe process
+    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(), compiled=None: 0)  # no probe process
     config = _config(tmp_path, "16MiB")
     predicted = est.estimate(lambda: build_model(SMALL), config, batch_size=2, seq_len=SMALL.seq_len, rates=RATES)
     bundle = build_model(SMALL)

@@ -39,8 +39,8 @@ HOST_TIME = est.host_time  # (the fixture below replaces it)
 
 @pytest.fixture(autouse=True)
 def fixed_runtime(monkeypatch):
-    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(): 100 << 20)  # both paths: one constant
-    monkeypatch.setattr(est, "host_time", lambda units, remeasure=False, modules=(): (0.0, 0.0))  # no probe process
+    monkeypatch.setattr(est, "runtime_rss", lambda *a, **k: 100 << 20)  # both paths: one constant
+    monkeypatch.setattr(est, "host_time", lambda units, *a, **k: (0.0, 0.0))  # no probe process
 
 
 def run(model, config, *, deep, budgets=None, search=True, own_llama=False):
@@ -258,6 +258,17 @@ def test_host_time_is_the_probes_per_unit_time_times_the_units(monkeypatch):
     """Note [host time]: the probe's steady step (and step 1's extra) per unit, times the model's units (a formula).
     Planted: unscaled (the probe's time for any model), this fails."""
     probe = {"rss": 1, "units": 4, "step_s": 0.010, "first_step_s": 0.050}
-    monkeypatch.setattr(est, "runtime_probe", lambda remeasure=False, modules=(): probe)
+    monkeypatch.setattr(est, "runtime_probe", lambda remeasure=False, modules=(), compiled=None: probe)
     steady, first = HOST_TIME(12)
     assert steady == pytest.approx(0.030) and first == pytest.approx(0.120)
+
+
+@pytest.mark.slow
+def test_the_runtime_probe_of_a_compiled_run_compiles(tmp_path, monkeypatch):
+    """Note [compiled units] in the estimate: a run with `[compile] units = true` imports torch._dynamo and its
+    backend and compiles; the probe for it does too, so its RSS holds them (inductor: ~190 MiB on a CPU; the
+    estimate was 1.75x under a compiled run's peak without it). Planted: the --compile flag not passed -> the two
+    probes measure the same process, the test fails."""
+    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path))
+    eager, compiled = est.runtime_probe(), est.runtime_probe(compiled="inductor")
+    assert compiled["rss"] > eager["rss"] + (64 << 20), (eager, compiled)

@@ -16,8 +16,8 @@ LADDER = (largest.Rung("tiny-1", 64, 4, 4, 4, 128, 256), largest.Rung("tiny-2", 
 
 @pytest.fixture(autouse=True)
 def fixed_runtime(monkeypatch):
-    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(): 64 << 20)
-    monkeypatch.setattr(est, "host_time", lambda units, remeasure=False, modules=(): (0.0, 0.0))  # no probe process
+    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(), compiled=None: 64 << 20)
+    monkeypatch.setattr(est, "host_time", lambda units, *a, **k: (0.0, 0.0))  # no probe process
 
 
 def job_args(tmp_path, budget: str):
