@@ -354,8 +354,9 @@ def masked_loss(dtype: torch.dtype):
     """loss(forward, x, y, num_items=None) of collated rows: the mean cross-entropy over the targets that are not
     -100, or their sum over `num_items` (the window's items: Note [token-weighted windows])."""
     def loss(forward, x, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
+        from infinity.models.build import without_cache
         inputs = x if isinstance(x, dict) else attention_inputs(x, dtype)  # (a dict: built ahead, ahead.py)
-        return token_loss(forward(**inputs).logits, y, num_items)
+        return token_loss(forward(**inputs, **without_cache(inputs["input_ids"])).logits, y, num_items)
     return loss
 
 

@@ -28,13 +28,23 @@ class ModelBundle:
     hf_config: Any = None  # the transformers config, saved beside an export (pretrained models)
 
 
+def without_cache(x: torch.Tensor) -> dict:
+    """The keyword a Hugging Face causal LM's training forward takes: no KV cache (training reads none, and with one
+    each layer's cache entry is in its guards, so compiled units compile a graph per layer up to dynamo's limit of
+    8: docs/compile.md). Not on meta tensors: the estimate's trace (Note [small twin]) keeps transformers' cached
+    path, because without a cache transformers looks for packed sequences in the position ids with `.all()`, which
+    a meta tensor cannot answer; the cache saves no tensor more for backward (the estimator's Llama, which has
+    none, traces as transformers' with one: tests/plan/test_estimate_fast.py)."""
+    return {} if x.is_meta else {"use_cache": False}
+
+
 def _lm_loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
     """Loss of a Hugging Face causal LM: transformers' ForCausalLMLoss of its logits against the next tokens, or
     their sum over `num_items` (Note [token-weighted windows]); with `[activation] loss_chunk_tokens` the engine
     computes it chunked, without the whole logits."""
     if getattr(getattr(forward, "forward_fn", forward), "chunks_loss", False):  # (Note [chunked loss])
-        return forward(input_ids=x, shift_labels=y, num_items_in_batch=num_items).loss  # y: already the next tokens
-    return token_loss(forward(input_ids=x).logits, y, num_items)
+        return forward(input_ids=x, shift_labels=y, num_items_in_batch=num_items, **without_cache(x)).loss  # y: shifted
+    return token_loss(forward(input_ids=x, **without_cache(x)).logits, y, num_items)
 
 
 def _gpt_loss(forward, x: torch.Tensor, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:

@@ -111,7 +111,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
                              persistent=False)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, use_cache=None):  # (it has no KV cache: transformers' with use_cache=False)
         hidden_states = self.embed_tokens(input_ids)
         position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=hidden_states.device, dtype=torch.float)
@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         if tie:  # tie_word_embeddings: transformers' lm_head is the embedding's weight
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, use_cache=None):
         hidden_states = self.model(input_ids)
         return CausalLMOutput(self.lm_head(hidden_states[:, slice(0, None), :]))
 
@@ -258,5 +258,5 @@ class PeftModelForCausalLM(nn.Module):
                         setattr(parent, name, LoraLinear(child, r, alpha, dropout))
         self.base_model = LoraModel(model)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, use_cache=None):
         return self.base_model(input_ids)

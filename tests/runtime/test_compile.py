@@ -129,3 +129,30 @@ def test_a_hugging_face_llama_compiled_trains_as_transformers(tmp_path):
         engine.close()
     counters = dynamo_counters()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
+
+
+@pytest.mark.slow  # ten transformers layers traced by dynamo
+def test_the_jobs_own_loss_compiles_one_graph_for_a_hugging_face_model():
+    """`infinity train`'s loss of a Hugging Face model (models/build.py `_lm_loss`) calls it without a KV cache, so
+    a 10-layer Llama compiles one graph, not one per layer up to dynamo's recompile limit of 8 and the rest eager.
+    Planted: use_cache=False dropped from _lm_loss -> 8 graphs and recompiles, the test fails."""
+    import torch._dynamo
+
+    from infinity.config.job import ModelConfig
+    from infinity.models.build import build_model
+    torch._dynamo.reset()
+    dynamo_counters().clear()
+    torch.manual_seed(0)
+    bundle = build_model(ModelConfig(kind="llama", n_layer=10, d_model=32, n_head=2, seq_len=16), meta=False)
+    engine = infinity.initialize(bundle.model, {"placement": {"params": "host", "grads": "host", "optimizer": "host"},
+                                                "compile": {"units": True, "backend": "aot_eager"}})
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(2):
+            x = torch.randint(0, 256, (2, 17), generator=g)
+            engine.backward(bundle.loss(engine, x[:, :-1], x[:, 1:]))
+            engine.step()
+    finally:
+        engine.close()
+    counters = dynamo_counters()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"], dict(counters["stats"])
