@@ -129,10 +129,13 @@ def resolve_format(data, explicit: bool = False) -> tuple[str, str | None]:
             raise ConfigError(f'data.path = {data.path!r} holds JSON lines with a "{data.text_field}" field in a file '
                               f'that is not .jsonl, and data.format = "text" would train on the JSON syntax: name it '
                               f"*.jsonl to train on each record's {data.text_field!r}, or give a plain text file")
+        fix = ('set data.text_field to the field that holds the text, data.format = "chat" (a list of messages) or '
+               '"completion" (prompt and completion fields; data.*_field names them)')
+        if resolve(data.path).records:  # (Note [text records]: read by a field, never as JSON text)
+            raise ConfigError(f"data.path = {data.path!r} holds records with fields {sorted(record)}, none of them "
+                              f"data.text_field = {data.text_field!r} ({where}): {fix}")
         raise ConfigError(f'data.path = {data.path!r} holds JSON records with fields {sorted(record)}, and '
-                          f'data.format = "text" would train on the JSON syntax: set data.text_field to the field '
-                          f'that holds the text, data.format = "chat" (a list of messages) or "completion" (prompt '
-                          f"and completion fields; data.*_field names them), or give a plain text file")
+                          f'data.format = "text" would train on the JSON syntax: {fix}, or give a plain text file')
     if kind is not None and kind != data.format and kind != "text":
         fields = ", ".join(sorted(record))
         raise ConfigError(f'data.format = "{data.format}" but {where} is a {kind} record ({fields}): set '
@@ -234,15 +237,19 @@ def no_samples(path: str) -> DataError:
     return DataError(f"{path}: no record has a token to train on; check data.format and the field names")
 
 
+def record_files(path: str, key: str = "data.path"):
+    """The record files `path` names (sources.resolve), or the ConfigError naming one that is not of records."""
+    found = resolve(path, key)
+    if not found.records:
+        raise ConfigError(f"{found.say(found.files[0])}: data.format needs .jsonl, .json, .parquet or .arrow files; "
+                          f'rename or convert it, or set data.format = "text" to train on it as plain text')
+    return found
+
+
 def record_stream(path: str, key: str = "data.path"):
     """(where, record) of each record of the files `path` names, in order, read as they are consumed (Note [text
     records]: never held whole)."""
-    found = resolve(path, key)
-    if not found.records:
-        file = found.files[0]
-        raise ConfigError(f"{found.say(file) if found.several else key + ' = ' + repr(path)}: data.format needs "
-                          f".jsonl, .json, .parquet or .arrow files; rename or convert it, or set data.format = "
-                          f'"text" to train on it as plain text')
+    found = record_files(path, key)
     for file in found.files:
         yield from stream_records(file, found.say(file))
 
@@ -353,8 +360,9 @@ def attention_inputs(x: torch.Tensor, dtype: torch.dtype) -> dict:
 def masked_loss(dtype: torch.dtype):
     """loss(forward, x, y, num_items=None) of collated rows: the mean cross-entropy over the targets that are not
     -100, or their sum over `num_items` (the window's items: Note [token-weighted windows])."""
+    from infinity.models.build import without_cache
+
     def loss(forward, x, y: torch.Tensor, num_items: int | None = None) -> torch.Tensor:
-        from infinity.models.build import without_cache
         inputs = x if isinstance(x, dict) else attention_inputs(x, dtype)  # (a dict: built ahead, ahead.py)
         return token_loss(forward(**inputs, **without_cache(inputs["input_ids"])).logits, y, num_items)
     return loss

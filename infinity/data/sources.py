@@ -215,7 +215,7 @@ def stream_records(file: Path, say: str, columns: list[str] | None = None) -> It
             for row in rows:
                 n += 1
                 yield f"{file} record {n}", row
-    except (ConfigError, GeneratorExit):
+    except ConfigError:
         raise
     except Exception as e:  # pyarrow and datasets raise many kinds (ArrowInvalid, DatasetGenerationError, ...)
         raise DataError(f"{file}: it cannot be read as {RECORD_KINDS[suffix]} ({type(e).__name__}: {e}); fix the "

@@ -166,16 +166,14 @@ def _cached_samples(job: Job, tokenizer, where: str, path: str, key: str = "data
     import collections
 
     from infinity.data.pool import ordered_map, render_records, workers_for
-    from infinity.data.samples import SampleShard, check_template, no_samples, record_stream
+    from infinity.data.samples import SampleShard, check_template, no_samples, record_files
     from infinity.data.shards import RECORDS_PER_CHUNK, TokenizeProgress
-    from infinity.data.sources import SampleChain, cut, resolve, stream_records
+    from infinity.data.sources import SampleChain, cut, stream_records
     d = job.data
     settings = {"format": d.format, "prompt_field": d.prompt_field, "completion_field": d.completion_field,
                 "messages_field": d.messages_field, "train_on_prompt": d.train_on_prompt,
                 "truncation": d.truncation, "seq_len": job.model.seq_len}
-    found = resolve(path, key)
-    if not found.records:
-        next(record_stream(path, key))  # its error names the file that is not of records
+    found = record_files(path, key)
     check_template(d, tokenizer, where)
     pool = _pool_settings(tokenizer, where, {"data": d, "seq_len": job.model.seq_len})
 

@@ -374,7 +374,8 @@ def test_records_under_the_text_format_are_read_as_what_they_are_or_refused(tmp_
         for got, want in zip(job_batches(job).batch(0, 0), explicit.batch(0, 0)):
             assert torch.equal(got, want)
     titles = write_jsonl(tmp_path / "t.jsonl", [{"title": "hello"}] * 4)
-    with pytest.raises(ConfigError, match=r"fields \['title'\].*would train on the JSON syntax: set data.text_field"):
+    with pytest.raises(ConfigError, match=r"fields \['title'\], none of them data.text_field = 'text'.*: "
+                                          r"set data.text_field"):
         job_batches(load_job(None, common + [f"data.path={titles}"]))
     with pytest.raises(ConfigError, match=r'data.format = "completion" but .*c.jsonl line 1 is a chat record.*'
                                           r'set data.format = "chat"'):

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from test_finetune_data import _varied_chats, make_llama, write_jsonl  # noqa: E402
+from test_finetune_data import _varied_chats, write_jsonl  # noqa: E402
 
 from infinity.config.options import ConfigError  # noqa: E402
 from infinity.data.batches import SHIPPED_PATH, Batches, byte_tokens, split  # noqa: E402
@@ -27,13 +27,6 @@ from infinity.data.tokenized import corpus_tokens, job_batches, prepare, reader_
 from infinity.job.spec import load_job  # noqa: E402
 
 KJV = gzip.decompress(SHIPPED_PATH.read_bytes())
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    _, tok = make_llama(path)
-    return path, tok
 
 
 def _corpus(tmp_path):

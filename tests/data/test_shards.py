@@ -15,7 +15,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_finetune_data import _varied_chats, make_llama, write_jsonl  # noqa: E402
+from test_finetune_data import _varied_chats, write_jsonl  # noqa: E402
 
 from infinity.data.batches import SHIPPED_PATH, Batches, byte_tokens, load_tokens, split  # noqa: E402
 from infinity.data.samples import load_samples  # noqa: E402
@@ -24,13 +24,6 @@ from infinity.data.tokenized import _cached_samples, corpus_tokens, job_batches 
 from infinity.job.spec import load_job  # noqa: E402
 
 KJV = gzip.decompress(SHIPPED_PATH.read_bytes())
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    _, tok = make_llama(path)
-    return path, tok
 
 
 def test_the_smallest_dtype_holds_the_vocabulary():
