@@ -91,6 +91,14 @@ def params_alias_master(compute_dtype: torch.dtype, master_dtype: torch.dtype, p
     return compute_dtype == master_dtype and params is Tier.NVME and optimizer is Tier.NVME and same_layout
 
 
+def uploads_master(params: Tier, optimizer: Tier, cuda: bool) -> bool:
+    """Whether an update's new parameters go up to the device as the master's own host bytes, in the master's
+    dtype, cast to the compute dtype on the device (Note [async upload] in memory/manager.py): parameters on the
+    device, the optimizer state in host memory, a GPU. Per element that moves the master's bytes up (4 for an
+    fp32 master under bf16 compute, not 2) and takes the cast off the CPU that runs the update."""
+    return cuda and params is Tier.DEVICE and optimizer is Tier.HOST
+
+
 class Residency(enum.Enum):
     """Lifecycle of one stored chunk.
 

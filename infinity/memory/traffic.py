@@ -12,6 +12,9 @@ Note [working memory]: the buffers a step needs beyond the state, per tier, term
                            (the one running and the prefetched ones; one more while a block checkpointed
                            whole recomputes: Note [tiles are units]), compute dtype
            flat_grad       one fp32 flat gradient of the largest unit and its reduce-scattered shard
+           upload_cast     with parameters on the device and an fp32 master in host memory under 16-bit
+                           compute, one optimizer chunk's new master on its way up, cast there (Note
+                           [async upload] in manager.py; the worker's stream reuses it chunk after chunk)
     HOST   update_staging  the update pipeline's staging pool: a replay of two optimizer steps' buffer
                            requests (OffloadedOptimizer reads UPDATE_READS_AHEAD tasks ahead and keeps at
                            most UPDATE_WRITES_IN_FLIGHT stores pending) over io_engine's size classes
@@ -62,7 +65,9 @@ own layout; W = the trainable part of P, what an update rewrites); `unit_traffic
                After the optimizer step the new params are written: nvme: write W (none when they
                alias the master: its write is theirs); the first fetch after it reads the copy kept
                in memory, not the disk (Note [fresh parameters]: the engine's `kept_params` says
-               which chunks). With a GPU, new params cross once between where Adam ran and their tier (W).
+               which chunks). With a GPU, new params cross once between where Adam ran and their tier (W;
+               from a host-tier master to device parameters in the master's dtype, cast on the device:
+               Note [async upload] in manager.py).
     grads      each micro-batch's reduced shard is stored (nvme: write G; with a GPU, d2h G unless on
                the device), micro-batches after the first fetch the sum so far (nvme: read G; h2d G);
                the optimizer reads its update range's part of G (nvme), crossing to where it runs (with a GPU).
@@ -98,7 +103,7 @@ from infinity.memory.plan import (
     optimizer_bytes_per_element,
     state_bytes,
 )
-from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype, Tier
+from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype, Tier, uploads_master
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")  # the keys of memory_report()["bytes_moved"]
 # What OffloadedOptimizer holds (its defaults are these): tasks whose reads are issued ahead of the one
@@ -251,8 +256,11 @@ def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     largest = max(u.unsharded_numel for u in units)
     largest_shard = max(u.shard_numel for u in units)  # the parameters a rank stores (stage 3: its partition)
     held = units_ahead + 1 + any(u.fetches > 2 for u in units[1:])  # (+ a recomputation's unit: Note [tiles are units])
+    master_size = itemsize(Kind.MASTER, state_dtype)
+    casts_up = uploads_master(tiers_of["params"], tiers_of["optimizer"], cuda) and master_size != csize
     device = {"unsharded": (root.unsharded_numel + sum(rest[:held])) * csize,
-              "flat_grad": largest * 4 + largest_shard * 4}
+              "flat_grad": largest * 4 + largest_shard * 4,
+              "upload_cast": max(max(u.chunks(Kind.MASTER), default=0) for u in units) * master_size if casts_up else 0}
     nvme_kinds = {k: tiers_of[k.group] is Tier.NVME for k in Kind}  # the same for every unit here
     on_nvme = lambda u, k: nvme_kinds[k]  # noqa: E731
     staging = update_staging_bytes(units, compute_dtype, on_nvme,
@@ -458,7 +466,8 @@ def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_dtype: tor
     if cuda and params is not Tier.DEVICE:
         t.fb["h2d"] += fetches * P
     if cuda and (params is Tier.DEVICE) != opt_on_gpu:  # new params cross between where Adam ran and their tier
-        t.opt["h2d" if params is Tier.DEVICE else "d2h"] += W
+        up = sizes.written_params * master_bytes if uploads_master(params, optim, cuda) else W  # (as the master)
+        t.opt["h2d" if params is Tier.DEVICE else "d2h"] += up
     # grads: stored every micro-batch, accumulated from the second on, read by the optimizer
     if grads is Tier.NVME:
         t.fb["nvme_write"] += accum * G

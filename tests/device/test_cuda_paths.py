@@ -769,10 +769,11 @@ def test_worker_steps_each_unit_once_the_device_has_its_gradients():
 @pytest.mark.parametrize("compute,optimizer", [("fp32", "host"), ("bf16", "host"), ("fp32", "nvme")])
 def test_updated_parameters_go_up_without_the_updating_thread_waiting(compute, optimizer, tmp_path, monkeypatch):
     """Note [async upload]: a master's update is copied to the device parameters (faked by meta) with no host sync
-    on the updating thread. A host-tier fp32 master is the copy's source itself (no staging buffer), and the next
-    fetch that lets the CPU rewrite it waits for the copy; a bf16 cast, or a master read from NVMe (whose staging
-    buffer its own disk write releases), goes through a staging buffer of its own that returns to the pool only
-    once the copy's event has completed: no buffer is handed back twice."""
+    on the updating thread. A host-tier fp32 master is the copy's source itself (no staging buffer), under bf16
+    compute too (its 4 bytes an element go up and are cast on the device: no cast on the CPU), and the next
+    fetch that lets the CPU rewrite it waits for the copy; a master read from NVMe (whose staging buffer its own
+    disk write releases) is cast into a staging buffer of its own that returns to the pool only once the copy's
+    event has completed: no buffer is handed back twice."""
     recipe = Recipe()
     config = recipe.config(params="device", grads="host", optimizer=optimizer) | {
         "precision": {"compute_dtype": compute}, "nvme": {"paths": [str(tmp_path)]}}
@@ -792,11 +793,14 @@ def test_updated_parameters_go_up_without_the_updating_thread_waiting(compute, o
         master = manager.fetch(unit, Kind.MASTER, None, torch.device("cpu")).wait()  # the tier's bytes, or staging
         staged.clear()
         streams.complete = False  # the copy has not finished on the device
+        up = manager.bytes_moved["h2d"]
         with count_host_syncs() as syncs:
             writes = manager.store_master(unit, None, master)
         assert syncs == [] and all(e[0] != "host waits" for e in streams.log), streams.log
-        if (compute, optimizer) == ("fp32", "host"):
-            assert staged == []
+        assert manager.bytes_moved["h2d"] - up == master.numel() * (4 if optimizer == "host" else shard.dtype.itemsize)
+        if optimizer == "host":
+            assert staged == [] and shard.resident.dtype == getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[
+                compute])
             streams.log.clear()
             manager.fetch(unit, Kind.MASTER, None, torch.device("cpu")).wait()  # the next update rewrites it
             assert streams.log == [("host waits", "current")]

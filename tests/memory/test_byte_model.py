@@ -147,3 +147,25 @@ def test_a_speculation_size_that_cannot_act_is_said_in_the_plan(speculation, tmp
     plan = plan_for_config(sizes, config, budgets)
     said = [r for r in plan.reasons if r.startswith("overlap.speculation")]
     assert plan.speculation == 0 and len(said) == (speculation != "auto"), plan.reasons
+
+
+@pytest.mark.parametrize("compute,optimizer,expected", [("bf16", "host", 4), ("fp32", "host", 0), ("bf16", "nvme", 0),
+                                                        ("bf16", "device", 0)])
+def test_a_master_cast_on_the_device_takes_one_chunk_there(compute, optimizer, expected):
+    """Note [async upload]: with parameters on the GPU and an fp32 master in host memory under bf16 compute, the
+    update's new master goes up as it is and is cast on the device: one optimizer chunk of fp32 bytes there (the
+    largest), and 4 bytes an element on h2d per step instead of the parameters' 2. Otherwise nothing of it."""
+    from infinity.memory.plan import UnitSizes
+    from infinity.memory.traffic import plan_traffic, working_terms
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[compute]
+    units = tuple(UnitSizes.uniform(f"u{i}", 5000, 5000, chunk_numels=(3000, 2000)) for i in range(3))
+    tiers_of = {"params": Tier.DEVICE, "grads": Tier.HOST, "optimizer": Tier(optimizer)}
+    terms = working_terms(units, dtype, tiers_of, units_ahead=1, cuda=True)
+    assert terms[Tier.DEVICE]["upload_cast"] == 3000 * expected
+    assert working_terms(units, dtype, tiers_of, units_ahead=1, cuda=False)[Tier.DEVICE]["upload_cast"] == 0
+    if optimizer == "host":
+        from infinity.memory.plan import Plan
+        plan = Plan(tiers=tuple({k: tiers_of[k.group] for k in Kind} for _ in units), units=units,
+                    compute_dtype=dtype)
+        up = plan_traffic(plan, cuda=True, accum=1, kept=frozenset()).opt["h2d"]
+        assert up == 3 * 5000 * 4  # the master's bytes, whatever the compute dtype

@@ -169,7 +169,9 @@ def _events(tiers: dict[str, str], *, accum: int, is_root: bool) -> list[tuple[s
     out.append(("grads", "read" if tiers["grads"] == "nvme" else "", where[tiers["grads"]], opt_at))
     for kind in ("master", "exp_avg", "exp_avg_sq"):
         out.append((kind, "write" if tiers["optimizer"] == "nvme" else "", opt_at, where[tiers["optimizer"]]))
-    out.append(("params", "write" if tiers["params"] == "nvme" else "", opt_at, where[tiers["params"]]))
+    # a host master goes up to device parameters as it is (fp32), cast there (Note [async upload])
+    new_params = "master" if (tiers["params"], tiers["optimizer"]) == ("device", "host") else "params"
+    out.append((new_params, "write" if tiers["params"] == "nvme" else "", opt_at, where[tiers["params"]]))
     return out
 
 
