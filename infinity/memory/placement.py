@@ -83,7 +83,8 @@ def plan_placement(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, *, 
     the GPU and fits its staging on the device (Note [device lane]).
     `state_dtype`: what the optimizer state is stored in (`[optimizer] state_dtype`; its bytes per element).
     """
-    settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written, "state_dtype": state_dtype}
+    settings = {"cuda": not budgets.shared_ram, "keep_written": keep_written, "state_dtype": state_dtype,
+                "grad_accum_steps": grad_accum_steps}
     if policy == "static":
         tiers_of = {g: Tier.parse(static[g]) for g in GROUPS}
         plan = _build(units, compute_dtype, tiers_of, units_ahead, settings,

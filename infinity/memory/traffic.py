@@ -12,6 +12,9 @@ Note [working memory]: the buffers a step needs beyond the state, per tier, term
                            (the one running and the prefetched ones; one more while a block checkpointed
                            whole recomputes: Note [tiles are units]), compute dtype
            flat_grad       one fp32 flat gradient of the largest unit and its reduce-scattered shard
+           grad_sum_ahead  accumulating (grad_accum_steps > 1) with gradients off the device (NVMe without one):
+                           the largest unit's gradient sum so far, fetched as its backward starts (Note
+                           [gradient sums ahead] in runtime/grad_reduce.py) beside the one being added
            upload_cast     with parameters on the device and an fp32 master in host memory under 16-bit
                            compute, one optimizer chunk's new master on its way up, cast there (Note
                            [async upload] in manager.py; the worker's stream reuses it chunk after chunk)
@@ -246,7 +249,8 @@ def read_ahead_term(update_staging: int, read_ahead: int, one_kind_chunk: int) -
 
 def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
                   units_ahead: int, *, cuda: bool = False, keep_written: bool = True,
-                  read_ahead: int = 0, state_dtype: StateDtype = StateDtype.FP32) -> dict[Tier, dict[str, int]]:
+                  read_ahead: int = 0, state_dtype: StateDtype = StateDtype.FP32,
+                  grad_accum_steps: int = 1) -> dict[Tier, dict[str, int]]:
     """Note [working memory], term by term, for every unit's groups on the tiers of `tiers_of`
     (the planner passes a group's slowest tier of any unit: its staging exists once one unit has it)."""
     if not units:
@@ -261,6 +265,9 @@ def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
     device = {"unsharded": (root.unsharded_numel + sum(rest[:held])) * csize,
               "flat_grad": largest * 4 + largest_shard * 4,
               "upload_cast": max(max(u.chunks(Kind.MASTER), default=0) for u in units) * master_size if casts_up else 0}
+    grads_tier = tiers_of["grads"]
+    sums_staged = grad_accum_steps > 1 and grads_tier is not Tier.DEVICE and (cuda or grads_tier is Tier.NVME)
+    device["grad_sum_ahead"] = max(u.numel(Kind.GRADS) for u in units) * 4 if sums_staged else 0
     nvme_kinds = {k: tiers_of[k.group] is Tier.NVME for k in Kind}  # the same for every unit here
     on_nvme = lambda u, k: nvme_kinds[k]  # noqa: E731
     staging = update_staging_bytes(units, compute_dtype, on_nvme,

@@ -1,10 +1,10 @@
 """Engine: the training loop's surface (forward, backward, step) over sharded, tiered state.
 
-`initialize` builds an Engine: it resolves the process group and device, splits the model into units, plans where
-every state kind lives, checks the budgets, and materializes the model one unit at a time into its tiers. The engine
-then drives the units through hooks (unshard before use, reshard after, reduce-scatter gradients as soon as they
-are final) and hands each accumulation window's update to its update mode, one type per way of overlapping it
-(Note [overlap] in update_modes.py): the engine never asks which one runs.
+`initialize` builds an Engine: it resolves the process group and device, splits the model into units, plans where every
+state kind lives, checks the budgets, and materializes the model one unit at a time into its tiers. The engine then
+drives the units through hooks (unshard before use, reshard after, reduce-scatter gradients as soon as they are final)
+and hands each accumulation window's update to its update mode, one type per way of overlapping it (Note [overlap] in
+update_modes.py): the engine never asks which one runs.
 """
 
 from __future__ import annotations
@@ -126,10 +126,9 @@ class Engine:
                                   in_backward=lambda: self._in_backward, backward_done=self._backward_done,
                                   pre_recompute=self.recompute.pre, post_recompute=self.recompute.post,
                                   keep_hook=self.graph_hooks.keep)
-        for unit in self.units:
-            handles, counter = install_unit_hooks(unit, callbacks, with_module_hooks=unit.index != 0)
-            self._handles += handles
-            self._counters.append(counter)
+        installed = [install_unit_hooks(u, callbacks, with_module_hooks=u.index != 0) for u in self.units]
+        self._handles += [h for handles, _ in installed for h in handles]
+        self._counters += [counter for _, counter in installed]
         self._handles += self.activations.install() + [self.graph_hooks]  # (after unit hooks: Note [unit checkpoints])
         self.inference = InferenceForwards(model, self.units[0], self._pre_forward, self.prefetcher, self.env.device,
                                            backward_pending=lambda: self._backward_pending)
@@ -143,11 +142,11 @@ class Engine:
         self._backward_pending = self._in_backward = self._closed = False  # in backward, forward hooks recompute
         self.run_id = broadcast_object(secrets.token_hex(8), self.env.group)  # names the checkpoints this run writes
         self._saved_checkpoints: list[str] = []
-        # Note [switch interval]: I/O completions, the prefetcher and the optimizer worker run Python and need the
-        # GIL, which the training thread holds between torch ops. At the default 5 ms a waiting thread can wait 5 ms
-        # per 1 MiB block the disk moves in 0.3 ms (0.5 ms: the disk at half speed); at 0.1 ms the out-of-core step
-        # went from 5.0-8.4 s to 4.5-4.7 s (0.05, 0.02 ms: no better; benchmarks/history/from-notes.md). `[io]
-        # switch_interval_us` sets it while the engine is open (last in __init__: a failed initialize leaves it).
+        # Note [switch interval]: I/O completions, the prefetcher and the optimizer worker run Python and need the GIL,
+        # which the training thread holds between torch ops. At the default 5 ms a waiting thread can wait 5 ms per 1
+        # MiB block the disk moves in 0.3 ms (0.5 ms: the disk at half speed); at 0.1 ms the out-of-core step went from
+        # 5.0-8.4 s to 4.5-4.7 s (0.05, 0.02 ms: no better; benchmarks/history/from-notes.md). `[io] switch_interval_us`
+        # sets it while the engine is open (last in __init__: a failed initialize leaves it).
         self._saved_switch_interval = sys.getswitchinterval()
         if config.io.switch_interval_us > 0:
             sys.setswitchinterval(config.io.switch_interval_us * 1e-6)
@@ -165,6 +164,7 @@ class Engine:
             self.prefetcher.before_backward(unit)
             self.prefetcher.wait_for(unit)
             self.prefetcher.gather_ahead()  # the next unit's all-gather runs while this one computes
+            self.reducer.fetch_ahead(unit, self.env.device, window_open=self.window.taken_in_window > 0)
 
     def _post_forward(self, unit: Unit) -> None:
         with self.clock.host("hooks", unit.name, during="forward"):
@@ -242,6 +242,7 @@ class Engine:
         finally:
             self._in_backward = False
             self.graph_hooks.remove()
+            self.reducer.backward_ended()  # (Note [gradient sums ahead]: those not taken go back)
         with self.clock.host("engine", during="backward", then="caller"):
             final = self.window.ends_now()
             for unit, counter in zip(self.units, self._counters):
@@ -465,10 +466,9 @@ class Engine:
                 for h in self._handles:
                     h.remove()
                 self.manager.close()
-                if self.swap is not None:
-                    self.swap.close()
-                if self.io is not None:
-                    self.io.close()
+                for opened in (self.swap, self.io):  # (the swap files first: their I/O engine after them)
+                    if opened is not None:
+                        opened.close()
                 sys.setswitchinterval(self._saved_switch_interval)
                 if self.env.owns_group:
                     torch.distributed.destroy_process_group()  # (imported by collectives.py)

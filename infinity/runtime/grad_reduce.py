@@ -14,6 +14,17 @@ accumulation window the squared norm of each finished gradient is kept for
 clipping, so the step never reads gradients twice: each rank counts only its
 partition (`UnitGradients.norm_part`), so the all-reduced sum is the true norm at every
 stage.
+
+Note [gradient sums ahead]: after a window's first backward, each unit's gradient is added to the window's
+sum so far, read from the gradient store. Fetched when the unit's gradient is done, that read is on the
+backward's critical path whenever the store is not where the add runs: the compute stream waits for the
+sum's copy up before the next unit's backward (gradients in host memory on a GPU: on the H200 a 1.12B
+Llama's unit sum is ~195 MB, ~4 ms up against ~5 ms of the unit's backward), and the training thread waits for
+the disk (gradients on NVMe). So the engine's pre-backward hook issues the fetch (`fetch_ahead`) as the unit's
+backward starts, and the read runs under its backward (not the root's: it has no such hook, and its gradient
+ends the backward; held through all of it, an embedding's sum would cost its size). It holds one more sum at a
+time (the working term `grad_sum_ahead`, memory/traffic.py); a sum fetched ahead and not added by the backward's
+end is released then.
 """
 
 from __future__ import annotations
@@ -43,6 +54,8 @@ class GradReducer:
         self._in_flight: deque = deque()
         self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient partition
         self._writes: list = []
+        self._ahead: dict[int, object] = {}  # unit index -> its gradient sum's fetch, issued ahead (Pending)
+        self._added: set[int] = set()  # units whose sum this backward has taken (not fetched ahead again)
         self.before_unit = before_unit  # called with a unit before its gradient store is touched
         self.on_final = on_final  # called with a unit and its partition's squared norm once its gradient is final
         # called with a unit, its final gradient as stored and the store's chunk(s), which the callee may keep to read
@@ -91,11 +104,33 @@ class GradReducer:
         if self.before_unit is not None:
             self.before_unit(unit)
 
+    def fetch_ahead(self, unit: Unit, device: torch.device, window_open: bool) -> None:
+        """Issue the fetch of `unit`'s gradient sum so far as its backward starts (Note [gradient sums ahead]);
+        `window_open`: the window has taken a backward already (the store holds this window's sum)."""
+        m = self.manager
+        if (not window_open or unit.index in self._ahead or unit.index in self._added or unit.trainable_numel == 0
+                or m.is_zero(unit.index, Kind.GRADS)):
+            return
+        self.before(unit)  # (no update is left reading the store inside a window: this waits for nothing)
+        self._ahead[unit.index] = m.fetch(unit.index, Kind.GRADS, None, device, urgent=True)
+
     def fetch(self, unit: Unit, device: torch.device) -> torch.Tensor:
-        """The window's gradient so far (the whole store), to add to."""
-        pending = self.manager.fetch(unit.index, Kind.GRADS, None, device, urgent=True)  # backward waits for it
+        """The window's gradient so far (the whole store), to add to: fetched ahead, or now."""
+        self._added.add(unit.index)
+        pending = self._ahead.pop(unit.index, None)
+        if pending is None:
+            pending = self.manager.fetch(unit.index, Kind.GRADS, None, device, urgent=True)  # backward waits for it
         with self.profiler.wait(Link.NVME_READ, f"accumulate grads {unit.name}"):
             return pending.wait()
+
+    def backward_ended(self) -> None:
+        """Autograd's backward has returned (or raised): release the sums fetched ahead that no gradient took.
+        (What is left to add after it, reductions still in flight and the zeros of units without a gradient,
+        fetches its own: in flight then is the last gradient done, the root's, never fetched ahead.)"""
+        for pending in self._ahead.values():
+            self.manager.release(pending.wait())
+        self._ahead.clear()
+        self._added.clear()
 
     def store(self, unit: Unit, chunk, tensor: torch.Tensor, release: bool) -> None:
         while self._writes:
