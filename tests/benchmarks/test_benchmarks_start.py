@@ -77,6 +77,8 @@ TINY = {
     "bench_gil.py": ["--dir", "{dir}", "--size", "64MiB", "--repeats", "1", "--intervals-us", "5000",
                      "--json", "{json}"],  # (64 MiB: it writes in 32 MiB requests)
     "bench_gpu.py": ["--tiny", "--device", "cpu", "--cases", "a", "--json", "{json}"],
+    "bench_grad_sums.py": ["--dir", "{dir}", "--layers", "1", "--d-model", "64", "--accum", "2", "--windows", "2",
+                           "--repeats", "1", "--json", "{json}"],
     "bench_out_of_core.py": ["--dir", "{dir}", "--layers", "1", "--d-model", "64", "--heads", "2", "--vocab", "256",
                              "--seq", "16", "--steps", "1", "--json", "{json}"],
     "bench_replay.py": ["--dir", "{dir}", "--layers", "1", "--d-model", "64", "--heads", "2", "--vocab", "256",
