@@ -13,7 +13,7 @@ Note [working memory]: the buffers a step needs beyond the state, per tier, term
                            whole recomputes: Note [tiles are units]), compute dtype
            flat_grad       one fp32 flat gradient of the largest unit and its reduce-scattered shard
            grad_sum_ahead  accumulating (grad_accum_steps > 1) with gradients off the device (NVMe without one):
-                           the largest unit's gradient sum so far, fetched as its backward starts (Note
+                           the largest non-root unit's gradient sum so far, fetched as its backward starts (Note
                            [gradient sums ahead] in runtime/grad_reduce.py) beside the one being added
            upload_cast     with parameters on the device and an fp32 master in host memory under 16-bit
                            compute, one optimizer chunk's new master on its way up, cast there (Note
@@ -267,7 +267,8 @@ def working_terms(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tier
               "upload_cast": max(max(u.chunks(Kind.MASTER), default=0) for u in units) * master_size if casts_up else 0}
     grads_tier = tiers_of["grads"]
     sums_staged = grad_accum_steps > 1 and grads_tier is not Tier.DEVICE and (cuda or grads_tier is Tier.NVME)
-    device["grad_sum_ahead"] = max(u.numel(Kind.GRADS) for u in units) * 4 if sums_staged else 0
+    ahead = max((u.numel(Kind.GRADS) for u in units[1:]), default=0) * 4  # (never the root's: it has no hook)
+    device["grad_sum_ahead"] = ahead if sums_staged else 0
     nvme_kinds = {k: tiers_of[k.group] is Tier.NVME for k in Kind}  # the same for every unit here
     on_nvme = lambda u, k: nvme_kinds[k]  # noqa: E731
     staging = update_staging_bytes(units, compute_dtype, on_nvme,

@@ -176,10 +176,11 @@ def test_a_master_cast_on_the_device_takes_one_chunk_there(compute, optimizer, e
                                                    ("device", True, 4, False)])
 def test_a_gradient_sum_fetched_ahead_is_one_more_units_gradient(grads, cuda, accum, held):
     """Note [gradient sums ahead]: accumulating with the gradients where the add does not run (NVMe; host memory
-    beside a GPU), the largest unit's gradient sum is held one backward ahead: 4 bytes an element of its store."""
+    beside a GPU), the largest unit's gradient sum is held one backward ahead: 4 bytes an element of its store (not
+    the root's, here the largest: it is read when its gradient is done, as before)."""
     from infinity.memory.plan import UnitSizes
     from infinity.memory.traffic import working_terms
-    units = tuple(UnitSizes.uniform(f"u{i}", n, n, chunk_numels=(n,)) for i, n in enumerate((700, 5000, 3000)))
+    units = tuple(UnitSizes.uniform(f"u{i}", n, n, chunk_numels=(n,)) for i, n in enumerate((9000, 5000, 3000)))
     tiers_of = {"params": Tier.HOST, "grads": Tier(grads), "optimizer": Tier.HOST}
     terms = working_terms(units, torch.float32, tiers_of, units_ahead=1, cuda=cuda, grad_accum_steps=accum)
     assert terms[Tier.DEVICE]["grad_sum_ahead"] == (5000 * 4 if held else 0)
