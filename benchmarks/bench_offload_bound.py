@@ -6,16 +6,18 @@ in the same run (cases m1, m2 and d2).
     python benchmarks/bench_offload_bound.py --cases d2 --json d2.json      # DeepSpeed on m1's model and batch
     python benchmarks/bench_offload_bound.py --tiny --device cpu            # the smoke test (tests/benchmarks)
 
-Case m1: bench_gpu.py's case l model (the 1.12B Llama, bf16 compute) with `placement.tail_units = 0`: every
-unit's gradients and optimizer state in pinned host RAM, every element updated by the CPU's Adam. Runs, each in
-steady steps (`--steps` back to back, one synchronize at the end): `no_clip`; `clip` (grad_clip 1.0, firing: the
-update waits for the norm, Note [speculation default]); `clip_lane` (the same with `overlap.device_lane = "on"`,
-Note [device lane]); `accum4` (4 micro-batches accumulated per step; torch's reference accumulates the same 4 on
-the device). Floors: `gpu_compute` (torch's forward and backward of the same model and batch under bf16
-autocast, no optimizer), `cpu_adam` (infinity's CPU Adam kernel over the elements the plan updates on the host),
-`pcie` (the step's predicted host<->device bytes, `traffic.bytes_per_step`, over pinned-copy bandwidth measured
-here). `ratio` = steady step / max(floors) (bar <= 1.2); `speed` = torch all on the device / ours (bar >= 0.50);
-`clip_over_no_clip` (bar <= 1.1); `accum4_speed` = torch's accumulated step / ours (bar >= 0.85).
+Case m1: bench_gpu.py's case l model (the 1.12B Llama, bf16 compute) with `placement.tail_units = 0`: every unit's
+gradients and optimizer state in pinned host RAM, every element updated by the CPU's Adam. Runs, each in steady
+steps (`--steps` back to back, one synchronize at the end): `no_clip`; `clip` (grad_clip 1.0, firing: the update
+waits for the norm, Note [speculation default]); `clip_lane` (the same with `overlap.device_lane = "on"`, Note
+[device lane]); `accum4` (4 micro-batches accumulated per step; torch's reference accumulates the same 4 on the
+device); with `--m1-runs` also `accum4_lane` (the same with the device lane: after the last micro-batch the CPU's
+Adam of every unit is the update's tail, which the GPU can share). Floors: `gpu_compute` (torch's forward and
+backward of the same model and batch under bf16 autocast, no optimizer), `cpu_adam` (infinity's CPU Adam kernel over
+the elements the plan updates on the host), `pcie` (the step's predicted host<->device bytes,
+`traffic.bytes_per_step`, over pinned-copy bandwidth measured here). `ratio` = steady step / max(floors) (bar <=
+1.2); `speed` = torch all on the device / ours (bar >= 0.50); `clip_over_no_clip` (bar <= 1.1); `accum4_speed` =
+torch's accumulated step / ours (bar >= 0.85).
 
 Case m2: the largest Llama of the 13B width (the 7B width on a GPU under 100 GiB) whose fp32 training state
 (16 bytes a parameter: parameters, gradients, Adam's two moments) is at least 1.2x the GPU's memory and that
@@ -160,12 +162,17 @@ M1 = {"params": "device", "grads": "host", "optimizer": "host", "tail_units": 0}
 def case_m1(device, args) -> dict:
     lcfg = llama_config(args)
     (x,), xs4 = tokens(lcfg, args), tokens(lcfg, args, 4)
+    m1_runs = {"no_clip": (0.0, {}, [x]), "clip": (1.0, {}, [x]), "lane": (0.0, LANE, [x]),
+               "clip_lane": (1.0, LANE, [x]), "accum4": (0.0, {}, xs4), "accum4_lane": (0.0, LANE, xs4)}
+    names = ["no_clip", *(r for r in args.m1_runs.split(",") if r and r != "no_clip")]  # (no_clip: the base)
+    if unknown := [n for n in names if n not in m1_runs]:
+        raise SystemExit(f"--m1-runs: {', '.join(unknown)} not among {', '.join(m1_runs)}")
     bf16 = device.type == "cuda"
     torch_s = torch_steps(lcfg, [x], device, bf16, args, optimizer=True)
     torch_accum4_s = torch_steps(lcfg, xs4, device, bf16, args, optimizer=True)
     runs = {}
-    for name, clip, overlap, batches in (("no_clip", 0.0, {}, [x]), ("clip", 1.0, {}, [x]), ("lane", 0.0, LANE, [x]),
-                                         ("clip_lane", 1.0, LANE, [x]), ("accum4", 0.0, {}, xs4)):
+    for name in names:
+        clip, overlap, batches = m1_runs[name]
         runs[name] = diagnostic("m1", name, lambda: ours(lcfg, batches, device, args, M1, clip, overlap))
         print(f"case m1 {name}: {runs[name]}", flush=True)
     base = runs["no_clip"]
@@ -174,14 +181,18 @@ def case_m1(device, args) -> dict:
     params = sum(p.numel() for p in _meta_llama(lcfg).parameters())
     out = {"params": params, "torch_steady_s": torch_s, "torch_accum4_s": torch_accum4_s, "steady_s": step,
            "floors": measured, "ratio": step / max(measured.values()), "bar": 1.2, "speed": torch_s / step,
-           "bar_speed": 0.50, "clip_over_no_clip": runs["clip"]["steady_s"] / step, "bar_clip": 1.1,
-           "tflops": 6 * params * x.numel() / step / 1e12, "runs": runs}
-    if "steady_s" in runs["clip_lane"]:
-        out["clip_lane_over_no_clip"] = runs["clip_lane"]["steady_s"] / step
-    if "steady_s" in runs["lane"]:
-        out["lane_speed"] = torch_s / runs["lane"]["steady_s"]  # (unclipped, the device lane on: Note [device lane])
-    if "steady_s" in runs["accum4"]:
-        out.update(accum4_speed=torch_accum4_s / runs["accum4"]["steady_s"], bar_accum4=0.85)
+           "bar_speed": 0.50, "tflops": 6 * params * x.numel() / step / 1e12, "runs": runs}
+    measured = {name: run["steady_s"] for name, run in runs.items() if "steady_s" in run}
+    if "clip" in measured:
+        out.update(clip_over_no_clip=measured["clip"] / step, bar_clip=1.1)
+    if "clip_lane" in measured:
+        out["clip_lane_over_no_clip"] = measured["clip_lane"] / step
+    if "lane" in measured:
+        out["lane_speed"] = torch_s / measured["lane"]  # (unclipped, the device lane on: Note [device lane])
+    if "accum4" in measured:
+        out.update(accum4_speed=torch_accum4_s / measured["accum4"], bar_accum4=0.85)
+    if "accum4_lane" in measured:
+        out["accum4_lane_speed"] = torch_accum4_s / measured["accum4_lane"]  # (the update's tail on both workers)
     return out
 
 
@@ -324,6 +335,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--timeout", type=int, default=900, help="seconds for DeepSpeed's child process")
     ap.add_argument("--tiny", action="store_true", help="tiny models and one timed step (smoke test)")
+    ap.add_argument("--m1-runs", default="no_clip,clip,lane,clip_lane,accum4",
+                    help="case m1's runs, comma-separated (no_clip always runs: the others are measured against it): "
+                         "no_clip, clip, lane, clip_lane, accum4, accum4_lane (4 micro-batches with the device lane)")
     ap.add_argument("--m1-steady-s", type=float, default=None, help="case d2: infinity's step, m1's unclipped "
                     "steady step measured by an earlier run (gpu_check.sh), instead of running it again")
     ap.add_argument("--ds-stage", type=int, default=None, help=argparse.SUPPRESS)

@@ -117,7 +117,7 @@ def report(logs: str, elapsed_s: float | None) -> dict:
 
 # bench_gpu's diagnostics (no bar)
 INFO = ("steady_median_s", "spec_no_fire_over_no_clip", "all_cores_over_auto", "bound_over_auto", "tflops",
-        "clip_lane_over_no_clip", "lane_speed", "zero3_ratio")
+        "clip_lane_over_no_clip", "lane_speed", "accum4_lane_speed", "zero3_ratio")
 
 
 def table(rep: dict) -> str:
