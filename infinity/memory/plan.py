@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from infinity.memory.stages import KindLayout, UnitLayout
-from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype, Tier, params_alias_master, uploads_master
+from infinity.memory.tier import OPTIMIZER_KINDS, Kind, StateDtype, Tier, params_alias_master
 from io_engine import format_size
 
 GROUPS = ("params", "grads", "optimizer")
@@ -86,11 +86,6 @@ class Plan:
         """The unit's parameters are stored as its fp32 master (Note [aliased parameters], tier.py)."""
         tiers = {"params": self.tier(unit, Kind.PARAMS), "optimizer": self.tier(unit, Kind.MASTER)}
         return aliased(self.units[unit], tiers, self.compute_dtype, self.state_dtype)
-
-    def uploads_master(self, unit: int, cuda: bool) -> bool:
-        """The unit's updated parameters go up as its master's host bytes, cast on the device (Note [async
-        upload] in memory/manager.py; `tier.uploads_master`)."""
-        return uploads_master(self.tier(unit, Kind.PARAMS), self.tier(unit, Kind.MASTER), cuda)
 
     def state_bytes(self) -> dict[Tier, dict[Kind, int]]:
         """Bytes of state per tier and kind (Note [state bytes], traffic.py); a fresh copy of the plan's."""
