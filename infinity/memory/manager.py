@@ -360,12 +360,11 @@ class TieredMemoryManager:
         copy is queued on its stream from pinned host bytes, and those bytes are held until the copy has
         read them (a staging buffer returns to the pool after the copy's event; a host-tier master, copied
         from directly, gets the event as its chunks' `device_use`, which the next update's fetch waits for).
-        On the H200 the worker waited for each unit's upload, after a CPU copy of its master into staging,
-        before stepping the next unit. A host-tier master of another dtype than the parameters (fp32 under
-        bf16 compute) goes up as it is and is cast on the device (`tier.uploads_master`): the CPU's cast was
-        ~1.3 ms of every 8.4M-element chunk's ~3.7 ms on the worker (the H200's case l, 2026-11-27), the
-        update's critical path once the state does not fit the GPU, while the copy up is 2 more bytes per
-        element on a link the update leaves mostly idle (its other direction carries the gradients).
+        (On the H200 the worker once waited for each unit's upload before stepping the next.) A host-tier
+        master of another dtype than the parameters (fp32, bf16 compute) goes up as it is and is cast on the
+        device (`tier.uploads_master`): the CPU's cast was ~1.3 ms of each 8.4M-element chunk's ~3.7 ms on the
+        worker (the H200's case l, 2026-11-27), the update's critical path once the state does not fit the GPU;
+        the copy up is 2 more bytes an element on a link the update leaves mostly idle.
         """
         dtype = self.plan.dtype(Kind.MASTER)
         if master.dtype != dtype:
