@@ -190,7 +190,7 @@ with infinity.initialize(model, {"compile": {"units": True, "backend": backend}}
 # Note [estimate error]: measured / predicted over the model sources of benchmarks/bench_estimate.py --accuracy
 # (built-in GPT, a transformers Llama of a given shape, a pretrained directory with and without LoRA; min and max
 # of the medians; 2026-11-28, 2-core CPU, 23 GiB): what `infinity estimate` prints as its known error.
-STEP_ERROR = (1.67, 3.45)  # the steady step is under-predicted: the job's loop (metrics, profiler, data) is not probed
+STEP_ERROR = (1.67, 3.45)  # under-predicted: a small model's compute, FLOPs at the matmul rate (docs/estimate.md)
 PEAK_ERROR = (1.02, 1.06)
 ERROR_MEASURED = "2026-11-28, 2-core CPU, 23 GiB: benchmarks/bench_estimate.py --accuracy"
 
