@@ -25,20 +25,3 @@ def pytest_configure(config):
     import tempfile
     os.environ.setdefault("INFINITY_SUITE_CACHE", tempfile.mkdtemp(prefix="infinity-suite-cache-"))
     os.environ["INFINITY_CACHE_DIR"] = os.environ["INFINITY_SUITE_CACHE"]
-
-
-@pytest.fixture(scope="session")
-def _suite_cache():
-    return os.environ["INFINITY_SUITE_CACHE"]
-
-
-@pytest.fixture(scope="module")
-def module_cache(_suite_cache):
-    """The suite's own link-rate / runtime-probe cache (`INFINITY_CACHE_DIR`), for the modules that use it: the
-    runtime probe of an estimate (a fresh process that trains a tiny model) runs once per set of modules a run
-    imports in the whole suite, not once per test module, and no test reads or writes the user's own cache. A
-    test of the cache itself gives it a directory of its own."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("INFINITY_CACHE_DIR", _suite_cache)
-    yield
-    mp.undo()

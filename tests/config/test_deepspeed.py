@@ -23,7 +23,6 @@ ZERO3 = {  # ZeRO-3, parameters on NVMe, optimizer in CPU memory, clip 1.0, Adam
 TINY = ["model.n_layer=1", "model.d_model=16", "model.n_head=2", "model.seq_len=16", "run.eval_batches=1",
         "run.eval_every=0", "run.steps=5", "profile.enabled=false"]
 
-pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 def test_the_zero3_offload_config_translates_key_by_key():

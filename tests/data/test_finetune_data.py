@@ -5,7 +5,6 @@ rows whose samples never meet, truncation, bad data named by line, and `infinity
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
@@ -238,12 +237,11 @@ def _sums(n: int):
 
 
 @pytest.mark.slow  # ~40 s on 2 shared cores
-def test_train_completion_jsonl_learns_the_format_not_the_json(tmp_path, llama, monkeypatch):
+def test_train_completion_jsonl_learns_the_format_not_the_json(tmp_path, llama):
     """`infinity train` on a JSONL file: the export continues a prompt with a completion and stops (EOS), where
     training the file as text would continue it with JSON (issue 31)."""
     from infinity.job.spec import load_job
     from infinity.job.train import train
-    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
     path, _, tok = llama
     f = write_jsonl(tmp_path / "sums.jsonl", list(_sums(200)))
     job = load_job(None, [f"model.pretrained={path}", f"data.path={f}", "data.format=completion", "data.packing=true",
@@ -261,10 +259,9 @@ def test_train_completion_jsonl_learns_the_format_not_the_json(tmp_path, llama, 
 
 
 @pytest.mark.slow  # ~25 s: engine start
-def test_train_chat_padded_runs_and_counts_tokens(tmp_path, llama, monkeypatch):
+def test_train_chat_padded_runs_and_counts_tokens(tmp_path, llama):
     from infinity.job.spec import load_job
     from infinity.job.train import train
-    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
     path, _, tok = llama
     f = write_jsonl(tmp_path / "c.jsonl", [CHAT] * 6)
     job = load_job(None, [f"model.pretrained={path}", f"data.path={f}", "data.format=chat", "model.seq_len=64",

@@ -4,7 +4,6 @@ exported into <run>/export, loaded back by transformers with the engine's logits
 from __future__ import annotations
 
 import json
-import os
 import re
 
 import pytest
@@ -25,10 +24,6 @@ from infinity.models.build import build_model  # noqa: E402
 SMALL = ["model.seq_len=32", "run.batch_size=4", "run.eval_every=0", "run.eval_batches=1", "optimizer.lr=1e-2",
          "optimizer.warmup_steps=0"]
 
-
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
 
 
 @pytest.fixture(scope="module")

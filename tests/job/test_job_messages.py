@@ -22,7 +22,6 @@ from infinity.job.spec import load_job
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "run.batch_size=4",
         "run.eval_batches=1", "run.eval_every=0", "run.steps=4", "run.checkpoint_every=2", "run.log_every=1"]
 
-pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 def _sets(items: list[str]) -> list[str]:

@@ -20,7 +20,6 @@ from infinity.state.checkpoint import PARTIAL_MARKER
 TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=32", "run.batch_size=4",
         "run.eval_batches=1", "run.eval_every=0", "run.steps=6", "run.checkpoint_every=2"]
 
-pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ TINY = ["--set", "model.n_layer=1", "--set", "model.d_model=16", "--set", "model
         "--set", "run.steps=4", "--set", "profile.enabled=false", "--quiet"]
 
 
-pytestmark = pytest.mark.usefixtures("module_cache")  # one cache for the module (conftest.py)
 
 
 def train(capsys, root: Path, name: str, *extra: str) -> tuple[int, str]:

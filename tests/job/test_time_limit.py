@@ -23,7 +23,6 @@ TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=
         "run.eval_batches=1", "run.eval_every=0", "optimizer.total_steps=6", "optimizer.warmup_steps=2",
         "profile.enabled=false"]
 
-pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 def _sets(root: Path, name: str, *more: str) -> list[str]:

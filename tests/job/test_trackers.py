@@ -26,7 +26,6 @@ ALL = ("tensorboard", "wandb", "mlflow", "trackio")
 RECORDED = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "memory_device_bytes", "process_rss_bytes",
             "memory_host_bytes", "memory_nvme_bytes", "val_loss")
 
-pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,6 @@ TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=
         "run.eval_batches=1", "run.eval_every=0"]
 
 
-@pytest.fixture(autouse=True)
-def private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
-
 
 # ---------------------------------------------------------------- config
 

@@ -29,7 +29,6 @@ TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "model.seq_len=
 N = 6
 
 
-pytestmark = pytest.mark.usefixtures("module_cache")  # one cache for the module (conftest.py)
 
 
 def run_job(root: Path, name: str, *overrides: str):

@@ -24,7 +24,6 @@ RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, 
 SMALL = ModelConfig(n_layer=2, d_model=48, n_head=4, seq_len=16, vocab_size=300)  # odd sizes: padding shows
 
 
-pytestmark = pytest.mark.usefixtures("module_cache")  # one cache for the module (conftest.py)
 
 
 def engine_config(placement: dict, swap: str) -> infinity.Config:

@@ -19,8 +19,6 @@ from infinity.plan import estimate as est
 from infinity.plan import scaling
 from stage_formulas import FORMULAS
 
-pytestmark = pytest.mark.usefixtures("module_cache")  # one link-rate cache for the module (conftest.py)
-
 SMALL = ModelConfig(n_layer=2, d_model=48, n_head=4, seq_len=16, vocab_size=300)  # odd sizes: padding shows
 ROOMY = Budgets(device=1 << 40, host=1 << 40, nvme=1 << 40)
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")

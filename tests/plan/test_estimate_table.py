@@ -25,7 +25,6 @@ RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, 
 # large enough that padding to 8 ranks is well under 1% of each unit
 MODEL = ModelConfig(n_layer=2, d_model=256, n_head=4, seq_len=32, vocab_size=512)
 BIG = 1 << 50
-pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 def run(config: dict, *, world=1, batch=2, budgets=None, seq_len=MODEL.seq_len):

@@ -19,7 +19,6 @@ RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, 
 MODEL = ModelConfig(n_layer=2, d_model=128, n_head=4, seq_len=64, vocab_size=512)
 BIG = 1 << 50
 MIB = 1 << 20
-pytestmark = pytest.mark.usefixtures("module_cache")
 
 
 def run(config: infinity.Config, *, world=1, batch=4, budgets=None):

@@ -146,8 +146,7 @@ def test_meta_init_uses_the_models_own_initialization(kind):
 
 
 @pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])  # (gpt2: -m slow)
-def test_infinity_train_runs_a_hf_model(kind, tmp_path, monkeypatch):
-    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
+def test_infinity_train_runs_a_hf_model(kind, tmp_path):
     job = load_job(None, [f"model.kind={kind}", "model.n_layer=2", "model.d_model=32", "model.n_head=4",
                           "model.seq_len=32", "run.batch_size=4", "run.steps=8", "run.eval_every=0",
                           "run.eval_batches=1", f"run.dir={tmp_path}", "run.name=r", "optimizer.lr=3e-3"])

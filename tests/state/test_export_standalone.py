@@ -72,12 +72,10 @@ def _pretrained_bf16(root):
 
 @pytest.mark.slow  # two short fine-tuning jobs: about 40 s each on 2 cores
 @pytest.mark.parametrize("export_dtype,want", [("auto", torch.bfloat16), ("fp32", torch.float32)])
-def test_job_export_is_in_the_source_dtype_with_its_tokenizer_and_chat_template(tmp_path, monkeypatch,
-                                                                                 export_dtype, want):
+def test_job_export_is_in_the_source_dtype_with_its_tokenizer_and_chat_template(tmp_path, export_dtype, want):
     from infinity.job.spec import load_job
     from infinity.job.train import train as train_job
     from infinity.models.build import build_model
-    monkeypatch.setenv("INFINITY_CACHE_DIR", os.environ["INFINITY_SUITE_CACHE"])  # (conftest.py)
     src = _pretrained_bf16(tmp_path / "src")
     assert "chat_template.jinja" in os.listdir(src)
     corpus = tmp_path / "c.txt"
