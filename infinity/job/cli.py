@@ -343,8 +343,8 @@ def _job_estimate(args, line, custom, plans: int = 3):
     check_nvme_paths(list(config.nvme.paths), created_at_start=job.created_swap(run_dir))  # exit 2: Note [nvme paths]
     make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model, job.lora))
     from infinity.data.tokenized import reader_modules
-    modules = (_imported_by(make) if custom else runtime_modules(job.model, job.lora)) + reader_modules(job)
-    # (Note [peak memory] runtime)
+    model_modules = _imported_by(make) if custom else runtime_modules(job.model, job.lora)
+    modules = model_modules + reader_modules(job)  # what the run imports (Note [peak memory] runtime)
     if job.run.batch_size % args.world_size:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "
                           f"{args.world_size}: set run.batch_size to a multiple of it")

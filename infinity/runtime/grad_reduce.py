@@ -54,7 +54,6 @@ class GradReducer:
         self._sumsq: dict[int, torch.Tensor] = {}  # unit index -> squared norm of its final gradient partition
         self._writes: list = []
         self._ahead: dict[int, object] = {}  # unit index -> its gradient sum's fetch, issued ahead (Pending)
-        self._added: set[int] = set()  # units whose sum this backward has taken (not fetched ahead again)
         self.before_unit = before_unit  # called with a unit before its gradient store is touched
         self.on_final = on_final  # called with a unit and its partition's squared norm once its gradient is final
         # called with a unit, its final gradient as stored and the store's chunk(s), which the callee may keep to read
@@ -107,15 +106,14 @@ class GradReducer:
         """Issue the fetch of `unit`'s gradient sum so far as its backward starts (Note [gradient sums ahead]);
         `window_open`: the window has taken a backward already (the store holds this window's sum)."""
         m = self.manager
-        if (not window_open or unit.index in self._ahead or unit.index in self._added or unit.trainable_numel == 0
-                or m.is_zero(unit.index, Kind.GRADS)):
+        ahead = window_open and unit.index not in self._ahead and unit.trainable_numel > 0
+        if not ahead or m.is_zero(unit.index, Kind.GRADS):
             return
         self.before(unit)  # (no update is left reading the store inside a window: this waits for nothing)
         self._ahead[unit.index] = m.fetch(unit.index, Kind.GRADS, None, device, urgent=True)
 
     def fetch(self, unit: Unit, device: torch.device) -> torch.Tensor:
         """The window's gradient so far (the whole store), to add to: fetched ahead, or now."""
-        self._added.add(unit.index)
         pending = self._ahead.pop(unit.index, None)
         if pending is None:
             pending = self.manager.fetch(unit.index, Kind.GRADS, None, device, urgent=True)  # backward waits for it
@@ -129,7 +127,6 @@ class GradReducer:
         for pending in self._ahead.values():
             self.manager.release(pending.wait())
         self._ahead.clear()
-        self._added.clear()
 
     def store(self, unit: Unit, chunk, tensor: torch.Tensor, release: bool) -> None:
         while self._writes:
