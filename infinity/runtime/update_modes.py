@@ -244,6 +244,15 @@ class _OnWorker(UpdateMode):
         self.worker = worker
         self.reading_swap = reading_swap  # a background save still reads the swap: the read-ahead stays paused
         self._settled = 0  # depth of settled(): the read-ahead stays paused inside
+        plan = self.manager.plan  # Note [device lane]: the units it may step (none where it speculates)
+        self._lane = frozenset(plan.device_lane) if self.worker.lane is not None else frozenset()
+        self._keeps = frozenset(plan.lane_grads) & self._lane
+        self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (final gradient on the device, its chunk)
+
+    def keep_grads(self, unit: Unit, grads: torch.Tensor, chunk) -> None:
+        """Note [device lane]: the final gradient of a unit the lane will likely take stays on the device for it."""
+        if unit.index in self._keeps:
+            self._kept[unit.index] = (grads, chunk)
 
     def ready(self, index: int) -> bool:
         if self.worker.pending(index):
@@ -308,8 +317,6 @@ class _DuringBackward(_OnWorker):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        plan = self.manager.plan  # Note [device lane]: the units it may step (none where it speculates)
-        self._lane = frozenset(plan.device_lane) if self.worker.lane is not None else frozenset()
         self._nonfinite: tuple[str, float] | None = None  # the first unit whose gradient was not finite
         self._predicted: dict[int, list[Run]] = {}  # this window's ranges by local flags (read-ahead)
         self._open = False  # a window's first unit has been finalized (step() closes it)
@@ -343,7 +350,7 @@ class _DuringBackward(_OnWorker):
 
         self.worker.submit([unit], hyper=hyper, grad_scale=None, active=active, journal=journal,
                            after_unit=lambda u: after_update(flags, u)(u), position=self.position(unit),
-                           lane=journal is None and unit.index in self._lane)
+                           lane=journal is None and unit.index in self._lane, grads=self._kept.pop(unit.index, None))
 
     def _read_ahead_next(self) -> None:
         """The next window's state read ahead, in the order of this one's ranges (the next update's)."""
@@ -381,18 +388,6 @@ class DeferredUpdate(_OnWorker):
     waits per unit."""
 
     forward_takes_in_order = True
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        plan = self.manager.plan
-        self._lane = frozenset(plan.device_lane) if self.worker.lane is not None else frozenset()
-        self._keeps = frozenset(plan.lane_grads) & self._lane
-        self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (final gradient on the device, its chunk)
-
-    def keep_grads(self, unit: Unit, grads: torch.Tensor, chunk) -> None:
-        """Note [device lane]: the final gradient of a unit the lane will likely take stays on the device for it."""
-        if unit.index in self._keeps:
-            self._kept[unit.index] = (grads, chunk)
 
     def step(self, norm: float, index: int) -> bool:
         kept, self._kept = self._kept, {}  # (dropped if the window is skipped)
