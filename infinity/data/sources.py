@@ -267,6 +267,26 @@ def _json_batches(file: Path, say: str) -> Iterator[list[dict]]:
         yield [{c: batch[c][i] for c in columns} for i in range(len(batch[columns[0]]) if columns else 0)]
 
 
+def write_sample(suffix: str, directory: Path) -> Path:
+    """A record file of kind `suffix` (.parquet, .arrow or .json) in `directory`, written with the library its
+    reader uses: two batches of READ_ROWS records of 4 KiB texts, for the estimate's runtime probe to read as a run
+    reads its data (Note [peak memory] runtime: what reading loads and keeps, beyond the libraries' import)."""
+    texts = [f"record {i} " + "x" * 4096 for i in range(2 * READ_ROWS)]
+    file = directory / f"sample{suffix}"
+    if suffix == ".json":
+        file.write_text(json.dumps([{"text": t} for t in texts]))
+        return file
+    import pyarrow as pa
+    table = pa.table({"text": texts})
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+        pq.write_table(table, file, row_group_size=READ_ROWS)
+    else:
+        with pa.OSFile(str(file), "wb") as out, pa.ipc.new_stream(out, table.schema) as w:
+            w.write_table(table, max_chunksize=READ_ROWS)
+    return file
+
+
 def record_text_chunks(file: Path, field: str, say: str, size: int | None = None) -> Iterator[bytes]:
     """The texts of a record file's `field`, each ending with a line end, in chunks of about `size` bytes (Note
     [text records])."""

@@ -41,8 +41,9 @@ memory (RSS without a GPU; with a GPU, `ram` is host memory and `device` the CUD
 named terms:
 
     runtime       RSS of a fresh Python process that imported torch, infinity and what the run imports beside
-                  them (transformers' model, its tokenizer, PEFT: models/build.py `runtime_modules`), measured
-                  once per set of modules and cached
+                  them (transformers' model, its tokenizer, PEFT: models/build.py `runtime_modules`), and
+                  that read a sample of each kind of record file the data is in (pyarrow's reader holds ~65 MiB
+                  more than its import: data/tokenized.py `reader_modules`), measured once per set and cached
     state         state bytes on the tiers in that memory (device and host share the RAM without a GPU)
     working       the plan's working buffers, term by term as the planner fitted them to the budgets
                   (Note [working memory] above): unsharded units, the flat gradient,

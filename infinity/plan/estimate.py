@@ -163,14 +163,30 @@ def resolve_budgets_for(config: Config, *, local_world_size: int, cuda: bool, nv
 
 
 _RUNTIME_PROBE = """
-import importlib, json, statistics, sys, time
+import importlib, json, pathlib, statistics, subprocess, sys, tempfile, time
 import psutil, torch, infinity
 backend = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--compile=")), None)
-for name in (a for a in sys.argv[1:] if not a.startswith("--")):  # what the run imports beyond them: as it does
+for name in (a for a in sys.argv[1:] if not a.startswith(("--", "read:"))):  # what the run imports beyond them
     try:
         importlib.import_module(name)
     except ImportError:
         pass  # (the run itself says what is missing)
+reads = [a[len("read:"):] for a in sys.argv[1:] if a.startswith("read:")]
+if reads:  # the data's record files, read as the run reads them (its reader imports their libraries); written by
+    # another process (pyarrow's writer held ~67 MiB that a run, which only reads, does not)
+    from infinity.config.options import ConfigError
+    from infinity.data.sources import stream_records
+    with tempfile.TemporaryDirectory() as where:
+        for suffix in reads:
+            write = f"import pathlib; from infinity.data.sources import write_sample; write_sample({suffix!r}, " \
+                    f"pathlib.Path({where!r}))"
+            if subprocess.run([sys.executable, "-c", write], capture_output=True).returncode:
+                continue  # (a missing library: the run itself says what is missing)
+            try:
+                for _ in stream_records(pathlib.Path(where) / f"sample{suffix}", "data.path"):
+                    pass
+            except (ImportError, ConfigError):
+                pass
 from infinity.models.gpt import GPT, GPTConfig
 with infinity.meta_init():  # meta tensors load torch's meta kernels (tens of MiB), as every real run does
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16))
@@ -196,16 +212,17 @@ ERROR_MEASURED = "2026-11-28, 2-core CPU, 23 GiB: benchmarks/bench_estimate.py -
 
 
 def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = (), compiled: str | None = None) -> dict:
-    """Note [peak memory] runtime and Note [host time]: a fresh process after torch, infinity, `modules` (what the
-    run imports beyond them: models/build.py's `runtime_modules`, e.g. transformers' modeling code, ~160 MiB) and
-    their kernels are loaded builds a tiny model on the meta device and trains it for six steps: its RSS ("rss"),
-    its units, the median of steps 2-6 ("step_s": the engine's host time per step, the tiny model's compute is
-    nil) and step 1 ("first_step_s"). Measured once per machine, torch version, version of infinity's code (what
-    a run imports is the code's: torch._dynamo's import, gone on 2026-11-26, was 71 MiB of it) and set of packages
-    the modules are of, then cached. `compiled`: the [compile] backend when the run compiles its units (Note
-    [compiled units]): the probe compiles its tiny model's units with it, so torch._dynamo's and the backend's
-    import and a compile are in its RSS (+190 MiB for inductor on 2026-11-28, a 2 x 64 GPT on the CPU: the
-    estimate was 1.75x under without it). A probe that fails is an error naming it."""
+    """Note [peak memory] runtime and Note [host time]: a fresh process after torch, infinity, `modules` (what the run
+    imports beyond them: models/build.py's `runtime_modules`, e.g. transformers' modeling code, ~160 MiB; and
+    `read:SUFFIX`, a sample record file of that kind read as the run reads its data: data/tokenized.py's
+    `reader_modules`) and their kernels are loaded builds a tiny model on the meta device and trains it for six
+    steps: its RSS ("rss"), its units, the median of steps 2-6 ("step_s": the engine's host time per step, the
+    tiny model's compute is nil) and step 1 ("first_step_s"). Measured once per machine, torch version, version
+    of infinity's code (what a run imports is the code's: torch._dynamo's import, gone on 2026-11-26, was 71 MiB
+    of it) and set of packages the modules are of, then cached. `compiled`: the [compile] backend when the run
+    compiles its units (Note [compiled units]): the probe compiles its tiny model's units with it, so
+    torch._dynamo's and the backend's import and a compile are in its RSS (+190 MiB for inductor on 2026-11-28, a
+    2 x 64 GPT on the CPU: the estimate was 1.75x under without it). A probe that fails is an error naming it."""
     def measure() -> dict:
         try:
             flags = [f"--compile={compiled}"] if compiled else []
@@ -218,7 +235,7 @@ def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = (), compil
         return json.loads(out.stdout.strip().splitlines()[-1])
     # keyed by the packages (transformers, peft, ...), not each module: one model's modeling code or a tokenizer
     # more weighs a few MiB beside the ~160 MiB of the package itself, and each probe is a process of its own
-    packages = sorted({m.split(".")[0] for m in modules})
+    packages = sorted({m if m.startswith("read:") else m.split(".")[0] for m in modules})
     name = ("runtime_probe" + (f"|{','.join(packages)}" if packages else "")
             + (f"|compile={compiled}" if compiled else ""))
     return dict(link_rates.cached_measurement(name, measure, remeasure=remeasure, of_code=True))

@@ -22,7 +22,7 @@ from test_finetune_data import _varied_chats, write_jsonl  # noqa: E402
 from infinity.config.options import ConfigError  # noqa: E402
 from infinity.data.batches import SHIPPED_PATH, Batches, byte_tokens, split  # noqa: E402
 from infinity.data.samples import load_samples  # noqa: E402
-from infinity.data.sources import TokenStream, resolve  # noqa: E402
+from infinity.data.sources import READ_ROWS, TokenStream, resolve, stream_records, write_sample  # noqa: E402
 from infinity.data.tokenized import corpus_tokens, job_batches, prepare, reader_modules  # noqa: E402
 from infinity.job.spec import load_job  # noqa: E402
 
@@ -137,7 +137,7 @@ def test_text_records_are_the_ids_of_the_same_text_in_a_text_file(tmp_path, llam
         want = corpus_tokens(load_job(None, tokenizer + [f"data.path={same}", "model.seq_len=32"]))
         assert np.asarray(got).tolist() == np.asarray(want).tolist() and len(got) > 10_000
     assert reader_modules(load_job(None, [f"data.path={f}"])) == \
-        {"parquet": ("pyarrow.parquet",), "arrow": ("pyarrow.parquet",), "jsonl": ()}[kind.split("-")[0]]
+        {"parquet": ("read:.parquet",), "arrow": ("read:.arrow",), "jsonl": ()}[kind.split("-")[0]]
     with pytest.raises(ConfigError, match=r"no field 'body' \(it has \['id', 'text'\]\).*set it to the field"):
         corpus_tokens(load_job(None, [f"data.path={f}", "data.text_field=body", "model.seq_len=32"]))
     with pytest.raises(ConfigError, match=r'data.text_field = "body" has no effect with data.format = "chat"'):
@@ -178,3 +178,13 @@ def test_a_resume_names_the_file_added_to_or_changed_in_the_directory(tmp_path):
     after = data_fingerprint(job)
     assert after["data.path"] != before["data.path"]
     assert _changed_files(before, after, "data.path") == "changed: a.txt; added: z.txt"
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".arrow", ".json"])
+def test_the_probes_sample_of_each_kind_reads_as_a_runs_data(tmp_path, suffix):
+    """Note [peak memory] runtime: the estimate's runtime probe reads, for each kind of record file a job's data is
+    in (`reader_modules`), a sample written by write_sample, through the run's own reader: two batches of texts."""
+    file = write_sample(suffix, tmp_path)
+    assert file.suffix == suffix and reader_modules(load_job(None, [f"data.path={file}"])) == (f"read:{suffix}",)
+    rows = [record for _, record in stream_records(file, "data.path")]
+    assert len(rows) == 2 * READ_ROWS and all(r["text"].startswith(f"record {i} ") for i, r in enumerate(rows))
