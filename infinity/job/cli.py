@@ -334,7 +334,7 @@ def _largest(args, line, custom) -> int:
 def _job_estimate(args, line, custom, plans: int = 3):
     """The Estimate of the job `line` names (None when --stages printed its own report); `plans`: how many."""
     from infinity.config.sections import ConfigError
-    from infinity.models.build import build_model, runtime_modules
+    from infinity.models.build import build_model
     from infinity.plan import estimate as est
     job = line.job()
     run_dir = os.path.join(job.run.dir, "<run>")
@@ -342,9 +342,6 @@ def _job_estimate(args, line, custom, plans: int = 3):
     from infinity.machine.preflight import check_nvme_paths
     check_nvme_paths(list(config.nvme.paths), created_at_start=job.created_swap(run_dir))  # exit 2: Note [nvme paths]
     make = (lambda: _custom_model(custom)) if custom else (lambda: build_model(job.model, job.lora))
-    from infinity.data.tokenized import reader_modules
-    model_modules = _imported_by(make) if custom else runtime_modules(job.model, job.lora)
-    modules = model_modules + reader_modules(job)  # what the run imports (Note [peak memory] runtime)
     if job.run.batch_size % args.world_size:
         raise ConfigError(f"run.batch_size = {job.run.batch_size} is not divisible by --world-size "
                           f"{args.world_size}: set run.batch_size to a multiple of it")
@@ -361,18 +358,16 @@ def _job_estimate(args, line, custom, plans: int = 3):
                               f"{args.world_size}")
         return Applied(planned.engine_config(os.path.join(planned.run.dir, "<run>")),
                        planned.run.batch_size // args.world_size)
-    import torch
-
-    from infinity.data.tokenized import resident_bytes
+    from infinity.job.train import estimate_inputs
     from infinity.plan.traced import job_depth
-    data = resident_bytes(job, args.world_size, config.train.grad_accum_steps, cuda=torch.cuda.is_available())
+    inputs = estimate_inputs(job, config, args.world_size, _imported_by(make) if custom else None)
     return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,
                         batch_size=job.run.batch_size // args.world_size, seq_len=job.model.seq_len,
                         remeasure=args.remeasure, apply=apply,
                         lora=_lora_option(job, custom, line, not config.activation.loss_chunk_tokens),
                         depth=None if custom else job_depth(job.model, job.lora,
                                                             own_llama=not config.activation.loss_chunk_tokens),
-                        plans=plans, runtime_modules=modules, data=data)
+                        plans=plans, **inputs)
 
 
 def _lora_option(job, custom, line, own_llama: bool):

@@ -380,6 +380,15 @@ def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Con
     return dataclasses.replace(config, memory=dataclasses.replace(config.memory, activation_reserve=acts))
 
 
+def estimate_inputs(job: Job, config: Config, world: int, model_modules: tuple[str, ...] | None = None) -> dict:
+    """What the estimate of this job's run takes beyond the model and the config (for `infinity estimate` and the
+    run's own): the runtime probe's modules, the model's (`model_modules`, default models/build.py's) and its data
+    reader's (Note [peak memory] runtime), and the data pipeline's terms of one rank (Note [data in the estimate])."""
+    model = runtime_modules(job.model, job.lora) if model_modules is None else model_modules
+    return {"runtime_modules": model + reader_modules(job),
+            "data": resident_bytes(job, world, config.train.grad_accum_steps, cuda=torch.cuda.is_available())}
+
+
 def _estimate(job: Job, config: Config, world: int, say: Progress):
     """What `infinity estimate` predicts for this run (run after training, so it does not add to the
     measured peak memory)."""
@@ -389,9 +398,7 @@ def _estimate(job: Job, config: Config, world: int, say: Progress):
         return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
                             batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
                             depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens),
-                            runtime_modules=runtime_modules(job.model, job.lora) + reader_modules(job),
-                            data=resident_bytes(job, world, config.train.grad_accum_steps,
-                                                cuda=torch.cuda.is_available()))
+                            **estimate_inputs(job, config, world))
     except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run
         say.note(f"(no estimate: {type(e).__name__}: {e})")
         return None
