@@ -84,6 +84,8 @@ def bars(report: dict) -> list[dict]:
     bar("memory-bound: m1 with grad_clip 1.0 / without", m1 and m1["clip_over_no_clip"], 1.1, AT_MOST)
     bar("memory-bound: m1 4 micro-batches accumulated, share of torch's speed", m1 and m1.get("accum4_speed"), 0.85,
         AT_LEAST)
+    bar("memory-bound: m1 4 micro-batches accumulated, device lane on, share of torch's speed",
+        m1 and m1.get("accum4_lane_speed"), 0.85, AT_LEAST)
     bar("memory-bound: m2 (state over 1.2x the GPU) steady step / max(floors)", m2 and m2["ratio"], 1.25, AT_MOST)
     bar("memory-bound: m1 / DeepSpeed ZeRO-2 offload_optimizer cpu", d2 and d2["ratio"], 0.5, AT_MOST)
     tests = report["gpu_tests"] or report["sanitizer_tests"]  # (the sanitizer's run is the gpu tests too)

@@ -43,7 +43,8 @@ def test_the_memory_bound_cases_and_the_largest_model_have_their_bars(tmp_path):
     """m1 and m2 (bench_offload_bound.py), d2 against DeepSpeed's ZeRO-2, the largest model full and LoRA; the gpu
     tests' counts from the sanitizer's run when the tests did not run alone."""
     (tmp_path / "sanitizer.log").write_text("...\n60 passed in 200s\n")
-    m1 = {"steady_s": 0.30, "ratio": 1.25, "speed": 0.6, "clip_over_no_clip": 1.05, "accum4_speed": 0.8}
+    m1 = {"steady_s": 0.30, "ratio": 1.25, "speed": 0.6, "clip_over_no_clip": 1.05, "accum4_speed": 0.8,
+          "accum4_lane_speed": 0.86}
     (tmp_path / "case_m1.json").write_text(json.dumps({"m1": m1}))
     (tmp_path / "case_m2.json").write_text(json.dumps({"m2": {"ratio": 1.1, "tflops": 300.0, "params": 12e9}}))
     (tmp_path / "case_d2.json").write_text(json.dumps({"d2": {"ratio": 0.4}}))
@@ -55,6 +56,7 @@ def test_the_memory_bound_cases_and_the_largest_model_have_their_bars(tmp_path):
     assert met["memory-bound: m1 share of torch's all-on-device speed"] is True
     assert met["memory-bound: m1 with grad_clip 1.0 / without"] is True
     assert met["memory-bound: m1 4 micro-batches accumulated, share of torch's speed"] is False  # 0.8 < 0.85
+    assert met["memory-bound: m1 4 micro-batches accumulated, device lane on, share of torch's speed"] is True
     assert met["memory-bound: m2 (state over 1.2x the GPU) steady step / max(floors)"] is True
     assert met["memory-bound: m1 / DeepSpeed ZeRO-2 offload_optimizer cpu"] is True
     assert met["GPU truth: largest model trained (parameters)"] is True
