@@ -536,6 +536,7 @@ def _bench_links(args) -> int:
     print(f"  cpu adam    {rates.cpu_adam / 1e9:8.2f} G elements/s")
     print(f"  device adam {rates.device_adam / 1e9:8.2f} G elements/s")
     print(f"  matmul      {rates.matmul_flops / 1e12:8.3f} TFLOP/s")
+    print(f"  elementwise {rates.memory_bw / gb:8.2f} GB/s (bytes read and written)")
     return 0
 
 

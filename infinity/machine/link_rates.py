@@ -27,7 +27,7 @@ from infinity.config.sections import Config, SwapIOConfig
 from infinity.memory.cost_model import LinkRates, default_rates
 from io_engine import IOEngine, aligned_empty, atomic_write, drop_page_cache, fsync_file
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # (2: the elementwise rate, memory_bw)
 
 
 def _machine_key(device: torch.device) -> str:
@@ -102,6 +102,17 @@ def _measure_matmul(device: torch.device, dtype: torch.dtype, n: int) -> float:
     return 2 * n**3 / _best_seconds(run)
 
 
+def _measure_elementwise(device: torch.device, numel: int) -> float:
+    """Bytes/s an elementwise operation reads and writes on `device` (an fp32 add: two read, one written)."""
+    a, b, out = (torch.rand(numel, device=device) for _ in range(3))
+
+    def run():
+        torch.add(a, b, out=out)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return 3 * 4 * numel / _best_seconds(run)
+
+
 def _measure_copies(device: torch.device, num_bytes: int) -> tuple[float, float]:
     host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(num_bytes, dtype=torch.uint8, device=device)
@@ -126,13 +137,16 @@ def measure_link_rates(directory: str, device: torch.device, io_config=None, *, 
         h2d, d2h = _measure_copies(device, 256 << 20)
         device_adam = _measure_adam(device, 1 << 24)
         flops = _measure_matmul(device, compute_dtype, 4096)
+        memory_bw = _measure_elementwise(device, 1 << 26)
     else:
         h2d = d2h = math.inf
         device_adam = cpu_adam
         flops = _measure_matmul(device, torch.float32, 1024)
+        memory_bw = _measure_elementwise(device, 1 << 23)
     when = time.strftime("%Y-%m-%d %H:%M")
     return LinkRates(nvme_read=read, nvme_write=write, h2d=h2d, d2h=d2h, cpu_adam=cpu_adam,
-                     device_adam=device_adam, matmul_flops=flops, source=f"measured {when} on {directory}")
+                     device_adam=device_adam, matmul_flops=flops, memory_bw=memory_bw,
+                     source=f"measured {when} on {directory}")
 
 
 # ---------------------------------------------------------------- cache

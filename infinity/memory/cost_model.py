@@ -7,6 +7,9 @@ computes with the rates it is given):
     h2d, d2h                pinned host <-> GPU copies (bytes/s); free without a GPU
     cpu_adam                fused CPU Adam (elements/s); device_adam the same on the GPU
     matmul_flops            dense matmul throughput of the compute device (FLOP/s)
+    memory_bw               an elementwise operation's bytes read and written per second on the compute device
+    op_seconds              the host's seconds per operation of a model's forward and backward (autograd's, the
+                            dispatch, a kernel's launch): the estimate's runtime probe measures it
 
 Bytes per link come from the byte model (memory/traffic.py, Note [traffic per step]).
 
@@ -20,6 +23,22 @@ phase takes as long as its slowest resource; NVMe reads and writes share the dis
 
 Collectives (all-gather, reduce-scatter) cost the same under every placement and
 are left out of the comparison.
+
+Note [compute time]: a forward + backward's compute is priced from its traced `Work` (plan/traced.py): the
+FLOPs of the operations with a FLOP formula (matmuls, attention) at MATMUL_EFFICIENCY of the measured matmul
+rate, the bytes every other operation reads and writes (elementwise, norms, softmax, the loss; a view moves
+none) at the measured elementwise rate, and each operation at the host's measured cost of one:
+
+    CPU    compute = flops / (matmul_flops * efficiency) + bytes / memory_bw + ops * op_seconds
+    GPU    compute = max(flops / (matmul_flops * efficiency) + bytes / memory_bw, ops * op_seconds)
+
+(a GPU's kernels queue behind the host's dispatch: the slower of the two paces the step). The FLOPs alone at
+half the matmul rate missed both ways on a 2-core CPU (2026-11-28): the default job's 2 x 64 GPT 8x under
+(~300 operations at ~10 us each, more than its matmuls), a 6 x 512 GPT 2x over. Measured the same day over
+seven GPTs from 2 x 16 to 6 x 512 (plain PyTorch forward + backward, 3 ms to 1 s; the rates measured beside
+them: 131 GFLOP/s on 1024 x 1024, 36 GB/s for an fp32 add, 9.6 us per operation of the 2 x 16 GPT), measured /
+predicted is 0.93-1.18 with the matmuls at the measured rate (efficiency 1), 1.34 for the 2 x 64 GPT (its
+64-wide matmuls run under the 1024-wide rate). On a GPU the efficiency stays at half, unmeasured.
 """
 
 from __future__ import annotations
@@ -42,7 +61,14 @@ class LinkRates:
     cpu_adam: float  # elements/s
     device_adam: float  # elements/s (== cpu_adam without a GPU)
     matmul_flops: float  # FLOP/s of the compute device
+    memory_bw: float = math.inf  # bytes/s an elementwise operation reads and writes (inf: not priced)
+    op_seconds: float = 0.0  # the host's seconds per operation (Note [compute time]; 0: not priced)
     source: str = "defaults"  # "measured <date> on <dir>" or "defaults"
+
+    @property
+    def on_gpu(self) -> bool:
+        """Rates of a GPU (host <-> device copies cost time only with one)."""
+        return not math.isinf(self.h2d)
 
     def to_json(self) -> dict:
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in dataclasses.asdict(self).items()}
@@ -55,13 +81,36 @@ class LinkRates:
 
 # Conservative rates used when nothing was measured yet (a SATA-class disk, a laptop CPU).
 DEFAULT_RATES = LinkRates(nvme_read=1.0e9, nvme_write=0.8e9, h2d=12e9, d2h=12e9, cpu_adam=2.0e8,
-                          device_adam=2.0e10, matmul_flops=5.0e10, source="defaults")
+                          device_adam=2.0e10, matmul_flops=5.0e10, memory_bw=3.0e11, source="defaults")
+MATMUL_EFFICIENCY = {"cpu": 1.0, "gpu": 0.5}  # the measured matmul rate a model reaches (Note [compute time])
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a forward + backward computes (Note [compute time]): the FLOPs of the operations with a FLOP formula,
+    the bytes the others read and write, the operations run."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    ops: float = 0.0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.flops + other.flops, self.bytes + other.bytes, self.ops + other.ops)
+
+    def times(self, n: float) -> "Work":
+        """`n` of it (a step's micro-batches)."""
+        return Work(self.flops * n, self.bytes * n, self.ops * n)
+
+    def per_batch(self, scale: float) -> "Work":
+        """At `scale` times the micro-batch: FLOPs and bytes scale with it, the operations run do not."""
+        return Work(self.flops * scale, self.bytes * scale, self.ops)
 
 
 def default_rates(cuda: bool) -> LinkRates:
     if cuda:
         return DEFAULT_RATES
-    return dataclasses.replace(DEFAULT_RATES, h2d=math.inf, d2h=math.inf, device_adam=DEFAULT_RATES.cpu_adam)
+    return dataclasses.replace(DEFAULT_RATES, h2d=math.inf, d2h=math.inf, device_adam=DEFAULT_RATES.cpu_adam,
+                               memory_bw=1.0e10)
 
 
 # ---------------------------------------------------------------- time
@@ -112,15 +161,18 @@ def predict_step_time(traffic: StepTraffic, rates: LinkRates, compute_seconds: f
                     opt={"adam": adam, **links(traffic.opt)})
 
 
-def step_flops(traced_flops: float, unit_forward_flops: float, checkpoint: str) -> float:
-    """Note [recompute]: one micro-batch's forward + backward FLOPs; with `[activation] checkpoint = "units"`
-    every unit's forward runs again in backward (the root's is not checkpointed): about a third more."""
-    return traced_flops + (unit_forward_flops if checkpoint == "units" else 0.0)
+def step_work(traced: Work, unit_forward: Work, checkpoint: str) -> Work:
+    """Note [recompute]: one micro-batch's forward + backward; with `[activation] checkpoint = "units"` every unit's
+    forward runs again in backward (the root's is not checkpointed): about a third more."""
+    return traced + unit_forward if checkpoint == "units" else traced
 
 
-def compute_seconds(flops: float, rates: LinkRates, efficiency: float = 0.5) -> float:
-    """Forward + backward time of `flops` FLOPs at `efficiency` of the measured matmul rate."""
-    return flops / (rates.matmul_flops * efficiency)
+def compute_seconds(work: Work, rates: LinkRates) -> float:
+    """Note [compute time]: the forward + backward time of `work` at `rates`."""
+    matmul = rates.matmul_flops * MATMUL_EFFICIENCY["gpu" if rates.on_gpu else "cpu"]
+    kernels = work.flops / matmul + work.bytes / rates.memory_bw
+    dispatch = work.ops * rates.op_seconds
+    return max(kernels, dispatch) if rates.on_gpu else kernels + dispatch
 
 
 def profile_peaks(rates: LinkRates | None) -> dict[str, float]:

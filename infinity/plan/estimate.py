@@ -198,8 +198,24 @@ with infinity.initialize(model, {"compile": {"units": True, "backend": backend}}
         engine.backward(engine(x, x))
         engine.step()
         seconds.append(time.perf_counter() - t0)
-    print(json.dumps({"rss": psutil.Process().memory_info().rss, "units": len(engine.units),
-                      "step_s": statistics.median(seconds[1:]), "first_step_s": seconds[0]}))
+    rss, units = psutil.Process().memory_info().rss, len(engine.units)
+# the same model in plain PyTorch (Note [compute time]): its forward + backward is its operations' host cost (its
+# FLOPs and bytes are nil), counted as the estimate's trace counts them
+from infinity.plan.traced import FlopCount
+device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+plain, x = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=16)).to(device), x.to(device)
+def plain_step():
+    t0 = time.perf_counter()
+    plain(x, x).backward()
+    plain.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+with FlopCount() as count:
+    plain_step()
+plain_s = statistics.median([plain_step() for _ in range(7)][2:])
+print(json.dumps({"rss": rss, "units": units, "step_s": statistics.median(seconds[1:]), "first_step_s": seconds[0],
+                  "plain_s": plain_s, "op_s": plain_s / count.ops}))
 """
 
 
@@ -216,8 +232,10 @@ def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = (), compil
     imports beyond them: models/build.py's `runtime_modules`, e.g. transformers' modeling code, ~160 MiB; and
     `read:SUFFIX`, a sample record file of that kind read as the run reads its data: data/tokenized.py's
     `reader_modules`) and their kernels are loaded builds a tiny model on the meta device and trains it for six
-    steps: its RSS ("rss"), its units, the median of steps 2-6 ("step_s": the engine's host time per step, the
-    tiny model's compute is nil) and step 1 ("first_step_s"). Measured once per machine, torch version, version
+    steps: its RSS ("rss"), its units, the median of steps 2-6 ("step_s") and step 1 ("first_step_s"); then the
+    same model's forward + backward in plain PyTorch ("plain_s", its operations' host cost: the model's FLOPs
+    and bytes are nil) and that over the operations it ran ("op_s", Note [compute time]). Measured once per
+    machine, torch version, version
     of infinity's code (what a run imports is the code's: torch._dynamo's import, gone on 2026-11-26, was 71 MiB
     of it) and set of packages the modules are of, then cached. `compiled`: the [compile] backend when the run
     compiles its units (Note [compiled units]): the probe compiles its tiny model's units with it, so
@@ -249,12 +267,19 @@ def runtime_rss(remeasure: bool = False, modules: tuple[str, ...] = (), compiled
 def host_time(units: int, remeasure: bool = False, modules: tuple[str, ...] = (),
               compiled: str | None = None) -> tuple[float, float]:
     """Note [host time]: (seconds per steady step, extra seconds of the first step) the engine's host work adds to
-    the byte model's step for a model of `units` units: the probe's, scaled by units (its work is per unit: the
-    hooks, the gathers, the update's calls). The first step's extra is a floor: a large model's first step also
-    faults in its state's pages and creates its swap files, which the probe's tiny one does not."""
+    the byte model's step for a model of `units` units: the probe's step less its model's plain forward + backward
+    (the model's own operations, Note [compute time]), scaled by units (its work is per unit: the hooks, the
+    gathers, the update's calls). The first step's extra is a floor: a large model's first step also faults in its
+    state's pages and creates its swap files, which the probe's tiny one does not."""
     probe = runtime_probe(remeasure, modules, compiled)
     scale = units / max(1, int(probe.get("units", 1)))
-    return probe["step_s"] * scale, max(0.0, probe["first_step_s"] - probe["step_s"]) * scale
+    return (max(0.0, probe["step_s"] - probe["plain_s"]) * scale,
+            max(0.0, probe["first_step_s"] - probe["step_s"]) * scale)
+
+
+def op_seconds(remeasure: bool = False, modules: tuple[str, ...] = (), compiled: str | None = None) -> float:
+    """Note [compute time]: the host's seconds per operation of a model's forward + backward (the probe's)."""
+    return float(runtime_probe(remeasure, modules, compiled)["op_s"])
 
 
 def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local_world_size: int | None = None,
@@ -294,15 +319,16 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
             rates = link_rates.link_rates(existing, remeasure=remeasure, io_config=config.io)
         else:
             rates = link_rates.cached_link_rates(cuda)
+    compiled = config.compile.backend if config.compile.units else None  # (the probe compiles as the run does)
+    rates = dataclasses.replace(rates, op_seconds=op_seconds(remeasure, runtime_modules, compiled))
     trace_at = facts.tracer(config, seq_len)  # the same model at any micro-batch (Note [plan search])
     trace = trace_at(batch_size)
-    flops = cost_model.step_flops(trace.flops, trace.unit_forward_flops, config.activation.checkpoint)
-    compute = cost_model.compute_seconds(flops * config.train.grad_accum_steps, rates) if trace.flops else 0.0
+    work = trace.step_work(config.activation.checkpoint).times(config.train.grad_accum_steps)
+    compute = cost_model.compute_seconds(work, rates) if trace.flops else 0.0
     budgets_of = (lambda c: budgets) if budgets else (
         lambda c: resolve_budgets_for(c, local_world_size=local, cuda=cuda, nvme_free=nvme_free,
                                       check_machine=world_size == 1))
     budgets = budgets_of(config)
-    compiled = config.compile.backend if config.compile.units else None  # (the probe compiles as the run does)
     from infinity.plan import search as plan_search
     from infinity.plan import table
     # a pretrained model's frozen weights are all read from its safetensors files: its checkpoints refer to them
@@ -478,9 +504,13 @@ def format_estimate(est: Estimate, *, explain: bool = False) -> str:
         lines.append(f"  known error (measured / predicted, {ERROR_MEASURED}): steady step "
                      f"{STEP_ERROR[0]:.2f}-{STEP_ERROR[1]:.2f}x, peak RSS {PEAK_ERROR[0]:.2f}-{PEAK_ERROR[1]:.2f}x")
         recompute = est.trace.unit_forward_flops if est.activation.checkpoint == "units" else 0.0
-        lines.append(f"  compute {st.compute * 1e3:.1f} ms ({est.trace.flops / 1e9:.1f} GFLOP per micro-batch"
+        work = est.trace.step_work(est.activation.checkpoint)
+        lines.append(f"  compute {st.compute * 1e3:.1f} ms (per micro-batch {est.trace.flops / 1e9:.1f} GFLOP"
                      + (f" + {recompute / 1e9:.1f} recomputed (activation.checkpoint)" if recompute else "")
-                     + " at half the measured matmul rate)" if est.trace.flops else "  compute: not traced")
+                     + f" at {cost_model.MATMUL_EFFICIENCY['gpu' if est.rates.on_gpu else 'cpu']:.0%} of the "
+                     f"measured matmul rate, {_fmt(work.bytes)} of other operations' reads and writes at "
+                     f"the elementwise rate, {work.ops:,.0f} operations at {est.rates.op_seconds * 1e6:.1f} us each: "
+                     f"Note [compute time])" if est.trace.flops else "  compute: not traced")
         lines.append("traffic per step and link (this rank):")
         for link in cost_model.LINKS:
             total = tr.fb[link] + tr.opt[link]

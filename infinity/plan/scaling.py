@@ -269,8 +269,8 @@ def estimate_stages(make_model: Callable, config: Config, cluster: Cluster, *, h
     from infinity.plan.estimate import activation_terms
     acts = activation_terms(traced, config.activation)
     activations = {"device": acts["saved"] + acts["recompute"] + traced.largest_saved_bytes, "host": acts["host"]}
-    flops = traced.flops if traced.flops else 6.0 * num_params * batch_size * seq_len
-    compute_s = cost_model.compute_seconds(flops * accum, rates)
+    work = traced.step_work("none") if traced.flops else cost_model.Work(flops=6.0 * num_params * batch_size * seq_len)
+    compute_s = cost_model.compute_seconds(work.times(accum), rates)
     rows = []
     for stage in STAGES:
         staged = config.with_overrides([f"zero.stage={stage}"])

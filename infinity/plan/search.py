@@ -36,6 +36,7 @@ from infinity.memory.plan import PlacementError, Plan, overflows
 from infinity.memory.stages import STAGES
 from infinity.memory.tier import Tier
 from infinity.plan.table import SHAPES, Context, Row, make_row, plan_of, seconds_text, sizes_key
+from infinity.plan.traced import WORK_FIELDS
 from io_engine import format_size
 
 NOTES = {"optimizer.state_dtype=bf16": "bf16 Adam moments (the master stays fp32)",
@@ -154,7 +155,8 @@ def at_batch(ctx: Context, batch: int, *, exact: bool = False) -> Context:
         def mix(a, b):
             return type(a)(a + (b - a) * w) if not isinstance(a, tuple) else tuple(mix(x, y) for x, y in zip(a, b))
         trace = dataclasses.replace(full, **{f: mix(getattr(one, f), getattr(full, f)) for f in (
-            "activation_bytes", "largest_saved_bytes", "flops", "unit_forward_flops", "unit_saved", "unit_inputs")})
+            "activation_bytes", "largest_saved_bytes", "flops", "unit_forward_flops", "unit_saved", "unit_inputs",
+            *WORK_FIELDS)})
     return dataclasses.replace(ctx, trace=trace, flops=trace.flops, batch_size=batch,
                                activations_of=lambda a: ctx.bytes_of(trace, a))
 

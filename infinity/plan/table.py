@@ -153,9 +153,8 @@ def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int
     accum = config.train.grad_accum_steps
     traffic = cost_model.plan_traffic(plan, cuda=ctx.cuda, accum=accum)
     traffic.add(cost_model.activation_offload_traffic(acts["host"], cuda=ctx.cuda, accum=accum))
-    flops = cost_model.step_flops(ctx.flops * act_scale, ctx.trace.unit_forward_flops * act_scale,
-                                  config.activation.checkpoint)
-    compute = cost_model.compute_seconds(flops * accum, ctx.rates) if flops else 0.0
+    work = ctx.trace.step_work(config.activation.checkpoint).per_batch(act_scale).times(accum)
+    compute = cost_model.compute_seconds(work, ctx.rates) if ctx.flops else 0.0
     st = cost_model.predict_step_time(traffic, ctx.rates, compute)
     return Row(shape=shape, tiers=tiers, stage=config.zero.stage, bytes={t.value: v for t, v in totals.items()},
                activations=acts, over=overflows(totals, ctx.budgets), step_s=st.total, bound=st.bottlenecks(),

@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from infinity.config.sections import Config
 from infinity.device.dtypes import dtype_of
+from infinity.memory.cost_model import Work, step_work
 from infinity.plan.table import sizes_key
 
 
@@ -63,7 +64,20 @@ class Trace:
     unit_inputs: tuple[int, ...] = ()  # per unit but the root: its positional tensor inputs (a checkpoint's)
     unit_forward_flops: float = 0.0  # the units' forwards (what checkpoint = "units" computes again)
     unit_names: tuple[str, ...] = ()  # the units of unit_saved / unit_inputs (their modules' names)
+    bytes: float = 0.0  # read and written by the operations without a FLOP formula (Note [compute time])
+    ops: float = 0.0  # operations run
+    unit_forward_bytes: float = 0.0  # the same of the units' forwards
+    unit_forward_ops: float = 0.0
 
+    def step_work(self, checkpoint: str) -> Work:
+        """One micro-batch's forward + backward (Note [compute time]), its recomputation included (Note
+        [recompute])."""
+        return step_work(Work(self.flops, self.bytes, self.ops),
+                         Work(self.unit_forward_flops, self.unit_forward_bytes, self.unit_forward_ops), checkpoint)
+
+
+
+WORK_FIELDS = ("bytes", "ops", "unit_forward_bytes", "unit_forward_ops")  # (beside the FLOPs: Note [compute time])
 
 
 def unit_sizes_of(model: nn.Module, config: Config, world_size: int):
@@ -112,7 +126,9 @@ class FlopCount(_HeldMode):
     """The FLOPs of the operations run inside it, by torch's own formulas (`torch.utils.flop_counter`'s registry),
     counted as torch's `FlopCounterMode` counts them (an operation without a formula is counted through its
     decomposition), total only (tests/plan/test_estimate_fast.py holds the two equal); each operation's count
-    through `scale` (a small twin's, Note [small twin]).
+    through `scale` (a small twin's, Note [small twin]). Beside them (Note [compute time] in memory/cost_model.py):
+    `bytes`, what the operations without a formula read and write (their tensor arguments and results; a view's
+    none), each tensor's elements through `scale`, and `ops`, the operations run.
 
     Note [flop count without dynamo]: `FlopCounterMode`, like every `TorchDispatchMode` subclass by default,
     wraps its dispatch in `torch._disable_dynamo`, whose first call imports `torch._dynamo`: ~1.2 s of a 70B
@@ -125,7 +141,7 @@ class FlopCount(_HeldMode):
         formulas = dict(flop_registry)  # its formulas take tensors (register_flop_formula wraps them to shapes)
         formulas.update(_FUSED_ATTENTION_FLOPS)  # (the fused attention a trace runs: Note [fused attention])
         counter = self
-        self.total = 0
+        self.total = self.bytes = self.ops = 0
         aten = torch.ops.aten
         queries = {aten.sym_is_contiguous.default, aten.is_contiguous.default, aten.is_contiguous.memory_format,
                    aten.is_strides_like_format.default, aten.is_non_overlapping_and_dense.default,
@@ -148,14 +164,37 @@ class FlopCount(_HeldMode):
                     if out is not NotImplemented:
                         return out
                 out = func(*args, **kwargs)
+                counter.ops += 1
                 formula = formulas.get(func._overloadpacket)
                 if formula is not None:
                     counter.total += scale(formula(*args, **kwargs, out_val=out))
+                elif not _is_view(func):
+                    counter.bytes += _tensor_bytes((args, kwargs, out), scale)
                 return out
         self._mode = Mode()
 
     def get_total_flops(self) -> int:
         return self.total
+
+    def work(self) -> Work:
+        return Work(float(self.total), float(self.bytes), float(self.ops))
+
+
+def _is_view(func) -> bool:
+    """An operation whose results alias an argument without writing it (a view: no bytes move)."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _tensor_bytes(value, scale: Callable[[int], int]) -> int:
+    """The bytes of the tensors in `value` (nested lists, tuples and dicts), each tensor's elements through `scale`."""
+    if isinstance(value, torch.Tensor):
+        return scale(value.numel()) * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, scale) for v in value)
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(v, scale) for v in value.values())
+    return 0
 
 
 def _attention_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -219,7 +258,7 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
     params = {id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
     owner: dict[int, int] = {}  # saved tensor -> the unit running when it was first saved (0: the root)
-    current, inputs, unit_flops = [0], [0] * len(unit_modules), [0.0]
+    current, inputs, unit_work = [0], [0] * len(unit_modules), [Work()]
 
     def pack(t: torch.Tensor):
         base = t._base if t._base is not None else t
@@ -234,13 +273,13 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
             for i, module in enumerate(unit_modules, start=1):
                 def pre(_m, args, i=i):
                     current[0] = i
-                    unit_flops[0] -= flops.get_total_flops()
+                    unit_work[0] += flops.work().times(-1)
                     inputs[i - 1] += sum(scale(a.numel()) * a.element_size() for a in args
                                          if isinstance(a, torch.Tensor))
 
                 def post(_m, _a, _o):
                     current[0] = 0
-                    unit_flops[0] += flops.get_total_flops()
+                    unit_work[0] += flops.work()
                 handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -249,15 +288,19 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
                 for h in handles:
                     h.remove()
             loss.backward()
+        for p in model.parameters():
+            p.grad = None  # (a trace again of the same model must not add to them: operations a run does not run)
     except Exception as e:  # noqa: BLE001 - a model that cannot run on meta tensors still gets the rest
         return Trace(error=f"{type(e).__name__}: {e}")
     per_unit = [0] * len(unit_modules)
     for key, nbytes in saved.items():
         if owner[key]:
             per_unit[owner[key] - 1] += nbytes
+    total, unit = flops.work(), unit_work[0]
     return Trace(activation_bytes=sum(saved.values()), largest_saved_bytes=max(saved.values(), default=0),
-                 flops=float(flops.get_total_flops()), unit_saved=tuple(per_unit), unit_inputs=tuple(inputs),
-                 unit_forward_flops=float(unit_flops[0]))
+                 flops=total.flops, unit_saved=tuple(per_unit), unit_inputs=tuple(inputs),
+                 unit_forward_flops=unit.flops, bytes=total.bytes, ops=total.ops, unit_forward_bytes=unit.bytes,
+                 unit_forward_ops=unit.ops)
 
 
 class TwinMismatch(Exception):
@@ -481,7 +524,8 @@ class DeepenedModel:
                          flops=self._extend(two.flops, three.flops),
                          unit_saved=tuple(self._deepen(names, list(three.unit_saved))),
                          unit_inputs=tuple(self._deepen(names, list(three.unit_inputs))),
-                         unit_forward_flops=self._extend(two.unit_forward_flops, three.unit_forward_flops))
+                         unit_forward_flops=self._extend(two.unit_forward_flops, three.unit_forward_flops),
+                         **{f: self._extend(getattr(two, f), getattr(three, f)) for f in WORK_FIELDS})
         return functools.cache(trace_at)
 
 

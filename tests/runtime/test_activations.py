@@ -189,7 +189,7 @@ def test_estimate_predicts_the_saved_bytes_the_engine_measures():
     meta trace picks another attention kernel than the CPU run (it saves the attention probabilities, 15 KiB
     more per block here), so the totals agree to 15%; the inputs and the offloaded bytes exactly."""
     from infinity.config.sections import ActivationConfig
-    from infinity.memory.cost_model import step_flops
+    from infinity.memory.cost_model import Work
     from infinity.plan import estimate as est
     model = GPT(TINY)
     trace = est.trace_step(model, lambda m, x, y: m(x, y), RECIPE.micro_batch, TINY.seq_len, list(model.blocks))
@@ -210,8 +210,10 @@ def test_estimate_predicts_the_saved_bytes_the_engine_measures():
     assert terms["units", "none"]["saved"] == pytest.approx(units["activation_saved_bytes"], rel=0.15)
     # the recompute: one more forward of the blocks (not of the root's embedding, head and loss)
     assert 0 < trace.unit_forward_flops < trace.flops / 3
-    assert step_flops(trace.flops, trace.unit_forward_flops, "units") == trace.flops + trace.unit_forward_flops
-    assert step_flops(trace.flops, trace.unit_forward_flops, "none") == trace.flops
+    whole = Work(trace.flops, trace.bytes, trace.ops)
+    blocks = Work(trace.unit_forward_flops, trace.unit_forward_bytes, trace.unit_forward_ops)
+    assert 0 < blocks.bytes < whole.bytes and 0 < blocks.ops < whole.ops
+    assert trace.step_work("units") == whole + blocks and trace.step_work("none") == whole
 
 
 @pytest.mark.gpu
