@@ -222,7 +222,7 @@ print(json.dumps({"rss": rss, "units": units, "step_s": statistics.median(second
 # Note [estimate error]: measured / predicted over the model sources of benchmarks/bench_estimate.py --accuracy
 # (built-in GPT, a transformers Llama of a given shape, a pretrained directory with and without LoRA; min and max
 # of the medians; 2026-11-28, 2-core CPU, 23 GiB): what `infinity estimate` prints as its known error.
-STEP_ERROR = (1.67, 3.45)  # under-predicted: a small model's compute, FLOPs at the matmul rate (docs/estimate.md)
+STEP_ERROR = (1.81, 2.86)  # under-predicted: a small model's engine work, its disk's latency (docs/estimate.md)
 PEAK_ERROR = (1.02, 1.06)
 ERROR_MEASURED = "2026-11-28, 2-core CPU, 23 GiB: benchmarks/bench_estimate.py --accuracy"
 

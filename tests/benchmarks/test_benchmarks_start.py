@@ -93,6 +93,7 @@ TINY = {
 }
 # Smallest real runs over ~10 s (fresh processes importing transformers, or whole `infinity train` jobs): slow
 SLOW_TINY = {
+    "bench_compute_time.py": ["--shapes", "1x16x8x2x64", "--repeats", "1", "--json", "{json}"],  # (the runtime probe)
     "bench_chunked_loss.py": ["--vocab", "256", "--hidden", "16", "--seq", "16", "--chunk", "8", "--repeats", "1"],
     "bench_data.py": ["--dir", "{dir}", "--tokenize-mib", "1", "--sizes-mib", "2", "--files-mib", "1", "--repeats", "1",
                       "--steps", "1", "--json", "{json}"],  # (five `infinity train` jobs)
