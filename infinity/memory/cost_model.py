@@ -33,12 +33,13 @@ none) at the measured elementwise rate, and each operation at the host's measure
     GPU    compute = max(flops / (matmul_flops * efficiency) + bytes / memory_bw, ops * op_seconds)
 
 (a GPU's kernels queue behind the host's dispatch: the slower of the two paces the step). The FLOPs alone at
-half the matmul rate missed both ways on a 2-core CPU (2026-11-28): the default job's 2 x 64 GPT 8x under
-(~300 operations at ~10 us each, more than its matmuls), a 6 x 512 GPT 2x over. Measured the same day over
-seven GPTs from 2 x 16 to 6 x 512 (plain PyTorch forward + backward, 3 ms to 1 s; the rates measured beside
-them: 131 GFLOP/s on 1024 x 1024, 36 GB/s for an fp32 add, 9.6 us per operation of the 2 x 16 GPT), measured /
-predicted is 0.93-1.18 with the matmuls at the measured rate (efficiency 1), 1.34 for the 2 x 64 GPT (its
-64-wide matmuls run under the 1024-wide rate). On a GPU the efficiency stays at half, unmeasured.
+half the matmul rate missed both ways on a 2-core CPU (2026-11-28, benchmarks/bench_compute_time.py, plain
+PyTorch forward + backward of seven GPTs from 2 x 16 to 6 x 512, 1.4 ms to 1.1 s): measured / predicted 0.49-88
+(a 2 x 64 GPT's ~300 operations cost more than its matmuls; the large ones ran at twice half the rate). Priced
+as above, with the rates measured in the same runs (135-148 GFLOP/s on 1024 x 1024, 25-27 GB/s for an fp32 add,
+8.8-9.3 us per operation of the probe's 2 x 16 GPT), two runs gave 0.94-1.59 for the six larger shapes and
+0.55-0.72 for the 2 x 16 GPT itself, whose time is all its operations' (their cost varies by process). On a GPU
+the efficiency stays at half, unmeasured.
 """
 
 from __future__ import annotations
