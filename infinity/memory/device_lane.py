@@ -48,11 +48,12 @@ from infinity.memory.tier import Kind, Tier
 # benchmarks/bench_offload_bound.py): the units are offered one at a time as their gradients are final, the lane
 # takes the earliest offered left (the forward's last), the CPU's worker the forward's first of what it has, and
 # after backward they meet as above (simulated in m1's proportions: 0.55x the step without the lane, whose copies
-# back then share the d2h direction with backward's gradients, which the simulation leaves out). The device keeps
-# the final gradients of the forward's last lane units there too (backward just produced them on the device; the lane
-# takes those units first, so each is held about one unit's backward): a quarter less to copy up for each. Simulated
-# in m1's proportions with 4 micro-batches a step and the 11 of 23 units' gradients the plan keeps, the window is
-# 0.867 of torch's speed; with every gradient copied up, 0.845 (with 4 kept, 0.826: how the two queues interleave).
+# back then share the d2h direction with backward's gradients, which the simulation leaves out). No gradient is
+# kept for it there (the unit's gradient is final when it is offered; the lane copies it up). Keeping the forward's
+# last 11 of 23 units' gradients was tried in m1's proportions with 4 micro-batches a step (2026-11-28): the window
+# came to 0.867 or 0.840 of torch's speed by whether the lane took 7 or 8 units (its quicker copies up let it take
+# one more, whose copies then delay the CPU's uploads for the next forward), against 0.845-0.848 without: no gain
+# to count on, so none is kept.
 # Only units whose gradients and whole optimizer state are on the host tier, and whose parameters are not on
 # NVMe (their writes follow the fresh copies, Note [fresh parameters]); not speculated updates (their journal is
 # the CPU's) nor the update on the training thread; nothing without a GPU, where both would be the same cores.
@@ -77,8 +78,8 @@ def lane_staging_bytes(plan: Plan, units: list[int]) -> int:
 def with_device_lane(plan: Plan, setting: str, budgets: Budgets, *, defers_update: bool, eager_update: bool) -> Plan:
     """`plan` with its device lane (Note [device lane]) for `overlap.device_lane` = `setting`: the units, and their
     staging as a device working term, when the worker steps the units without a journal (the update waits for the
-    norm, `defers_update`, or runs during backward, `eager_update`); the gradients kept on the device for it; a
-    setting that cannot act is said (Note [inert setting])."""
+    norm, `defers_update`, or runs during backward, `eager_update`); the gradients kept on the device for it when it
+    waits for the norm; a setting that cannot act is said (Note [inert setting])."""
     if setting == "off":
         return plan
     units = lane_units(plan)
@@ -102,7 +103,7 @@ def with_device_lane(plan: Plan, setting: str, budgets: Budgets, *, defers_updat
               f"the GPU, from the forward's last, while the CPU updates from its first; {fmt_bytes(staging)} of "
               f"device staging (Note [device lane])")
     lane = dataclasses.replace(lane, reasons=lane.reasons + (reason,))
-    return with_lane_grads(lane, budgets)
+    return with_lane_grads(lane, budgets) if defers_update else lane
 
 
 def with_lane_grads(plan: Plan, budgets: Budgets) -> Plan:

@@ -244,7 +244,8 @@ class _OnWorker(UpdateMode):
         self.worker = worker
         self.reading_swap = reading_swap  # a background save still reads the swap: the read-ahead stays paused
         self._settled = 0  # depth of settled(): the read-ahead stays paused inside
-        plan = self.manager.plan  # Note [device lane]: the units it may step (none where it speculates)
+        plan = self.manager.plan  # Note [device lane]: the units it may step (none where it speculates), and those
+        # whose final gradient the device keeps for it (only where the update waits for the norm: the plan's)
         self._lane = frozenset(plan.device_lane) if self.worker.lane is not None else frozenset()
         self._keeps = frozenset(plan.lane_grads) & self._lane
         self._kept: dict[int, tuple[torch.Tensor, object]] = {}  # unit -> (final gradient on the device, its chunk)
@@ -350,7 +351,7 @@ class _DuringBackward(_OnWorker):
 
         self.worker.submit([unit], hyper=hyper, grad_scale=None, active=active, journal=journal,
                            after_unit=lambda u: after_update(flags, u)(u), position=self.position(unit),
-                           lane=journal is None and unit.index in self._lane, grads=self._kept.pop(unit.index, None))
+                           lane=journal is None and unit.index in self._lane)
 
     def _read_ahead_next(self) -> None:
         """The next window's state read ahead, in the order of this one's ranges (the next update's)."""

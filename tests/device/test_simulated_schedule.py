@@ -586,17 +586,15 @@ def test_four_micro_batches_leave_the_cpus_adam_as_the_windows_tail():
     """m1's accum4 (docs/benchmarks.md): a window of four micro-batches is three micro-batches' compute (the update
     waits for the last gradient; their sums read under each unit's backward, Note [gradient sums ahead]) plus the
     last one's step, whose CPU Adam outlasts its backward. Against torch's four micro-batches and a device Adam, in
-    m1's proportions with the master cast on the device: ~0.80 of torch's speed, under the 0.85 bar. The device
-    lane sharing the tail, with the gradients the planner keeps on the device for it (11 of 23 units), brings it
-    over (~0.87); copying every gradient up, as the eager update's lane did before, it stays under (~0.845)."""
+    m1's proportions with the master cast on the device: ~0.80 of torch's speed, under the 0.85 bar; the device
+    lane sharing the tail, every gradient copied up as the eager update's lane does (Note [device lane]), brings it
+    to ~0.845, just under (which units the lane takes varies with how the threads run: 0.845-0.848)."""
     case = CASE_M1_CAST_UP | {"tail": 0}
     n, compute = case["units"], case["fwd"] + case["bwd"]
     torch_window = 4 * compute + case["device_adam"]
-    _, kept = planned(n, 1_120_000_000, lane=True, tail_units=0)  # (the eager update: no clipping)
-    assert kept == 11, kept
+    assert planned(n, 1_120_000_000, lane=True, tail_units=0)[1] == 0  # (no gradient kept for the eager lane)
 
-    def speed(lane: bool, kept: int) -> float:
-        sim = simulate(case | (LANE_L | {"lane_kept": kept} if lane else {}), lane=lane)
+    def speed(lane: bool) -> float:
+        sim = simulate(case | (LANE_L | {"lane_kept": 0} if lane else {}), lane=lane)
         return torch_window / (3 * compute + sim["step"])
-    assert 0.75 < speed(False, 0) < 0.85 and speed(True, 0) < 0.85 <= speed(True, kept) < 0.9, (
-        speed(False, 0), speed(True, 0), speed(True, kept))
+    assert 0.75 < speed(False) < 0.82 and speed(False) + 0.02 < speed(True) < 0.85, (speed(False), speed(True))

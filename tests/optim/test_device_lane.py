@@ -216,13 +216,12 @@ def test_the_kept_gradients_take_at_most_a_quarter_of_the_device_memory_left():
     assert none.lane_grads == () and "device_lane_grads" not in none.working_terms[Tier.DEVICE]
 
 
-def test_an_eager_update_keeps_the_lanes_gradients_as_the_deferred_one_does():
-    """Note [device lane]: the eager update (no clipping) offers the lane its units as backward finalizes them; the
-    device keeps the final gradients of the forward's last lane units for it, as for the deferred update (the lane
-    need not copy them up), within the same bounds."""
+def test_an_eager_update_has_the_lane_without_kept_gradients():
+    """Note [device lane]: the eager update (no clipping) offers the lane its units as backward finalizes them; no
+    gradient is kept on the device for it (the lane copies the final one up)."""
     plan = _plan(defers=False, eager=True, tail=2)
-    assert plan.device_lane == (2, 3, 4, 5) and plan.lane_grads == (4, 5) == _plan(tail=2).lane_grads
-    assert plan.working_terms[Tier.DEVICE]["device_lane_grads"] == 3000 * 4
+    assert plan.device_lane == (2, 3, 4, 5) and plan.lane_grads == ()
+    assert "device_lane_grads" not in plan.working_terms[Tier.DEVICE]
     assert any(r.startswith("device lane: as backward finalizes them, units 2-5") for r in plan.reasons), plan.reasons
 
 
@@ -267,7 +266,7 @@ def test_plan_for_config_asks_the_lane_of_the_worker_updates_without_a_journal()
     clipped = plan_for_config(sizes, Config.from_dict(base | {"optimizer": {"grad_clip": 1.0}}), GPU)
     assert clipped.device_lane == (0, 1, 2) and clipped.lane_grads
     eager = plan_for_config(sizes, Config.from_dict(base | {"optimizer": {"grad_clip": 0.0}}), GPU)
-    assert eager.device_lane == (0, 1, 2) and eager.lane_grads == clipped.lane_grads
+    assert eager.device_lane == (0, 1, 2) and eager.lane_grads == ()  # (its gradients are final when offered)
     lane = {"device_lane": "on"}
     for other in ({"optimizer": {"grad_clip": 1.0}, "overlap": lane | {"speculation": "1GiB"}},
                   {"optimizer": {"grad_clip": 0.0}, "overlap": lane | {"optimizer_with_backward": False}}):
@@ -346,8 +345,8 @@ def test_training_with_the_lane_is_bitwise_training_without_it(recipe, forced_la
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_training_with_the_lane_and_no_clipping_is_bitwise_training_without_it(forced_lane, dtype):
     """The eager update (no clipping: each unit submitted as backward finalizes it) with the lane: the same losses
-    and weights, bit for bit, as without it; the lane and the CPU each stepped units, and the lane read the
-    gradients backward kept on the device for it (two micro-batches a window: the sum, not the last one's)."""
+    and weights, bit for bit, as without it; the lane and the CPU each stepped units, and no gradient was kept for
+    the lane (the eager update keeps none)."""
     recipe = dataclasses.replace(BASE, grad_clip=0.0)
     extra = {"overlap": {"optimizer_with_backward": True, "device_lane": "on"},
              "placement": {"tail_units": 0}, "precision": {"compute_dtype": dtype},
@@ -355,7 +354,7 @@ def test_training_with_the_lane_and_no_clipping_is_bitwise_training_without_it(f
     with_lane = engine_run(recipe, OFFLOAD, None, extra)
     assert with_lane[3]["update_mode"] == "EagerUpdate"
     assert forced_lane["lane"] > 0 and forced_lane["cpu"] > 0, forced_lane
-    assert forced_lane["kept gradient chunks"] > 0
+    assert forced_lane["kept gradient chunks"] == 0
     without = engine_run(recipe, OFFLOAD, None, extra | {"overlap": {"optimizer_with_backward": True}})
     assert with_lane[0] == without[0]
     for name, tensor in without[2].items():
