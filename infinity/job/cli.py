@@ -358,7 +358,7 @@ def _job_estimate(args, line, custom, plans: int = 3):
                               f"{args.world_size}")
         return Applied(planned.engine_config(os.path.join(planned.run.dir, "<run>")),
                        planned.run.batch_size // args.world_size)
-    from infinity.job.train import estimate_inputs
+    from infinity.job.prediction import estimate_inputs
     from infinity.plan.traced import job_depth
     inputs = estimate_inputs(job, config, args.world_size, _imported_by(make) if custom else None)
     return est.estimate(make, config, world_size=args.world_size, local_world_size=args.nproc_per_node,

@@ -50,7 +50,6 @@ Note [resume] (checkpoints carry the training position; `--resume`): infinity/jo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -58,7 +57,6 @@ import shutil
 import signal
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,10 +64,10 @@ import torch
 
 from infinity.config.job import parse_duration
 from infinity.config.options import show
-from infinity.config.sections import Config, ConfigError, SettingWarning
+from infinity.config.sections import Config, ConfigError
 from infinity.data.ahead import BatchesAhead, to_device
 from infinity.data.batches import Batches
-from infinity.data.tokenized import job_batches, reader_modules, resident_bytes, resolve_data_format
+from infinity.data.tokenized import job_batches, resolve_data_format
 from infinity.device.process_group import (
     barrier,
     broadcast_object,
@@ -80,6 +78,7 @@ from infinity.device.process_group import (
 )
 from infinity.device.streams import host_value, to_host
 from infinity.job.metrics import Earlier, Metrics, memory_fields
+from infinity.job.prediction import reserve_activations, run_estimate
 from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
 from infinity.job.resume import (
     FINAL_CHECKPOINT,
@@ -94,7 +93,7 @@ from infinity.job.resume import (
 from infinity.job.run_dir import RunDir, write_json
 from infinity.job.spec import EXPORT, Job, to_toml
 from infinity.job.trackers import check_installed, trackers
-from infinity.models.build import ModelBundle, build_model, runtime_modules
+from infinity.models.build import ModelBundle, build_model
 from infinity.optim.schedule import lr_at
 from infinity.profile import NullProfiler
 from infinity.state.checkpoint import count_as_written
@@ -358,52 +357,6 @@ def _measure_links(config: Config, world: int) -> None:
         barrier(default_group())
 
 
-def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Config:
-    """`config` with `memory.activation_reserve` at the traced activations of a micro-batch, where "auto" tail
-    units would otherwise guess half the free device memory for them (Note [tail units]: on a GPU, both "auto"):
-    a plan that fits without tail units then fits with them. The run's config.toml keeps "auto"."""
-    if not cuda or config.placement.tail_units != "auto" or config.memory.activation_reserve != "auto":
-        return config
-    from infinity.plan import estimate as est
-    from infinity.plan.traced import job_depth
-    try:
-        acts = est.traced_activations(lambda: build_model(job.model, job.lora), config,
-                                      batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
-                                      depth=job_depth(job.model, job.lora,
-                                                      own_llama=not config.activation.loss_chunk_tokens))
-    except Exception as e:  # noqa: BLE001 - the run goes on with the engine's own rule, and says so
-        warnings.warn(f"the activations could not be traced ({type(e).__name__}: {e}): \"auto\" tail units keep "
-                      f"half of the free device memory for them; set memory.activation_reserve to a size (`infinity "
-                      f"estimate` shows the activations) or placement.tail_units to a count", SettingWarning,
-                      stacklevel=2)
-        return config
-    return dataclasses.replace(config, memory=dataclasses.replace(config.memory, activation_reserve=acts))
-
-
-def estimate_inputs(job: Job, config: Config, world: int, model_modules: tuple[str, ...] | None = None) -> dict:
-    """What the estimate of this job's run takes beyond the model and the config (for `infinity estimate` and the
-    run's own): the runtime probe's modules, the model's (`model_modules`, default models/build.py's) and its data
-    reader's (Note [peak memory] runtime), and the data pipeline's terms of one rank (Note [data in the estimate])."""
-    model = runtime_modules(job.model, job.lora) if model_modules is None else model_modules
-    return {"runtime_modules": model + reader_modules(job),
-            "data": resident_bytes(job, world, config.train.grad_accum_steps, cuda=torch.cuda.is_available())}
-
-
-def _estimate(job: Job, config: Config, world: int, say: Progress):
-    """What `infinity estimate` predicts for this run (run after training, so it does not add to the
-    measured peak memory)."""
-    from infinity.plan import estimate as est
-    from infinity.plan.traced import job_depth
-    try:  # (as `infinity estimate` makes it: the same figures, without torch._dynamo's import: Note [small twin])
-        return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
-                            batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
-                            depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens),
-                            **estimate_inputs(job, config, world))
-    except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run
-        say.note(f"(no estimate: {type(e).__name__}: {e})")
-        return None
-
-
 def _loop(job: Job, config: Config, engine, bundle: ModelBundle, ahead: BatchesAhead, stop: StopFlag,
           metrics: Metrics, say: Progress, result: Result, *, elapsed_before: float = 0.0) -> None:
     """Steps result.steps + 1 .. run.steps (> 0 when resuming: the batches and LR continue from there);
@@ -584,7 +537,7 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
         summary["stopped_by"] = result.stopped_by
     if resume is not None:
         summary["resumed"] = {"from": str(resume.checkpoint), "at_step": resume.step}
-    estimate = _estimate(job, config, world, say)
+    estimate = run_estimate(job, config, world, say)
     if estimate is not None:
         write_json(run_dir / "estimate.json", estimate.to_json())
         from infinity.plan.estimate import predicted_vs_measured, predicted_vs_measured_line

@@ -223,7 +223,7 @@ print(json.dumps({"rss": rss, "units": units, "step_s": statistics.median(second
 # (built-in GPT, a transformers Llama of a given shape, a pretrained directory with and without LoRA; min and max
 # of the medians; 2026-11-28, 2-core CPU, 23 GiB): what `infinity estimate` prints as its known error.
 STEP_ERROR = (1.81, 2.86)  # under-predicted: a small model's engine work, its disk's latency (docs/estimate.md)
-PEAK_ERROR = (1.02, 1.06)
+PEAK_ERROR = (1.02, 1.04)
 ERROR_MEASURED = "2026-11-28, 2-core CPU, 23 GiB: benchmarks/bench_estimate.py --accuracy"
 
 

@@ -338,7 +338,7 @@ def test_on_a_gpu_the_job_leaves_auto_tail_units_the_traced_activations():
     memory.activation_reserve to them, so "auto" tail units plan within what they leave (the engine alone keeps
     half the free memory for them); equal to what `infinity estimate` traces for the run. Not on a CPU (no tail
     units there), not over a size the user set, not without "auto" tail units; the run's config.toml keeps "auto"."""
-    from infinity.job.train import reserve_activations
+    from infinity.job.prediction import reserve_activations
     from infinity.plan import estimate as est
     offload = ["placement.params=device", "placement.grads=host", "placement.optimizer=host"]
     job = load_job(None, TINY + offload)
@@ -378,7 +378,7 @@ def test_activations_that_cannot_be_traced_leave_the_engines_rule_and_say_so(mon
     """A model the estimator cannot trace must not stop `infinity train` on a GPU: the engine's half rule
     (Note [tail units]) and a SettingWarning naming the error and the two settings that decide instead."""
     from infinity.config.sections import SettingWarning
-    from infinity.job.train import reserve_activations
+    from infinity.job.prediction import reserve_activations
     from infinity.plan import estimate as est
 
     def untraceable(*args, **kwargs):

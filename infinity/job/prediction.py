@@ -1,0 +1,62 @@
+"""What a training job predicts of its own run: the activations "auto" tail units reserve (traced before the
+engine is made), the estimate's inputs beyond the model and the config (also `infinity estimate`'s), and the
+estimate the run is compared with at its end (summary.json's "predicted": Note [estimate error])."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+
+from infinity.config.sections import Config, SettingWarning
+from infinity.data.tokenized import reader_modules, resident_bytes
+from infinity.job.progress import Progress
+from infinity.job.spec import Job
+from infinity.models.build import build_model, runtime_modules
+
+
+def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Config:
+    """`config` with `memory.activation_reserve` at the traced activations of a micro-batch, where "auto" tail
+    units would otherwise guess half the free device memory for them (Note [tail units]: on a GPU, both "auto"):
+    a plan that fits without tail units then fits with them. The run's config.toml keeps "auto"."""
+    if not cuda or config.placement.tail_units != "auto" or config.memory.activation_reserve != "auto":
+        return config
+    from infinity.plan import estimate as est
+    from infinity.plan.traced import job_depth
+    try:
+        acts = est.traced_activations(lambda: build_model(job.model, job.lora), config,
+                                      batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
+                                      depth=job_depth(job.model, job.lora,
+                                                      own_llama=not config.activation.loss_chunk_tokens))
+    except Exception as e:  # noqa: BLE001 - the run goes on with the engine's own rule, and says so
+        warnings.warn(f"the activations could not be traced ({type(e).__name__}: {e}): \"auto\" tail units keep "
+                      f"half of the free device memory for them; set memory.activation_reserve to a size (`infinity "
+                      f"estimate` shows the activations) or placement.tail_units to a count", SettingWarning,
+                      stacklevel=2)
+        return config
+    return dataclasses.replace(config, memory=dataclasses.replace(config.memory, activation_reserve=acts))
+
+
+def estimate_inputs(job: Job, config: Config, world: int, model_modules: tuple[str, ...] | None = None) -> dict:
+    """What the estimate of this job's run takes beyond the model and the config (for `infinity estimate` and the
+    run's own): the runtime probe's modules, the model's (`model_modules`, default models/build.py's) and its data
+    reader's (Note [peak memory] runtime), and the data pipeline's terms of one rank (Note [data in the estimate])."""
+    model = runtime_modules(job.model, job.lora) if model_modules is None else model_modules
+    return {"runtime_modules": model + reader_modules(job),
+            "data": resident_bytes(job, world, config.train.grad_accum_steps, cuda=torch.cuda.is_available())}
+
+
+def run_estimate(job: Job, config: Config, world: int, say: Progress):
+    """What `infinity estimate` predicts for this run (run after training, so it does not add to the
+    measured peak memory)."""
+    from infinity.plan import estimate as est
+    from infinity.plan.traced import job_depth
+    try:  # (as `infinity estimate` makes it: the same figures, without torch._dynamo's import: Note [small twin])
+        return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
+                            batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
+                            depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens),
+                            **estimate_inputs(job, config, world))
+    except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run
+        say.note(f"(no estimate: {type(e).__name__}: {e})")
+        return None
