@@ -98,6 +98,9 @@ class Work:
     def __add__(self, other: "Work") -> "Work":
         return Work(self.flops + other.flops, self.bytes + other.bytes, self.ops + other.ops)
 
+    def __sub__(self, other: "Work") -> "Work":
+        return Work(self.flops - other.flops, self.bytes - other.bytes, self.ops - other.ops)
+
     def times(self, n: float) -> "Work":
         """`n` of it (a step's micro-batches)."""
         return Work(self.flops * n, self.bytes * n, self.ops * n)

@@ -233,14 +233,14 @@ def runtime_probe(remeasure: bool = False, modules: tuple[str, ...] = (), compil
     `read:SUFFIX`, a sample record file of that kind read as the run reads its data: data/tokenized.py's
     `reader_modules`) and their kernels are loaded builds a tiny model on the meta device and trains it for six
     steps: its RSS ("rss"), its units, the median of steps 2-6 ("step_s") and step 1 ("first_step_s"); then the
-    same model's forward + backward in plain PyTorch ("plain_s", its operations' host cost: the model's FLOPs
-    and bytes are nil) and that over the operations it ran ("op_s", Note [compute time]). Measured once per
-    machine, torch version, version
-    of infinity's code (what a run imports is the code's: torch._dynamo's import, gone on 2026-11-26, was 71 MiB
-    of it) and set of packages the modules are of, then cached. `compiled`: the [compile] backend when the run
-    compiles its units (Note [compiled units]): the probe compiles its tiny model's units with it, so
-    torch._dynamo's and the backend's import and a compile are in its RSS (+190 MiB for inductor on 2026-11-28, a
-    2 x 64 GPT on the CPU: the estimate was 1.75x under without it). A probe that fails is an error naming it."""
+    same model's forward + backward in plain PyTorch ("plain_s", its operations' host cost: the model's FLOPs and
+    bytes are nil) and that over the operations it ran ("op_s", Note [compute time]). Measured once per machine,
+    torch version, version of infinity's code (what a run imports is the code's: torch._dynamo's import, gone on
+    2026-11-26, was 71 MiB of it) and set of packages the modules are of, then cached. `compiled`: the [compile]
+    backend when the run compiles its units (Note [compiled units]): the probe compiles its tiny model's units
+    with it, so torch._dynamo's and the backend's import and a compile are in its RSS (+190 MiB for inductor on
+    2026-11-28, a 2 x 64 GPT on the CPU: the estimate was 1.75x under without it). A probe that fails is an error
+    naming it."""
     def measure() -> dict:
         try:
             flags = [f"--compile={compiled}"] if compiled else []

@@ -258,7 +258,7 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
     params = {id(p) for p in model.parameters()}
     saved: dict[int, int] = {}
     owner: dict[int, int] = {}  # saved tensor -> the unit running when it was first saved (0: the root)
-    current, inputs, unit_work = [0], [0] * len(unit_modules), [Work()]
+    current, inputs, unit_work, started = [0], [0] * len(unit_modules), [Work()], [Work()]
 
     def pack(t: torch.Tensor):
         base = t._base if t._base is not None else t
@@ -273,13 +273,13 @@ def trace_step(model: nn.Module, loss_fn: Callable, batch: int, seq_len: int,
             for i, module in enumerate(unit_modules, start=1):
                 def pre(_m, args, i=i):
                     current[0] = i
-                    unit_work[0] += flops.work().times(-1)
+                    started[0] = flops.work()
                     inputs[i - 1] += sum(scale(a.numel()) * a.element_size() for a in args
                                          if isinstance(a, torch.Tensor))
 
                 def post(_m, _a, _o):
                     current[0] = 0
-                    unit_work[0] += flops.work()
+                    unit_work[0] += flops.work() - started[0]
                 handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
             try:
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
