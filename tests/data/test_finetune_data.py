@@ -449,7 +449,7 @@ def test_the_jobs_window_is_weighted_by_its_tokens(tmp_path, llama, monkeypatch)
     from infinity.job.spec import load_job
     from infinity.job.train import train
     from infinity.optim.schedule import lr_at
-    monkeypatch.setattr(train_module, "_estimate", lambda *a: None)  # (the estimate's RSS probe: not tested here)
+    monkeypatch.setattr(train_module, "run_estimate", lambda *a: None)  # (the estimate's RSS probe: not tested here)
     path, _, _ = llama
     f = write_jsonl(tmp_path / "c.jsonl", list(_varied_chats(24)))
     job = load_job(None, [f"model.pretrained={path}", f"data.path={f}", "data.format=chat", "model.seq_len=48",

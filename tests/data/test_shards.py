@@ -176,7 +176,7 @@ def test_a_resumed_run_on_a_gz_shard_trains_as_the_uninterrupted_one(tmp_path, w
     corpus, built ahead: stopped at step 3 and resumed to 6, at world 1 and 2 (gloo), the losses and the final
     checkpoint's bytes equal the run that did not stop."""
     from infinity.job import train as train_module
-    monkeypatch.setattr(train_module, "_estimate", lambda *a: None)  # (the estimate's probe: not tested here)
+    monkeypatch.setattr(train_module, "run_estimate", lambda *a: None)  # (the estimate's probe: not tested here)
     data = tmp_path / "k.txt.gz"
     data.write_bytes(gzip.compress(KJV[:200_000]))
     if world == 1:
