@@ -29,24 +29,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import write_json  # noqa: E402
 
-from infinity.plan.largest import LADDERS, MODES  # noqa: E402
+from infinity.plan.largest import MODES, Rung  # noqa: E402
 
 PRETRAINED = "model.pretrained="
 
 
-def answer(estimate_path: str, family: str, mode: str) -> dict:
+def answer(estimate_path: str, mode: str) -> dict:
     answers = json.load(open(estimate_path))
     found = next((a for a in answers if a["mode"] == mode), None)
     if found is None or found["largest"] is None:
         raise SystemExit(f"{estimate_path}: no {mode} answer fits this machine")
-    rung = next(r for r in LADDERS[family] if r.name == found["largest"]["rung"])
-    return {"rung": rung.name, "num_params": found["largest"]["num_params"],
-            "set": rung.sets() + list(found["largest"]["set"]), "predicted_step_s": found["largest"]["step_s"]}
+    rung = Rung(**found["largest"]["shape"])  # (a ladder's rung, or a shape between two: Note [largest model])
+    return {"rung": rung.name, "shape": found["largest"]["shape"], "num_params": found["largest"]["num_params"],
+            "set": rung.sets() + list(found["largest"]["set"]), "predicted_step_s": found["largest"]["step_s"],
+            "state_bytes": found["largest"].get("state_bytes"), "free_bytes": found["largest"].get("free_bytes")}
 
 
 def full_fine_tune(args, run_dir: str) -> dict:
     """The full fine-tune's answer, trained by `infinity train`."""
-    out = answer(args.estimate, args.family, MODES[0])
+    out = answer(args.estimate, MODES[0])
     sets = out["set"] + [f"model.seq_len={args.seq_len}", f"run.steps={args.steps}", f"run.dir={run_dir}",
                          "run.checkpoint=false", "run.eval_every=0"]
     cmd = [sys.executable, "-m", "infinity", "train"] + [a for s in sets for a in ("--set", s)]
@@ -79,8 +80,8 @@ def lora(args, root: str) -> dict:
     import infinity
     from infinity.job.spec import load_job
     from infinity.models.build import build_model
-    out = answer(args.estimate, args.family, MODES[1])
-    rung = next(r for r in LADDERS[args.family] if r.name == out["rung"])
+    out = answer(args.estimate, MODES[1])
+    rung = Rung(**out["shape"])
     path = rung.pretrained(root, args.seq_len)  # (its config.json: the estimate's directory is gone)
     sets = [s for s in out["set"] if not s.startswith(PRETRAINED) and not s.startswith("model.kind")
             and not any(s.startswith(f"model.{k}=") for k in ("d_model", "n_layer", "n_head", "n_kv_head",
@@ -120,7 +121,6 @@ def lora(args, root: str) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--estimate", required=True, help="infinity estimate --largest FAMILY --json's output")
-    ap.add_argument("--family", default="llama")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--modes", default="full,lora", help="full, lora or both (comma-separated)")
@@ -131,7 +131,8 @@ def main(argv=None) -> dict:
     out: dict = {}
     if "full" in args.modes:
         out["full"] = full = full_fine_tune(args, run_dir)
-        out.update(params=full.get("trained_params"), step_s=full.get("step_s"))
+        out.update(params=full.get("trained_params"), step_s=full.get("step_s"),
+                   state_share=full["state_bytes"] / full["free_bytes"] if full.get("free_bytes") else None)
         print(f"full fine-tune: {json.dumps(full, default=str)[:2000]}", flush=True)
     if "lora" in args.modes:
         with tempfile.TemporaryDirectory(prefix="infinity-largest-lora-") as root:

@@ -92,8 +92,8 @@ part_d2() {
 # 4. the largest model this machine trains: the estimator's answer, then 3 steps of it, full fine-tune and LoRA
 part_largest() {
   if [ "${LARGEST:-1}" != 1 ]; then log "largest model skipped (LARGEST=${LARGEST:-})"; return; fi
-  timeout 60 python3 -m infinity estimate --largest llama --seq-len 1024 --json >"$CASES/largest_estimate.json" \
-    2>"$OUT/largest.log"
+  timeout 90 python3 -m infinity estimate --largest llama --seq-len 1024 --set run.checkpoint=false \
+    --set run.eval_every=0 --json >"$CASES/largest_estimate.json" 2>"$OUT/largest.log"  # (as bench_largest runs it)
   local rc=$?; cat "$CASES/largest_estimate.json" >>"$OUT/largest.log"
   log "largest (estimate) rc=$rc"
   local t; t=$(cap "$1"); [ "$t" = 0 ] && { log "largest (3 steps) skipped: the budget is spent"; return; }

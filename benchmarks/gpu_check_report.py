@@ -95,6 +95,8 @@ def bars(report: dict) -> list[dict]:
     largest = report.get("largest") or {}
     bar("GPU truth: largest model trained (parameters)", largest.get("params"), None, SOME)
     bar("memory-bound: largest model trained with LoRA (parameters)", largest.get("lora_params"), None, SOME)
+    bar("memory-bound: largest model trained, its state / (GPU + RAM + free disk)",
+        largest.get("state_share") if largest.get("params") else None, 0.8, AT_LEAST)
     return out
 
 

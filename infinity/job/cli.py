@@ -28,6 +28,7 @@ fail again. A BrokenPipeError of anything else (a socket between ranks) is raise
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -322,9 +323,10 @@ def _largest(args, line, custom) -> int:
     answers = largest.run(args.largest, seq_len, lambda sets: _job_estimate(args, line.then(*sets), None, plans=1))
     if args.json:
         print(json.dumps([{"mode": a.mode, "judged": a.judged, **{k: None if v is None else {
-            "rung": v.rung.name, "num_params": v.estimate.num_params, "set": v.plan, "fits": v.fits,
-            "step_s": v.row.step_s if v.row is not None else None} for k, v in (("largest", a.largest),
-                                                                                   ("above", a.above))}}
+            "rung": v.rung.name, "shape": dataclasses.asdict(v.rung), "num_params": v.estimate.num_params,
+            "set": v.plan, "fits": v.fits, "step_s": v.row.step_s if v.row is not None else None,
+            **dict(zip(("state_bytes", "free_bytes"), v.share()))} for k, v in (("largest", a.largest),
+                                                                                  ("above", a.above))}}
                           for a in answers], indent=1))
     else:
         print(largest.format_answers(args.largest, seq_len, answers))

@@ -8,16 +8,25 @@ own `--set` lines, its budgets, this machine's memory and disks, and the plan se
 a rung trains here when its configured run fits, or a plan of the search does (a plan that raises the budgets
 does not count: the budgets are the user's). The ladder is bisected (fitting is monotone along it: every rung
 has more parameters, wider layers and no fewer blocks than the one below), so a 10-rung ladder costs 4
-estimates per mode, each fast by Note [deepened estimate]. Full fine-tuning judges the shape as `model.kind =
+estimates per mode, each fast by Note [deepened estimate]. The rungs are 2-4x apart in parameters, so the gap
+above the answer is bisected too: the next rung's width with fewer of its blocks (`Rung.with_layers`, named
+`llama-7B-17L`), from the first that has more parameters than the answer (fitting is monotone in the blocks at
+one width), up to 6 estimates more. On the 2-core, 23 GiB machine with 68 GiB of free disk (2026-11-28, seq
+256, no checkpoint) the full fine-tune's answer went from llama-1.1B to llama-7B-17L (3.70B) and LoRA's from
+llama-7B to llama-13B-35L (11.44B). Each answer says the share of the machine its training state takes
+(`Verdict.share`: the state as its plan stores it over the free GPU memory, the RAM available and the swap
+disk's free space), the capacity the answer is measured against (benchmarks/bench_largest.py, the GPU check's
+bar: at least 0.8). Full fine-tuning judges the shape as `model.kind =
 "llama"` with its sizes; LoRA as a pretrained model of that shape (a config.json written to a temporary
 directory, no weights: the estimate reads none) with `model.lora.r = 16`. The answer names the rung, its
 parameters, the `--set` lines of its plan, the binding memory (the one nearest its limit: the RAM by the run's
 predicted peak RSS, the disk by its swap, each against what is left beyond memory.headroom: Note [headroom]), the
-margins it keeps, the predicted step, and why the next rung does not fit with what it lacks as configured.
+margins it keeps, the predicted step, and why the next shape does not fit with what it lacks as configured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -36,6 +45,20 @@ class Rung:
     n_kv_head: int
     ffn_dim: int
     vocab_size: int = 32000
+
+    @property
+    def num_params(self) -> int:
+        """Its parameters as models/llama.py (and transformers' LlamaForCausalLM) builds it: no biases, the
+        embedding and the output head untied, two RMSNorm weights a block and a final one."""
+        head = self.d_model // self.n_head
+        attention = 2 * self.d_model * head * (self.n_head + self.n_kv_head)
+        block = attention + 3 * self.d_model * self.ffn_dim + 2 * self.d_model
+        return 2 * self.vocab_size * self.d_model + self.n_layer * block + self.d_model
+
+    def with_layers(self, n_layer: int) -> "Rung":
+        """This rung's width with `n_layer` blocks, named for both (a shape between two rungs: Note [largest
+        model])."""
+        return dataclasses.replace(self, name=f"{self.name}-{n_layer}L", n_layer=n_layer)
 
     def sets(self) -> list[str]:
         """The job's `--set` lines of this shape (`model.kind = "llama"`)."""
@@ -87,6 +110,17 @@ class Verdict:
     def fits(self) -> bool:
         return self.plan is not None
 
+    def share(self) -> tuple[int, int]:
+        """Its training state's bytes on every rank of this machine (parameters, gradients, optimizer state, as the
+        plan stores them) and what the machine has free for it: the GPUs' free memory, the RAM available and the
+        swap disk's free space (the RAM once without a GPU: it is the device tier too). Note [largest model]."""
+        est, plan = self.estimate, self.row.plan if self.row is not None else None
+        state = sum(sum(kinds.values()) for kinds in plan.state_bytes().values()) if plan is not None else 0
+        room = est.room
+        free = room.get("ram_available", 0) + room.get("disk_free", 0) + (
+            est.budgets.device * est.local_world_size if est.cuda else 0)
+        return state * est.local_world_size, free
+
     def why_not(self) -> str:
         me = configured_row(self.estimate.table)
         why = list(me.over.values()) if me is not None and me.over else [
@@ -111,19 +145,33 @@ def verdict(rung: Rung, est) -> Verdict:
 class Answer:
     mode: str
     largest: Verdict | None  # None: not even the smallest rung trains here
-    above: Verdict | None  # the next rung (None: the answer is the ladder's top)
+    above: Verdict | None  # the next shape judged, a rung or one between two (None: the answer is the ladder's top)
     judged: list[str] = field(default_factory=list)  # the rungs estimated, in order
 
 
 def largest(ladder: tuple[Rung, ...], judge: Callable[[Rung], object], mode: str) -> Answer:
-    """Bisect `ladder` for its largest rung that `judge(rung)` (an Estimate) says trains here."""
+    """Bisect `ladder` for its largest rung that `judge(rung)` (an Estimate) says trains here, then the shapes
+    between it and the next rung: the next rung's width with fewer blocks (Note [largest model])."""
+    fitting, failing, judged = _bisect(list(ladder), judge)
+    if failing is None:
+        return Answer(mode, fitting, None, judged)
+    above = failing.rung
+    floor = fitting.rung.num_params if fitting is not None else 0
+    fewer = [above.with_layers(n) for n in range(1, above.n_layer) if above.with_layers(n).num_params > floor]
+    better, worse, more = _bisect(fewer, judge)
+    return Answer(mode, better or fitting, worse or failing, judged + more)
+
+
+def _bisect(shapes: list[Rung], judge: Callable[[Rung], object]) -> tuple[Verdict | None, Verdict | None, list[str]]:
+    """The verdicts of the largest of `shapes` that fits and of the one after it (None: all fit, or none is
+    judged), fitting being monotone along them; and the names judged, in order."""
     seen: dict[int, Verdict] = {}
-    lo, hi = -1, len(ladder)  # ladder[lo] fits, ladder[hi] does not
+    lo, hi = -1, len(shapes)  # shapes[lo] fits, shapes[hi] does not
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        seen[mid] = verdict(ladder[mid], judge(ladder[mid]))
+        seen[mid] = verdict(shapes[mid], judge(shapes[mid]))
         lo, hi = (mid, hi) if seen[mid].fits else (lo, mid)
-    return Answer(mode, seen.get(lo), seen.get(hi), [ladder[i].name for i in seen])
+    return seen.get(lo), seen.get(hi), [shapes[i].name for i in seen]
 
 
 def binding(est, row, peak: dict | None = None) -> str:
@@ -180,12 +228,16 @@ def format_answers(family: str, seq_len: int, answers: list[Answer]) -> str:
     for a in answers:
         lines.append("")
         if a.largest is None:
-            lines.append(f"  {a.mode}: none; the smallest rung, {a.above.rung.name}, does not fit: "
+            lines.append(f"  {a.mode}: none; the smallest shape judged, {a.above.rung.name}, does not fit: "
                          f"{a.above.why_not()}")
             continue
         v, est = a.largest, a.largest.estimate
         lines.append(f"  {a.mode}: {v.rung.name}, {est.num_params / 1e9:.2f}B parameters; predicted step "
                      f"{seconds_text(v.row.step_s)}; binding {binding(est, v.row, v.peak)}")
+        state, free = v.share()
+        if state and free:
+            lines.append(f"     its training state, {_fmt(state)}, is {state / free:.0%} of what this machine has free "
+                         f"for it ({_fmt(free)}: {'GPU memory, ' if est.cuda else ''}RAM and swap disk)")
         if kept(est):
             lines.append(f"     it keeps {kept(est)} unused (memory.headroom)")
         model = v.rung.sets() if a.mode == MODES[0] else ["model.pretrained=<your model of this shape>", *LORA_SETS]
@@ -193,7 +245,7 @@ def format_answers(family: str, seq_len: int, answers: list[Answer]) -> str:
         if not v.plan:
             lines.append("     (the job as configured: no change needed)")
         if a.above is not None:
-            lines.append(f"  the next rung, {a.above.rung.name} ({a.above.estimate.num_params / 1e9:.2f}B), does "
+            lines.append(f"  the next shape, {a.above.rung.name} ({a.above.estimate.num_params / 1e9:.2f}B), does "
                          f"not fit: {a.above.why_not()}")
         else:
             lines.append("  (the top of the ladder)")

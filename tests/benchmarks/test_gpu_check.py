@@ -26,7 +26,7 @@ def test_the_gpu_check_runs_every_part_and_reports_every_bar(tmp_path):
     (report,) = tmp_path.glob("gpu_*.json")
     payload = json.loads(report.read_text())
     assert {"device", "gpu_tests", "sanitizer_races", "cases", "bars", "elapsed_s"} <= set(payload)
-    assert {"a", "b", "l", "m1", "m2"} <= set(payload["cases"]) and len(payload["bars"]) == 19
+    assert {"a", "b", "l", "m1", "m2"} <= set(payload["cases"]) and len(payload["bars"]) == 20
     assert {"ratio", "speed", "clip_over_no_clip", "accum4_speed"} <= set(payload["cases"]["m1"])
     assert {"ratio", "tflops", "params"} <= set(payload["cases"]["m2"])
     assert len(list(tmp_path.iterdir())) <= 8  # what the device tool brings back
