@@ -2,6 +2,7 @@
 
     python -m infinity estimate --largest llama --seq-len 1024 --json > largest_estimate.json
     python benchmarks/bench_largest.py --estimate largest_estimate.json --steps 3 --json largest.json
+    (with the job's own `--set` lines, e.g. nvme.paths or run.batch_size, given to both: `--set KEY=VALUE`)
 
 Full fine-tuning: the answer's rung and the plan's `--set` lines run as `infinity train` for `--steps` steps (no
 checkpoint, no export). LoRA: the LoRA answer's rung (a pretrained model of that shape, LoRA r = 16) with its
@@ -48,7 +49,7 @@ def answer(estimate_path: str, mode: str) -> dict:
 def full_fine_tune(args, run_dir: str) -> dict:
     """The full fine-tune's answer, trained by `infinity train`."""
     out = answer(args.estimate, MODES[0])
-    sets = out["set"] + [f"model.seq_len={args.seq_len}", f"run.steps={args.steps}", f"run.dir={run_dir}",
+    sets = args.set + out["set"] + [f"model.seq_len={args.seq_len}", f"run.steps={args.steps}", f"run.dir={run_dir}",
                          "run.checkpoint=false", "run.eval_every=0"]
     cmd = [sys.executable, "-m", "infinity", "train"] + [a for s in sets for a in ("--set", s)]
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -78,19 +79,21 @@ def lora(args, root: str) -> dict:
     from bench_gpu import fast_init
 
     import infinity
+    from infinity.job.prediction import reserve_activations
     from infinity.job.spec import load_job
     from infinity.models.build import build_model
     out = answer(args.estimate, MODES[1])
     rung = Rung(**out["shape"])
     path = rung.pretrained(root, args.seq_len)  # (its config.json: the estimate's directory is gone)
-    sets = [s for s in out["set"] if not s.startswith(PRETRAINED) and not s.startswith("model.kind")
+    sets = args.set + [s for s in out["set"] if not s.startswith(PRETRAINED) and not s.startswith("model.kind")
             and not any(s.startswith(f"model.{k}=") for k in ("d_model", "n_layer", "n_head", "n_kv_head",
                                                                 "ffn_dim", "vocab_size"))]
     sets += [PRETRAINED + path, "model.lora.r=16", f"model.seq_len={args.seq_len}", f"run.dir={root}/run"]
     out["set"] = sets
     job = load_job(None, sets)
     bundle = build_model(job.model, job.lora)
-    config = job.engine_config(os.path.join(root, "run"))
+    # (the activations traced and reserved as `infinity train` does: the plan the estimate judged)
+    config = reserve_activations(job, job.engine_config(os.path.join(root, "run")), 1, torch.cuda.is_available())
     for swap in job.created_swap(os.path.join(root, "run")):
         os.makedirs(swap, exist_ok=True)  # (as `infinity train` makes its run's swap)
     base = bundle.model.get_base_model()
@@ -121,6 +124,9 @@ def lora(args, root: str) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--estimate", required=True, help="infinity estimate --largest FAMILY --json's output")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="the job's own --set lines, as `infinity estimate --largest` was given them (before the "
+                         "answer's)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--modes", default="full,lora", help="full, lora or both (comma-separated)")

@@ -107,7 +107,7 @@ def torch_steps(lcfg, xs: list[torch.Tensor], device, bf16: bool, args, optimize
 
 
 def ours(lcfg, xs: list[torch.Tensor], device, args, placement: dict, clip: float = 0.0, overlap: dict | None = None,
-         nvme_dir: str | None = None) -> dict:
+         nvme_dir: str | None = None, memory: dict | None = None) -> dict:
     """infinity's steady step at `placement`, accumulating `xs`; with the plan's counts, the elements it updates
     on the host and its predicted bytes per step."""
     from transformers import LlamaForCausalLM
@@ -120,7 +120,7 @@ def ours(lcfg, xs: list[torch.Tensor], device, args, placement: dict, clip: floa
         model = LlamaForCausalLM(lcfg)
     config = {"optimizer": {"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD, "grad_clip": clip},
               "placement": placement, "precision": {"compute_dtype": "bf16" if bf16 else "fp32"},
-              "overlap": dict(overlap or {}), "train": {"grad_accum_steps": len(xs)}}
+              "overlap": dict(overlap or {}), "train": {"grad_accum_steps": len(xs)}, "memory": dict(memory or {})}
     if nvme_dir is not None:
         config["nvme"] = {"paths": [nvme_dir]}
     engine = None
@@ -218,8 +218,10 @@ def rung_config(rung: Rung, seq: int):
                        eos_token_id=None, pad_token_id=None)
 
 
-def estimate_fits(rung: Rung, args, nvme_dir: str) -> bool:
-    """Does `infinity estimate` say the shape trains here with placement.policy = "auto"?"""
+def estimate_fits(rung: Rung, args, nvme_dir: str) -> int | None:
+    """Does `infinity estimate` say the shape trains here with placement.policy = "auto"? The device bytes of the
+    activations it left free for them when it does (memory.activation_reserve for the engine: Note [auto
+    placement]), None when not."""
     sets = rung.sets() + [f"model.seq_len={args.seq}", f"run.batch_size={args.batch}", 'placement.policy="auto"',
                           f'nvme.paths=["{nvme_dir}"]'] + (['precision.compute_dtype="bf16"'] if args.device == "cuda"
                                                            else [])
@@ -227,12 +229,13 @@ def estimate_fits(rung: Rung, args, nvme_dir: str) -> bool:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode not in (0, 1):
         raise RuntimeError(f"infinity estimate failed ({done.returncode}): {done.stderr[-2000:]}")
-    return bool(json.loads(done.stdout)["ok"])
+    out = json.loads(done.stdout)
+    return next(r for r in out["table"] if r["configured"])["activations"]["device"] if out["ok"] else None
 
 
-def m2_shape(gpu_bytes: int, args, nvme_dir: str) -> tuple[Rung, list[str]]:
+def m2_shape(gpu_bytes: int, args, nvme_dir: str) -> tuple[Rung, list[str], int]:
     """The largest shape of m2's width, from the rung's layers down, whose fp32 state is >= 1.2x the GPU and that
-    the estimator says fits; the shapes judged (a line each)."""
+    the estimator says fits; the shapes judged (a line each); the activations the estimate left free for it."""
     base, judged = m2_base(gpu_bytes, args.tiny), []
     need = 0 if args.tiny else OVER_DEVICE * gpu_bytes / STATE_BYTES
     one, two = (sum(p.numel() for p in _meta_llama(rung_config(dataclasses.replace(base, n_layer=n), args.seq))
@@ -242,10 +245,10 @@ def m2_shape(gpu_bytes: int, args, nvme_dir: str) -> tuple[Rung, list[str]]:
         params = one + (layers - 1) * (two - one)
         if params < need:
             break
-        fits = estimate_fits(rung, args, nvme_dir)
-        judged.append(f"{rung.name}: {params / 1e9:.2f}B parameters, {'fits' if fits else 'does not fit'}")
-        if fits:
-            return rung, judged
+        acts = estimate_fits(rung, args, nvme_dir)
+        judged.append(f"{rung.name}: {params / 1e9:.2f}B parameters, {'fits' if acts is not None else 'does not fit'}")
+        if acts is not None:
+            return rung, judged, acts
     raise RuntimeError("no shape of m2's width is both over 1.2x the GPU's memory and fits this machine: "
                        + "; ".join(judged))
 
@@ -253,10 +256,11 @@ def m2_shape(gpu_bytes: int, args, nvme_dir: str) -> tuple[Rung, list[str]]:
 def case_m2(device, args) -> dict:
     gpu_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
     nvme_dir = tempfile.mkdtemp(prefix="bench-m2-", dir=args.dir)
-    rung, judged = m2_shape(gpu_bytes, args, nvme_dir)
+    rung, judged, acts = m2_shape(gpu_bytes, args, nvme_dir)
     lcfg = rung_config(rung, args.seq)
     (x,) = tokens(lcfg, args)
-    run = ours(lcfg, [x], device, args, {"policy": "auto"}, nvme_dir=nvme_dir)
+    # (the engine API does not trace the activations: the estimate's, as `infinity train` would reserve them)
+    run = ours(lcfg, [x], device, args, {"policy": "auto"}, nvme_dir=nvme_dir, memory={"activation_reserve": acts})
     measured = floors(lcfg, x, device, args, run, nvme_dir)
     params = sum(p.numel() for p in _meta_llama(lcfg).parameters())
     step = run["steady_s"]

@@ -13,14 +13,16 @@ from infinity.config.sections import Config, SettingWarning
 from infinity.data.tokenized import reader_modules, resident_bytes
 from infinity.job.progress import Progress
 from infinity.job.spec import Job
+from infinity.memory.placement import reserves_activations
 from infinity.models.build import build_model, runtime_modules
 
 
 def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Config:
     """`config` with `memory.activation_reserve` at the traced activations of a micro-batch, where "auto" tail
-    units would otherwise guess half the free device memory for them (Note [tail units]: on a GPU, both "auto"):
-    a plan that fits without tail units then fits with them. The run's config.toml keeps "auto"."""
-    if not cuda or config.placement.tail_units != "auto" or config.memory.activation_reserve != "auto":
+    units would otherwise guess half the free device memory for them (Note [tail units]: on a GPU, both "auto"),
+    and the auto policy would leave them none (Note [auto placement]): a plan that fits without them then fits
+    with them, the plan `infinity estimate` makes. The run's config.toml keeps "auto"."""
+    if not reserves_activations(config, cuda) or config.memory.activation_reserve != "auto":
         return config
     from infinity.plan import estimate as est
     from infinity.plan.traced import job_depth
@@ -31,9 +33,9 @@ def reserve_activations(job: Job, config: Config, world: int, cuda: bool) -> Con
                                                       own_llama=not config.activation.loss_chunk_tokens))
     except Exception as e:  # noqa: BLE001 - the run goes on with the engine's own rule, and says so
         warnings.warn(f"the activations could not be traced ({type(e).__name__}: {e}): \"auto\" tail units keep "
-                      f"half of the free device memory for them; set memory.activation_reserve to a size (`infinity "
-                      f"estimate` shows the activations) or placement.tail_units to a count", SettingWarning,
-                      stacklevel=2)
+                      f"half of the free device memory for them, the auto policy none; set "
+                      f"memory.activation_reserve to a size (`infinity estimate` shows the activations) or "
+                      f"placement.tail_units to a count", SettingWarning, stacklevel=2)
         return config
     return dataclasses.replace(config, memory=dataclasses.replace(config.memory, activation_reserve=acts))
 

@@ -269,6 +269,13 @@ def check_locked_memory(locked_bytes: int, local_world_size: int) -> Check:
 # ---------------------------------------------------------------- all of them
 
 
+def ram_room(headroom: str) -> tuple[int, int]:
+    """The RAM available now and the margin memory.headroom keeps of it (Note [headroom]): the free-RAM check's
+    two figures."""
+    vm = psutil.virtual_memory()
+    return vm.available, headroom_bytes(headroom, vm.total)
+
+
 def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, local_world_size: int, cuda: bool,
               ram_per_rank: int = 0, device_per_rank: int = 0, frozen_referenced: bool = False,
               headroom: str = "0") -> list[Check]:
@@ -283,8 +290,7 @@ def preflight(plan: Plan | None, plan_error: str | None, config: Config, *, loca
     state = plan.state_bytes()
     ram = ram_per_rank or sum(state[Tier.HOST].values()) + plan.working.get(Tier.HOST, 0) + (
         0 if cuda else sum(state[Tier.DEVICE].values()) + plan.working.get(Tier.DEVICE, 0))
-    vm = psutil.virtual_memory()
-    available, margin = vm.available, headroom_bytes(headroom, vm.total)  # Note [headroom]
+    available, margin = ram_room(headroom)  # Note [headroom]
     checks.append(Check("free RAM", ram * local_world_size + margin <= available,
                         f"{_fmt(ram * local_world_size)} for {local_world_size} rank(s), {_fmt(available)} available"
                         + (f", keeping {_fmt(margin)} free (memory.headroom)" if margin else ""),

@@ -15,6 +15,11 @@ ties broken by the transfer time saved, until no promotion helps. Units of the
 same size and tiers are interchangeable, so one of each class is evaluated per
 round. Every (unit, group) keeps a reason: what its tier saves over the next
 slower one, and why it is not on a faster one (no room, or no gain).
+The activations, when known (Budgets.activations: `memory.activation_reserve`, traced by `infinity train` and
+`infinity estimate` for this policy), are left free on the device tier (and, without a GPU, of the RAM the
+two tiers share): before 2026-11-28 the search filled the device budget with state, so a plan that fit its
+budgets did not fit with the activations it would compute (the estimate's row said so; on a GPU the forward
+would have run out of memory). The engine API alone does not know them and leaves none.
 """
 
 from __future__ import annotations
@@ -42,6 +47,14 @@ from infinity.memory.plan import (
     with_inert,
 )
 from infinity.memory.tier import Kind, StateDtype, Tier
+
+
+def reserves_activations(config, cuda: bool) -> bool:
+    """Whether a run of `config` plans with its activations left free (Budgets.reserving), the one answer for
+    `infinity train` (which traces them: job/prediction.py) and `infinity estimate`: the auto policy (Note [auto
+    placement]) and, on a GPU, "auto" tail units (Note [tail units]); a size in memory.activation_reserve is
+    taken as it is by every plan."""
+    return config.placement.policy == "auto" or (cuda and config.placement.tail_units == "auto")
 
 
 def working_bytes(units: tuple[UnitSizes, ...], compute_dtype: torch.dtype, tiers_of: dict[str, Tier],
@@ -270,6 +283,7 @@ class _Search:
     def __init__(self, units, compute_dtype, budgets: Budgets, units_ahead, settings, rates, accum, compute_seconds):
         import numpy as np
         self.np, self.units, self.budgets, self.rates = np, units, budgets, rates
+        self.reserve = budgets.activations or 0  # left free on the device tier (Note [auto placement])
         self.compute_seconds = compute_seconds
         cuda, state_dtype = not budgets.shared_ram, settings["state_dtype"]
         n, k = len(units), len(COMBOS)
@@ -308,9 +322,9 @@ class _Search:
         links = disk_fb + disk_opt + (fb[..., 2] + opt[..., 2]) * h2d + (fb[..., 3] + opt[..., 3]) * d2h
         total = state + self.work[((nvme > 0) * np.array([1, 2, 4])).sum(-1)]
         b = self.budgets
-        fits = (total[..., 0] <= b.device) & (total[..., 1] <= b.host) & (total[..., 2] <= b.nvme)
+        fits = (total[..., 0] + self.reserve <= b.device) & (total[..., 1] <= b.host) & (total[..., 2] <= b.nvme)
         if b.shared_ram:
-            fits &= total[..., 0] + total[..., 1] <= b.shared_limit
+            fits &= total[..., 0] + total[..., 1] + self.reserve <= b.shared_limit
         return t_fb + t_opt, links, fits
 
     def _totals(self, combos):
@@ -415,10 +429,11 @@ class _Search:
         combos = np.full(len(self.units), COMBOS.index((Tier.NVME,) * 3 if self.budgets.nvme else (Tier.HOST,) * 3))
         fb, opt, state, nvme = self._totals(combos)
         total = state + self.work[int(((nvme > 0) * np.array([1, 2, 4])).sum())]
-        problems = misfits({Tier.DEVICE: int(total[0]), Tier.HOST: int(total[1]), Tier.NVME: int(total[2])},
-                           self.budgets)
+        problems = misfits({Tier.DEVICE: int(total[0]) + self.reserve, Tier.HOST: int(total[1]),
+                            Tier.NVME: int(total[2])}, self.budgets)
+        acts = f" (the device tier's with {fmt_bytes(self.reserve)} of activations)" if self.reserve else ""
         return ('placement.policy = "auto" found no placement that fits: with everything on the slowest tier, '
-                + "; ".join(problems) + ". Raise memory.device_budget / memory.host_budget, add nvme.paths with "
+                + "; ".join(problems) + acts + ". Raise memory.device_budget / memory.host_budget, add nvme.paths with "
                 "more free space, or lower prefetch.units_ahead (unsharded units held on the device).")
 
     def reasons(self, combos) -> tuple[dict[str, str], ...]:
@@ -426,7 +441,7 @@ class _Search:
         now = self.score(combos)
         fb, opt, state, nvme = self._totals(combos)
         used = state + self.work[int(((nvme > 0) * self.np.array([1, 2, 4])).sum())]
-        free = {Tier.DEVICE: self.budgets.device - used[0], Tier.HOST: self.budgets.host - used[1],
+        free = {Tier.DEVICE: self.budgets.device - self.reserve - used[0], Tier.HOST: self.budgets.host - used[1],
                 Tier.NVME: self.budgets.nvme - used[2]}
         out = []
         for u in range(len(self.units)):

@@ -319,11 +319,13 @@ def largest_chunk_bytes(plan: Plan) -> int:
 
 
 def host_slack(plan: Plan, budgets: Budgets) -> int:
-    """Host memory the plan leaves free under the budgets (state and every working term counted)."""
+    """Host memory the plan leaves free under the budgets (state and every working term counted; without a GPU
+    the activations too, when known: Budgets.activations, in the RAM both tiers share)."""
     totals_ = plan.tier_totals()
     slack = budgets.host - totals_[Tier.HOST]
     if budgets.shared_ram:
-        slack = min(slack, budgets.shared_limit - totals_[Tier.DEVICE] - totals_[Tier.HOST])
+        slack = min(slack, budgets.shared_limit - (budgets.activations or 0) - totals_[Tier.DEVICE]
+                    - totals_[Tier.HOST])
     return max(0, slack)
 
 

@@ -20,6 +20,19 @@ not divide) and estimated again, as the configured run is,
 with its budgets and preflight checks; only the ones that pass are shown (`limit`). When none fits, the last
 resort is the smallest raise of `memory.device_budget` / `memory.host_budget` that fits (checked the same way:
 a budget over the machine is refused, so it is offered only when the machine has it).
+
+Note [auto within the RAM]: the auto policy fills the budgets it is given, and its "auto" host budget is the RAM
+available less memory.headroom; but the run's RAM also holds what no budget counts: the runtime, the data, a unit
+materializing at start, and without a GPU the activations' and the allocator's share (Note [peak memory]). So an
+auto plan that needs the RAM's last bytes fails the free-RAM check by those, and before 2026-11-28 such a model
+got no auto plan at all: only the static shapes, whose tiers are all or nothing (on the 2-core, 23 GiB machine a
+7B-wide Llama of 14 blocks, 3.0B parameters: the best plan put every state kind on the disk, 51.7 s a step
+predicted). Each auto candidate whose predicted peak RSS is over is tried again with `memory.host_budget` lowered
+by the excess (and a sixteenth more, whole kinds of units moving at once; without a GPU `memory.device_budget`
+held at what the plan keeps on the device tier with the activations, or the planner would move the state there,
+the same RAM), at most LOWERINGS rounds: the planner sends that much more to NVMe, and the plan is shown with
+both `--set` lines, which the job applies as it is estimated (the same model then: 46.4 s, part of the gradients
+and master in RAM). The activations themselves are left free by the planner (Note [auto placement]).
 """
 
 from __future__ import annotations
@@ -30,8 +43,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from infinity.config.sections import Config, ConfigError
-from infinity.machine.preflight import Check, preflight
-from infinity.memory.placement import plan_for_config
+from infinity.machine.preflight import Check, preflight, ram_room
+from infinity.memory.placement import plan_for_config, reserves_activations
 from infinity.memory.plan import PlacementError, Plan, overflows
 from infinity.memory.stages import STAGES
 from infinity.memory.tier import Tier
@@ -120,7 +133,8 @@ def judge(ctx: Context, applied: Applied) -> Verdict:
     tiers = _tiers_of(config)
     row = make_row(ctx, config, "configured", tiers, sizes_cache={sizes_key(config, ctx.world_size): sizes})
     try:
-        planned = budgets.reserving(ctx.activations_of(config.activation)["device"])  # (Note [tail units])
+        planned = budgets.reserving(ctx.activations_of(config.activation)["device"]) if reserves_activations(
+            config, ctx.cuda) else budgets  # (Notes [tail units], [auto placement]: as the job plans)
         plan, error = plan_for_config(sizes, config, planned, rates=ctx.plan_rates or ctx.rates), None
     except (PlacementError, ConfigError) as e:
         plan, error = None, str(e)
@@ -208,7 +222,7 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
     found: list[RunPlan] = []
     cache: dict = {}
     batched = functools.cache(lambda b: at_batch(ctx, b))  # traced when a state fits without activations
-    for sets, tiers in states:
+    for sets, tiers in states:  # (the auto policy's with lowered budgets are added as they are found)
         if "optimizer.sub_group_size" in " ".join(sets) and (tiers[2] if tiers else config.placement.optimizer) \
                 != "nvme":
             continue  # the sub-groups only size the NVMe update's staging
@@ -218,6 +232,8 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
         base = plan_of(ctx, staged, tiers, sizes_cache=cache)  # its plan alone: most states stop here
         if base is None or overflows(base.tier_totals(), ctx.budgets):
             continue  # the state and working bytes alone do not fit
+        if tiers is None and (lowered := within_ram(ctx, staged, base, sets)) is not None:
+            states.append((lowered, None))
         offloads = [[]] if staged.activation.checkpoint == "none" else _choices(staged, "activation.offload", ("host",))
         for o in offloads:
             acted = staged.with_overrides(o) if o else staged
@@ -235,6 +251,33 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
                 found.append(dataclasses.replace(chain[0], smaller=chain[1:]))
     found.sort(key=rank)
     return _verified(ctx, apply, found, limit)
+
+
+LOWERINGS = 2  # rounds of within_ram per candidate (a lowered plan's peak is checked again)
+
+
+def within_ram(ctx: Context, config: Config, plan: Plan, sets: list[str]) -> list[str] | None:
+    """Note [auto within the RAM]: the `--set` lines of `sets` with `memory.host_budget` lowered by what the auto
+    policy's `plan` puts over the RAM its run may use (and, where device and host are the same RAM, with
+    `memory.device_budget` held at what the plan keeps on the device tier); None when its peak fits, or after
+    LOWERINGS rounds."""
+    if ctx.peak_of is None or ctx.budgets.nvme <= 0 or sum("_budget=" in s for s in sets) >= 2 * LOWERINGS:
+        return None  # (nothing to spill to without NVMe)
+    available, margin = ram_room(config.memory.headroom)
+    peak = ctx.peak_of(plan, ctx.trace, config.activation)[1]["ram"]
+    over = peak - (available - margin) // ctx.local_world_size
+    if over <= 0:
+        return None
+    totals = plan.tier_totals()
+    host = totals[Tier.HOST] - over - over // 16 - (64 << 20)  # (a little more: whole kinds of units move)
+    if host <= 0:
+        return None
+    keep = [s for s in sets if not s.startswith(("memory.host_budget=", "memory.device_budget="))]
+    lines = [f"memory.host_budget={host >> 20}MiB"]
+    if ctx.budgets.shared_ram:  # (what the planner leaves for the activations is under this budget too)
+        acts = ctx.activations_of(config.activation)["device"]
+        lines.append(f"memory.device_budget={_mib(totals[Tier.DEVICE] + acts)}")
+    return keep + lines
 
 
 def _overridden(ctx: Context, config: Config, sets: list[str]) -> Config | None:

@@ -121,8 +121,9 @@ def plan_of(ctx: Context, config: Config, tiers, *, world_size: int | None = Non
         cache[key] = ctx.sizes_of(config, world)
     sizes = cache[key]
     try:
-        if tiers is None:  # the auto policy plans against the budgets it has
-            budgets = ctx.budgets.reserving(_activation_bytes(ctx, config.activation)["device"])
+        if tiers is None:  # the auto policy plans against the budgets it has (a plan's own memory.*_budget too)
+            own = ctx.budgets_of(config) if ctx.budgets_of else ctx.budgets
+            budgets = own.reserving(_activation_bytes(ctx, config.activation)["device"])
             plan = plan_for_config(sizes, config, budgets, rates=ctx.rates)  # (tail units leave the activations)
         else:  # the same sizes (the same object: sizes_of caches them) and arguments plan the same
             unlimited = dataclasses.replace(ctx.budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)

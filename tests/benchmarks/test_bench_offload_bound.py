@@ -27,16 +27,18 @@ def params(rung) -> int:
 
 @pytest.mark.parametrize("fits_up_to", [38])
 def test_m2_takes_the_largest_shape_that_fits_and_is_over_the_gpu(monkeypatch, fits_up_to):
-    monkeypatch.setattr(bench, "estimate_fits", lambda rung, args, nvme_dir: rung.n_layer <= fits_up_to)
+    monkeypatch.setattr(bench, "estimate_fits", lambda rung, args, nvme_dir: 1 << 30 if rung.n_layer <= fits_up_to
+                        else None)
     args = argparse.Namespace(tiny=False, seq=1024)
-    rung, judged = bench.m2_shape(H200, args, "/tmp")
+    rung, judged, acts = bench.m2_shape(H200, args, "/tmp")
+    assert acts == 1 << 30  # (the activations the estimate left free, for the engine's memory.activation_reserve)
     assert rung.d_model == 5120 and rung.n_layer == fits_up_to  # (the 13B's width on a 141 GB GPU)
     assert params(rung) * bench.STATE_BYTES >= 1.2 * H200
     assert len(judged) == 40 - fits_up_to + 1 and judged[-1].endswith("fits")
 
 
 def test_m2_refuses_when_what_fits_is_not_over_the_gpu(monkeypatch):
-    monkeypatch.setattr(bench, "estimate_fits", lambda rung, args, nvme_dir: rung.n_layer <= 20)
+    monkeypatch.setattr(bench, "estimate_fits", lambda rung, args, nvme_dir: 1 if rung.n_layer <= 20 else None)
     with pytest.raises(RuntimeError, match="no shape of m2's width is both over 1.2x"):
         bench.m2_shape(H200, argparse.Namespace(tiny=False, seq=1024), "/tmp")
     small = bench.m2_base(80 << 30, tiny=False)

@@ -262,3 +262,24 @@ def test_the_planner_takes_rates_and_never_reads_the_cache(monkeypatch):
 def test_without_a_measurement_the_defaults_are_used():
     assert link_rates.cached_link_rates(cuda=False).source == "defaults"
     assert link_rates.cached_link_rates(cuda=False).h2d == math.inf  # no copies without a GPU
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_the_known_activations_are_left_free_on_the_device_tier(cuda):
+    """Note [auto placement]: with the activations known (Budgets.activations, as `infinity train` and `infinity
+    estimate` plan), the auto policy's device tier (without a GPU: the RAM both tiers share) holds the state and
+    working buffers in the budget less them, so the plan fits with the activations it will compute; unknown, the
+    whole budget (planted: the search's fit without the reserve: the device tier filled to its budget, or the RAM
+    to its limit, with the activations' room; this fails)."""
+    units = units_of([1_000_000] * 6, chunk=250_000)
+    total = sum(u.shard_numel for u in units)
+    acts = 2 * total
+    budgets = Budgets(device=10 * total, host=6 * total if cuda else 10 * total, nvme=1 << 40, shared_ram=not cuda)
+    rates = GPU_RATES if cuda else CPU_RATES
+    blind = auto(units, budgets, rates).tier_totals()
+    reserved = auto(units, budgets.reserving(acts), rates).tier_totals()
+    limit = budgets.device if cuda else budgets.shared_limit
+    used = (lambda t: t[D]) if cuda else (lambda t: t[D] + t[H])
+    assert used(blind) + acts > limit, "the case needs a plan that fills the room the activations want"
+    assert used(reserved) + acts <= limit, (used(reserved), acts, limit)
+    assert reserved[N] > blind[N]  # (what the activations need went to NVMe)

@@ -148,3 +148,35 @@ def test_headroom_values():
         assert "\n" not in str(e.value)
         with pytest.raises(ConfigError, match="memory.headroom"):  # refused when the config is read, not later
             Config.from_dict({"memory": {"headroom": bad}})
+
+
+def test_the_auto_policy_leaves_the_ram_its_run_needs_beside_the_state(tmp_path, monkeypatch):
+    """Note [auto within the RAM]: the auto policy fills the RAM its budgets give it with state, but the run also
+    holds what no budget counts (the runtime, a unit materializing, the allocator's share: Note [peak memory]). On a
+    faked machine (16 GiB of RAM, 2 GiB + 1.1 GiB of it available: 1.1 GiB beyond the 2 GiB margin; a 100 GiB
+    disk, 60 GiB free) a job with policy = "auto" (an 8 x 1024 GPT, ~1.6 GB of fp32 state) whose plan's peak RSS
+    (1.3 GiB) is over that gets a plan that lowers
+    memory.host_budget (and holds memory.device_budget: one RAM without a GPU) by what is over; applied and
+    estimated again it passes, its peak within the margin, its host tier under the first plan's (planted: no lowered
+    candidate; the search then has no auto plan that passes, and this fails)."""
+    import shutil
+    from types import SimpleNamespace
+
+    import psutil
+    ram = SimpleNamespace(total=16 * GiB, available=2 * GiB + 1100 * MiB)
+    disk = SimpleNamespace(total=100 * GiB, used=0, free=60 * GiB)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: ram)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: disk)
+    sets = [f'nvme.paths=["{tmp_path}"]', "model.seq_len=64", "run.batch_size=2", "checkpoint.dir=",
+            "model.n_layer=8", "model.d_model=1024", "model.n_head=8", "placement.policy=auto",
+            "placement.params=device", "placement.grads=device", "placement.optimizer=device"]
+    args = cli.build_parser().parse_args(["estimate", *[a for s in sets for a in ("--set", s)]])
+    first = cli._job_estimate(args, cli._line(args), None)
+    assert not first.ok and first.peak["ram"] + 2 * GiB > ram.available, "the case needs an auto plan over the RAM"
+    lowered = [p for p in first.plans if any(s.startswith("memory.host_budget=") for s in p.sets)
+               and not any(s.startswith("placement.") for s in p.sets)]
+    assert lowered, [p.sets for p in first.plans]
+    again = cli._job_estimate(args, cli._line(args).then(*lowered[0].sets), None)
+    assert again.ok and again.peak["ram"] + 2 * GiB <= ram.available, again.peak["ram"] >> 20
+    host = {s.split("=")[0]: s.split("=")[1] for s in lowered[0].sets}["memory.host_budget"]
+    assert int(host.removesuffix("MiB")) << 20 < next(r for r in first.table if r.configured).bytes["host"]
