@@ -14,6 +14,7 @@ from infinity.data.tokenized import reader_modules, resident_bytes
 from infinity.job.progress import Progress
 from infinity.job.spec import Job
 from infinity.memory.placement import reserves_activations
+from infinity.memory.plan import Budgets
 from infinity.models.build import build_model, runtime_modules
 
 
@@ -49,14 +50,27 @@ def estimate_inputs(job: Job, config: Config, world: int, model_modules: tuple[s
             "data": resident_bytes(job, world, config.train.grad_accum_steps, cuda=torch.cuda.is_available())}
 
 
-def run_estimate(job: Job, config: Config, world: int, say: Progress):
+def start_budgets(config: Config, world: int) -> Budgets:
+    """The budgets `infinity estimate` resolves on this machine, taken before the run holds any memory or disk:
+    its own estimate, made after training (Note [estimate error]), plans with them. Resolved then, they would
+    leave out the run's own swap files and RAM: a run that took most of the disk got no prediction at all (a
+    3.7B Llama whose 41 GiB of swap left 1.7 GiB free, 2026-11-28)."""
+    from infinity.machine.preflight import check_disks
+    from infinity.plan import estimate as est
+    _, nvme_free = check_disks(list(config.nvme.paths), nvme_bytes=0, local_world_size=world,
+                               headroom=config.memory.headroom)
+    return est.resolve_budgets_for(config, local_world_size=world, cuda=torch.cuda.is_available(),
+                                   nvme_free=nvme_free, check_machine=world == 1)
+
+
+def run_estimate(job: Job, config: Config, world: int, say: Progress, budgets: Budgets | None = None):
     """What `infinity estimate` predicts for this run (run after training, so it does not add to the
-    measured peak memory)."""
+    measured peak memory), with the `budgets` of the run's start (`start_budgets`)."""
     from infinity.plan import estimate as est
     from infinity.plan.traced import job_depth
     try:  # (as `infinity estimate` makes it: the same figures, without torch._dynamo's import: Note [small twin])
         return est.estimate(lambda: build_model(job.model, job.lora), config, world_size=world,
-                            batch_size=job.run.batch_size // world, seq_len=job.model.seq_len,
+                            batch_size=job.run.batch_size // world, seq_len=job.model.seq_len, budgets=budgets,
                             depth=job_depth(job.model, job.lora, own_llama=not config.activation.loss_chunk_tokens),
                             **estimate_inputs(job, config, world))
     except Exception as e:  # noqa: BLE001 - a failed prediction must not fail a finished run

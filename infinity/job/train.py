@@ -78,7 +78,7 @@ from infinity.device.process_group import (
 )
 from infinity.device.streams import host_value, to_host
 from infinity.job.metrics import Earlier, Metrics, memory_fields
-from infinity.job.prediction import reserve_activations, run_estimate
+from infinity.job.prediction import reserve_activations, run_estimate, start_budgets
 from infinity.job.progress import Progress, overlap_efficiency, peak_rss_bytes
 from infinity.job.resume import (
     FINAL_CHECKPOINT,
@@ -260,6 +260,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
         # the trackers before the model: one that cannot start (a login, a server) costs no work
         sinks = trackers(job.run.report_to, run_dir, to_toml(config, job, str(run_dir))) if rank == 0 else ()
         _measure_links(config, world)
+        budgets = start_budgets(config, world)  # (the run's own estimate, at its end, plans with these)
         bundle = build_model(job.model, job.lora)
         engine = infinity.initialize(bundle.model, reserve_activations(job, config, world, torch.cuda.is_available()),
                                      init_fn=bundle.init_fn, weights=bundle.weights)
@@ -307,7 +308,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                 stop.training = False
                 ahead.close()
         result.losses = earlier + result.losses  # the whole run's (rank 0 reads the earlier ones from metrics.jsonl)
-        _finish(job, config, engine, bundle, run_dir, result, world, rank, say, resume)
+        _finish(job, config, engine, bundle, run_dir, result, world, rank, say, resume, budgets)
     except BaseException as e:
         for sink in sinks:  # made, not yet handed to the metrics: the tracker's run ends as failed
             sink.close(ok=False)
@@ -508,9 +509,9 @@ def _print_profile(engine, run_dir: Path, say: Progress) -> None:
 
 
 def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path, result: Result, world: int,
-            rank: int, say: Progress, resume: Resume | None = None) -> None:
+            rank: int, say: Progress, resume: Resume | None = None, budgets=None) -> None:
     """Checkpoint, export, profile, memory report and summary (Note [clean stop]: also after an interrupt; the
-    export only after a completed run)."""
+    export only after a completed run); the run's estimate with the `budgets` of its start."""
     checkpoint = exported = None
     if job.run.checkpoint and hasattr(engine, "save_checkpoint"):
         checkpoint = _save_final(job, config, engine, run_dir, result, world, rank)
@@ -537,7 +538,7 @@ def _finish(job: Job, config: Config, engine, bundle: ModelBundle, run_dir: Path
         summary["stopped_by"] = result.stopped_by
     if resume is not None:
         summary["resumed"] = {"from": str(resume.checkpoint), "at_step": resume.step}
-    estimate = run_estimate(job, config, world, say)
+    estimate = run_estimate(job, config, world, say, budgets)
     if estimate is not None:
         write_json(run_dir / "estimate.json", estimate.to_json())
         from infinity.plan.estimate import predicted_vs_measured, predicted_vs_measured_line

@@ -409,3 +409,34 @@ def test_gpu_the_job_plans_auto_tail_units_beside_its_traced_activations(tmp_pat
     assert engine.config.memory.activation_reserve > 0
     said = [r for r in engine.plan.reasons if r.startswith("tail units:")]
     assert said and "left for the activations" in said[0] and "not traced" not in said[0], engine.plan.reasons
+
+
+def test_the_runs_own_estimate_plans_with_the_machine_it_started_on(tmp_path, monkeypatch):
+    """Note [estimate error]: summary.json's prediction is made after training, when the run's own swap files
+    take their share of the disk. On a faked disk (100 GiB, 10 GiB of memory.headroom) whose free space is what
+    was free at the start less what the run's swap directory holds, with room at the start for the swap and half
+    of it again: with the budgets of the run's start the summary has its predicted peak RSS and step (planted:
+    the budgets resolved at the end, when the disk is short of the swap: no plan, no prediction; this fails)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from infinity.job import cli
+    sets = ["run.steps=3", "run.checkpoint=false", "run.eval_every=0", f"run.dir={tmp_path}", "run.name=r",
+            "model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.seq_len=32", "run.batch_size=2"]
+    args = cli.build_parser().parse_args(["estimate", *[a for s in sets for a in ("--set", s)]])
+    swap = sum(cli._job_estimate(args, cli._line(args), None).state()["nvme"].values())
+    assert swap > 0, "the case needs state on the disk"
+    start_free = 10 * (1 << 30) + swap * 3 // 2
+    real = shutil.disk_usage
+
+    def held(root) -> int:
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+    def disk_usage(path):
+        if not str(path).startswith(str(tmp_path)):
+            return real(path)
+        return SimpleNamespace(total=100 << 30, used=0, free=start_free - held(tmp_path / "r" / "swap"))
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    train(load_job(None, sets), verbose=False)  # (its swap directory is removed after the summary)
+    predicted = json.loads((tmp_path / "r" / "summary.json").read_text())["predicted"]
+    assert predicted["peak_rss_bytes"] and predicted["step_seconds"], predicted
