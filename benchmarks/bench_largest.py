@@ -88,7 +88,8 @@ def lora(args, root: str) -> dict:
     sets = args.set + [s for s in out["set"] if not s.startswith(PRETRAINED) and not s.startswith("model.kind")
             and not any(s.startswith(f"model.{k}=") for k in ("d_model", "n_layer", "n_head", "n_kv_head",
                                                                 "ffn_dim", "vocab_size"))]
-    sets += [PRETRAINED + path, "model.lora.r=16", f"model.seq_len={args.seq_len}", f"run.dir={root}/run"]
+    sets += [PRETRAINED + path, "model.lora.r=16", f"model.seq_len={args.seq_len}", f"run.dir={root}/run",
+             "run.checkpoint=false"]  # (no checkpoint is saved: none shares the disk, as the estimate judged it)
     out["set"] = sets
     job = load_job(None, sets)
     bundle = build_model(job.model, job.lora)
