@@ -435,10 +435,12 @@ def peak_terms(plan: Plan, trace: Trace, *, cuda: bool, runtime: int, activation
         "activations_host": acts["host"],  # checkpoint inputs offloaded to host memory
         # materializing one unit: full fp32 values, the fp32 shard, its compute-dtype cast
         "init": largest * 4 + largest_shard * (4 + csize),
-        # glibc keeps the heap pages of freed transient tensors (activations, unsharded units): measured
-        # ~1.5x their live bytes on Linux over a few steps, so half of them again
-        "allocator": (plan.working.get(Tier.DEVICE, 0) + device_acts) // 2
-        if not cuda else 0,
+        # glibc keeps the heap pages of freed transient tensors (activations, gradients): measured ~1.5x their
+        # live bytes on Linux over a few steps, so half of them again; not the unsharded parameters' bytes, which
+        # come from the pool's own mappings, kept and reused (Note [unsharded memory]: at 3.70B parameters,
+        # 2026-11-28, counting them put the predicted peak RSS at 1.35x the measured)
+        "allocator": (plan.working.get(Tier.DEVICE, 0) - plan.working_terms.get(Tier.DEVICE, {}).get("unsharded", 0)
+                      + device_acts) // 2 if not cuda else 0,
     }
 
 
