@@ -52,9 +52,10 @@ named terms:
                   again for the transient of its gradient; with `[activation] checkpoint = "units"` the
                   units' inputs, the root's saves and one unit's recompute instead, and with offload =
                   "host" the inputs as `activations_host` in host memory (Note [activation estimate])
-    allocator     without a GPU, half of (unsharded working buffers + activations) again: glibc keeps
+    allocator     without a GPU, half of (the device working buffers + activations) again: glibc keeps
                   the heap pages of freed transient tensors (measured ~1.5x their live bytes on Linux
-                  within a step; across steps only with `[memory] release_heap`, Note [heap release])
+                  within a step; across steps only with `[memory] release_heap`, Note [heap release]);
+                  not the unsharded parameters, which the pool maps itself (Note [unsharded memory])
     init          while a unit is materialized: its full fp32 values, its shard and their casts
                   (replaces working + activations + allocator when larger)
 
