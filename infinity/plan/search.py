@@ -222,7 +222,8 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
     found: list[RunPlan] = []
     cache: dict = {}
     batched = functools.cache(lambda b: at_batch(ctx, b))  # traced when a state fits without activations
-    for sets, tiers in states:  # (the auto policy's with lowered budgets are added as they are found)
+    rounds: dict[tuple, int] = {}  # the auto policy's candidates with lowered budgets: their round (within_ram)
+    for sets, tiers in states:  # (those are added as they are found)
         if "optimizer.sub_group_size" in " ".join(sets) and (tiers[2] if tiers else config.placement.optimizer) \
                 != "nvme":
             continue  # the sub-groups only size the NVMe update's staging
@@ -232,7 +233,9 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
         base = plan_of(ctx, staged, tiers, sizes_cache=cache)  # its plan alone: most states stop here
         if base is None or overflows(base.tier_totals(), ctx.budgets):
             continue  # the state and working bytes alone do not fit
-        if tiers is None and (lowered := within_ram(ctx, staged, base, sets)) is not None:
+        if tiers is None and rounds.get(tuple(sets), 0) < LOWERINGS and (
+                lowered := within_ram(ctx, staged, base, sets)) is not None:
+            rounds[tuple(lowered)] = rounds.get(tuple(sets), 0) + 1
             states.append((lowered, None))
         offloads = [[]] if staged.activation.checkpoint == "none" else _choices(staged, "activation.offload", ("host",))
         for o in offloads:
@@ -253,16 +256,16 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
     return _verified(ctx, apply, found, limit)
 
 
-LOWERINGS = 2  # rounds of within_ram per candidate (a lowered plan's peak is checked again)
+LOWERINGS = 2  # rounds of within_ram per auto candidate (a lowered plan's peak is checked again)
 
 
 def within_ram(ctx: Context, config: Config, plan: Plan, sets: list[str]) -> list[str] | None:
     """Note [auto within the RAM]: the `--set` lines of `sets` with `memory.host_budget` lowered by what the auto
     policy's `plan` puts over the RAM its run may use (and, where device and host are the same RAM, with
-    `memory.device_budget` held at what the plan keeps on the device tier); None when its peak fits, or after
-    LOWERINGS rounds."""
-    if ctx.peak_of is None or ctx.budgets.nvme <= 0 or sum("_budget=" in s for s in sets) >= 2 * LOWERINGS:
-        return None  # (nothing to spill to without NVMe)
+    `memory.device_budget` held at what the plan keeps on the device tier); None when its peak fits (or there is
+    no NVMe to spill to)."""
+    if ctx.peak_of is None or ctx.budgets.nvme <= 0:
+        return None
     available, margin = ram_room(config.memory.headroom)
     peak = ctx.peak_of(plan, ctx.trace, config.activation)[1]["ram"]
     over = peak - (available - margin) // ctx.local_world_size
