@@ -211,10 +211,12 @@ class MemoryConfig(Section):
                                      "(available RAM detected at initialize).", "size_or_auto", gt=0,
                                      example="100GiB")
     activation_reserve: int | str = option(
-        "auto", 'Device memory the planner leaves for activations before it keeps "auto" tail units on the device '
-        '(placement.tail_units, Note [tail units]): a size, or "auto": what the forward keeps for backward under '
-        "[activation], traced by `infinity train` on a GPU and by `infinity estimate`; where nothing traced it (the "
-        "engine API alone), half of the free device memory.", "size_or_auto", ge=0, example="20GiB")
+        "auto", 'Device memory the planner leaves for activations: before it keeps "auto" tail units on the device '
+        '(placement.tail_units, Note [tail units]), and free of state with placement.policy = "auto" (without a '
+        'GPU, of the RAM: Note [auto placement]): a size, or "auto": what the forward keeps for backward under '
+        "[activation], traced by `infinity train` (on a GPU, or for the auto policy) and by `infinity estimate`; "
+        "where nothing traced it (the engine API alone), half of the free device memory for tail units, none for "
+        "the auto policy.", "size_or_auto", ge=0, example="20GiB")
     headroom: str = option("10%", 'RAM and disk every plan leaves unused (Note [headroom]): "N%" of the machine\'s RAM '
                            '/ the filesystem\'s size, at least 2GiB, or a size ("4GiB"; "0" for none).', "str",
                            example="10%")
