@@ -313,8 +313,8 @@ def _notes(sets, micro: int, k: int) -> list[str]:
     if "placement.policy=auto" in sets:
         out.append("the auto planner places each unit")
     if any(s.startswith("memory.host_budget=") for s in sets):  # (within_ram's; a raise is noted by its caller)
-        out.append("a lower host budget: RAM left for what the run holds beside its state (Note [auto within the "
-                   "RAM])")
+        out.append("a lower host budget: RAM left for what the run holds beside its state "
+                   "(Note [auto within the RAM])")
     return out
 
 
