@@ -28,7 +28,7 @@ import torch
 from infinity.config.sections import ActivationConfig, Config
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
-from infinity.machine.preflight import Check, PreflightError, check_disks, checkpoint_bytes, preflight
+from infinity.machine.preflight import Check, PreflightError, check_disks, checkpoint_bytes, preflight, ram_room
 from infinity.memory import cost_model
 from infinity.memory.plan import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
@@ -392,12 +392,10 @@ def room(config: Config) -> dict[str, int]:
     for the first swap path's filesystem."""
     import shutil
 
-    import psutil
-
     from infinity.config.options import headroom_bytes
     from infinity.machine.preflight import existing_parent
-    vm = psutil.virtual_memory()
-    out = {"ram_available": int(vm.available), "ram_headroom": headroom_bytes(config.memory.headroom, vm.total)}
+    available, margin = ram_room(config.memory.headroom)
+    out = {"ram_available": int(available), "ram_headroom": margin}
     if config.nvme.paths:
         usage = shutil.disk_usage(existing_parent(config.nvme.paths[0]))
         out.update(disk_free=int(usage.free), disk_headroom=headroom_bytes(config.memory.headroom, usage.total))
