@@ -25,6 +25,7 @@ would have run out of memory). The engine API alone does not know them and leave
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import torch
@@ -269,6 +270,38 @@ COMBOS = tuple(itertools.product(SLOWEST_FIRST, repeat=3))  # (params, grads, op
 _TIER_INDEX = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.NVME: 2}
 
 
+@functools.lru_cache(maxsize=32)
+def _unit_tables(units: tuple, compute_dtype, units_ahead: int, settings: tuple, accum: int) -> tuple:
+    """`_Search`'s arrays, which no budget changes (read-only: shared by every search over the same units; the
+    plan search of Note [plan search] plans the same units under many budgets, one for each micro-batch's
+    activations): per unit and combo the traffic of the forward/backward and optimizer phases, the bytes per
+    tier and the groups on NVMe, and the working bytes by the mask of groups with some unit on NVMe."""
+    import numpy as np
+    settings = dict(settings)
+    cuda, state_dtype = settings["cuda"], settings["state_dtype"]
+    n, k = len(units), len(COMBOS)
+    fb, opt = np.zeros((n, k, 4)), np.zeros((n, k, 6))
+    state, nvme = np.zeros((n, k, 3)), np.zeros((n, k, 3), dtype=np.int64)
+    for u, sizes in enumerate(units):
+        for c, combo in enumerate(COMBOS):
+            tiers = dict(zip(GROUPS, combo))
+            t = cost_model.unit_traffic(sizes, tiers, compute_dtype=compute_dtype, cuda=cuda,
+                                        accum=accum, is_root=u == 0, state_dtype=state_dtype)
+            fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
+            opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
+            for g, tier in tiers.items():
+                state[u, c, _TIER_INDEX[tier]] += group_bytes(sizes, g, tiers, compute_dtype, state_dtype)
+                nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
+    work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe
+    for mask in range(8):
+        tiers_of = {g: Tier.NVME if mask >> i & 1 else Tier.HOST for i, g in enumerate(GROUPS)}
+        w = working_bytes(units, compute_dtype, tiers_of, units_ahead, **settings)
+        work[mask] = [w.get(Tier.DEVICE, 0), w.get(Tier.HOST, 0), 0]
+    for a in (fb, opt, state, nvme, work):
+        a.flags.writeable = False
+    return fb, opt, state, nvme, work
+
+
 class _Search:
     """Local search over each unit's (params, grads, optimizer) tiers, on arrays of per-unit costs.
 
@@ -285,27 +318,9 @@ class _Search:
         self.np, self.units, self.budgets, self.rates = np, units, budgets, rates
         self.reserve = budgets.activations or 0  # left free on the device tier (Note [auto placement])
         self.compute_seconds = compute_seconds
-        cuda, state_dtype = not budgets.shared_ram, settings["state_dtype"]
-        n, k = len(units), len(COMBOS)
-        self.fb, self.opt = np.zeros((n, k, 4)), np.zeros((n, k, 6))
-        self.state, self.nvme = np.zeros((n, k, 3)), np.zeros((n, k, 3), dtype=np.int64)
-        for u, sizes in enumerate(units):
-            for c, combo in enumerate(COMBOS):
-                tiers = dict(zip(GROUPS, combo))
-                t = cost_model.unit_traffic(sizes, tiers, compute_dtype=compute_dtype, cuda=cuda,
-                                            accum=accum, is_root=u == 0, state_dtype=state_dtype)
-                self.fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
-                self.opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
-                for g, tier in tiers.items():
-                    stored = group_bytes(sizes, g, tiers, compute_dtype, state_dtype)
-                    self.state[u, c, _TIER_INDEX[tier]] += stored
-                    self.nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
-        self.work = np.zeros((8, 3))  # by bit mask of the groups with some unit on NVMe
-        for mask in range(8):
-            tiers_of = {g: Tier.NVME if mask >> i & 1 else Tier.HOST for i, g in enumerate(GROUPS)}
-            w = working_bytes(units, compute_dtype, tiers_of, units_ahead, **settings)
-            self.work[mask] = [w.get(Tier.DEVICE, 0), w.get(Tier.HOST, 0), 0]
-        self.rows = np.arange(n)
+        self.fb, self.opt, self.state, self.nvme, self.work = _unit_tables(
+            tuple(units), compute_dtype, units_ahead, tuple(sorted(settings.items())), accum)
+        self.rows = np.arange(len(units))
 
     # ---- evaluation (vectorized over leading axes)
     def _eval(self, fb, opt, state, nvme):

@@ -3,15 +3,19 @@ would run it.
 
 Note [plan search]: when the configured run does not fit, the estimator searches combinations of the changes
 it knows, as `--set` lines over the job: the placement (the configured one, every shape of Note [estimate
-table], `placement.policy = "auto"`), the ZeRO stage (only at world size > 1: at one rank every stage stores
+table], `placement.policy = "auto"`, which replaces the configured tiers: `with_sets`), the ZeRO stage (only at world size > 1: at one rank every stage stores
 the same), activation checkpointing and its host offload, `optimizer.state_dtype`, `prefetch.units_ahead = 0`,
 a smaller `optimizer.sub_group_size` (the update's staging pool) when the optimizer state is on NVMe, and the
 micro-batch (`run.batch_size` divided, `train.grad_accum_steps` multiplied: the same sequences per optimizer
 step). A "state" (everything but the activations and the micro-batch) is planned once, by the engine's planner,
-and pruned when its state and working bytes alone do not fit; its activation settings and micro-batches are then
-priced from the trace (Note [activation estimate]) without planning again, largest micro-batch first (the
-first that fits is the fastest of its state; the smaller ones that fit are kept behind it, tried in turn when
-the judge below refuses it, e.g. for its predicted peak RAM). The candidates that fit are ranked by predicted
+and pruned when its state and working bytes alone do not fit (an auto state's plan leaves its activations free,
+so it is judged at the smallest micro-batch: one that fits only there is kept); its activation settings and
+micro-batches are then priced from the trace (Note [activation estimate]) without planning again (an auto state
+is planned again for each: its activations change what it places), largest micro-batch first (the first that
+fits is the fastest of its state; the smaller ones are priced only when the judge below refuses it, e.g. for its
+predicted peak RAM, and tried in turn). On a simulated H200 machine (139 GiB of GPU memory, 120 GiB of RAM
+available, 45 GiB of free disk; 2026-11-28) the auto candidate behind the job's static tiers and its smallest
+micro-batch took `--largest`'s full fine-tune from 11.4B to 19.2B parameters (fp32 compute, seq 1024). The candidates that fit are ranked by predicted
 step time (then by fewer changes; a plan that stores the optimizer state in 16 bits, `optimizer.state_dtype = "bf16"` or
 `"bf16_master"`, which changes the numerics, is ranked as if 1 / 0.9 times slower: it comes before a plan that
 keeps fp32 state only when it is faster by a clear margin, 10%: `rank`), and each is applied in turn (the
@@ -39,8 +43,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from infinity.config.sections import Config, ConfigError
 from infinity.machine.preflight import Check, preflight, ram_room
@@ -94,7 +99,7 @@ class RunPlan:
     row: Row
     notes: list[str]
     verdict: Verdict | None = None
-    smaller: list["RunPlan"] = field(default_factory=list, repr=False)  # the same with smaller micro-batches
+    smaller: Iterator["RunPlan"] = field(default_factory=lambda: iter(()), repr=False)  # the same with smaller micro-batches
 
     def to_json(self) -> dict:
         return {"set": list(self.sets), "step_s": self.row.step_s, "bytes": self.row.bytes,
@@ -113,7 +118,7 @@ def default_apply(config: Config, world_size: int, batch_size: int) -> Callable[
                 if total % world_size:
                     raise ConfigError(f"run.batch_size = {total} is not divisible by the world size {world_size}")
                 batch = total // world_size
-        return Applied(config.with_overrides([s for s in sets if not s.startswith("run.")]), batch)
+        return Applied(with_sets(config, [s for s in sets if not s.startswith("run.")]), batch)
     return apply
 
 
@@ -230,28 +235,35 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
         staged = _overridden(ctx, config, sets)
         if staged is None:
             continue
-        base = plan_of(ctx, staged, tiers, sizes_cache=cache)  # its plan alone: most states stop here
+        # its plan alone: most states stop here (the auto policy's leaves the activations free: judged at the
+        # smallest micro-batch, whose activations leave it the most, or a state that fits only there is lost)
+        least = batched(min(_batches(ctx.batch_size))) if tiers is None else ctx
+        base = plan_of(least, staged, tiers, sizes_cache=cache)
         if base is None or overflows(base.tier_totals(), ctx.budgets):
             continue  # the state and working bytes alone do not fit
         if tiers is None and rounds.get(tuple(sets), 0) < LOWERINGS and (
-                lowered := within_ram(ctx, staged, base, sets)) is not None:
+                lowered := within_ram(least, staged, base, sets)) is not None:
             rounds[tuple(lowered)] = rounds.get(tuple(sets), 0) + 1
             states.append((lowered, None))
         offloads = [[]] if staged.activation.checkpoint == "none" else _choices(staged, "activation.offload", ("host",))
         for o in offloads:
             acted = staged.with_overrides(o) if o else staged
-            chain: list[RunPlan] = []  # the micro-batches that fit the budgets, largest first
-            for b in _batches(ctx.batch_size):
-                k = ctx.batch_size // b
-                mb = [] if k == 1 else [f"run.batch_size={b * world}",
-                                        f"train.grad_accum_steps={config.train.grad_accum_steps * k}"]
-                final = acted.with_overrides(mb[1:]) if mb else acted
-                row = make_row(batched(b), final, "plan", tiers, sizes_cache=cache)
-                if row is not None and row.fits:
-                    all_sets = (*extra, *sets, *o, *mb)
-                    chain.append(RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)]))
-            if chain:
-                found.append(dataclasses.replace(chain[0], smaller=chain[1:]))
+
+            def fitting(batches, o=o, acted=acted, sets=sets, tiers=tiers):
+                """The RunPlans of `batches` (micro-batches, largest first) that fit the budgets, made as asked."""
+                for b in batches:
+                    k = ctx.batch_size // b
+                    mb = [] if k == 1 else [f"run.batch_size={b * world}",
+                                            f"train.grad_accum_steps={config.train.grad_accum_steps * k}"]
+                    final = acted.with_overrides(mb[1:]) if mb else acted
+                    row = make_row(batched(b), final, "plan", tiers, sizes_cache=cache)
+                    if row is not None and row.fits:
+                        all_sets = (*extra, *sets, *o, *mb)
+                        yield RunPlan(all_sets, row, [*notes, *_notes(all_sets, b, k)])
+            chain = fitting(_batches(ctx.batch_size))  # the first that fits is its state's fastest; the rest as asked
+            head = next(chain, None)
+            if head is not None:
+                found.append(dataclasses.replace(head, smaller=chain))
     found.sort(key=rank)
     return _verified(ctx, apply, found, limit)
 
@@ -283,12 +295,24 @@ def within_ram(ctx: Context, config: Config, plan: Plan, sets: list[str]) -> lis
     return keep + lines
 
 
+STATIC_TIERS = ("params", "grads", "optimizer")  # the [placement] keys the auto policy plans itself
+
+
+def with_sets(config: Config, sets: list[str]) -> Config:
+    """`config.with_overrides(sets)`, except that the auto policy's candidate replaces the configured tiers (a
+    config, like the job's defaults, that sets them would otherwise refuse it: Note [plan search])."""
+    data = config.to_dict()
+    if "placement.policy=auto" in sets:
+        data["placement"] = {k: v for k, v in data["placement"].items() if k not in STATIC_TIERS}
+    return Config.from_dict(data, sets)
+
+
 def _overridden(ctx: Context, config: Config, sets: list[str]) -> Config | None:
-    """`config.with_overrides(sets)`, None when refused; once per (config, sets): the LoRA search asks again."""
+    """`with_sets(config, sets)`, None when refused; once per (config, sets): the LoRA search asks again."""
     key = (id(config), tuple(sets))
     if key not in ctx.overridden or ctx.overridden[key][0] is not config:
         try:
-            ctx.overridden[key] = (config, config.with_overrides(sets))
+            ctx.overridden[key] = (config, with_sets(config, sets))
         except ConfigError:
             ctx.overridden[key] = (config, None)
     return ctx.overridden[key][1]
@@ -322,7 +346,7 @@ def _verified(ctx: Context, apply, found: list[RunPlan], limit: int) -> list[Run
     shown: list[RunPlan] = []
     seen: set = set()
     for head in found:
-        for plan in [head, *head.smaller]:  # a smaller micro-batch when the judge refuses one (e.g. its peak RAM)
+        for plan in itertools.chain([head], head.smaller):  # a smaller micro-batch when the judge refuses one
             if len(shown) >= limit:
                 return shown
             key = frozenset(plan.sets)

@@ -96,7 +96,7 @@ class Context:
     trace_at: Callable | None = None  # micro-batch (sequences per rank) -> its Trace (estimate.trace_step)
     plan_rates: cost_model.LinkRates | None = None  # what the auto policy plans with (initialize's cached rates)
     frozen_referenced: bool = False  # checkpoints refer to the pretrained files for frozen weights (preflight)
-    static_plans: dict = field(default_factory=dict, repr=False)  # plan_of's unbudgeted plans (shared by copies)
+    plans: dict = field(default_factory=dict, repr=False)  # plan_of's plans (shared by copies)
     overridden: dict = field(default_factory=dict, repr=False)  # plan_search's configs with a state's `--set`s
 
 
@@ -120,24 +120,30 @@ def plan_of(ctx: Context, config: Config, tiers, *, world_size: int | None = Non
     if key not in cache:
         cache[key] = ctx.sizes_of(config, world)
     sizes = cache[key]
+    if tiers is None:  # the auto policy plans against the budgets it has (a plan's own memory.*_budget too)
+        own = ctx.budgets_of(config) if ctx.budgets_of else ctx.budgets
+        budgets = own.reserving(_activation_bytes(ctx, config.activation)["device"])
+        return _remembered(ctx, sizes, (repr(config), budgets, id(ctx.rates)),  # (tail units leave the activations)
+                           lambda: plan_for_config(sizes, config, budgets, rates=ctx.rates))
+    unlimited = dataclasses.replace(ctx.budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
+    args = (config.precision.compute_dtype, tuple(tiers), unlimited, config.prefetch.units_ahead,
+            config.prefetch.keep_written, config.optimizer.state_dtype)
+    return _remembered(ctx, sizes, args, lambda: plan_placement(
+        sizes, dtype_of(args[0]), policy="static", static=dict(zip(("params", "grads", "optimizer"), tiers)),
+        budgets=unlimited, units_ahead=args[3], keep_written=args[4], state_dtype=StateDtype(args[5])))
+
+
+def _remembered(ctx: Context, sizes, args: tuple, make: Callable[[], Plan]) -> Plan | None:
+    """`make()`'s plan, once per units and planning arguments (the same sizes object: sizes_of caches them; the
+    search asks again at each micro-batch and for each activation setting); None when the planner refuses."""
+    known = ctx.plans.get((id(sizes), args))
+    if known is not None and known[0] is sizes:
+        return known[1]
     try:
-        if tiers is None:  # the auto policy plans against the budgets it has (a plan's own memory.*_budget too)
-            own = ctx.budgets_of(config) if ctx.budgets_of else ctx.budgets
-            budgets = own.reserving(_activation_bytes(ctx, config.activation)["device"])
-            plan = plan_for_config(sizes, config, budgets, rates=ctx.rates)  # (tail units leave the activations)
-        else:  # the same sizes (the same object: sizes_of caches them) and arguments plan the same
-            unlimited = dataclasses.replace(ctx.budgets, device=UNLIMITED, host=UNLIMITED, nvme=UNLIMITED, ram=None)
-            args = (config.precision.compute_dtype, tuple(tiers), unlimited, config.prefetch.units_ahead,
-                    config.prefetch.keep_written, config.optimizer.state_dtype)
-            known = ctx.static_plans.get((id(sizes), args))
-            if known is not None and known[0] is sizes:
-                return known[1]
-            plan = plan_placement(sizes, dtype_of(args[0]), policy="static",
-                                  static=dict(zip(("params", "grads", "optimizer"), tiers)), budgets=unlimited,
-                                  units_ahead=args[3], keep_written=args[4], state_dtype=StateDtype(args[5]))
-            ctx.static_plans[(id(sizes), args)] = (sizes, plan)
+        plan = make()
     except PlacementError:
-        return None
+        plan = None
+    ctx.plans[(id(sizes), args)] = (sizes, plan)
     return plan
 
 

@@ -13,7 +13,7 @@ from infinity.memory.cost_model import LinkRates
 from infinity.memory.plan import Budgets
 from infinity.models.build import build_model
 from infinity.plan import estimate as est
-from infinity.plan.search import LOSSY, default_apply, rank
+from infinity.plan.search import LOSSY, default_apply, rank, with_sets
 
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
 MODEL = ModelConfig(n_layer=2, d_model=128, n_head=4, seq_len=64, vocab_size=512)
@@ -162,3 +162,28 @@ def test_a_micro_batch_refused_for_its_peak_ram_falls_back_to_a_smaller_one(tmp_
         total = next((int(s.split("=")[1]) for s in plan.sets if s.startswith("run.batch_size=")), 8)
         applied = config.with_overrides([s for s in plan.sets if not s.startswith("run.")])
         assert run(applied, batch=total, budgets=free).ok, plan.sets
+
+
+def test_the_auto_policy_is_a_plan_over_static_tiers_at_the_micro_batch_where_it_fits(tmp_path):
+    """Note [plan search]: a config that sets its tiers (as the job's defaults do: params and optimizer on NVMe,
+    gradients in RAM) is still offered `placement.policy = "auto"`, which replaces them; and an auto state is judged
+    at the smallest micro-batch, whose activations leave its planner the most room (Note [auto placement]): here
+    budgets of 14 / 14 / 12 bytes a parameter on the device / host / NVMe, too few for 8 sequences' activations
+    beside any auto plan, get one at 2 sequences x 4 that passes, estimated again as applied. (Planted: the auto
+    candidate over the configured tiers, which the config refuses; its state judged at the configured 8 sequences,
+    which prunes it: each fails this.)"""
+    config = infinity.Config.from_dict({"placement": {"params": "nvme", "grads": "host", "optimizer": "nvme"},
+                                        "nvme": {"paths": [str(tmp_path)]}})
+    n = run(config, batch=8, budgets=Budgets(device=BIG, host=BIG, nvme=BIG)).num_params
+    budgets = Budgets(device=14 * n, host=14 * n, nvme=12 * n)
+    e = run(config, batch=8, budgets=budgets)
+    assert not configured(e).fits and not e.ok
+    auto = [p for p in e.plans if "placement.policy=auto" in p.sets]
+    assert auto, [p.sets for p in e.plans]
+    for plan in auto:
+        total = next(int(s.split("=")[1]) for s in plan.sets if s.startswith("run.batch_size="))
+        assert total < 8, plan.sets
+        applied = with_sets(config, [s for s in plan.sets if not s.startswith("run.")])
+        assert applied.placement.policy == "auto" and applied.placement.params == "device"  # (the default)
+        again = run(applied, batch=total, budgets=budgets)
+        assert configured(again).fits and again.ok, (plan.sets, [c.line() for c in again.checks])
