@@ -1,29 +1,29 @@
 """`infinity estimate`'s plans: the fastest combinations of changes that make a run fit, each checked as the job
 would run it.
 
-Note [plan search]: when the configured run does not fit, the estimator searches combinations of the changes
-it knows, as `--set` lines over the job: the placement (the configured one, every shape of Note [estimate
-table], `placement.policy = "auto"`, which replaces the configured tiers: `with_sets`), the ZeRO stage (only at world size > 1: at one rank every stage stores
-the same), activation checkpointing and its host offload, `optimizer.state_dtype`, `prefetch.units_ahead = 0`,
-a smaller `optimizer.sub_group_size` (the update's staging pool) when the optimizer state is on NVMe, and the
-micro-batch (`run.batch_size` divided, `train.grad_accum_steps` multiplied: the same sequences per optimizer
-step). A "state" (everything but the activations and the micro-batch) is planned once, by the engine's planner,
-and pruned when its state and working bytes alone do not fit (an auto state's plan leaves its activations free,
-so it is judged at the smallest micro-batch: one that fits only there is kept); its activation settings and
-micro-batches are then priced from the trace (Note [activation estimate]) without planning again (an auto state
-is planned again for each: its activations change what it places), largest micro-batch first (the first that
-fits is the fastest of its state; the smaller ones are priced only when the judge below refuses it, e.g. for its
-predicted peak RAM, and tried in turn). On a simulated H200 machine (139 GiB of GPU memory, 120 GiB of RAM
+Note [plan search]: when the configured run does not fit, the estimator searches combinations of the changes it
+knows, as `--set` lines over the job: the placement (the configured one, every shape of Note [estimate table],
+`placement.policy = "auto"`, which replaces the configured tiers: `with_sets`), the ZeRO stage (only at world size >
+1: at one rank every stage stores the same), activation checkpointing and its host offload, `optimizer.state_dtype`,
+`prefetch.units_ahead = 0`, a smaller `optimizer.sub_group_size` (the update's staging pool) when the optimizer
+state is on NVMe, and the micro-batch (`run.batch_size` divided, `train.grad_accum_steps` multiplied: the same
+sequences per optimizer step). A "state" (everything but the activations and the micro-batch) is planned once, by
+the engine's planner, and pruned when its state and working bytes alone do not fit (an auto state's plan leaves its
+activations free, so it is judged at the smallest micro-batch: one that fits only there is kept); its activation
+settings and micro-batches are then priced from the trace (Note [activation estimate]) without planning again (an
+auto state is planned again for each: its activations change what it places), largest micro-batch first (the first
+that fits is the fastest of its state; the smaller ones are priced only when the judge below refuses it, e.g. for
+its predicted peak RAM, and tried in turn). On a simulated H200 machine (139 GiB of GPU memory, 120 GiB of RAM
 available, 45 GiB of free disk; 2026-11-28) the auto candidate behind the job's static tiers and its smallest
-micro-batch took `--largest`'s full fine-tune from 11.4B to 19.2B parameters (fp32 compute, seq 1024). The candidates that fit are ranked by predicted
-step time (then by fewer changes; a plan that stores the optimizer state in 16 bits, `optimizer.state_dtype = "bf16"` or
-`"bf16_master"`, which changes the numerics, is ranked as if 1 / 0.9 times slower: it comes before a plan that
-keeps fp32 state only when it is faster by a clear margin, 10%: `rank`), and each is applied in turn (the
-job's own config loading: `apply`, which refuses what the job would refuse, e.g. a batch the world size does
-not divide) and estimated again, as the configured run is,
-with its budgets and preflight checks; only the ones that pass are shown (`limit`). When none fits, the last
-resort is the smallest raise of `memory.device_budget` / `memory.host_budget` that fits (checked the same way:
-a budget over the machine is refused, so it is offered only when the machine has it).
+micro-batch took `--largest`'s full fine-tune from 11.4B to 19.2B parameters (fp32 compute, seq 1024). The
+candidates that fit are ranked by predicted step time (then by fewer changes; a plan that stores the optimizer state
+in 16 bits, `optimizer.state_dtype = "bf16"` or `"bf16_master"`, which changes the numerics, is ranked as if 1 / 0.9
+times slower: it comes before a plan that keeps fp32 state only when it is faster by a clear margin, 10%: `rank`),
+and each is applied in turn (the job's own config loading: `apply`, which refuses what the job would refuse, e.g. a
+batch the world size does not divide) and estimated again, as the configured run is, with its budgets and preflight
+checks; only the ones that pass are shown (`limit`). When none fits, the last resort is the smallest raise of
+`memory.device_budget` / `memory.host_budget` that fits (checked the same way: a budget over the machine is refused,
+so it is offered only when the machine has it).
 
 Note [auto within the RAM]: the auto policy fills the budgets it is given, and its "auto" host budget is the RAM
 available less memory.headroom; but the run's RAM also holds what no budget counts: the runtime, the data, a unit
@@ -99,7 +99,7 @@ class RunPlan:
     row: Row
     notes: list[str]
     verdict: Verdict | None = None
-    smaller: Iterator["RunPlan"] = field(default_factory=lambda: iter(()), repr=False)  # the same with smaller micro-batches
+    smaller: Iterator["RunPlan"] = field(default_factory=lambda: iter(()), repr=False)  # smaller micro-batches
 
     def to_json(self) -> dict:
         return {"set": list(self.sets), "step_s": self.row.step_s, "bytes": self.row.bytes,
