@@ -106,6 +106,8 @@ SLOW_TINY = {
     "bench_peak_rss.py": ["--dir", "{dir}/runs", "--steps", "2", "--repeats", "1", "--json", "{json}"],
     "bench_offload_bound.py": ["--tiny", "--device", "cpu", "--cases", "m1,m2", "--dir", "{dir}", "--json",
                                "{json}"],  # (d2 needs DeepSpeed)
+    "largest_whatif.py": ["--machine", "h200", "--set", "run.batch_size=1", "--set", "precision.compute_dtype=bf16",
+                          "--json", "{json}"],  # (~50 s: the ladder's estimates for a faked GPU machine)
 }
 HELP_ONLY = {  # script -> why it has no smaller real run here
     "bench_largest.py": "it trains the largest model `infinity estimate --largest` finds for the machine",
