@@ -99,10 +99,17 @@ part_largest() {
     2>"$OUT/largest.log"  # (as bench_largest runs it)
   local rc=$?; cat "$CASES/largest_estimate.json" >>"$OUT/largest.log"
   log "largest (estimate) rc=$rc"
-  local t; t=$(cap "$1"); [ "$t" = 0 ] && { log "largest (3 steps) skipped: the budget is spent"; return; }
-  timeout "$t" python3 benchmarks/bench_largest.py --estimate "$CASES/largest_estimate.json" "${LARGEST_JOB[@]}" \
-    --steps 3 --json "$CASES/largest.json" >>"$OUT/largest.log" 2>&1
-  log "largest (3 steps) rc=$?"
+  local mode t end=$(( $(elapsed) + $1 ))
+  for mode in full lora; do  # (the full fine-tune at most half: a slow one leaves LoRA the rest)
+    t=$(( end - $(elapsed) )); [ "$mode" = full ] && t=$(( $1 / 2 ))
+    t=$(cap "$t"); [ "$t" = 0 ] && { log "largest ($mode, 3 steps) skipped: the budget is spent"; continue; }
+    timeout "$t" python3 benchmarks/bench_largest.py --estimate "$CASES/largest_estimate.json" "${LARGEST_JOB[@]}" \
+      --modes "$mode" --steps 3 --json "$CASES/largest_$mode.json" >>"$OUT/largest.log" 2>&1
+    log "largest ($mode, 3 steps) rc=$?"
+  done
+  python3 -c "import json, os, sys; parts = [json.load(open(p)) for p in sys.argv[2:] if os.path.exists(p)]
+json.dump({k: v for part in parts for k, v in part.items()}, open(sys.argv[1], 'w'), indent=2)" \
+    "$CASES/largest.json" "$CASES/largest_full.json" "$CASES/largest_lora.json"  # (one largest.json, both modes)
 }
 
 declare -A LIMIT=([tests]=120 [sanitizer]=150 [m1]=150 [m2]=240 [d2]=180 [a]=70 [b]=160 [l]=120 [d]=200
