@@ -18,7 +18,9 @@ Within a phase transfers overlap compute (prefetch, read ahead, write behind), s
 phase takes as long as its slowest resource; NVMe reads and writes share the disk:
 
     t_fb   = max(compute, disk_fb, h2d_fb, d2h_fb)        disk = read/nvme_read + write/nvme_write
-    t_opt  = max(adam, disk_opt, h2d_opt, d2h_opt)         adam = elements / adam rate
+    t_opt  = max(adam, disk_opt, h2d_opt, d2h_opt)         adam = elements / adam rate (on the CPU, a
+                                                             16-bit state's elements count CPU_UPDATE_COST
+                                                             times: traffic.py)
     step   = t_fb + t_opt
 
 Collectives (all-gather, reduce-scatter) cost the same under every placement and
@@ -160,7 +162,7 @@ def predict_step_time(traffic: StepTraffic, rates: LinkRates, compute_seconds: f
     def links(phase: dict[str, int]) -> dict[str, float]:
         return {"disk": _seconds(phase["nvme_read"], rates.nvme_read) + _seconds(phase["nvme_write"], rates.nvme_write),
                 "h2d": _seconds(phase["h2d"], rates.h2d), "d2h": _seconds(phase["d2h"], rates.d2h)}
-    adam = traffic.adam_cpu / rates.cpu_adam + traffic.adam_device / rates.device_adam
+    adam = traffic.adam_cpu_work / rates.cpu_adam + traffic.adam_device / rates.device_adam
     return StepTime(compute=compute_seconds, fb={"compute": compute_seconds, **links(traffic.fb)},
                     opt={"adam": adam, **links(traffic.opt)})
 

@@ -288,7 +288,7 @@ def _unit_tables(units: tuple, compute_dtype, units_ahead: int, settings: tuple,
             t = cost_model.unit_traffic(sizes, tiers, compute_dtype=compute_dtype, cuda=cuda,
                                         accum=accum, is_root=u == 0, state_dtype=state_dtype)
             fb[u, c] = [t.fb[link] for link in cost_model.LINKS]
-            opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu, t.adam_device]
+            opt[u, c] = [t.opt[link] for link in cost_model.LINKS] + [t.adam_cpu_work, t.adam_device]
             for g, tier in tiers.items():
                 state[u, c, _TIER_INDEX[tier]] += group_bytes(sizes, g, tiers, compute_dtype, state_dtype)
                 nvme[u, c, GROUPS.index(g)] = tier is Tier.NVME
@@ -357,7 +357,7 @@ class _Search:
         fb, opt, _, _ = self._totals(combos)
         traffic = cost_model.StepTraffic(fb=dict(zip(cost_model.LINKS, fb.tolist())),
                                          opt=dict(zip(cost_model.LINKS, opt[:4].tolist())),
-                                         adam_cpu=int(opt[4]), adam_device=int(opt[5]))
+                                         adam_cpu_work=float(opt[4]), adam_device=int(opt[5]))
         return cost_model.predict_step_time(traffic, self.rates, self.compute_seconds)
 
     # ---- starting points

@@ -426,6 +426,14 @@ def plan_report(plan: Plan, parked: dict[Kind, Tier] | None = None) -> dict:
 # ---------------------------------------------------------------- Note [traffic per step]
 
 
+# The CPU's update of one element of each optimizer state dtype, in elements of the fused fp32 kernel (the rate
+# `cpu_adam` measures): the 16-bit states' update upcasts a chunk, runs that kernel and rounds back, the master
+# stochastically with hashed bits (optim/state_update.py). `benchmarks/bench_cpu_adam.py --only state_dtype`,
+# 2026-11-28, this 2-core machine, 100M elements: fp32 1.711, bf16 1.158, bf16_master 0.121 G elements/s (on
+# 2026-11-25: 1.571, 0.773, 0.144). On a GPU the 16-bit update's cost against its fused kernel is not measured.
+CPU_UPDATE_COST = {StateDtype.FP32: 1.0, StateDtype.BF16: 1.5, StateDtype.BF16_MASTER: 14.0}
+
+
 @dataclass
 class StepTraffic:
     """Bytes per link in each phase of one optimizer step, and the Adam elements stepped where."""
@@ -434,6 +442,7 @@ class StepTraffic:
     opt: dict[str, int] = dataclasses.field(default_factory=lambda: {k: 0 for k in LINKS})
     adam_cpu: int = 0  # elements stepped on the CPU
     adam_device: int = 0  # elements stepped on the GPU
+    adam_cpu_work: float = 0.0  # the CPU's update in elements of the fused fp32 kernel (CPU_UPDATE_COST)
 
     def add(self, other: "StepTraffic", sign: int = 1) -> None:
         for k in LINKS:
@@ -441,6 +450,7 @@ class StepTraffic:
             self.opt[k] += sign * other.opt[k]
         self.adam_cpu += sign * other.adam_cpu
         self.adam_device += sign * other.adam_device
+        self.adam_cpu_work += sign * other.adam_cpu_work
 
     def total(self) -> dict[str, int]:
         return {k: self.fb[k] + self.opt[k] for k in LINKS}
@@ -498,6 +508,7 @@ def unit_traffic(sizes: UnitSizes, tiers: dict[str, Tier], *, compute_dtype: tor
         t.adam_device += O
     else:
         t.adam_cpu += O
+        t.adam_cpu_work += O * CPU_UPDATE_COST[state_dtype]
     return t
 
 

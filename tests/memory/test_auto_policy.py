@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -95,13 +96,33 @@ def test_optimizer_on_gpu_pulls_host_grads_and_pushes_params_back():
 
 def test_step_time_is_the_slowest_resource_of_each_phase():
     traffic = StepTraffic(fb={"nvme_read": 6e9, "nvme_write": 2e9, "h2d": 10e9, "d2h": 0},
-                          opt={"nvme_read": 3e9, "nvme_write": 4e9, "h2d": 0, "d2h": 0}, adam_cpu=int(1e9))
+                          opt={"nvme_read": 3e9, "nvme_write": 4e9, "h2d": 0, "d2h": 0}, adam_cpu=int(1e9),
+                          adam_cpu_work=1e9)
     st = predict_step_time(traffic, GPU_RATES, compute_seconds=1.5)
     disk_fb, disk_opt = 6e9 / 3e9 + 2e9 / 2e9, 3e9 / 3e9 + 4e9 / 2e9  # reads and writes share the disk
     assert st.fb_seconds == pytest.approx(max(1.5, disk_fb, 10e9 / 20e9))
     assert st.opt_seconds == pytest.approx(max(1e9 / 1e9, disk_opt))
     assert st.total == pytest.approx(disk_fb + disk_opt)
     assert st.bottlenecks() == ("disk", "disk")
+
+
+def test_a_16_bit_states_cpu_update_is_priced_at_its_own_speed():
+    """The CPU's update of bf16 moments and of a bf16 master runs the fused fp32 kernel on an upcast chunk and rounds
+    back (the master stochastically): measured 1.5x and 14x the fp32 kernel's time (CPU_UPDATE_COST). The step time
+    prices those elements so, on the CPU only (planted: every state dtype at the fp32 rate; this fails)."""
+    from infinity.memory.tier import StateDtype
+    from infinity.memory.traffic import CPU_UPDATE_COST
+    n = 1 << 20
+    rates = dataclasses.replace(GPU_RATES, cpu_adam=1e6, device_adam=1e9, nvme_read=1e15, nvme_write=1e15)
+    for dtype, cost in ((StateDtype.FP32, 1.0), (StateDtype.BF16, 1.5), (StateDtype.BF16_MASTER, 14.0)):
+        assert CPU_UPDATE_COST[dtype] == cost
+        on_cpu = unit_traffic(one(n), {"params": D, "grads": H, "optimizer": H}, compute_dtype=BF16, cuda=True,
+                              accum=1, is_root=False, state_dtype=dtype)
+        assert on_cpu.adam_cpu == n  # (elements: what the estimate prints)
+        assert predict_step_time(on_cpu, rates).opt["adam"] == pytest.approx(n * cost / 1e6)
+        on_gpu = unit_traffic(one(n), {"params": D, "grads": D, "optimizer": D}, compute_dtype=BF16, cuda=True,
+                              accum=1, is_root=False, state_dtype=dtype)
+        assert predict_step_time(on_gpu, rates).opt["adam"] == pytest.approx(n / 1e9)
 
 
 def test_traffic_of_a_plan_matches_the_managers_counters(tmp_path):
