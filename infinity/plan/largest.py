@@ -13,7 +13,8 @@ above the answer is bisected too: the next rung's width with fewer of its blocks
 `llama-7B-17L`), from the first that has more parameters than the answer (fitting is monotone in the blocks at
 one width), up to 6 estimates more. On the 2-core, 23 GiB machine with 68 GiB of free disk (2026-11-28, seq
 256, no checkpoint) the full fine-tune's answer went from llama-1.1B to llama-7B-17L (3.70B) and LoRA's from
-llama-7B to llama-13B-35L (11.44B). Each answer says the share of the machine its training state takes
+llama-7B to llama-13B-35L (11.44B); with the auto policy among the plans (Note [plan search]) to llama-7B-19L
+(4.11B, trained: RESULTS D32) and llama-13B (13.03B). Each answer says the share of the machine its training state takes
 (`Verdict.share`: the state as its plan stores it over the free GPU memory, the RAM available and the swap
 disk's free space), the capacity the answer is measured against (benchmarks/bench_largest.py, the GPU check's
 bar: at least 0.8). Full fine-tuning judges the shape as `model.kind =
