@@ -24,14 +24,19 @@ index, the element's index in the unit's flat buffer, Adam step), never from a g
 rounding of an element does not depend on the world size, the stage, the sub-group size or where the
 update runs (CPU or GPU), a resumed run rounds exactly as the uninterrupted one, and a reference can
 recompute it (`stochastic_round`). The bits: the low 16 bits of the fp32 pattern get 16 random bits
-added, then are cut off (a carry rounds the magnitude up; non-finite values are cast as they are).
+added, then are cut off (a carry rounds the magnitude up; infinities stay what they are, NaNs are cast as
+they are). Each 32-bit hash serves two elements (2k its low half, 2k + 1 its high half): half the
+hashing, still a function of the element's index alone.
 
 Note [chunked upcast]: the 16-bit modes upcast, step and round back `_CHUNK` (2^18) elements at a time
 through fp32 scratch buffers of one chunk, not the whole run at once: the upcast values stay in cache
 between the conversion, the fused kernel and the rounding, and no run-sized fp32 copies are allocated
 (and page-faulted) per update. A 12.6M-element block steps in ~15 ms with bf16 moments this way, against
 ~43 ms upcasting it whole (fp32 state: ~8 ms), on this project's 2-core machine; with a bf16 master, whose
-rounding bits are a hash per element, ~76 ms against ~570 ms.
+rounding bits are a hash per element, ~76 ms against ~570 ms. The rounding was most of that: on 2026-11-28
+(`bench_cpu_adam.py --only state_dtype`, 100M elements) a hash per two elements and no select over the
+finite values (NaNs checked once) took the bf16 master's update from 0.121 to 0.190 G elements/s (fp32:
+1.70), what the cost model prices (traffic.CPU_UPDATE_COST).
 
 With bf16 compute a bf16 master is the parameters themselves on NVMe (the cast is the identity: Note
 [aliased parameters]), 6 bytes per parameter in all; with fp32 compute the fp32 parameters are stored beside
@@ -63,23 +68,33 @@ def _mix(x):
 
 def rounding_bits(numel: int, *, seed: int, unit: int, step: int, first: int, device: torch.device) -> torch.Tensor:
     """16 random bits (int32 in [0, 65536)) for the elements [first, first + numel) of unit `unit`'s flat buffer
-    at Adam step `step`: a function of those numbers only (Note [16-bit optimizer state])."""
+    at Adam step `step`: a function of those numbers only (Note [16-bit optimizer state]); one 32-bit hash of the
+    pair index k serves elements 2k (its low 16 bits) and 2k + 1 (its high 16 bits)."""
     key = _mix(_mix(_mix(seed & _M32) ^ (unit & _M32)) ^ (step & _M32))
-    x = torch.arange(first, first + numel, dtype=torch.int64, device=device).bitwise_and_(_M32).bitwise_xor_(key)
+    pairs = first // 2
+    x = torch.arange(pairs, (first + numel + 1) // 2, dtype=torch.int64, device=device)
+    x.bitwise_and_(_M32).bitwise_xor_(key)
     shifted = torch.empty_like(x)
     for round_ in range(3):  # _mix, in place (the same values, without a new tensor per operation)
         x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
         if round_ < 2:
             x.mul_(_MUL).bitwise_and_(_M32)
-    return x.bitwise_and_(0xFFFF).to(torch.int32)
+    halves = x.to(torch.int32).view(torch.int16)  # (the low 32 bits; little-endian: the low half first)
+    start = first - 2 * pairs
+    return halves[start:start + numel].to(torch.int32).bitwise_and_(0xFFFF)
 
 
 def stochastic_round(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """fp32 `x` rounded to bf16 with the random `bits` (`rounding_bits`): up with probability equal to the
-    fraction of the bf16 ulp that `x` is above the value below it, so E[result] = x."""
+    fraction of the bf16 ulp that `x` is above the value below it, so E[result] = x. An infinity's pattern keeps
+    its value through the add and the cut; a NaN's may carry into its exponent, so NaNs, when there are any, are
+    cast as they are (checked once: the common case costs one more pass, not a select over every element)."""
     pattern = x.contiguous().view(torch.int32)
-    rounded = ((pattern + bits) & -65536).view(torch.float32).to(torch.bfloat16)  # exact: low 16 bits zero
-    return torch.where(torch.isfinite(x), rounded, x.to(torch.bfloat16))
+    rounded = (pattern + bits).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits zero
+    nan = torch.isnan(x)
+    if bool(nan.any()):
+        rounded = torch.where(nan, x.to(torch.bfloat16), rounded)
+    return rounded
 
 
 _CHUNK = 1 << 18

@@ -68,6 +68,10 @@ def test_stochastic_rounding_is_the_arithmetic_definition_and_unbiased():
     out = stochastic_round(special, torch.full((6,), 65535, dtype=torch.int32)).float()
     assert out[0] == float("inf") and out[1] == -float("inf") and out[2].isnan()
     assert out[3:].tolist() == [0.0, -2.0, 1.5]
+    # NaNs whose payload the added bits carry into the exponent or the sign (a quiet NaN with every payload bit
+    # set, a signalling one, a negative one) stay NaNs (planted: the rounding without its NaN check; this fails)
+    payloads = torch.tensor([0x7FFFFFFF, 0x7F800001, -1, 0x7FC00000], dtype=torch.int32).view(torch.float32)
+    assert stochastic_round(payloads, torch.full((4,), 65535, dtype=torch.int32)).isnan().all()
 
 
 def test_rounding_bits_depend_on_every_key_and_not_on_how_a_range_is_cut():
@@ -76,6 +80,10 @@ def test_rounding_bits_depend_on_every_key_and_not_on_how_a_range_is_cut():
     parts = torch.cat([rounding_bits(300, seed=1, unit=4, step=9, first=100, device=cpu),
                        rounding_bits(700, seed=1, unit=4, step=9, first=400, device=cpu)])
     assert torch.equal(whole, parts)  # sub-groups, stages and world sizes cut the flat buffer differently
+    odd = [rounding_bits(n, seed=1, unit=4, step=9, first=f, device=cpu) for f, n in ((100, 1), (101, 298),
+                                                                                        (399, 1), (400, 700))]
+    assert torch.equal(whole, torch.cat(odd))  # (cuts at odd elements: one hash serves two elements)
+    assert len(set(whole.tolist())) > 990  # (the two halves of a hash are not the same bits)
     for other in ({"seed": 2}, {"unit": 5}, {"step": 10}, {"first": 101}):
         keys = {"seed": 1, "unit": 4, "step": 9, "first": 100} | other
         assert (rounding_bits(1000, **keys, device=cpu) != whole).float().mean() > 0.99, other
