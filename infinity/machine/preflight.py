@@ -191,6 +191,9 @@ def checkpoints_kept(config: Config) -> int:
     return max(1, saves)
 
 
+FREE_DISK = "free disk on"  # the name of check_disks' space checks (the others: a swap path's own usability)
+
+
 def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, checkpoint_dir: str = "",
                 checkpoint_bytes: int = 0, checkpoints: int = 0, headroom: str = "0") -> tuple[list[Check], int]:
     """Each swap path is (or can be created as) a writable directory; each filesystem has room for its stripes
@@ -227,7 +230,7 @@ def check_disks(paths: list[str], *, nvme_bytes: int, local_world_size: int, che
             ["keep fewer checkpoints ([checkpoint] keep_last = N keeps the newest N), or save checkpoints on "
              "another disk (checkpoint.dir; for `infinity train`, run.dir)"] if ckpt else [])
         keep = f", keeping {_fmt(margin)} free (memory.headroom)" if margin else ""
-        checks.append(Check(f"free disk on {', '.join(names)}", swap + ckpt + margin <= free,
+        checks.append(Check(f"{FREE_DISK} {', '.join(names)}", swap + ckpt + margin <= free,
                             f"{' + '.join(parts)} for {local_world_size} rank(s) needs {_fmt(swap + ckpt)}, "
                             f"{_fmt(free)} free{keep}", "free space there, " + ", or ".join(
                                 fixes + (["lower memory.headroom"] if margin else []))))

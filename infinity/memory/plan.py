@@ -228,7 +228,8 @@ def overflows(totals: dict[Tier, int], budgets: Budgets) -> dict[str, str]:
             f"{fmt_bytes(budgets.shared_limit)} available"
         )
     if totals[Tier.NVME] > budgets.nvme:
-        where = "no nvme.paths are set" if budgets.nvme == 0 else f"the nvme.paths have {fmt_bytes(budgets.nvme)} free"
+        where = ("the nvme.paths have no room (none is set, or their disks are within memory.headroom of full)"
+                 if budgets.nvme == 0 else f"the nvme.paths have {fmt_bytes(budgets.nvme)} free")
         problems["nvme"] = f"nvme tier needs {fmt_bytes(totals[Tier.NVME])} but {where}"
     return problems
 

@@ -28,7 +28,15 @@ import torch
 from infinity.config.sections import ActivationConfig, Config
 from infinity.machine import link_rates
 from infinity.machine.environment import resolve_budgets
-from infinity.machine.preflight import Check, PreflightError, check_disks, checkpoint_bytes, preflight, ram_room
+from infinity.machine.preflight import (
+    FREE_DISK,
+    Check,
+    PreflightError,
+    check_disks,
+    checkpoint_bytes,
+    preflight,
+    ram_room,
+)
 from infinity.memory import cost_model
 from infinity.memory.plan import Budgets, Plan
 from infinity.memory.tier import Kind, Tier
@@ -317,7 +325,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
     paths = list(config.nvme.paths)
     path_checks, nvme_free = check_disks(paths, nvme_bytes=0, local_world_size=local,  # free space, less headroom
                                          headroom=config.memory.headroom)
-    unusable = [c for c in path_checks if not c.ok]
+    # (a path that cannot hold swap; too little space is the nvme budget's: free less the headroom, maybe 0)
+    unusable = [c for c in path_checks if not c.ok and not c.name.startswith(FREE_DISK)]
     if rates is None:
         existing = next((p for p in paths if os.path.isdir(p)), None)
         if existing is not None or remeasure:

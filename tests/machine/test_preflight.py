@@ -47,7 +47,7 @@ def test_an_nvme_path_that_is_a_file_exits_2_from_train_and_estimate(a_file, tmp
         err = capsys.readouterr().err
         assert code == EXIT_USAGE, (command, err)
         assert f"{a_file} is a file, not a directory" in err and "point nvme.paths at a directory" in err, err
-        assert "Traceback" not in err and "no nvme.paths are set" not in err
+        assert "Traceback" not in err and "have no room" not in err
     assert not runs.exists()  # the refused train left nothing behind
     assert a_file.read_text() == "not a directory"
 
@@ -59,8 +59,25 @@ def test_estimate_report_names_the_file_instead_of_missing_paths(a_file):
     job = load_job(None, [*SMALL[1::2], "placement.optimizer=nvme", f'nvme.paths=["{a_file}"]'])
     result = est.estimate(lambda: build_model(job.model), job.engine_config("unused"), batch_size=1, seq_len=16)
     assert not result.ok and result.plan is None
-    assert "is a file" in result.plan_error and "no nvme.paths are set" not in result.plan_error
+    assert "is a file" in result.plan_error and "have no room" not in result.plan_error
     assert any(not c.ok and "is a file" in c.detail for c in result.checks)
+
+
+def test_a_disk_within_its_headroom_is_no_room_not_an_unusable_path(tmp_path, monkeypatch):
+    """A swap disk with less free space than memory.headroom keeps (100 GiB, 5 GiB free: a 10 GiB margin) gives
+    the NVMe tier no room, said as such; it is not a path that cannot hold swap, whose failure replaces the plan
+    (planted: the space check counted as the path's own failure: the estimate then says " for 1 rank(s) needs
+    0B, ..." with no plan and no reason; this fails)."""
+    from infinity.job.spec import load_job
+    from infinity.models.build import build_model
+    from infinity.plan import estimate as est
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(pf.shutil, "disk_usage", lambda path: usage(100 << 30, 95 << 30, 5 << 30))
+    job = load_job(None, [*SMALL[1::2], "placement.optimizer=nvme", f'nvme.paths=["{tmp_path}"]'])
+    result = est.estimate(lambda: build_model(job.model), job.engine_config("unused"), batch_size=1, seq_len=16)
+    assert not result.ok and result.budgets.nvme == 0
+    assert result.plan_error.startswith("the placement does not fit: nvme tier needs"), result.plan_error
+    assert "the nvme.paths have no room" in result.plan_error and "memory.headroom" in result.plan_error
 
 
 # ---------------------------------------------------------------- checkpoint space
