@@ -13,9 +13,10 @@ activations free, so it is judged at the smallest micro-batch: one that fits onl
 settings and micro-batches are then priced from the trace (Note [activation estimate]) without planning again (an
 auto state is planned again for each: its activations change what it places), largest micro-batch first (the first
 that fits is the fastest of its state; the smaller ones are priced only when the judge below refuses it, e.g. for
-its predicted peak RAM, and tried in turn). On a simulated H200 machine (139 GiB of GPU memory, 120 GiB of RAM
-available, 45 GiB of free disk; 2026-11-28) the auto candidate behind the job's static tiers and its smallest
-micro-batch took `--largest`'s full fine-tune from 11.4B to 19.2B parameters (fp32 compute, seq 1024). The
+its predicted peak RAM, and tried in turn). On a what-if H200 machine (benchmarks/largest_whatif.py: 139 GiB of
+GPU memory, 120 GiB of RAM available, 45 GiB of free disk; 2026-11-28, RESULTS D33) the auto candidate behind the
+job's static tiers and its smallest micro-batch took `--largest`'s full fine-tune from 11.8B to 23.4B parameters
+(bf16 compute, seq 1024, one sequence a step). The
 candidates that fit are ranked by predicted step time (then by fewer changes; a plan that stores the optimizer state
 in 16 bits, `optimizer.state_dtype = "bf16"` or `"bf16_master"`, which changes the numerics, is ranked as if 1 / 0.9
 times slower: it comes before a plan that keeps fp32 state only when it is faster by a clear margin, 10%: `rank`),
@@ -108,7 +109,7 @@ class RunPlan:
 
 
 def default_apply(config: Config, world_size: int, batch_size: int) -> Callable[[list[str]], Applied]:
-    """`apply` for an engine config without a job: engine keys through `Config.with_overrides`, `run.batch_size`
+    """`apply` for an engine config without a job: engine keys through `with_sets`, `run.batch_size`
     (sequences over all ranks) refused unless the world size divides it, as the job refuses it."""
     def apply(sets: list[str]) -> Applied:
         batch = batch_size
