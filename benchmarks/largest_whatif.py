@@ -3,6 +3,7 @@ GPU box it does not have (a what-if, not a measurement; the GPU check measures i
 
     python benchmarks/largest_whatif.py --machine h200 --seq-len 1024 \
         --set precision.compute_dtype=bf16 --set run.batch_size=1 --json largest-whatif.json
+    (--size ram_available_gib=240 --size disk_free_gib=900: the same GPU with more RAM and disk)
 
 The machine's sizes are faked where the estimate reads them (psutil's RAM, shutil's disk usage, torch.cuda's free
 memory) and its link rates given (the estimate would measure them there); the runtime's RSS is a fixed 600 MiB
@@ -80,11 +81,21 @@ def fake_machine(m: dict) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--machine", default="h200", choices=sorted(MACHINES))
+    ap.add_argument("--size", action="append", default=[], metavar="KEY=GIB",
+                    help="one of the machine's sizes instead of the preset's, e.g. --size ram_available_gib=240 "
+                         "(gpu_total_gib, gpu_free_gib, ram_total_gib, ram_available_gib, disk_total_gib, "
+                         "disk_free_gib)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="the job's own --set lines")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    machine = MACHINES[args.machine]
+    machine = dict(MACHINES[args.machine])
+    for item in args.size:
+        key, _, value = item.partition("=")
+        if key not in machine or key == "rates":
+            raise SystemExit(f"--size {item}: not a size of the machine; one of "
+                             f"{', '.join(k for k in machine if k != 'rates')}")
+        machine[key] = float(value)
     fake_machine(machine)
     from infinity.job import cli
     with tempfile.TemporaryDirectory(prefix="infinity-whatif-") as root:
