@@ -18,6 +18,9 @@ Within a phase transfers overlap compute (prefetch, read ahead, write behind), s
 phase takes as long as its slowest resource; NVMe reads and writes share the disk:
 
     t_fb   = max(compute, disk_fb, h2d_fb, d2h_fb)        disk = read/nvme_read + write/nvme_write
+             (compute + max(disk_fb, h2d_fb, d2h_fb) with `prefetch.units_ahead = 0`: each unit is fetched
+             on demand, when it runs; measured 2026-11-28, RESULTS D32: a 13B LoRA whose frozen weights are
+             read from disk so, 1.97x the overlapped prediction)
     t_opt  = max(adam, disk_opt, h2d_opt, d2h_opt)         adam = elements / adam rate (on the CPU, a
                                                              16-bit state's elements count CPU_UPDATE_COST
                                                              times: traffic.py)
@@ -129,9 +132,12 @@ class StepTime:
     compute: float
     fb: dict[str, float]  # seconds per resource in forward/backward: compute, disk, h2d, d2h
     opt: dict[str, float]  # seconds per resource in the optimizer step: adam, disk, h2d, d2h
+    on_demand: bool = False  # `prefetch.units_ahead = 0`: each unit is fetched when it runs, not beside the compute
 
     @property
     def fb_seconds(self) -> float:
+        if self.on_demand:  # (the fetches wait for the compute before them, and it for them)
+            return self.fb["compute"] + max((v for k, v in self.fb.items() if k != "compute"), default=0.0)
         return max(self.fb.values())
 
     @property
@@ -157,14 +163,15 @@ def _seconds(num_bytes: float, rate: float) -> float:
     return 0.0 if num_bytes == 0 or math.isinf(rate) else num_bytes / rate
 
 
-def predict_step_time(traffic: StepTraffic, rates: LinkRates, compute_seconds: float = 0.0) -> StepTime:
-    """Note [step time] applied to `traffic`."""
+def predict_step_time(traffic: StepTraffic, rates: LinkRates, compute_seconds: float = 0.0, *,
+                      units_ahead: int = 1) -> StepTime:
+    """Note [step time] applied to `traffic`; `units_ahead` (`prefetch.units_ahead`): 0 fetches on demand."""
     def links(phase: dict[str, int]) -> dict[str, float]:
         return {"disk": _seconds(phase["nvme_read"], rates.nvme_read) + _seconds(phase["nvme_write"], rates.nvme_write),
                 "h2d": _seconds(phase["h2d"], rates.h2d), "d2h": _seconds(phase["d2h"], rates.d2h)}
     adam = traffic.adam_cpu_work / rates.cpu_adam + traffic.adam_device / rates.device_adam
     return StepTime(compute=compute_seconds, fb={"compute": compute_seconds, **links(traffic.fb)},
-                    opt={"adam": adam, **links(traffic.opt)})
+                    opt={"adam": adam, **links(traffic.opt)}, on_demand=units_ahead == 0)
 
 
 def step_work(traced: Work, unit_forward: Work, checkpoint: str) -> Work:

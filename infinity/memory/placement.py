@@ -317,6 +317,7 @@ class _Search:
         import numpy as np
         self.np, self.units, self.budgets, self.rates = np, units, budgets, rates
         self.reserve = budgets.activations or 0  # left free on the device tier (Note [auto placement])
+        self.units_ahead = units_ahead
         self.compute_seconds = compute_seconds
         self.fb, self.opt, self.state, self.nvme, self.work = _unit_tables(
             tuple(units), compute_dtype, units_ahead, tuple(sorted(settings.items())), accum)
@@ -331,7 +332,8 @@ class _Search:
         disk_opt = opt[..., 0] / r.nvme_read + opt[..., 1] / r.nvme_write
         h2d, d2h = inv(r.h2d), inv(r.d2h)
         compute = np.full(disk_fb.shape, self.compute_seconds)
-        t_fb = np.maximum.reduce([compute, disk_fb, fb[..., 2] * h2d, fb[..., 3] * d2h])
+        fetch = np.maximum.reduce([disk_fb, fb[..., 2] * h2d, fb[..., 3] * d2h])
+        t_fb = compute + fetch if self.units_ahead == 0 else np.maximum(compute, fetch)  # (Note [step time])
         adam = opt[..., 4] / r.cpu_adam + opt[..., 5] / r.device_adam
         t_opt = np.maximum.reduce([adam, disk_opt, opt[..., 2] * h2d, opt[..., 3] * d2h])
         links = disk_fb + disk_opt + (fb[..., 2] + opt[..., 2]) * h2d + (fb[..., 3] + opt[..., 3]) * d2h
@@ -358,7 +360,7 @@ class _Search:
         traffic = cost_model.StepTraffic(fb=dict(zip(cost_model.LINKS, fb.tolist())),
                                          opt=dict(zip(cost_model.LINKS, opt[:4].tolist())),
                                          adam_cpu_work=float(opt[4]), adam_device=int(opt[5]))
-        return cost_model.predict_step_time(traffic, self.rates, self.compute_seconds)
+        return cost_model.predict_step_time(traffic, self.rates, self.compute_seconds, units_ahead=self.units_ahead)
 
     # ---- starting points
     def uniform_starts(self, limit: int):

@@ -376,7 +376,8 @@ def estimate(make_model: Callable, config: Config, *, world_size: int = 1, local
         est.traffic = cost_model.plan_traffic(plan, cuda=cuda, accum=config.train.grad_accum_steps)
         est.traffic.add(cost_model.activation_offload_traffic(activation_terms(trace, config.activation)["host"],
                                                                cuda=cuda, accum=config.train.grad_accum_steps))
-        est.step_time = cost_model.predict_step_time(est.traffic, rates, compute)
+        est.step_time = cost_model.predict_step_time(est.traffic, rates, compute,
+                                                     units_ahead=config.prefetch.units_ahead)
         est.host_s, est.first_extra_s = host_time(len(plan.units), remeasure, runtime_modules, compiled)
     est.table = table.build_table(ctx)
     if not mine.fits and not unusable and apply is not None:  # over a budget, or the RAM / disk checks fail

@@ -216,10 +216,11 @@ def stage_row(stage: int, sizes, config: Config, budgets: Budgets, cluster: Clus
     row.links = {**traffic.total(), "intra_node": net["intra_node"], "inter_node": net["inter_node"] // g}
     row.link_bytes = {"h2d": row.links["h2d"], "d2h": row.links["d2h"], "nvme_read": row.links["nvme_read"] * g,
                       "nvme_write": row.links["nvme_write"] * g, **net}
-    base = cost_model.predict_step_time(traffic, rates, compute_s)
+    base = cost_model.predict_step_time(traffic, rates, compute_s, units_ahead=config.prefetch.units_ahead)
     # the rank's NVLink bytes over its rate; the node's network bytes over the node's rate
     seconds = {k: net[k] / network[k] if network.get(k) and net[k] else 0.0 for k in NETWORK}
-    row.step_time = cost_model.StepTime(compute=base.compute, fb={**base.fb, **seconds}, opt=base.opt)
+    row.step_time = cost_model.StepTime(compute=base.compute, fb={**base.fb, **seconds}, opt=base.opt,
+                                        on_demand=base.on_demand)
     return row
 
 

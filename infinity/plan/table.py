@@ -162,7 +162,7 @@ def make_row(ctx: Context, config: Config, shape: str, tiers, *, world_size: int
     traffic.add(cost_model.activation_offload_traffic(acts["host"], cuda=ctx.cuda, accum=accum))
     work = ctx.trace.step_work(config.activation.checkpoint).per_batch(act_scale).times(accum)
     compute = cost_model.compute_seconds(work, ctx.rates) if ctx.flops else 0.0
-    st = cost_model.predict_step_time(traffic, ctx.rates, compute)
+    st = cost_model.predict_step_time(traffic, ctx.rates, compute, units_ahead=config.prefetch.units_ahead)
     return Row(shape=shape, tiers=tiers, stage=config.zero.stage, bytes={t.value: v for t, v in totals.items()},
                activations=acts, over=overflows(totals, ctx.budgets), step_s=st.total, bound=st.bottlenecks(),
                plan=plan)

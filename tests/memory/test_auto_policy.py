@@ -104,6 +104,29 @@ def test_step_time_is_the_slowest_resource_of_each_phase():
     assert st.opt_seconds == pytest.approx(max(1e9 / 1e9, disk_opt))
     assert st.total == pytest.approx(disk_fb + disk_opt)
     assert st.bottlenecks() == ("disk", "disk")
+    # fetched on demand (prefetch.units_ahead = 0): forward/backward is the compute and then its fetches, in turn
+    # (planted: the same max as with prefetching; this fails)
+    serial = predict_step_time(traffic, GPU_RATES, compute_seconds=1.5, units_ahead=0)
+    assert serial.fb_seconds == pytest.approx(1.5 + max(disk_fb, 10e9 / 20e9))
+    assert serial.opt_seconds == pytest.approx(st.opt_seconds)
+
+
+@pytest.mark.parametrize("units_ahead", [0, 2])
+def test_the_auto_searchs_step_is_the_cost_models(units_ahead):
+    """The auto planner's vectorized step time (`_Search`) is `predict_step_time`'s, on demand or prefetching, for
+    every uniform placement of a small model (planted: the search's forward/backward without the on-demand sum;
+    the units_ahead = 0 case fails)."""
+    import numpy as np
+
+    from infinity.memory import placement
+    from infinity.memory.tier import StateDtype
+    units = units_of([4_000_000] + [2_000_000] * 3, chunk=250_000)
+    settings = {"cuda": True, "keep_written": True, "state_dtype": StateDtype.FP32, "grad_accum_steps": 1}
+    search = placement._Search(units, BF16, Budgets(device=1 << 40, host=1 << 40, nvme=1 << 40), units_ahead,
+                               settings, GPU_RATES, 1, 0.05)
+    for c in range(len(placement.COMBOS)):
+        combos = np.full(len(units), c)
+        assert search.score(combos)[0] == pytest.approx(search.time_of(combos).total), placement.COMBOS[c]
 
 
 def test_a_16_bit_states_cpu_update_is_priced_at_its_own_speed():
