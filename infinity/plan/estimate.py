@@ -233,7 +233,8 @@ print(json.dumps({"rss": rss, "units": units, "step_s": statistics.median(second
 # (RESULTS D32: a 0.27B GPT, 4 steps; the 3.0B, 3.70B, 4.11B and the 11.44B and 13.03B LoRA Llamas of
 # `--largest`, 2-3 steps each): what `infinity estimate` prints as its known error. The small models' steps are
 # under-predicted (their engine work, their disk's latency: docs/estimate.md) 1.81-2.86x, the large ones'
-# 0.98-1.97x (the LoRA runs' disk reads and compute do not overlap on 2 cores; the 4.11B's 1.61x at f6f54b8);
+# 0.98-1.97x (the LoRA runs fetch on demand, `prefetch.units_ahead = 0`: 1.45x since 26cbda5 prices it; the
+# 4.11B's 1.61x at f6f54b8);
 # every peak RSS from 0.81x (large models, over-predicted: safe) to 1.04x (the 4.11B auto plan's 1.015x).
 STEP_ERROR = (0.98, 2.86)
 PEAK_ERROR = (0.81, 1.04)
