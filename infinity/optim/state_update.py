@@ -79,7 +79,9 @@ def rounding_bits(numel: int, *, seed: int, unit: int, step: int, first: int, de
         x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
         if round_ < 2:
             x.mul_(_MUL).bitwise_and_(_M32)
-    halves = x.to(torch.int32).view(torch.int16)  # (the low 32 bits; little-endian: the low half first)
+    low = torch.empty(x.numel(), dtype=torch.int32, device=device)  # (each value's low 32-bit word,
+    low.copy_(x.view(torch.int32)[::2])                              # little-endian: no conversion)
+    halves = low.view(torch.int16)  # (its low 16 bits, then its high 16 bits)
     start = first - 2 * pairs
     return halves[start:start + numel].to(torch.int32).bitwise_and_(0xFFFF)
 
@@ -87,12 +89,13 @@ def rounding_bits(numel: int, *, seed: int, unit: int, step: int, first: int, de
 def stochastic_round(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """fp32 `x` rounded to bf16 with the random `bits` (`rounding_bits`): up with probability equal to the
     fraction of the bf16 ulp that `x` is above the value below it, so E[result] = x. An infinity's pattern keeps
-    its value through the add and the cut; a NaN's may carry into its exponent, so NaNs, when there are any, are
-    cast as they are (checked once: the common case costs one more pass, not a select over every element)."""
+    its value through the add and the cut; a NaN's may carry into its exponent, so NaNs are cast as they are: on
+    the CPU only when there are any (checked once: the common case costs one more pass, not a select over every
+    element); on a GPU always, as the select costs little there and the check would wait for the device."""
     pattern = x.contiguous().view(torch.int32)
     rounded = (pattern + bits).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits zero
     nan = torch.isnan(x)
-    if bool(nan.any()):
+    if x.device.type != "cpu" or bool(nan.any()):
         rounded = torch.where(nan, x.to(torch.bfloat16), rounded)
     return rounded
 

@@ -238,7 +238,7 @@ def search(ctx: Context, apply: Callable[[list[str]], Applied], *, limit: int = 
             continue
         # its plan alone: most states stop here (the auto policy's leaves the activations free: judged at the
         # smallest micro-batch, whose activations leave it the most, or a state that fits only there is lost)
-        least = batched(min(_batches(ctx.batch_size))) if tiers is None else ctx
+        least = batched(1) if tiers is None else ctx
         base = plan_of(least, staged, tiers, sizes_cache=cache)
         if base is None or overflows(base.tier_totals(), ctx.budgets):
             continue  # the state and working bytes alone do not fit
