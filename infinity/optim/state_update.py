@@ -19,24 +19,35 @@ quantities that are themselves noisy estimates.
 The master is different: an update (lr x m / sqrt(v), about lr) is far below one bf16 ulp of a weight
 (2^-8 of it), so a master rounded to nearest would mostly not move at all. Stochastic rounding rounds up
 with probability (x - down) / (up - down), so the stored weight is unbiased: E[round(x)] = x, and small
-updates accumulate in expectation. The random bits come from a counter-based hash of (train.seed, unit
-index, the element's index in the unit's flat buffer, Adam step), never from a generator's state: the
-rounding of an element does not depend on the world size, the stage, the sub-group size or where the
-update runs (CPU or GPU), a resumed run rounds exactly as the uninterrupted one, and a reference can
-recompute it (`stochastic_round`). The bits: the low 16 bits of the fp32 pattern get 16 random bits
+updates accumulate in expectation. The random bits are a function of (train.seed, unit index, the
+element's index in the unit's flat buffer, Adam step), never of a generator's state: the rounding of an
+element does not depend on the world size, the stage, the sub-group size or where the update runs (CPU or
+GPU), a resumed run rounds exactly as the uninterrupted one, and a reference can recompute it
+(`rounding_bits`, `stochastic_round`). The bits: the low 16 bits of the fp32 pattern get 16 random bits
 added, then are cut off (a carry rounds the magnitude up; infinities stay what they are, NaNs are cast as
-they are). Each 32-bit hash serves two elements (2k its low half, 2k + 1 its high half): half the
-hashing, still a function of the element's index alone.
+they are).
+
+Where the random bits come from: a table holding each 16-bit value once, in a fixed shuffled order; element i
+takes the table's entry (i + r) mod 65536, xor k, where r is a hash of (seed, unit, step) and k a hash of
+those and i // 65536 (its block). Over the steps each element's bits are uniform (k is) and independent (r
+and k are new hashes each step); elements of different blocks are independent of each other (their own k);
+two elements of one block get different table entries at distances that r moves every step, and a block's
+65536 elements take every 16-bit value exactly once per step (stratified: the block's rounding errors sum
+closer to zero than independent draws would). Its cost is one xor pass per element and a table slice per
+block; a counter-based hash per element (2026-11-28, at fb4effa) was ~14 integer passes per pair of
+elements, the most of the update's time. Runs resumed across that change round differently from
+uninterrupted ones (within one version a resume is still bitwise).
 
 Note [chunked upcast]: the 16-bit modes upcast, step and round back `_CHUNK` (2^18) elements at a time
 through fp32 scratch buffers of one chunk, not the whole run at once: the upcast values stay in cache
 between the conversion, the fused kernel and the rounding, and no run-sized fp32 copies are allocated
 (and page-faulted) per update. A 12.6M-element block steps in ~15 ms with bf16 moments this way, against
-~43 ms upcasting it whole (fp32 state: ~8 ms), on this project's 2-core machine; with a bf16 master, whose
-rounding bits are a hash per element, ~76 ms against ~570 ms. The rounding was most of that: on 2026-11-28
-(`bench_cpu_adam.py --only state_dtype`, 100M elements) a hash per two elements and no select over the
-finite values (NaNs checked once) took the bf16 master's update from 0.121 to 0.190 G elements/s (fp32:
-1.70), what the cost model prices (traffic.CPU_UPDATE_COST).
+~43 ms upcasting it whole (fp32 state: ~8 ms), on this project's 2-core machine. With a bf16 master the
+rounding was most of the time: `bench_cpu_adam.py --only state_dtype`, 100M elements, 0.121 G elements/s on
+2026-11-28 (a hash per element), 0.190 with a hash per two elements (fb4effa), 0.51-0.56 with the table
+above and the scratch buffers reused across chunks (2026-11-29; fp32 1.50-1.61 in the same runs): about 3x the
+fp32 kernel's time, what the cost model prices (traffic.CPU_UPDATE_COST). Each fresh tensor of a chunk was
+page-faulted anew, so the update allocates nothing per chunk.
 
 With bf16 compute a bf16 master is the parameters themselves on NVMe (the cast is the identity: Note
 [aliased parameters]), 6 bytes per parameter in all; with fp32 compute the fp32 parameters are stored beside
@@ -44,6 +55,8 @@ it. Kahan-compensated bf16 masters (8 bytes) are not offered: stochastic roundin
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -55,6 +68,7 @@ __all__ = ["Bf16Master", "Bf16Moments", "Fp32State", "StateUpdate", "rounding_bi
 
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # odd, < 2^31: a product with a 32-bit value fits in int64
+_ROTATION = 0x2545F491  # (told apart from the blocks' keys: their hashes are of small block numbers)
 
 
 def _mix(x):
@@ -66,38 +80,61 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
+def _round_into(out: torch.Tensor, x: torch.Tensor, bits: torch.Tensor) -> None:
+    """`out` (bf16) = `stochastic_round(x, bits)`, the fp32 `x` contiguous; `bits` (int32) is overwritten."""
+    pattern = bits.add_(x.view(torch.int32)).bitwise_and_(-65536).view(torch.float32)  # exact in bf16
+    if x.device.type != "cpu" or torch.isnan(x.sum()):  # (a NaN makes the sum NaN; so may +inf with -inf)
+        pattern = torch.where(torch.isnan(x), x, pattern)
+    out.copy_(pattern)
+
+
+_BLOCK = 1 << 16
+"""Elements of a unit's flat buffer that share one rotation of the table and one 16-bit key per step."""
+
+
+@functools.lru_cache(maxsize=None)
+def _table(device: torch.device) -> torch.Tensor:
+    """The 65536 16-bit values in a fixed shuffled order (sorted by their `_mix` hash), twice in a row (int32 on
+    `device`): any rotation of the table is one contiguous slice. Made on the CPU: the same order everywhere."""
+    order = torch.argsort(_mix(torch.arange(_BLOCK, dtype=torch.int64))).to(torch.int32)
+    return torch.cat([order, order]).to(device)
+
+
+def _rounding_bits_into(out: torch.Tensor, *, seed: int, unit: int, step: int, first: int) -> torch.Tensor:
+    """`rounding_bits` for `out.numel()` elements, written into `out` (int32); returns it."""
+    key = _mix(_mix(_mix(seed & _M32) ^ (unit & _M32)) ^ (step & _M32))
+    rotation = _mix(key ^ _ROTATION) & 0xFFFF
+    table = _table(out.device)
+    end, i = first + out.numel(), first
+    while i < end:
+        block = i // _BLOCK
+        stop = min(end, (block + 1) * _BLOCK)
+        start = (i + rotation) % _BLOCK
+        block_key = _mix(key ^ _mix(block & _M32)) & 0xFFFF
+        torch.bitwise_xor(table[start:start + stop - i], block_key, out=out[i - first:stop - first])
+        i = stop
+    return out
+
+
 def rounding_bits(numel: int, *, seed: int, unit: int, step: int, first: int, device: torch.device) -> torch.Tensor:
     """16 random bits (int32 in [0, 65536)) for the elements [first, first + numel) of unit `unit`'s flat buffer
-    at Adam step `step`: a function of those numbers only (Note [16-bit optimizer state]); one 32-bit hash of the
-    pair index k serves elements 2k (its low 16 bits) and 2k + 1 (its high 16 bits)."""
-    key = _mix(_mix(_mix(seed & _M32) ^ (unit & _M32)) ^ (step & _M32))
-    pairs = first // 2
-    x = torch.arange(pairs, (first + numel + 1) // 2, dtype=torch.int64, device=device)
-    x.bitwise_and_(_M32).bitwise_xor_(key)
-    shifted = torch.empty_like(x)
-    for round_ in range(3):  # _mix, in place (the same values, without a new tensor per operation)
-        x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
-        if round_ < 2:
-            x.mul_(_MUL).bitwise_and_(_M32)
-    low = torch.empty(x.numel(), dtype=torch.int32, device=device)  # (each value's low 32-bit word,
-    low.copy_(x.view(torch.int32)[::2])                              # little-endian: no conversion)
-    halves = low.view(torch.int16)  # (its low 16 bits, then its high 16 bits)
-    start = first - 2 * pairs
-    return halves[start:start + numel].to(torch.int32).bitwise_and_(0xFFFF)
+    at Adam step `step`: a function of those numbers only (Note [16-bit optimizer state]). Element i's bits are
+    the table's entry (i + r) mod 65536 xor k: r a hash of (seed, unit, step), k of those and i // 65536."""
+    out = torch.empty(numel, dtype=torch.int32, device=device)
+    return _rounding_bits_into(out, seed=seed, unit=unit, step=step, first=first)
 
 
 def stochastic_round(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """fp32 `x` rounded to bf16 with the random `bits` (`rounding_bits`): up with probability equal to the
     fraction of the bf16 ulp that `x` is above the value below it, so E[result] = x. An infinity's pattern keeps
     its value through the add and the cut; a NaN's may carry into its exponent, so NaNs are cast as they are: on
-    the CPU only when there are any (checked once: the common case costs one more pass, not a select over every
-    element); on a GPU always, as the select costs little there and the check would wait for the device."""
-    pattern = x.contiguous().view(torch.int32)
-    rounded = (pattern + bits).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)  # exact: low bits zero
-    nan = torch.isnan(x)
-    if x.device.type != "cpu" or bool(nan.any()):
-        rounded = torch.where(nan, x.to(torch.bfloat16), rounded)
-    return rounded
+    the CPU only when there are any (checked once, by the sum: the common case costs one more pass, not a select
+    over every element); on a GPU always, as the select costs little there and the check would wait for the
+    device."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    _round_into(out, x, bits.clone())
+    return out
 
 
 _CHUNK = 1 << 18
@@ -160,6 +197,7 @@ class Bf16Master(StateUpdate):
 
     def step(self, master, grad, exp_avg, exp_avg_sq, *, step, hyper, grad_scale, unit, first):
         p32, m32, v32 = _scratch(master.numel(), 3, master.device)
+        bits32 = torch.empty(p32.numel(), dtype=torch.int32, device=master.device)
         for a, b in _chunks(master.numel()):
             p, m, v = p32[:b - a], m32[:b - a], v32[:b - a]
             p.copy_(master[a:b])
@@ -168,8 +206,8 @@ class Bf16Master(StateUpdate):
             adam_step(p, grad[a:b], m, v, step=step, hyper=hyper, grad_scale=grad_scale)
             exp_avg[a:b].copy_(m)
             exp_avg_sq[a:b].copy_(v)
-            bits = rounding_bits(b - a, seed=self.seed, unit=unit, step=step, first=first + a, device=p.device)
-            master[a:b].copy_(stochastic_round(p, bits))
+            bits = _rounding_bits_into(bits32[:b - a], seed=self.seed, unit=unit, step=step, first=first + a)
+            _round_into(master[a:b], p, bits)
 
 
 def state_update_for(state_dtype: StateDtype, seed: int) -> StateUpdate:

@@ -89,6 +89,31 @@ def test_rounding_bits_depend_on_every_key_and_not_on_how_a_range_is_cut():
         assert (rounding_bits(1000, **keys, device=cpu) != whole).float().mean() > 0.99, other
 
 
+def test_rounding_bits_are_uniform_per_element_across_steps_and_independent_across_blocks():
+    """Each element's bits over many steps are uniform; elements a block (65536) apart, or in the same block, are
+    not tied to each other from step to step; and one block at one step holds every 16-bit value once. (Planted:
+    no per-block key, the bits of elements 65536 apart are equal at every step; no rotation, two elements of a
+    block keep one xor at every step; both fail.)"""
+    cpu, steps, block = torch.device("cpu"), 2048, 1 << 16
+    first = 3 * block - 5  # (an odd element, 5 before a block's end)
+
+    def bits(step, at, numel):
+        return rounding_bits(numel, seed=7, unit=3, step=step, first=at, device=cpu).long()
+
+    near = torch.stack([bits(s, first, 30) for s in range(1, steps + 1)])  # [step, element]: across the boundary
+    element, neighbour = near[:, 0], near[:, 3]
+    far = torch.cat([bits(s, first + block, 1) for s in range(1, steps + 1)])
+    assert float((element == near[:, 17]).float().mean()) < 0.01  # (the next block's elements)
+    counts = torch.bincount(element >> 12, minlength=16).float()  # (the top 4 of the 16 bits)
+    assert float(((counts - steps / 16) ** 2 / (steps / 16)).sum()) < 45, counts  # chi-square, 15 dof: p ~1e-4
+    assert float((element == far).float().mean()) < 0.01
+    assert len(set((element ^ neighbour).tolist())) > steps * 0.9  # (no fixed relation within a block)
+    corr = torch.corrcoef(torch.stack([element.double(), far.double()]))[0, 1]
+    assert abs(float(corr)) < 0.1
+    whole = rounding_bits(block, seed=7, unit=3, step=5, first=2 * block, device=cpu)
+    assert torch.equal(whole.sort().values, torch.arange(block, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("n", [4096 + 37, 2 * (1 << 18) + 4133], ids=["one-chunk", "three-chunks"])
 def test_the_update_types_equal_fp32_adamw_with_rounded_state(n):
     """One update of each 16-bit type against torch's fused AdamW on fp32 copies, rounded as the Note says; a run
