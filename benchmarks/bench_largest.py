@@ -19,10 +19,12 @@ import argparse
 import glob
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,34 +48,74 @@ def answer(estimate_path: str, mode: str) -> dict:
             "state_bytes": found["largest"].get("state_bytes"), "free_bytes": found["largest"].get("free_bytes")}
 
 
+STARTUP_S = 15.0
+"""Of a mode's --time-limit, kept back for the training process's start (imports) and its end (the report)."""
+
+
+def run_bounded(cmd: list[str], limit_s: float | None, grace_s: float = 30.0) -> tuple[int, str]:
+    """`cmd`'s return code and stderr; past `limit_s` (None: no limit) it gets SIGTERM (a clean stop), then
+    SIGKILL `grace_s` later. Its own process group, stopped as well when this script is (SIGTERM, Ctrl-C)."""
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        try:
+            _, err = child.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                _, err = child.communicate(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                _, err = child.communicate()
+            err += f"\n(stopped: past the {limit_s:.0f} s limit)"
+    finally:
+        if child.poll() is None:  # (this script was stopped: take the training process down with it)
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    return child.returncode, err
+
+
 def full_fine_tune(args, run_dir: str) -> dict:
     """The full fine-tune's answer, trained by `infinity train`."""
     out = answer(args.estimate, MODES[0])
     sets = args.set + out["set"] + [f"model.seq_len={args.seq_len}", f"run.steps={args.steps}", f"run.dir={run_dir}",
                          "run.checkpoint=false", "run.eval_every=0"]
+    if args.time_limit is not None:
+        sets.append(f"run.time_limit={max(1, int(args.time_limit - STARTUP_S))}s")
     cmd = [sys.executable, "-m", "infinity", "train"] + [a for s in sets for a in ("--set", s)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    out.update(command=" ".join(cmd[2:]), returncode=done.returncode, stderr_tail=done.stderr[-2000:])
-    found = sorted(glob.glob(os.path.join(run_dir, "*", "summary.json")))  # (run.dir holds one run per start)
-    if done.returncode == 0 and found:
-        summary_path = found[-1]
-        run_dir = os.path.dirname(summary_path)
-        summary = json.load(open(summary_path))
-        steps = [r for line in open(os.path.join(run_dir, "metrics.jsonl")) if line.strip()
-                 for r in [json.loads(line)] if "step_time_s" in r]
-        step_s = statistics.median(s["step_time_s"] for s in steps[1:] or steps)
-        tokens = summary["trained_tokens_per_step"]
-        report = json.load(open(os.path.join(run_dir, "memory_report.json")))
-        out.update(step_s=step_s, tflops=6 * out["num_params"] * tokens / step_s / 1e12, tokens_per_step=tokens,
-                   state=report.get("state"), peak_rss_bytes=summary["peak_rss_bytes"],
-                   cuda_peak_bytes=report.get("cuda_peak_bytes"), trained_params=out["num_params"])
+    try:
+        returncode, stderr = run_bounded(cmd, args.time_limit)
+    except KeyboardInterrupt as e:  # (this script stopped, and the training with it: what it did is reported)
+        returncode, stderr, out["stopped_by"] = None, "", str(e)
+    out.update(command=" ".join(cmd[2:]), returncode=returncode, stderr_tail=stderr[-2000:])
+    found = sorted(glob.glob(os.path.join(run_dir, "*", "metrics.jsonl")))  # (run.dir holds one run per start)
+    if not found:
+        return out
+    run_dir = os.path.dirname(found[-1])
+    steps = [r["step_time_s"] for line in open(found[-1]) if line.strip()
+             for r in [json.loads(line)] if "step_time_s" in r]
+    out.update(steps_done=len(steps), step_times_s=steps)
+    summary_path = os.path.join(run_dir, "summary.json")
+    if not steps or not os.path.exists(summary_path):
+        return out
+    summary = json.load(open(summary_path))
+    step_s = statistics.median(steps[1:] or steps)
+    tokens = summary["trained_tokens_per_step"]
+    out.update(step_s=step_s, tflops=6 * out["num_params"] * tokens / step_s / 1e12, tokens_per_step=tokens,
+               peak_rss_bytes=summary["peak_rss_bytes"], stopped_by=summary.get("stopped_by", out.get("stopped_by")))
+    report_path = os.path.join(run_dir, "memory_report.json")
+    if os.path.exists(report_path):
+        report = json.load(open(report_path))
+        out.update(state=report.get("state"), cuda_peak_bytes=report.get("cuda_peak_bytes"))
+    if returncode == 0 or "run.time_limit" in str(summary.get("stopped_by")):  # (the limit's stop exits 130)
+        out["trained_params"] = out["num_params"]
     return out
 
 
-def lora(args, root: str) -> dict:
-    """The LoRA answer's rung, its plan's engine config, `--steps` steps on random base weights (in this process)."""
+def lora(args, root: str, began: float) -> dict:
+    """The LoRA answer's rung, its plan's engine config, `--steps` steps on random base weights (in this process);
+    `began`: the mode's start (time.monotonic), whence --time-limit counts."""
     import resource
-    import time
 
     import torch
     from bench_gpu import fast_init
@@ -99,27 +141,39 @@ def lora(args, root: str) -> dict:
         os.makedirs(swap, exist_ok=True)  # (as `infinity train` makes its run's swap)
     base = bundle.model.get_base_model()
     engine = infinity.initialize(bundle.model, config, init_fn=fast_init(base._init_weights))
+    deadline = None if args.time_limit is None else began + args.time_limit
     g = torch.Generator().manual_seed(0)
     accum = config.train.grad_accum_steps
     x = torch.randint(0, rung.vocab_size, (job.run.batch_size, args.seq_len + 1), generator=g)
-    times = []
+    times, state = [], None
     with engine:
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            for _ in range(accum):
-                engine.backward(bundle.loss(engine, x[:, :-1], x[:, 1:]))
-                engine.step()
-            engine.synchronize()
-            times.append(time.perf_counter() - start)
-        state = engine.memory_report().get("state")
-    step_s = statistics.median(times[1:] or times)
-    tokens = job.run.batch_size * args.seq_len * accum
-    trainable = sum(p.numel() for p in bundle.model.parameters() if p.requires_grad)
-    out.update(step_s=step_s, step_times_s=times, tflops=6 * out["num_params"] * tokens / step_s / 1e12,
-               tokens_per_step=tokens, trainable_params=trainable, state=state,
-               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-               trained_params=out["num_params"])
+        try:
+            for _ in range(args.steps):
+                if deadline is not None and times and time.monotonic() + max(times) > deadline:
+                    out["stopped_by"] = f"--time-limit {args.time_limit:.0f}"  # (the next step would end past it)
+                    break
+                start = time.perf_counter()
+                for _ in range(accum):
+                    engine.backward(bundle.loss(engine, x[:, :-1], x[:, 1:]))
+                    engine.step()
+                engine.synchronize()
+                times.append(time.perf_counter() - start)
+            state = engine.memory_report().get("state")
+        except KeyboardInterrupt as e:  # (stopped from outside: the steps done are the result)
+            out["stopped_by"] = str(e)
+    out.update(step_times_s=times, steps_done=len(times),
+               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if times:
+        step_s = statistics.median(times[1:] or times)
+        tokens = job.run.batch_size * args.seq_len * accum
+        trainable = sum(p.numel() for p in bundle.model.parameters() if p.requires_grad)
+        out.update(step_s=step_s, tflops=6 * out["num_params"] * tokens / step_s / 1e12, tokens_per_step=tokens,
+                   trainable_params=trainable, state=state, trained_params=out["num_params"])
     return out
+
+
+def _stopped(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv=None) -> dict:
@@ -132,8 +186,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--modes", default="full,lora", help="full, lora or both (comma-separated)")
     ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--time-limit", type=float, default=None, metavar="S",
+                    help="each mode's wall-clock budget in seconds, its start-up included (default: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, _stopped)  # (a `timeout` around this script: stop the training, write the JSON)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="infinity-largest-run-")
     out: dict = {}
     if "full" in args.modes:
@@ -141,10 +198,11 @@ def main(argv=None) -> dict:
         out.update(params=full.get("trained_params"), step_s=full.get("step_s"),
                    state_share=full["state_bytes"] / full["free_bytes"] if full.get("free_bytes") else None)
         print(f"full fine-tune: {json.dumps(full, default=str)[:2000]}", flush=True)
-    if "lora" in args.modes:
+    if "lora" in args.modes and not str((out.get("full") or {}).get("stopped_by")).startswith("signal"):
+        began = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="infinity-largest-lora-") as root:
             try:
-                out["lora"] = lora(args, root)
+                out["lora"] = lora(args, root, began)
             except Exception as e:  # noqa: BLE001 - recorded and printed, not swallowed: the full run's numbers stay
                 traceback.print_exc()
                 out["lora"] = {"error": repr(e)}

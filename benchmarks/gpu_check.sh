@@ -105,7 +105,8 @@ part_largest() {
     t=$(( end - $(elapsed) )); [ "$mode" = full ] && t=$(( $1 / 2 ))
     t=$(cap "$t"); [ "$t" = 0 ] && { log "largest ($mode, 3 steps) skipped: the budget is spent"; continue; }
     timeout "$t" python3 benchmarks/bench_largest.py --estimate "$CASES/largest_estimate.json" "${LARGEST_JOB[@]}" \
-      --modes "$mode" --steps 3 --json "$CASES/largest_$mode.json" >>"$OUT/largest.log" 2>&1
+      --modes "$mode" --steps 3 --time-limit $(( t - 10 )) --json "$CASES/largest_$mode.json" \
+      >>"$OUT/largest.log" 2>&1  # (it stops its training in time and reports the steps done; timeout: a backstop)
     log "largest ($mode, 3 steps) rc=$?"
   done
   python3 -c "import json, os, sys; parts = [json.load(open(p)) for p in sys.argv[2:] if os.path.exists(p)]

@@ -110,7 +110,8 @@ SLOW_TINY = {
                           "--json", "{json}"],  # (~50 s: the ladder's estimates for a faked GPU machine)
 }
 HELP_ONLY = {  # script -> why it has no smaller real run here
-    "bench_largest.py": "it trains the largest model `infinity estimate --largest` finds for the machine",
+    "bench_largest.py": "it trains the largest model `infinity estimate --largest` finds for the machine (a tiny "
+                        "answer written by hand: test_bench_largest.py)",
     "pyspy_step.py": "it samples a step with py-spy, which CI does not install",
     "soak_faults.py": "the fault soak's worker and driver: run by bench_soak.py --faults (the tests below)",
 }
