@@ -316,6 +316,9 @@ class ProfileConfig(Section):
                             "at close() write the Chrome trace, overlap summary and timeline chart under "
                             "trace_dir/rank<N>.", "bool")
     trace_dir: str = option("runs/trace", "Directory for the Chrome trace and overlap summary.", "str")
+    keep_steps: int = option(100, "The latest steps whose spans are kept (Note [profile window]): the summary, "
+                             "trace and chart cover them; 0 keeps every step's, which then grow with the run "
+                             "(memory, and the time the report takes at the end).", "int", ge=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,14 @@ Thread safety: spans are appended under one lock, so I/O worker threads may
 `record` completions while the training thread opens spans. Each `span`/`wait`
 context manager belongs to the thread that entered it.
 
+Note [profile window]: a run profiled from start to end (`infinity train` profiles by default) kept every
+span of every step: memory that grew with the run (~70 spans a step for a 3-unit model, thousands for a big
+one) and an end-of-run report whose time grew with it (a tiny model stopped at step 263 spent 6 s on it). The
+profiler keeps the latest `keep_steps` steps (`[profile] keep_steps`, 100 by default) and the spans that end
+after the first of them began: past twice that many it forgets the older ones at once (amortized: one pass
+per `keep_steps` steps). `steps()`, the summary, the trace and the chart hold those steps;
+`completed_steps` counts every step.
+
 Cost: with `NullProfiler`, `span`/`wait` return one shared null context
 manager (no allocation); hot paths that build names with f-strings can check
 `prof.enabled` first. With `Profiler`, a span costs one small object, two
@@ -130,10 +138,16 @@ class Profiler:
     """
 
     enabled = True
+    completed_steps = 0  # every step marked, the forgotten ones too (set per instance)
 
-    def __init__(self, rank: int = 0, peaks_GBps: dict | None = None):
+    def __init__(self, rank: int = 0, peaks_GBps: dict | None = None, keep_steps: int = 0):
+        """`keep_steps`: the latest steps whose spans are kept (0: every step; `[profile] keep_steps`)."""
         self.rank = rank
         self.peaks_GBps = _normalize_peaks(peaks_GBps)
+        if keep_steps < 0:
+            raise ValueError(f"keep_steps must be >= 0, got {keep_steps}")
+        self.keep_steps = keep_steps
+        self.completed_steps = 0
         self._lock = threading.Lock()
         self._spans: list[Span] = []
         self._steps: list[StepMark] = []
@@ -221,7 +235,7 @@ class Profiler:
         with self._lock:
             if step not in self._open_steps:
                 raise ValueError(f"step_end({step}) without step_begin({step}); open steps: {sorted(self._open_steps)}")
-            self._steps.append(StepMark(step, self._open_steps.pop(step), now))
+            self._step_done(StepMark(step, self._open_steps.pop(step), now))
         self._device.collect(block=False)  # resolve device spans that already completed
 
     def record_step(self, step: int, begin: float, end: float) -> None:
@@ -229,7 +243,17 @@ class Profiler:
         if end < begin:
             raise ValueError(f"step {step} ends before it begins (begin={begin}, end={end})")
         with self._lock:
-            self._steps.append(StepMark(step, begin, end))
+            self._step_done(StepMark(step, begin, end))
+
+    def _step_done(self, mark: StepMark) -> None:
+        """Note [profile window]: past 2 x keep_steps steps, forget all but the latest keep_steps and the spans
+        that end before the first of them (under the lock)."""
+        self._steps.append(mark)
+        self.completed_steps += 1
+        if self.keep_steps and len(self._steps) >= 2 * self.keep_steps:
+            self._steps = self._steps[-self.keep_steps:]
+            cutoff = min(m.begin for m in self._steps)
+            self._spans = [s for s in self._spans if s.end >= cutoff]
 
     def _append(self, span: Span) -> None:
         with self._lock:
@@ -252,16 +276,17 @@ class Profiler:
             return list(self._spans)
 
     def steps(self) -> list[StepMark]:
-        """A snapshot of the completed steps, in order of completion."""
+        """A snapshot of the completed steps, in order of completion (the latest `keep_steps` when set)."""
         with self._lock:
-            return list(self._steps)
+            return list(self._steps[-self.keep_steps:] if self.keep_steps else self._steps)
 
     def summary(self) -> dict:
         """Per-step and median overlap summary; see `summary.summarize`."""
         from infinity.profile.summary import summarize
 
-        return summarize(self.spans(), self.steps(), self.peaks_GBps, rank=self.rank,
-                         predicted_bytes=self.predicted_bytes, training_thread=self.training_thread)
+        steps = self.steps()
+        return summarize(self.spans(), steps, self.peaks_GBps, rank=self.rank, predicted_bytes=self.predicted_bytes,
+                         training_thread=self.training_thread, forgotten_steps=self.completed_steps - len(steps))
 
     def write(self, out_dir: str, *, print_table: bool = True) -> dict[str, str]:
         """Write trace.json, summary.json and timeline.png under `out_dir`.
@@ -280,7 +305,7 @@ class Profiler:
 
         spans, steps = self.spans(), self.steps()
         summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank, predicted_bytes=self.predicted_bytes,
-                            training_thread=self.training_thread)
+                            training_thread=self.training_thread, forgotten_steps=self.completed_steps - len(steps))
         os.makedirs(out_dir, exist_ok=True)
         paths = {"trace": os.path.join(out_dir, "trace.json"), "summary": os.path.join(out_dir, "summary.json")}
         atomic_write(paths["trace"], json.dumps(chrome.chrome_trace(spans, steps, rank=self.rank)))
@@ -300,8 +325,9 @@ class NullProfiler:
     """
 
     enabled = False
+    completed_steps = 0
 
-    def __init__(self, rank: int = 0, peaks_GBps: dict | None = None):
+    def __init__(self, rank: int = 0, peaks_GBps: dict | None = None, keep_steps: int = 0):
         self.rank = rank
         self.peaks_GBps = {}
         self.predicted_bytes = None

@@ -45,6 +45,7 @@ The contract (every time in seconds, every byte count in bytes, GB = 1e9 B):
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from typing import Iterable
 
@@ -212,10 +213,26 @@ def _median_of_steps(steps: list[dict], predicted_bytes: dict[str, int] | None) 
     return median
 
 
+def _spans_by_window(spans: list[Span], windows: list[tuple[float, float]]) -> list[list[Span]]:
+    """The spans touching each window [begin, end] (edges included: all `summarize_window` reads of a window),
+    each span found by bisection over the windows' begins and ends, not by a scan of every span per window
+    (which made a long run's summary quadratic). Windows in order (each ends before the next ends): a step's."""
+    begins, ends = [b for b, _ in windows], [e for _, e in windows]
+    if any(b1 < b0 or e1 < e0 for b0, b1, e0, e1 in zip(begins, begins[1:], ends, ends[1:])):
+        return [[s for s in spans if s.start <= e and s.end >= b] for b, e in windows]  # (out of order: scan)
+    touching: list[list[Span]] = [[] for _ in windows]
+    for span in spans:
+        for i in range(bisect.bisect_left(ends, span.start), bisect.bisect_right(begins, span.end)):
+            touching[i].append(span)
+    return touching
+
+
 def summarize(spans: list[Span], steps: list[StepMark], peaks_GBps: dict[Link, float] | None = None, *,
-              rank: int = 0, predicted_bytes: dict[str, int] | None = None, training_thread: str | None = None) -> dict:
-    """{"rank", "num_steps", "steps": [per-step summary], "median": {...}}; `training_thread`: the name of the
-    thread that trains (its host syncs are counted apart: `host_syncs_training`)."""
+              rank: int = 0, predicted_bytes: dict[str, int] | None = None, training_thread: str | None = None,
+              forgotten_steps: int = 0) -> dict:
+    """{"rank", "num_steps", "steps": [per-step summary], "median": {...}, "forgotten_steps"}; `training_thread`:
+    the name of the thread that trains (its host syncs are counted apart: `host_syncs_training`);
+    `forgotten_steps`: the steps profiled before these, whose spans were not kept (Note [profile window])."""
     peaks_GBps = peaks_GBps or {}
     seen = {s.link for s in spans if s.kind in (SpanKind.WORK, SpanKind.WAIT)} | set(peaks_GBps)
     seen |= {Link(name) for name in predicted_bytes or {}}
@@ -223,10 +240,11 @@ def summarize(spans: list[Span], steps: list[StepMark], peaks_GBps: dict[Link, f
     windows = [(m.step, m.begin, m.end) for m in steps]
     if not windows and spans:
         windows = [(None, min(s.start for s in spans), max(s.end for s in spans))]
-    per_step = [summarize_window(spans, step, begin, end, links, peaks_GBps, training_thread)
-                for step, begin, end in windows]
+    touching = _spans_by_window(spans, [(begin, end) for _, begin, end in windows])
+    per_step = [summarize_window(near, step, begin, end, links, peaks_GBps, training_thread)
+                for near, (step, begin, end) in zip(touching, windows)]
     return {"rank": rank, "num_steps": len(per_step), "steps": per_step,
-            "median": _median_of_steps(per_step, predicted_bytes)}
+            "median": _median_of_steps(per_step, predicted_bytes), "forgotten_steps": forgotten_steps}
 
 
 # ---- the printed table ------------------------------------------------------
@@ -254,15 +272,20 @@ def parts_text(row: dict) -> str:
             f" + unattributed {_ms(row['unattributed_s'])} ({_percent(_ratio(row['unattributed_s'], row['step_s']))})")
 
 
-def _covered(steps: list[dict]) -> str:
-    """Which steps of the run the profile holds, numbered as metrics.jsonl numbers them (from 1): a profile
-    that starts later is the segment since a resume (the earlier steps are not in it)."""
-    numbers = [s["step"] for s in steps if s.get("step") is not None]
+def _covered(summary: dict) -> str:
+    """Which steps of the run the profile holds, numbered as metrics.jsonl numbers them (from 1): the latest
+    ones when earlier steps' spans were not kept (Note [profile window]), and a profile whose first recorded
+    step is later than 1 is the segment since a resume (the earlier steps are not in it)."""
+    numbers = [s["step"] for s in summary["steps"] if s.get("step") is not None]
     if not numbers:
         return ""
     first, last = min(numbers), max(numbers)
-    return (f" (steps {first}-{last} of the run" + (f": the segment since the resume at step {first - 1})"
-                                                      if first > 1 else ")"))
+    forgotten = summary.get("forgotten_steps") or 0
+    began = first - forgotten  # (the first step this profile recorded)
+    return (f" (steps {first}-{last} of the run"
+            + (f", the latest {len(numbers)} kept ([profile] keep_steps)" if forgotten else "")
+            + (f"{'; the segment' if forgotten else ': the segment'} since the resume at step {began - 1}"
+               if began > 1 else "") + ")")
 
 
 def format_summary(summary: dict, last: int | None = None) -> str:
@@ -277,7 +300,7 @@ def format_summary(summary: dict, last: int | None = None) -> str:
                 f"{_ms(median['exposed_s'])} ms; this summary predates the step's split into parts: profile the "
                 f"run again to see where each millisecond goes")
     lines = [
-        f"profile rank {summary['rank']}: {summary['num_steps']} step(s){_covered(summary['steps'])}, median step "
+        f"profile rank {summary['rank']}: {summary['num_steps']} step(s){_covered(summary)}, median step "
         f"{_ms(median['step_s'])} ms, "
         f"compute {_ms(median['compute_s'])} ms, exposed {_ms(median['exposed_s'])} ms, "
         f"host {_ms(median['host_s'])} ms, unattributed {_ms(median['unattributed_s'])} ms, "

@@ -72,7 +72,7 @@ class Engine:
         self.env = resolve(group)
         self.compute_dtype = DTYPES[config.precision.compute_dtype]
         self.streams = Streams.for_device(self.env.device)
-        self.profiler = (Profiler(rank=self.env.rank, peaks_GBps=link_peaks(config, self.env.device))
+        self.profiler = (Profiler(self.env.rank, link_peaks(config, self.env.device), config.profile.keep_steps)
                          if config.profile.enabled else NullProfiler(rank=self.env.rank))
         self._stop_sync_count = listen_host_syncs(self.profiler.heard_sync)  # Note [host syncs]: counted per step
         self.unsharded = UnshardedMemory.for_device(self.env.device)  # Note [unsharded memory]
@@ -310,7 +310,7 @@ class Engine:
     def write_profile(self) -> None:
         """The profile so far to `[profile] trace_dir`/rank<N> (close() too, when steps were taken since)."""
         self.clock.close()
-        steps = len(self.profiler.steps()) if self.profiler.enabled else 0
+        steps = self.profiler.completed_steps  # (not len(steps()): a window of the latest, Note [profile window])
         if steps > self._profiled_steps:
             self._profiled_steps = steps
             self.profiler.predicted_bytes = bytes_per_step(  # the byte model's steady step, beside the bytes

@@ -114,7 +114,7 @@ def test_median_over_steps():
 
 def test_no_spans_and_no_steps():
     prof = Profiler()
-    assert prof.summary() == {"rank": 0, "num_steps": 0, "steps": [], "median": None}
+    assert prof.summary() == {"rank": 0, "num_steps": 0, "steps": [], "median": None, "forgotten_steps": 0}
     assert "no steps" in format_summary(prof.summary())
     prof.step_begin(0)
     prof.step_end(0)
@@ -304,3 +304,77 @@ def test_device_span_times_the_stream_work():
     (span,) = prof.spans()
     assert y.numel() == x.numel()
     assert span.end > span.start and span.num_bytes == x.numel()
+
+
+def _random_run(prof, steps: int, seed: int = 0) -> None:
+    """`steps` adjacent one-second steps with random spans of every kind: some crossing one or many step
+    boundaries, zero-length ones on the boundaries, waits, host parts, syncs; each span recorded when it ends
+    and each step when it ends, as a run records them."""
+    import random
+
+    from infinity.profile.records import Span, SpanKind
+    rng = random.Random(seed)
+    spans = []
+    for _ in range(steps * 12):
+        start = rng.uniform(-1.0, steps + 1.0)
+        end = start + rng.choice([0.0, rng.uniform(0, 0.3), rng.uniform(0, 3.0)])
+        kind = rng.choice(["read", "compute", "wait", "host", "sync", "edge"])
+        if kind == "edge":  # (exactly on a boundary)
+            start = end = float(round(start))
+            spans.append(Span("edge", Link.NVME_WRITE, start, end, 3, None, SpanKind.WORK))
+        elif kind == "read":
+            spans.append(Span("read", Link.NVME_READ, start, end, rng.randrange(1, 100), None, SpanKind.WORK))
+        elif kind == "compute":
+            spans.append(Span("unit", Link.COMPUTE, start, end, 0, None, SpanKind.WORK))
+        elif kind == "wait":
+            spans.append(Span("wait", Link.NVME_READ, start, end, 0, None, SpanKind.WAIT))
+        elif kind == "host":
+            spans.append(Span(rng.choice(["data", "log", "mine"]), Link.COMPUTE, start, end, 0, None, SpanKind.HOST))
+        else:
+            spans.append(Span("sync (MainThread)", Link.COMPUTE, start, start, 0, None, SpanKind.SYNC))
+    spans.sort(key=lambda s: s.end)
+    at = 0
+    for i in range(steps):
+        while at < len(spans) and spans[at].end <= i + 1:
+            prof._append(spans[at])
+            at += 1
+        prof.record_step(i + 1, float(i), float(i + 1))
+    for span in spans[at:]:
+        prof._append(span)
+
+
+def test_the_summary_of_each_step_is_that_of_every_span_clipped_to_it():
+    """The summary finds each step's spans by bisection (Note [profile window]); the reference gives every step
+    every span (planted: bisect_left for the windows' begins, which drops a span ending on a step's start; and
+    a scan with strict edges; both fail)."""
+    from infinity.profile.summary import summarize_window
+    prof = Profiler(peaks_GBps={"nvme_read": 2.0})
+    _random_run(prof, 40)
+    summary = prof.summary()
+    spans, steps = prof.spans(), prof.steps()
+    links = [Link(name) for name in summary["steps"][0]["links"]]
+    reference = [summarize_window(spans, m.step, m.begin, m.end, links, prof.peaks_GBps, prof.training_thread)
+                 for m in steps]
+    assert summary["steps"] == reference
+
+
+def test_the_profiler_keeps_the_latest_steps_and_their_spans():
+    """keep_steps: memory bounded by the window, the summary over the latest steps equal to a full profile's
+    over the same steps, every step counted (planted: no forgetting; the spans grow with the run; fails)."""
+    kept, full = Profiler(keep_steps=10), Profiler()
+    _random_run(kept, 200)
+    _random_run(full, 200)
+    assert kept.completed_steps == full.completed_steps == 200
+    assert [m.step for m in kept.steps()] == list(range(191, 201))
+    assert len(kept._spans) < len(full._spans) / 5  # (at most 2 x 10 steps' worth and the long spans)
+    latest = kept.summary()
+    assert latest["steps"] == full.summary()["steps"][-10:]
+    assert latest["forgotten_steps"] == 190
+    assert "10 step(s) (steps 191-200 of the run, the latest 10 kept ([profile] keep_steps))" in format_summary(latest)
+    resumed = Profiler(keep_steps=10)  # (a run resumed at step 30: its profile's steps are numbered from 31)
+    for step in range(31, 51):
+        resumed.record_step(step, float(step), step + 1.0)
+    assert ("(steps 41-50 of the run, the latest 10 kept ([profile] keep_steps); the segment since the resume at "
+            "step 30)") in format_summary(resumed.summary())
+    with pytest.raises(ValueError, match="keep_steps"):
+        Profiler(keep_steps=-1)

@@ -115,6 +115,26 @@ def test_profile_outputs(tmp_path):
         assert open(files["timeline"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_long_run_profiles_its_latest_steps_and_writes_them_again(tmp_path):
+    """[profile] keep_steps = 2: each write holds the latest two steps, and a write after more steps rewrites
+    it though the profiler still holds two (Note [profile window]; planted: write_profile comparing
+    len(steps()) with the steps written; the second write is skipped; fails)."""
+    recipe = Recipe(steps=7, accum=1)
+    cfg = recipe.config(params="host", grads="host", optimizer="host")
+    cfg["profile"] = {"enabled": True, "trace_dir": str(tmp_path / "trace"), "keep_steps": 2}
+    engine = infinity.initialize(recipe.build(), cfg)
+    written = []
+    for i, ((x, y),) in enumerate(recipe.batches()):
+        engine.backward(engine(x, y))
+        engine.step()
+        if i in (2, 6):
+            engine.write_profile()
+            written.append([s["step"] for s in json.load(open(engine.profile_files["summary"]))["steps"]])
+    engine.close()
+    assert engine.profiler.completed_steps == 7
+    assert written[0] == [2, 3] and written[1] == [6, 7], written
+
+
 def test_profile_peaks_are_the_measured_link_rates(tmp_path, monkeypatch):
     """With link rates measured for this machine and swap disk (`infinity bench-links`), the summary
     gives each link's peak and achieved / peak; with none measured, no peak is made up."""
