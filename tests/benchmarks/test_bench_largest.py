@@ -63,6 +63,17 @@ def _estimate(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.fixture
+def leftover_training(tmp_path):
+    """After the test, whatever it left running: an `infinity train` of its run directory (a failing test, or a
+    planted bug, must not leave one training on the machine) is stopped, and the test fails if there was one."""
+    pattern = f"run.dir={tmp_path / 'run'}"
+    yield pattern
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    subprocess.run(["pkill", "-KILL", "-f", pattern], capture_output=True)
+    assert not found, f"an `infinity train` was left running: {found}"
+
+
 def _bench(tmp_path: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_largest.py"), "--estimate", str(_estimate(tmp_path)),
@@ -72,7 +83,7 @@ def _bench(tmp_path: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow  # (~20 s: `infinity train` until its time limit)
-def test_the_full_fine_tune_stops_at_its_time_limit_and_reports_its_steps(tmp_path):
+def test_the_full_fine_tune_stops_at_its_time_limit_and_reports_its_steps(tmp_path, leftover_training):
     """run.time_limit from --time-limit: far fewer steps than asked, a clean end, the steps' times reported
     (planted: --time-limit not passed on as run.time_limit; the run is killed at the limit, no summary; fails)."""
     bench = _bench(tmp_path, "--modes", "full", "--steps", "1000000", "--time-limit", "22")
@@ -85,9 +96,10 @@ def test_the_full_fine_tune_stops_at_its_time_limit_and_reports_its_steps(tmp_pa
 
 
 @pytest.mark.slow  # (~20 s: a tiny LoRA run stopped from outside)
-def test_a_stopped_script_stops_its_training_and_still_writes_what_it_did(tmp_path):
+def test_a_stopped_script_stops_its_training_and_still_writes_what_it_did(tmp_path, leftover_training):
     """SIGTERM to the script (gpu_check.sh's `timeout`) while the full fine-tune trains: the training process
-    ends, the JSON holds the steps done, LoRA does not start (planted: no SIGTERM handler; no JSON; this fails)."""
+    ends, the JSON holds the steps done, LoRA does not start (planted: no SIGTERM handler; no JSON, and the
+    training left running; fails)."""
     bench = _bench(tmp_path, "--modes", "full,lora", "--steps", "1000000")
     metrics = tmp_path / "run"
     deadline = time.monotonic() + 90
@@ -101,5 +113,4 @@ def test_a_stopped_script_stops_its_training_and_still_writes_what_it_did(tmp_pa
     assert "lora" not in out, output[-3000:]
     full = out["full"]
     assert full["steps_done"] >= 1 and full["stopped_by"] == f"signal {int(signal.SIGTERM)}", full
-    leftover = subprocess.run(["pgrep", "-f", f"run.dir={metrics}"], capture_output=True, text=True).stdout.split()
-    assert not leftover, leftover  # (the `infinity train` of that run is gone)
+    # (and the fixture: the `infinity train` of that run is gone)
