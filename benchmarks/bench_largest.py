@@ -10,7 +10,14 @@ plan's `--set` lines, run by the engine directly for `--steps` steps on random b
 has no weights on this disk, and their values do not change the step's time). Each reports its parameters,
 seconds per step (the median of the steps after the first), TFLOPS (6 x parameters x trained tokens per step /
 step), where its state lives, and the process's peak RSS. `params` (and `lora_params`) is set only when the run
-completed; `step_s` is the full fine-tune's.
+trained at least one step and ended cleanly; `steps_done` says how many; `step_s` is the full fine-tune's;
+`wall_s` each mode's whole time (its start-up and materializing the model included; LoRA's `start_s` that part).
+
+`--time-limit S`: each mode's wall-clock budget, its start-up included. The full fine-tune gets it as
+`run.time_limit` (Note [time limit]: it stops after the last step that leaves room for one more), and is stopped
+(SIGTERM, then SIGKILL) if it runs past the budget anyway; LoRA takes no step it expects to end past it. The steps
+done are reported either way, and a SIGTERM to this script (a `timeout` around it) stops the training process,
+not leaving it to hold the GPU and the disk, and still writes the JSON.
 """
 
 from __future__ import annotations
@@ -83,10 +90,12 @@ def full_fine_tune(args, run_dir: str) -> dict:
     if args.time_limit is not None:
         sets.append(f"run.time_limit={max(1, int(args.time_limit - STARTUP_S))}s")
     cmd = [sys.executable, "-m", "infinity", "train"] + [a for s in sets for a in ("--set", s)]
+    began = time.monotonic()
     try:
         returncode, stderr = run_bounded(cmd, args.time_limit)
     except KeyboardInterrupt as e:  # (this script stopped, and the training with it: what it did is reported)
         returncode, stderr, out["stopped_by"] = None, "", str(e)
+    out.update(wall_s=time.monotonic() - began)
     out.update(command=" ".join(cmd[2:]), returncode=returncode, stderr_tail=stderr[-2000:])
     found = sorted(glob.glob(os.path.join(run_dir, "*", "metrics.jsonl")))  # (run.dir holds one run per start)
     if not found:
@@ -141,6 +150,7 @@ def lora(args, root: str, began: float) -> dict:
         os.makedirs(swap, exist_ok=True)  # (as `infinity train` makes its run's swap)
     base = bundle.model.get_base_model()
     engine = infinity.initialize(bundle.model, config, init_fn=fast_init(base._init_weights))
+    out["start_s"] = time.monotonic() - began  # (the model built and materialized: before the first step)
     deadline = None if args.time_limit is None else began + args.time_limit
     g = torch.Generator().manual_seed(0)
     accum = config.train.grad_accum_steps
@@ -161,7 +171,7 @@ def lora(args, root: str, began: float) -> dict:
             state = engine.memory_report().get("state")
         except KeyboardInterrupt as e:  # (stopped from outside: the steps done are the result)
             out["stopped_by"] = str(e)
-    out.update(step_times_s=times, steps_done=len(times),
+    out.update(step_times_s=times, steps_done=len(times), wall_s=time.monotonic() - began,
                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if times:
         step_s = statistics.median(times[1:] or times)

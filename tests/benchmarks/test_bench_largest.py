@@ -92,7 +92,7 @@ def test_the_full_fine_tune_stops_at_its_time_limit_and_reports_its_steps(tmp_pa
     full = json.loads((tmp_path / "out.json").read_text())["full"]
     assert full["returncode"] == 130 and "run.time_limit" in full["stopped_by"], full  # (docs/job.md: 130)
     assert 1 <= full["steps_done"] < 1_000_000 and len(full["step_times_s"]) == full["steps_done"]
-    assert full["trained_params"] == TINY.num_params and full["step_s"] > 0
+    assert full["trained_params"] == TINY.num_params and full["step_s"] > 0 and full["wall_s"] > full["step_s"]
 
 
 @pytest.mark.slow  # (~20 s: a tiny LoRA run stopped from outside)
