@@ -331,13 +331,14 @@ class _Search:
         disk_fb = fb[..., 0] / r.nvme_read + fb[..., 1] / r.nvme_write
         disk_opt = opt[..., 0] / r.nvme_read + opt[..., 1] / r.nvme_write
         h2d, d2h = inv(r.h2d), inv(r.d2h)
-        compute = np.full(disk_fb.shape, self.compute_seconds)
-        fetch = np.maximum.reduce([disk_fb, fb[..., 2] * h2d, fb[..., 3] * d2h])
+        compute = self.compute_seconds  # (elementwise maxima and sums below, not stacked reductions: the same
+        fetch = np.maximum(np.maximum(disk_fb, fb[..., 2] * h2d), fb[..., 3] * d2h)  # values, no stacked copies)
         t_fb = compute + fetch if self.units_ahead == 0 else np.maximum(compute, fetch)  # (Note [step time])
         adam = opt[..., 4] / r.cpu_adam + opt[..., 5] / r.device_adam
-        t_opt = np.maximum.reduce([adam, disk_opt, opt[..., 2] * h2d, opt[..., 3] * d2h])
+        t_opt = np.maximum(np.maximum(np.maximum(adam, disk_opt), opt[..., 2] * h2d), opt[..., 3] * d2h)
         links = disk_fb + disk_opt + (fb[..., 2] + opt[..., 2]) * h2d + (fb[..., 3] + opt[..., 3]) * d2h
-        total = state + self.work[((nvme > 0) * np.array([1, 2, 4])).sum(-1)]
+        mask = (nvme[..., 0] > 0) * 1 + (nvme[..., 1] > 0) * 2 + (nvme[..., 2] > 0) * 4
+        total = state + self.work[mask]
         b = self.budgets
         fits = (total[..., 0] + self.reserve <= b.device) & (total[..., 1] <= b.host) & (total[..., 2] <= b.nvme)
         if b.shared_ram:
@@ -416,15 +417,37 @@ class _Search:
                 arrays = (self.fb, self.opt, self.state, self.nvme)
                 cand = [x + (arr[a] - arr[a, combos[a]]) for x, arr in zip(totals, arrays)]
                 best = self._better(best, cand, lambda idx, a=a: {a: idx[0]})
-            for a, b in pairs:  # two units change together (one frees the room the other takes)
-                cand = [x + (arr[a] - arr[a, combos[a]])[:, None] + (arr[b] - arr[b, combos[b]])[None, :]
-                        for x, arr in zip(totals, (self.fb, self.opt, self.state, self.nvme))]
-                best = self._better(best, cand, lambda idx, a=a, b=b: {a: idx[0], b: idx[1]})
+            best = self._best_pair(best, totals, combos, pairs)  # two units together (one frees what the other takes)
             if best is None or not _improves(now, best[0]):
                 return combos
             for u, c in best[1].items():
                 combos[u] = c
         return combos
+
+    _PAIRS_AT_ONCE = 64  # (pairs evaluated in one batch: 64 x 27 x 27 candidates, ~6 MB of totals)
+
+    def _best_pair(self, best, totals, combos, pairs):
+        """`_better` over the moves of each pair (a, b) in order, evaluated a batch of pairs at a time: the same
+        candidates, the same arithmetic and the same choice (the first of equal scores) as one pair at a time,
+        without a Python loop per pair (the descent's most of the time: O(units^2) pairs a move)."""
+        np = self.np
+        arrays = (self.fb, self.opt, self.state, self.nvme)
+        for lo in range(0, len(pairs), self._PAIRS_AT_ONCE):
+            batch = pairs[lo:lo + self._PAIRS_AT_ONCE]
+            a, b = np.array([p[0] for p in batch]), np.array([p[1] for p in batch])
+            cand = [x + (arr[a] - arr[a, combos[a]][:, None])[:, :, None]
+                    + (arr[b] - arr[b, combos[b]][:, None])[:, None, :] for x, arr in zip(totals, arrays)]
+            t, links, fits = self._eval(*cand)  # (pairs, 27, 27)
+            t = np.where(fits, t, np.inf).reshape(len(batch), -1)
+            lowest = t.min(axis=1)
+            links = np.where(t <= lowest[:, None] * (1 + 1e-9) + 1e-15, links.reshape(len(batch), -1), np.inf)
+            idx = np.argmin(links, axis=1)
+            for k in np.flatnonzero(np.isfinite(lowest)):
+                score = (float(lowest[k]), float(links[k, idx[k]]))
+                if best is None or score < best[0]:
+                    i, j = divmod(int(idx[k]), len(COMBOS))
+                    best = score, {int(a[k]): i, int(b[k]): j}
+        return best
 
     def _better(self, best, cand, move):
         np = self.np
