@@ -304,6 +304,9 @@ class Profiler:
         from io_engine import atomic_write
 
         spans, steps = self.spans(), self.steps()
+        if steps and self.completed_steps > len(steps):  # (the trace and chart: the kept steps' spans alone)
+            first = min(m.begin for m in steps)
+            spans = [s for s in spans if s.end >= first]
         summary = summarize(spans, steps, self.peaks_GBps, rank=self.rank, predicted_bytes=self.predicted_bytes,
                             training_thread=self.training_thread, forgotten_steps=self.completed_steps - len(steps))
         os.makedirs(out_dir, exist_ok=True)

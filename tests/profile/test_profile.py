@@ -358,7 +358,7 @@ def test_the_summary_of_each_step_is_that_of_every_span_clipped_to_it():
     assert summary["steps"] == reference
 
 
-def test_the_profiler_keeps_the_latest_steps_and_their_spans():
+def test_the_profiler_keeps_the_latest_steps_and_their_spans(tmp_path):
     """keep_steps: memory bounded by the window, the summary over the latest steps equal to a full profile's
     over the same steps, every step counted (planted: no forgetting; the spans grow with the run; fails)."""
     kept, full = Profiler(keep_steps=10), Profiler()
@@ -376,5 +376,12 @@ def test_the_profiler_keeps_the_latest_steps_and_their_spans():
         resumed.record_step(step, float(step), step + 1.0)
     assert ("(steps 41-50 of the run, the latest 10 kept ([profile] keep_steps); the segment since the resume at "
             "step 30)") in format_summary(resumed.summary())
+    between = Profiler(keep_steps=10)  # (195 steps: 15 held since the last forgetting, the latest 10 shown)
+    _random_run(between, 195)
+    between.write(str(tmp_path), print_table=False)  # the trace: the shown steps' spans alone (planted: all held)
+    trace = json.load(open(tmp_path / "trace.json"))
+    ends = [(e["ts"] + e.get("dur", 0)) / 1e6 for e in (trace["traceEvents"] if isinstance(trace, dict) else trace)
+            if e.get("ph") == "X" and e.get("cat") != "step"]
+    assert ends and min(ends) >= 185.0 - 1e-6, min(ends)
     with pytest.raises(ValueError, match="keep_steps"):
         Profiler(keep_steps=-1)
