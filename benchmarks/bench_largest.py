@@ -205,7 +205,7 @@ def main(argv=None) -> dict:
     out: dict = {}
     if "full" in args.modes:
         out["full"] = full = full_fine_tune(args, run_dir)
-        out.update(params=full.get("trained_params"), step_s=full.get("step_s"),
+        out.update(params=full.get("trained_params"), step_s=full.get("step_s"), steps=full.get("steps_done"),
                    state_share=full["state_bytes"] / full["free_bytes"] if full.get("free_bytes") else None)
         print(f"full fine-tune: {json.dumps(full, default=str)[:2000]}", flush=True)
     if "lora" in args.modes and not str((out.get("full") or {}).get("stopped_by")).startswith("signal"):
@@ -216,7 +216,7 @@ def main(argv=None) -> dict:
             except Exception as e:  # noqa: BLE001 - recorded and printed, not swallowed: the full run's numbers stay
                 traceback.print_exc()
                 out["lora"] = {"error": repr(e)}
-        out["lora_params"] = out["lora"].get("trained_params")
+        out["lora_params"], out["lora_steps"] = out["lora"].get("trained_params"), out["lora"].get("steps_done")
         print(f"LoRA: {json.dumps(out['lora'], default=str)[:2000]}", flush=True)
     write_json(args.json, out)
     return out

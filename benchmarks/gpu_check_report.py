@@ -94,7 +94,9 @@ def bars(report: dict) -> list[dict]:
     bar("GPU truth: the check's seconds", report["elapsed_s"], CHECK_LIMIT_S, AT_MOST)
     largest = report.get("largest") or {}
     bar("GPU truth: largest model trained (parameters)", largest.get("params"), None, SOME)
+    bar("GPU truth: largest model, full fine-tune steps trained in the part's time", largest.get("steps"), 3, AT_LEAST)
     bar("memory-bound: largest model trained with LoRA (parameters)", largest.get("lora_params"), None, SOME)
+    bar("memory-bound: largest model, LoRA steps trained in the part's time", largest.get("lora_steps"), 3, AT_LEAST)
     bar("memory-bound: largest model trained, its state / (GPU + RAM + free disk)",
         largest.get("state_share") if largest.get("params") else None, 0.8, AT_LEAST)
     return out

@@ -49,7 +49,7 @@ def test_the_memory_bound_cases_and_the_largest_model_have_their_bars(tmp_path):
     (tmp_path / "case_m2.json").write_text(json.dumps({"m2": {"ratio": 1.1, "tflops": 300.0, "params": 12e9}}))
     (tmp_path / "case_d2.json").write_text(json.dumps({"d2": {"ratio": 0.4}}))
     (tmp_path / "largest.json").write_text(json.dumps({"params": 20e9, "step_s": 30.0, "lora_params": None,
-                                                             "state_share": 0.7}))
+                                                             "state_share": 0.7, "steps": 2, "lora_steps": None}))
     rep = gpu_check_report.report(str(tmp_path), elapsed_s=500.0)
     assert set(rep["cases"]) == {"m1", "m2", "d2"} and rep["sanitizer_races"] == 0
     met = {b["what"]: b["met"] for b in rep["bars"]}
@@ -62,5 +62,7 @@ def test_the_memory_bound_cases_and_the_largest_model_have_their_bars(tmp_path):
     assert met["memory-bound: m1 / DeepSpeed ZeRO-2 offload_optimizer cpu"] is True
     assert met["GPU truth: largest model trained (parameters)"] is True
     assert met["memory-bound: largest model trained with LoRA (parameters)"] is None  # (its run failed)
+    assert met["GPU truth: largest model, full fine-tune steps trained in the part's time"] is False  # 2 < 3 steps
+    assert met["memory-bound: largest model, LoRA steps trained in the part's time"] is None
     assert met["memory-bound: largest model trained, its state / (GPU + RAM + free disk)"] is False  # 0.7 < 0.8
     assert met["GPU truth: gpu tests failed + skipped"] is True  # 60 passed under the sanitizer
