@@ -95,8 +95,8 @@ def full_fine_tune(args, run_dir: str) -> dict:
         returncode, stderr = run_bounded(cmd, args.time_limit)
     except KeyboardInterrupt as e:  # (this script stopped, and the training with it: what it did is reported)
         returncode, stderr, out["stopped_by"] = None, "", str(e)
-    out.update(wall_s=time.monotonic() - began)
-    out.update(command=" ".join(cmd[2:]), returncode=returncode, stderr_tail=stderr[-2000:])
+    out.update(wall_s=time.monotonic() - began, command=" ".join(cmd[2:]), returncode=returncode,
+               stderr_tail=stderr[-2000:])
     found = sorted(glob.glob(os.path.join(run_dir, "*", "metrics.jsonl")))  # (run.dir holds one run per start)
     if not found:
         return out

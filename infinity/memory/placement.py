@@ -322,6 +322,7 @@ class _Search:
         self.fb, self.opt, self.state, self.nvme, self.work = _unit_tables(
             tuple(units), compute_dtype, units_ahead, tuple(sorted(settings.items())), accum)
         self.rows = np.arange(len(units))
+        self._arrays = (self.fb, self.opt, self.state, self.nvme)  # (the per-unit tables a candidate sums)
 
     # ---- evaluation (vectorized over leading axes)
     def _eval(self, fb, opt, state, nvme):
@@ -412,11 +413,7 @@ class _Search:
             reps = [m[0] for m in classes]
             pairs = [(a, b) for i, a in enumerate(reps) for b in reps[i + 1:]]
             pairs += [(m[0], m[1]) for m in classes if len(m) > 1]
-            best = None
-            for a in reps:  # one unit changes combo
-                arrays = (self.fb, self.opt, self.state, self.nvme)
-                cand = [x + (arr[a] - arr[a, combos[a]]) for x, arr in zip(totals, arrays)]
-                best = self._better(best, cand, lambda idx, a=a: {a: idx[0]})
+            best = self._best_single(None, totals, combos, reps)  # one unit changes combo
             best = self._best_pair(best, totals, combos, pairs)  # two units together (one frees what the other takes)
             if best is None or not _improves(now, best[0]):
                 return combos
@@ -426,41 +423,41 @@ class _Search:
 
     _PAIRS_AT_ONCE = 64  # (pairs evaluated in one batch: 64 x 27 x 27 candidates, ~6 MB of totals)
 
-    def _best_pair(self, best, totals, combos, pairs):
-        """`_better` over the moves of each pair (a, b) in order, evaluated a batch of pairs at a time: the same
-        candidates, the same arithmetic and the same choice (the first of equal scores) as one pair at a time,
-        without a Python loop per pair (the descent's most of the time: O(units^2) pairs a move)."""
+    def _best_single(self, best, totals, combos, units):
+        """`_choose` over the combos of each of `units`, the others as they are."""
         np = self.np
-        arrays = (self.fb, self.opt, self.state, self.nvme)
+        u = np.array(units)
+        cand = [x + (arr[u] - arr[u, combos[u]][:, None]) for x, arr in zip(totals, self._arrays)]
+        return self._choose(best, cand, lambda k, i: {units[k]: i})
+
+    def _best_pair(self, best, totals, combos, pairs):
+        """`_choose` over the combos of each pair (a, b) changing together, in order, a batch of pairs at a time
+        (a Python loop per pair was most of the descent's time: O(units^2) pairs a move)."""
+        np = self.np
         for lo in range(0, len(pairs), self._PAIRS_AT_ONCE):
             batch = pairs[lo:lo + self._PAIRS_AT_ONCE]
             a, b = np.array([p[0] for p in batch]), np.array([p[1] for p in batch])
             cand = [x + (arr[a] - arr[a, combos[a]][:, None])[:, :, None]
-                    + (arr[b] - arr[b, combos[b]][:, None])[:, None, :] for x, arr in zip(totals, arrays)]
-            t, links, fits = self._eval(*cand)  # (pairs, 27, 27)
-            t = np.where(fits, t, np.inf).reshape(len(batch), -1)
-            lowest = t.min(axis=1)
-            links = np.where(t <= lowest[:, None] * (1 + 1e-9) + 1e-15, links.reshape(len(batch), -1), np.inf)
-            idx = np.argmin(links, axis=1)
-            for k in np.flatnonzero(np.isfinite(lowest)):
-                score = (float(lowest[k]), float(links[k, idx[k]]))
-                if best is None or score < best[0]:
-                    i, j = divmod(int(idx[k]), len(COMBOS))
-                    best = score, {int(a[k]): i, int(b[k]): j}
+                    + (arr[b] - arr[b, combos[b]][:, None])[:, None, :] for x, arr in zip(totals, self._arrays)]
+            best = self._choose(best, cand, lambda k, i, batch=batch: dict(zip(batch[k], divmod(i, len(COMBOS)))))
         return best
 
-    def _better(self, best, cand, move):
+    def _choose(self, best, cand, move):
+        """The best candidate of each row of `cand` (its first axis: a unit, or a pair of units; the rest: their
+        combos): the lowest time of those that fit, then the fewest link seconds; it replaces `best` only when
+        strictly better, rows in order (the first of equal scores stays). `move(row, flat index)`: its combos."""
         np = self.np
         t, links, fits = self._eval(*cand)
-        if not fits.any():
-            return best
-        t = np.where(fits, t, np.inf)
-        lowest = t.min()
-        links = np.where(t <= lowest * (1 + 1e-9) + 1e-15, links, np.inf)
-        idx = np.unravel_index(int(np.argmin(links)), links.shape)
-        score = (float(lowest), float(links[idx]))
-        if best is None or score < best[0]:
-            return score, move(idx)
+        rows = t.shape[0]
+        fits = fits.reshape(rows, -1)
+        t = np.where(fits, t.reshape(rows, -1), np.inf)
+        lowest = t.min(axis=1)
+        links = np.where(t <= lowest[:, None] * (1 + 1e-9) + 1e-15, links.reshape(rows, -1), np.inf)
+        idx = np.argmin(links, axis=1)
+        for k in np.flatnonzero(fits.any(axis=1)):
+            score = (float(lowest[k]), float(links[k, idx[k]]))
+            if best is None or score < best[0]:
+                best = score, move(int(k), int(idx[k]))
         return best
 
     # ---- explanations
