@@ -29,7 +29,7 @@ def test_config_reference_is_current():
 def test_ci_runs_the_readme_commands():
     readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
     for command in ("pip install torch==2.13.0", 'pip install -e ".[test]"', "ruff check .", "lint-imports",
-                    "python -m pytest -q"):
+                    "python -m pytest -q -n 2 --dist loadfile"):
         assert command in readme, command
         in_ci = command.replace("python -m", "python3 -m").replace("pip install", "python3 -m pip install --quiet")
         assert in_ci in ci or command in ci, command
@@ -39,7 +39,7 @@ def test_readme_is_a_short_front_page():
     lines = README.read_text().splitlines()
     assert len(lines) < 300, f"README.md has {len(lines)} lines: move detail into a page under docs/"
     first_screen = "\n".join(lines[:60])
-    for command in ("infinity train", "python -m pytest -q"):
+    for command in ("infinity train", "python -m pytest -q -n 2 --dist loadfile"):
         assert command in first_screen, f"{command!r} must be in the README's first 60 lines"
 
 
