@@ -158,23 +158,14 @@ def test_the_auto_policy_leaves_the_ram_its_run_needs_beside_the_state(tmp_path,
     (1.3 GiB) is over that gets a plan that lowers
     memory.host_budget (and holds memory.device_budget: one RAM without a GPU) by what is over; applied and
     estimated again it passes, its peak within the margin, its host tier under the first plan's (planted: no lowered
-    candidate; the search then has no auto plan that passes, and this fails). The machine's measurements are pinned
-    (typical of this 2-core machine: 120 GFLOP/s, a 2.0 / 3.0 GB/s disk, a 260 MiB runtime): the plans shown are the
-    fastest three, and with the rates one suite run measured under its own load (84 GFLOP/s, a 2.5 / 4.3 GB/s disk:
-    the disk hidden behind slower compute) static all-NVMe plans ranked before every lowered one (planted: those
-    rates; this fails)."""
+    candidate; the search then has no auto plan that passes, and this fails). The plans shown are the fastest three:
+    the link rates are the suite's pinned ones (tests/conftest.py: with one run's measured under the suite's load,
+    static all-NVMe plans outranked every lowered one; planted: those rates stored for tmp_path, this fails), and the
+    runtime probe is pinned here (a 260 MiB runtime)."""
     import shutil
     from types import SimpleNamespace
 
     import psutil
-    import torch
-
-    from infinity.machine import link_rates
-    from infinity.memory.cost_model import LinkRates
-    monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path / "cache"))
-    link_rates.store_rates(str(tmp_path), torch.device("cpu"), LinkRates(
-        nvme_read=2.0e9, nvme_write=3.0e9, cpu_adam=1.6e9, device_adam=1.6e9, matmul_flops=1.2e11, memory_bw=3.0e10,
-        source="pinned"))
     probe = {"rss": 260 << 20, "units": 3, "step_s": 0.012, "first_step_s": 0.009, "plain_s": 0.002, "op_s": 8e-6}
     monkeypatch.setattr(est, "runtime_probe", lambda remeasure=False, modules=(), compiled=None: probe)
     ram = SimpleNamespace(total=16 * GiB, available=2 * GiB + 1100 * MiB)
