@@ -87,10 +87,13 @@ class Job:
         model.lora.merge only shapes the export)."""
         return {**self.model.to_dict(), **{f"lora.{k}": v for k, v in self.lora.to_dict().items() if k != "merge"}}
 
-    def finetune_defaults(self) -> list:
-        """The fine-tuning defaults in force (Note [fine-tuning defaults]); printed at the start."""
-        from infinity.job.finetune_defaults import pretrained_defaults
-        return pretrained_defaults(self.model.pretrained, self.lora.r, self.engine_keys)
+    def defaults(self) -> list:
+        """The defaults of this model in force, printed at the start: a pretrained one's (Note [fine-tuning
+        defaults]), or a wide one's from scratch (Note [from-scratch lr])."""
+        from infinity.job.finetune_defaults import pretrained_defaults, scratch_defaults
+        if self.model.pretrained:
+            return pretrained_defaults(self.model.pretrained, self.lora.r, self.engine_keys)
+        return scratch_defaults(self.model.d_model, TRAIN_DEFAULTS["optimizer"]["lr"], self.engine_keys)
 
     def engine_config(self, run_dir: str, start: int = 0) -> Config:
         """The engine Config: user keys over TRAIN_DEFAULTS over Config(). Unless set, swap files go to
@@ -101,7 +104,7 @@ class Job:
         merged = {s: dict(v) for s, v in TRAIN_DEFAULTS.items()}
         if user.get("placement", {}).get("policy") == "auto":
             merged.pop("placement")  # auto plans every tier itself
-        for d in self.finetune_defaults():
+        for d in self.defaults():
             merged.setdefault(d.section, {})[d.key] = d.value
         for section, table in user.items():
             merged.setdefault(section, {}).update(table)

@@ -290,7 +290,7 @@ def _run(job: Job, rank: int, world: int, verbose: bool, resume: Resume | None) 
                 say.note(f"note: the learning rate reaches its final value at optimizer.total_steps = {o.total_steps} "
                          f"and stays there until run.steps = {job.run.steps}; --set optimizer.total_steps="
                          f"{job.run.steps} to stretch the schedule instead")
-        for default in job.finetune_defaults():
+        for default in job.defaults():
             say.note(default.line())
         if format_said:
             say.note(format_said)

@@ -288,7 +288,7 @@ def test_finetune_defaults_printed_and_overridable(tmp_path, llama):
     mine = load_job(None, base + ["optimizer.lr=1e-3", "optimizer.no_decay=[]"]).engine_config(str(tmp_path))
     assert mine.optimizer.lr == 1e-3 and mine.optimizer.no_decay == ()
     assert load_job(None, [f"run.dir={tmp_path}"]).engine_config(str(tmp_path)).optimizer.lr == 2e-3  # scratch
-    lines = [d.line() for d in load_job(None, base).finetune_defaults()]
+    lines = [d.line() for d in load_job(None, base).defaults()]
     assert any("optimizer.lr = 2e-05" in line and "--set optimizer.lr=" in line for line in lines)
     # the checkpoint's dtype: bf16 kept, fp16 -> fp32 on CPU (said why), fp16 on CUDA
     config = json.loads((path / "config.json").read_text())

@@ -50,6 +50,25 @@ def test_overrides_reach_the_job_and_the_engine():
     assert config.optimizer.total_steps == 7
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_wide_model_from_scratch_gets_a_learning_rate_that_falls_with_its_width(kind):
+    """Note [from-scratch lr]: 0.5 / d_model where that is under the job's 2e-3 (GPT-3's table: 6e-4 at 768, 1.2e-4
+    at 4096, 1e-4 at 5140; the formula is the reference), the job's lr up to d_model 250, the user's lr always;
+    said at the start with its key (planted: the job's lr for every width; the 768 and 4096 cases fail)."""
+    def lr(*sets):
+        job = load_job(None, [f"model.kind={kind}", *sets])
+        return job.engine_config("s").optimizer.lr, [d.line() for d in job.defaults()]
+    assert lr("model.d_model=128", "model.n_head=4") == (2e-3, [])  # the default model: the job's lr
+    assert lr("model.d_model=248", "model.n_head=4")[0] == 2e-3
+    for width, want in ((768, 6.5e-4), (4096, 1.2e-4), (5120, 9.8e-5)):
+        got, lines = lr(f"model.d_model={width}", "model.n_head=8")
+        assert got == pytest.approx(0.5 / width, rel=0.03) and got == want, (width, got)  # (two digits)
+        assert lines == [f"from-scratch default: optimizer.lr = {want} (a model trained from scratch at d_model = "
+                         f"{width}: 0.5 / d_model, the job's 0.002 being for narrower ones; --set optimizer.lr=... "
+                         "to change it)"]
+    assert lr("model.d_model=4096", "model.n_head=8", "optimizer.lr=1e-3") == (1e-3, [])  # the user's, unsaid
+
+
 def test_auto_policy_and_constant_schedule_drop_the_job_defaults_they_contradict():
     config = load_job(None, ["placement.policy=auto", "optimizer.schedule=constant"]).engine_config("s")
     assert config.placement.policy == "auto" and config.placement.params == "device"  # the engine default
