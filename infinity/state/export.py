@@ -273,9 +273,12 @@ def write_hf(path: str, manifest: dict, out: str, dtype: torch.dtype | None, max
     def tensors(group):
         for _, _, out_dtype, e in group:
             t = reader.tensor(e)
-            for a, b, scale, fan_in_fan_out in merges.get(e.key, []):
-                delta = reader.tensor(by_key[b]) @ reader.tensor(by_key[a])
-                t = t + scale * (delta.T if fan_in_fan_out else delta)
+            for a, b, scale, fan_in_fan_out in merges.get(e.key, []):  # t += scale * (B @ A) (transposed), in place:
+                lora_a, lora_b = reader.tensor(by_key[a]), reader.tensor(by_key[b])  # the weight once in fp32 and
+                if fan_in_fan_out:  # its cast, not the four weight-sized temporaries of the expression (2026-11-29)
+                    t.addmm_(lora_a.T, lora_b.T, alpha=scale)
+                else:
+                    t.addmm_(lora_b, lora_a, alpha=scale)
             yield t.to(out_dtype)
 
     groups = _shards(specs, limit)
