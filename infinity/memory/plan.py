@@ -129,8 +129,8 @@ class UnitSizes:
         unsharded_numel = shard_numel if unsharded_numel is None else unsharded_numel
         chunks = tuple(chunk_numels if chunk_numels is not None else (shard_numel,) if shard_numel else ())
         same = KindLayout(0, shard_numel, chunks, 0, len(chunks))
-        return cls(name=name, layout=UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel),
-                   trainable_numel=unsharded_numel)
+        return cls(name=name, layout=UnitLayout(params=same, grads=same, update=same, unsharded_numel=unsharded_numel,
+                                                flat_grad_numel=unsharded_numel), trainable_numel=unsharded_numel)
 
     def numel(self, kind: Kind) -> int:
         """Elements this rank stores of `kind`."""

@@ -92,6 +92,7 @@ class UnitLayout:
     grads: KindLayout
     update: KindLayout  # master, exp_avg, exp_avg_sq
     unsharded_numel: int  # the whole unit, padded to the world size
+    flat_grad_numel: int  # the fp32 flat gradient a backward fills (Note [trainable flat gradient])
 
     def of(self, kind: Kind) -> KindLayout:
         if kind is Kind.PARAMS:
@@ -136,7 +137,7 @@ class Stage:
         if not self.optimizer_partitioned:  # stage 0: one partition, every kind whole, the update chunks lead
             whole = _whole([(T, 0)], 0, sub_group_size)
             return UnitLayout(params=_whole([(T, padded - T)], 0, sub_group_size), grads=whole, update=whole,
-                              unsharded_numel=padded)
+                              unsharded_numel=padded, flat_grad_numel=T)
         s = padded // world_size
         parts = [(t, s - t) for t in (max(0, min(s, T - p * s)) for p in range(world_size))]
         own_t, own_f = parts[rank]
@@ -147,7 +148,8 @@ class Stage:
         else:
             params = _whole(parts, rank, sub_group_size)
         grads = update if self.grads_partitioned else _whole([(t, 0) for t, _ in parts], rank, sub_group_size)
-        return UnitLayout(params=params, grads=grads, update=update, unsharded_numel=padded)
+        scattered = padded if world_size > 1 else T  # (Note [trainable flat gradient])
+        return UnitLayout(params=params, grads=grads, update=update, unsharded_numel=padded, flat_grad_numel=scattered)
 
     # ----------------------------------------------------------------- formulas
     def bytes_per_rank(self, psi: int, world_size: int, *, param_bytes: int = 2, grad_bytes: int = 4,

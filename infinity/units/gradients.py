@@ -1,7 +1,16 @@
 """A unit's gradients: the fp32 flat gradient its backward fills parameter by parameter, which parameters got
 one in the accumulation window, and its sum over the ranks as the ZeRO stage says (reduce-scatter into the
 rank's partition, or stage 0's all-reduce), with the part of it this rank counts in the global norm. When and
-where a reduction runs is grad_reduce.py's (runtime/)."""
+where a reduction runs is grad_reduce.py's (runtime/).
+
+Note [trainable flat gradient]: a unit's trainable elements lead its flat buffer ([0, T): Note [stage layouts]), so
+its backward fills only those. The flat gradient is that prefix wherever the reduction reads nothing else: one
+rank (the update range is a view of it) and stage 0 (the all-reduce of the trainable part); where a reduce-scatter
+partitions it over several ranks (stages 1-3) it is the whole padded unit, each rank's partition at its place
+(`UnitLayout.flat_grad_numel`, stages.py). Until 2026-11-29 it was always the whole unit: a LoRA unit of a
+pretrained 2048-wide Llama (84M elements, ~66K of them trainable) zero-filled 338 MB a backward, and on the
+what-if H200 (benchmarks/largest_whatif.py) the byte model reserved 24 GiB of GPU memory for a 405B-wide LoRA
+unit's flat gradient and its shard."""
 
 from __future__ import annotations
 
@@ -30,9 +39,10 @@ class Reduction:
 class UnitGradients:
     """One unit's gradient on this rank: filled by its backward, handed over, reduced."""
 
-    def __init__(self, ctx: UnitContext, slots: list[ParamSlot], padded_numel: int, layout: UnitLayout,
+    def __init__(self, ctx: UnitContext, slots: list[ParamSlot], layout: UnitLayout,
                  shard_start: int, shard_numel: int, stored_trainable: int, unit_name: str = ""):
-        self.ctx, self.slots, self.padded_numel, self.layout = ctx, slots, padded_numel, layout
+        self.ctx, self.slots, self.layout = ctx, slots, layout
+        self.flat_numel = layout.flat_grad_numel  # (Note [trainable flat gradient])
         self.unit_name = unit_name  # (its reductions' profile spans name it)
         self.shard_start, self.shard_numel, self.stored_trainable = shard_start, shard_numel, stored_trainable
         self.flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
@@ -42,7 +52,7 @@ class UnitGradients:
         """Move one parameter's fresh `.grad` into the unit's fp32 flat gradient (and free it), so at
         most one parameter's gradient exists beside the flat buffer."""
         if self.flat is None:
-            self.flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.ctx.device)
+            self.flat = torch.zeros(self.flat_numel, dtype=torch.float32, device=self.ctx.device)
         self.flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.grad.reshape(-1))
         slot.param.grad = None
         self.slots_with_grad.add(id(slot))
@@ -55,7 +65,7 @@ class UnitGradients:
         """This backward's flat fp32 gradient, handed over (zeros where parameters got no gradient)."""
         flat, self.flat = self.flat, None
         if flat is None:
-            flat = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.ctx.device)
+            flat = torch.zeros(self.flat_numel, dtype=torch.float32, device=self.ctx.device)
         return flat
 
     def reduce(self, flat: torch.Tensor) -> Reduction:

@@ -100,7 +100,7 @@ class Unit:
         self.aliased = False  # parameters view the stored shard (see alias)
         self._stored: torch.Tensor | None = None  # the stored whole parameters the views alias
         self.stale = False  # Note [post-update gather]: the other ranks' updated partitions are still to come
-        self.grads = UnitGradients(ctx, slots, self.padded_numel, self.layout, ctx.rank * self.shard_numel,
+        self.grads = UnitGradients(ctx, slots, self.layout, ctx.rank * self.shard_numel,
                                    self.shard_numel, trainable, self.name)  # its flat gradient, reduction
         self.steps = UnitSteps(slots, self.layout)  # its parameters' Adam step counts and groups (steps.py)
         self.peak_unsharded = 0

@@ -24,9 +24,22 @@ class Case:
     split: int = 1
 
 
+def record_flat_gradients(engine) -> list[set[int]]:
+    """Per unit, the sizes of the flat gradients its backwards handed to the reduction (Note [trainable flat
+    gradient]), filled in as the engine trains."""
+    flats: list[set[int]] = [set() for _ in engine.units]
+    for unit, seen in zip(engine.units, flats):
+        def take(grads=unit.grads, take=unit.grads.take, seen=seen):
+            flat = take()
+            seen.add(flat.numel())
+            return flat
+        unit.grads.take = take
+    return flats
+
+
 def stage_run(case: Case, root: str, rank: int, world: int) -> dict:
     """One run: losses, grad norms, the state dict (rank 0), the update mode, each unit's (padded, flat, trainable)
-    numel,
+    numel, the sizes of the flat gradients each unit's backwards filled,
     and per step the bytes on each collective link (Note [collective bytes])."""
     cfg = case.recipe.config(**case.placement)
     cfg["zero"] = {"stage": case.stage}
@@ -36,6 +49,7 @@ def stage_run(case: Case, root: str, rank: int, world: int) -> dict:
         cfg["nvme"] = {"paths": [os.path.join(root, f"swap{rank}")]}
         os.makedirs(cfg["nvme"]["paths"][0], exist_ok=True)
     engine = infinity.initialize(case.recipe.build(), cfg)
+    flats = record_flat_gradients(engine)
     losses, norms = [], []
     try:
         first = 0
@@ -50,7 +64,7 @@ def stage_run(case: Case, root: str, rank: int, world: int) -> dict:
         out = {"losses": losses, "norms": norms, "state": state, "mode": type(engine.updates).__name__,
                "units": [(u.padded_numel, u.flat_numel, u.stored_trainable) for u in engine.units],
                "itemsize": engine.compute_dtype.itemsize, "first": first,
-               "aliased": [u.aliased for u in engine.units]}
+               "aliased": [u.aliased for u in engine.units], "flats": flats}
         engine.clock.close()  # the last step ends here (as close() would end it)
         steps = engine.profiler.summary()["steps"]
         engine.profiler.clear()  # close() has no steps to write trace files of (the chart costs a second)

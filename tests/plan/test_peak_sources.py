@@ -77,6 +77,29 @@ def test_the_predicted_peak_is_within_10_percent_for_every_model_source(tmp_path
         assert predicted >= measured, (measured >> 20, predicted >> 20)
 
 
+def test_a_wide_pretrained_lora_peaks_while_its_weights_load_as_predicted(tmp_path):
+    """Note [peak memory]'s init term read from a pretrained directory: a 1536-wide Llama block (37.7M elements in
+    bf16 safetensors) fine-tuned with LoRA peaks while a unit is materialized, and a unit read from the file holds
+    its fp32 shard and its cast, no full fp32 copy (6 bytes an element, not 10), while its backward fills only
+    the adapters' gradient (Note [trainable flat gradient]). The prediction's init term binds (over the training's
+    terms) and is within 10% of the measured peak (planted: 10 bytes an element; 0.85x, this fails). Without the
+    export at the end (`run.export`), whose peak the estimate leaves out (docs/estimate.md, "Not done yet")."""
+    path = tmp_path / "model"
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1536, intermediate_size=6144, num_hidden_layers=1,
+                                   num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    import torch
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    summary = _summary(tmp_path, "wide", [f"model.pretrained={path}", "model.tokenizer=bytes", "model.lora.r=8",
+                                          "run.batch_size=1", "placement.params=host", "placement.grads=host",
+                                          "placement.optimizer=host", "run.checkpoint=false", "run.export=false"])
+    terms = json.loads((tmp_path / "wide" / "estimate.json").read_text())["peak_terms"]
+    training = terms["working_device"] + terms["activations"] + terms["working_host"] + terms["allocator"]
+    assert terms["init"] > training, terms
+    measured, predicted = summary["peak_rss_bytes"], summary["predicted"]["peak_rss_bytes"]
+    assert abs(predicted - measured) <= 0.10 * measured, (measured >> 20, predicted >> 20, terms)
+
+
 def test_the_summary_sets_measured_beside_predicted(tmp_path):
     """Note [estimate error]: summary.json's "predicted" holds the measured steady step (the median of metrics.jsonl's
     steps 2 on), step 1 and peak RSS beside the predictions, the ratios measured / predicted, and a steady step that

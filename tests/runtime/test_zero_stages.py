@@ -99,6 +99,18 @@ def test_every_stage_matches_pytorch(runs, references, world):
             torch.testing.assert_close(result["state"][name], ref_state[name], msg=lambda m, k=name: f"{what} {k}: {m}")
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_backward_fills_the_trainable_prefix_unless_a_reduce_scatter_needs_the_whole_unit(runs, world):
+    """Note [trainable flat gradient]: each unit's flat gradient is its trainable elements [0, T) at one rank and at
+    stage 0 (all-reduced), the whole padded unit where stages 1-3 reduce-scatter it over several ranks; with frozen
+    weights (world 3) the two differ (planted: the whole unit always; the frozen cases at stage 0 fail)."""
+    for mode, case, result, _ in runs[world]:
+        what = f"world {world} stage {case.stage} {case.placement['params']} {mode}"
+        for (padded, _, trainable), flats in zip(result["units"], result["flats"]):
+            assert flats == {padded if world > 1 and case.stage > 0 else trainable}, (what, flats, padded, trainable)
+    assert world < 3 or any(t < p for _, c, r, _ in runs[world] for p, _, t in r["units"] if c.stage == 0)
+
+
 def test_checkpoints_resume_across_stages_and_world_sizes(runs):
     """A checkpoint saved after step 1 at world size W - 1 and stage s resumes at world size W and a stage other
     than s, for every stage (the resumed run's losses and final weights are checked above)."""
