@@ -29,7 +29,7 @@ import math
 import os
 import re
 import struct
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -241,12 +241,13 @@ def _remove_stale(out: str, written: set[str], pattern: re.Pattern) -> None:
 
 
 def write_hf(path: str, manifest: dict, out: str, dtype: torch.dtype | None, max_shard_size: int | str,
-             merge_lora: bool, model=None) -> None:
+             merge_lora: bool, model=None, release: Callable[[], None] = lambda: None) -> None:
     """A Hugging Face directory: `model.safetensors`, or `model-0000i-of-0000N.safetensors` and
     `model.safetensors.index.json` when the weights pass `max_shard_size` (decimal "5GB" as transformers
     means it), the model's state_dict names, a tied parameter once under its first name (as save_pretrained
     writes it; from_pretrained ties the other). A PEFT model (`model` has `peft_config`): with `merge_lora`
-    the merged weights under the base model's names, otherwise the adapters alone as PEFT saves them."""
+    the merged weights under the base model's names, otherwise the adapters alone as PEFT saves them. `release`
+    runs after each tensor is written (an engine's heap policy: Note [heap release])."""
     limit = parse_size(max_shard_size, "max_shard_size")
     entries = _entries(path, manifest, None)  # fp32 masters: a merge adds in fp32, the cast comes last
     by_key = {e.key: e for e in entries}
@@ -279,7 +280,11 @@ def write_hf(path: str, manifest: dict, out: str, dtype: torch.dtype | None, max
                     t.addmm_(lora_a.T, lora_b.T, alpha=scale)
                 else:
                     t.addmm_(lora_b, lora_a, alpha=scale)
-            yield t.to(out_dtype)
+            cast = t.to(out_dtype)
+            del t
+            yield cast
+            del cast
+            release()  # (glibc otherwise keeps the freed tensors' pages: +60-110 MiB on a 38M-parameter export)
 
     groups = _shards(specs, limit)
     names = [HF_SINGLE] if len(groups) == 1 else [f"model-{i:05d}-of-{len(groups):05d}.safetensors"
@@ -377,7 +382,8 @@ def export_format(out: str) -> str:
 
 
 def export_checkpoint(checkpoint: str, out: str, dtype: torch.dtype | None = None, fmt: str | None = None, *,
-                      max_shard_size: int | str = "5GB", merge_lora: bool = False, model=None, config=None) -> str:
+                      max_shard_size: int | str = "5GB", merge_lora: bool = False, model=None, config=None,
+                      release: Callable[[], None] = lambda: None) -> str:
     """Write the checkpoint's full state dict to `out`: `.safetensors` one file, a path with no suffix a
     Hugging Face directory (`write_hf`; `model`, the engine's module, tells a PEFT model's adapters),
     any other suffix torch.save. With a transformers `config`, a Hugging Face directory of full weights gets
@@ -389,7 +395,8 @@ def export_checkpoint(checkpoint: str, out: str, dtype: torch.dtype | None = Non
     elif fmt == "torch":
         write_torch(os.path.abspath(checkpoint), manifest, os.fspath(out), dtype)
     elif fmt == "hf":
-        write_hf(os.path.abspath(checkpoint), manifest, os.fspath(out), dtype, max_shard_size, merge_lora, model)
+        write_hf(os.path.abspath(checkpoint), manifest, os.fspath(out), dtype, max_shard_size, merge_lora, model,
+                 release)
         adapters_only = model is not None and bool(getattr(model, "peft_config", None)) and not merge_lora
         if hasattr(config, "save_pretrained") and not adapters_only:
             save_hf_config(config, os.fspath(out), dtype or torch.float32)
@@ -468,7 +475,7 @@ def export_engine(engine, path: str, *, dtype, max_shard_size: int | str, merge_
     engine.wait_for_checkpoint()
     if engine.rank == 0:
         export_checkpoint(ckpt, path, dtype=dtype, max_shard_size=max_shard_size, merge_lora=merge_lora,
-                          model=module, config=config)
+                          model=module, config=config, release=engine.heap.release)  # (Note [heap release])
         shutil.rmtree(ckpt, ignore_errors=True)
     if engine.env.group is not None:
         import torch.distributed as dist
