@@ -13,7 +13,8 @@ and their medians; the estimate's exit status is 1 here (a 70B does not fit this
 With `--accuracy` it measures instead how far the estimate's predictions are from a run's measurements (Note
 [estimate error]): for each model source (`gpt`: the built-in GPT; `llama`: a transformers Llama of a given shape,
 `model.kind=llama`; `pretrained`: a tiny Llama saved with its tokenizer, fine-tuned whole; `pretrained-lora`: the
-same with LoRA r=8), `infinity train` runs `--steps` steps in a fresh process, `--repeats` times, alternating
+same with LoRA r=8; `wide-pretrained-lora`: a one-block, 1536-wide pretrained Llama in bf16 with LoRA r=8, one
+sequence a step, whose peak is while a unit's weights load: Note [peak memory]'s init term), `infinity train` runs `--steps` steps in a fresh process, `--repeats` times, alternating
 sources; each run's summary.json holds its predicted and measured peak RSS, steady step (median of steps 2 on) and
 step 1. Reported per source: the measured / predicted ratios of each run and their medians.
 
@@ -75,12 +76,28 @@ def tiny_pretrained(root: str) -> tuple[str, str]:
     return path, corpus
 
 
+def wide_pretrained(root: str) -> str:
+    """A one-block, 1536-wide Llama (38.5M parameters) in bf16, saved as a pretrained directory without a
+    tokenizer (its runs read bytes as token ids)."""
+    import torch
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1536, intermediate_size=6144, num_hidden_layers=1,
+                                   num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128,
+                                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    path = os.path.join(root, "wide")
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def accuracy(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path, corpus = tiny_pretrained(tmp)
+        wide = wide_pretrained(tmp)
         sources = {"gpt": TINY_SHAPE, "llama": TINY_SHAPE + ["model.kind=llama"],
                    "pretrained": [f"model.pretrained={path}", f"data.path={corpus}"],
-                   "pretrained-lora": [f"model.pretrained={path}", f"data.path={corpus}", "model.lora.r=8"]}
+                   "pretrained-lora": [f"model.pretrained={path}", f"data.path={corpus}", "model.lora.r=8"],
+                   "wide-pretrained-lora": [f"model.pretrained={wide}", "model.tokenizer=bytes", "model.lora.r=8",
+                                            "run.batch_size=1"]}
         runs: dict[str, list[dict]] = {}
         for i in range(args.repeats):
             for name, sets in sources.items():
