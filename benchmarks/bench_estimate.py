@@ -14,9 +14,10 @@ With `--accuracy` it measures instead how far the estimate's predictions are fro
 [estimate error]): for each model source (`gpt`: the built-in GPT; `llama`: a transformers Llama of a given shape,
 `model.kind=llama`; `pretrained`: a tiny Llama saved with its tokenizer, fine-tuned whole; `pretrained-lora`: the
 same with LoRA r=8; `wide-pretrained-lora`: a one-block, 1536-wide pretrained Llama in bf16 with LoRA r=8, one
-sequence a step, whose peak is while a unit's weights load: Note [peak memory]'s init term), `infinity train` runs `--steps` steps in a fresh process, `--repeats` times, alternating
-sources; each run's summary.json holds its predicted and measured peak RSS, steady step (median of steps 2 on) and
-step 1. Reported per source: the measured / predicted ratios of each run and their medians.
+sequence a step, whose peak is while a unit's weights load: Note [peak memory]'s init term), `infinity train`
+runs `--steps` steps in a fresh process, `--repeats` times, alternating sources (`--sources a,b`: only those);
+each run's summary.json holds its predicted and measured peak RSS, steady step (median of steps 2 on) and step 1.
+Reported per source: the measured / predicted ratios of each run and their medians.
 
     python benchmarks/bench_estimate.py --accuracy --steps 12 --repeats 3 --json accuracy.json
 """
@@ -93,11 +94,13 @@ def accuracy(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path, corpus = tiny_pretrained(tmp)
         wide = wide_pretrained(tmp)
+        only = set(args.sources.split(",")) if args.sources else None
         sources = {"gpt": TINY_SHAPE, "llama": TINY_SHAPE + ["model.kind=llama"],
                    "pretrained": [f"model.pretrained={path}", f"data.path={corpus}"],
                    "pretrained-lora": [f"model.pretrained={path}", f"data.path={corpus}", "model.lora.r=8"],
                    "wide-pretrained-lora": [f"model.pretrained={wide}", "model.tokenizer=bytes", "model.lora.r=8",
                                             "run.batch_size=1"]}
+        sources = {k: v for k, v in sources.items() if only is None or k in only}
         runs: dict[str, list[dict]] = {}
         for i in range(args.repeats):
             for name, sets in sources.items():
@@ -129,6 +132,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--accuracy", action="store_true", help="measure the predictions' error over the model sources")
     p.add_argument("--steps", type=int, default=12, help="with --accuracy: steps of each run")
+    p.add_argument("--sources", default="", help="with --accuracy: only these sources (comma-separated)")
     p.add_argument("--before", metavar="DIR", help="a checkout of another commit, run interleaved")
     p.add_argument("--json", metavar="FILE", help="also write the result here")
     args = p.parse_args()

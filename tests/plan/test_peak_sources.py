@@ -77,13 +77,17 @@ def test_the_predicted_peak_is_within_10_percent_for_every_model_source(tmp_path
         assert predicted >= measured, (measured >> 20, predicted >> 20)
 
 
-def test_a_wide_pretrained_lora_peaks_while_its_weights_load_as_predicted(tmp_path):
+@pytest.mark.parametrize("placement", [["placement.params=host", "placement.grads=host", "placement.optimizer=host"],
+                                       []], ids=["host", "job-default"])
+def test_a_wide_pretrained_lora_peaks_while_its_weights_load_as_predicted(tmp_path, placement):
     """Note [peak memory]'s init term read from a pretrained directory: a 1536-wide Llama block (37.7M elements in
     bf16 safetensors) fine-tuned with LoRA peaks while a unit is materialized, and a unit read from the file holds
     its fp32 shard and its cast, no full fp32 copy (6 bytes an element, not 10), while its backward fills only
     the adapters' gradient (Note [trainable flat gradient]). The prediction's init term binds (over the training's
     terms) and is within 10% of the measured peak (planted: 10 bytes an element; 0.86x, this fails), the export at
-    the end included (a tensor at a time, the heap released after each: docs/estimate.md)."""
+    the end included (a tensor at a time, the heap released after each: docs/estimate.md); with the job's default
+    placement too, its frozen weights on NVMe (no checkpoint: the final save's own peak is not estimated, "Not done
+    yet" there)."""
     path = tmp_path / "model"
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1536, intermediate_size=6144, num_hidden_layers=1,
                                    num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128,
@@ -91,8 +95,7 @@ def test_a_wide_pretrained_lora_peaks_while_its_weights_load_as_predicted(tmp_pa
     import torch
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     summary = _summary(tmp_path, "wide", [f"model.pretrained={path}", "model.tokenizer=bytes", "model.lora.r=8",
-                                          "run.batch_size=1", "placement.params=host", "placement.grads=host",
-                                          "placement.optimizer=host", "run.checkpoint=false"])
+                                          "run.batch_size=1", *placement, "run.checkpoint=false"])
     terms = json.loads((tmp_path / "wide" / "estimate.json").read_text())["peak_terms"]
     training = terms["working_device"] + terms["activations"] + terms["working_host"] + terms["allocator"]
     assert terms["init"] > training, terms
