@@ -237,7 +237,7 @@ print(json.dumps({"rss": rss, "units": units, "step_s": min(seconds[1:]), "first
 # 4.11B's 1.61x at f6f54b8);
 # every peak RSS from 0.81x (large models, over-predicted: safe) to 1.04x (the 4.11B auto plan's 1.015x), and
 # 1.16x for a wide pretrained LoRA whose frozen weights are on NVMe (2026-11-29, the accuracy bench's fifth
-# source: its final checkpoint's save and export, which the estimate does not predict, docs/estimate.md).
+# source: its export at the end, which the estimate does not predict, docs/estimate.md).
 STEP_ERROR = (0.98, 2.86)
 PEAK_ERROR = (0.81, 1.16)
 ERROR_MEASURED = ("2026-11-28/29, 2-core CPU, 23 GiB: benchmarks/bench_estimate.py --accuracy and models of "

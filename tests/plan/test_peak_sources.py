@@ -86,8 +86,8 @@ def test_a_wide_pretrained_lora_peaks_while_its_weights_load_as_predicted(tmp_pa
     the adapters' gradient (Note [trainable flat gradient]). The prediction's init term binds (over the training's
     terms) and is within 10% of the measured peak (planted: 10 bytes an element; 0.86x, this fails), the export at
     the end included (a tensor at a time, the heap released after each: docs/estimate.md); with the job's default
-    placement too, its frozen weights on NVMe (no checkpoint: the final save's own peak is not estimated, "Not done
-    yet" there)."""
+    placement too, its frozen weights on NVMe (without the checkpoint and the export of that case the test does
+    not make: its export's peak is not estimated, "Not done yet" there)."""
     path = tmp_path / "model"
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=1536, intermediate_size=6144, num_hidden_layers=1,
                                    num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=128,
