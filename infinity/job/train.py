@@ -488,7 +488,7 @@ def _export(job: Job, engine, bundle: ModelBundle, run_dir: Path, checkpoint: Pa
     if checkpoint is not None:
         if rank == 0:
             export_checkpoint(str(checkpoint), str(out), dtype=dtype, merge_lora=merge, model=engine.module,
-                              config=bundle.hf_config)
+                              config=bundle.hf_config, release=engine.heap.release)  # (Note [heap release])
         barrier(default_group())
     else:
         engine.export_state_dict(str(out), dtype=dtype, merge_lora=merge)  # config.json: the module's own
