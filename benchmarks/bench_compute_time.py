@@ -48,11 +48,12 @@ def main() -> int:
     from infinity.memory import cost_model
     from infinity.models.gpt import GPT, GPTConfig
     from infinity.plan import estimate as est
+    from infinity.plan import probe
     cpu = torch.device("cpu")
     rates = cost_model.LinkRates(nvme_read=1.0, nvme_write=1.0, cpu_adam=1.0, device_adam=1.0,
                                  matmul_flops=link_rates._measure_matmul(cpu, torch.float32, 1024),
                                  memory_bw=link_rates._measure_elementwise(cpu, 1 << 23),
-                                 op_seconds=float(est.runtime_probe(remeasure=True)["op_s"]), source="this run")
+                                 op_seconds=probe.op_seconds(remeasure=True), source="this run")
     rows = []
     for shape in args.shapes.split(","):
         layers, width, seq, batch, vocab = (int(v) for v in shape.split("x"))

@@ -57,7 +57,7 @@ def fake_machine(m: dict) -> None:
 
     from infinity.machine import link_rates
     from infinity.memory import cost_model
-    from infinity.plan import estimate as est
+    from infinity.plan import probe
     gib = lambda key: int(m[key] * GiB)  # noqa: E731
     torch.cuda.is_available = lambda: True
     torch.cuda.mem_get_info = lambda *a: (gib("gpu_free_gib"), gib("gpu_total_gib"))
@@ -73,9 +73,9 @@ def fake_machine(m: dict) -> None:
     rates = dataclasses.replace(cost_model.default_rates(True), **m["rates"], source="what-if")
     link_rates.link_rates = lambda *a, **k: rates
     link_rates.cached_link_rates = lambda cuda: rates
-    est.runtime_rss = lambda remeasure=False, modules=(), compiled=None: 600 << 20
-    est.host_time = lambda units, *a, **k: (0.0, 0.0)  # (the host's time per step: not what this answers)
-    est.op_seconds = lambda *a, **k: 5e-6
+    probe.runtime_rss = lambda remeasure=False, modules=(), compiled=None: 600 << 20
+    probe.host_time = lambda units, *a, **k: (0.0, 0.0)  # (the host's time per step: not what this answers)
+    probe.op_seconds = lambda *a, **k: 5e-6
 
 
 def main(argv=None) -> dict:

@@ -29,12 +29,13 @@ def pytest_configure(config):
     disk: the disk hidden behind slow compute) static all-NVMe plans outranked the plan a test expected, and CI
     failed on 2026-11-29. A test of the measurement sets a cache directory of its own or remeasures."""
     import tempfile
-    if "INFINITY_SUITE_CACHE" not in os.environ:  # (the controller; xdist's workers inherit it)
+    first = "INFINITY_SUITE_CACHE" not in os.environ  # (the controller: xdist's workers inherit its directory)
+    if first:
         os.environ["INFINITY_SUITE_CACHE"] = tempfile.mkdtemp(prefix="infinity-suite-cache-")
-        os.environ["INFINITY_CACHE_DIR"] = os.environ["INFINITY_SUITE_CACHE"]
+    os.environ["INFINITY_CACHE_DIR"] = os.environ["INFINITY_SUITE_CACHE"]
+    if first:
         from infinity.machine.link_rates import store_rates
         from infinity.memory.cost_model import LinkRates
         store_rates(tempfile.gettempdir(), torch.device("cpu"), LinkRates(
             nvme_read=2.0e9, nvme_write=3.0e9, cpu_adam=1.6e9, device_adam=1.6e9, matmul_flops=1.2e11,
             memory_bw=3.0e10, source="pinned by the test suite (tests/conftest.py)"))
-    os.environ["INFINITY_CACHE_DIR"] = os.environ["INFINITY_SUITE_CACHE"]

@@ -148,8 +148,8 @@ class Stage:
         else:
             params = _whole(parts, rank, sub_group_size)
         grads = update if self.grads_partitioned else _whole([(t, 0) for t, _ in parts], rank, sub_group_size)
-        scattered = padded if world_size > 1 else T  # (Note [trainable flat gradient])
-        return UnitLayout(params=params, grads=grads, update=update, unsharded_numel=padded, flat_grad_numel=scattered)
+        flat_grad = padded if world_size > 1 else T  # (reduce-scattered: Note [trainable flat gradient])
+        return UnitLayout(params=params, grads=grads, update=update, unsharded_numel=padded, flat_grad_numel=flat_grad)
 
     # ----------------------------------------------------------------- formulas
     def bytes_per_rank(self, psi: int, world_size: int, *, param_bytes: int = 2, grad_bytes: int = 4,

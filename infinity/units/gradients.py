@@ -41,8 +41,7 @@ class UnitGradients:
 
     def __init__(self, ctx: UnitContext, slots: list[ParamSlot], layout: UnitLayout,
                  shard_start: int, shard_numel: int, stored_trainable: int, unit_name: str = ""):
-        self.ctx, self.slots, self.layout = ctx, slots, layout
-        self.flat_numel = layout.flat_grad_numel  # (Note [trainable flat gradient])
+        self.ctx, self.slots, self.layout = ctx, slots, layout  # (the flat size: Note [trainable flat gradient])
         self.unit_name = unit_name  # (its reductions' profile spans name it)
         self.shard_start, self.shard_numel, self.stored_trainable = shard_start, shard_numel, stored_trainable
         self.flat: torch.Tensor | None = None  # this backward's gradients, filled parameter by parameter
@@ -52,7 +51,7 @@ class UnitGradients:
         """Move one parameter's fresh `.grad` into the unit's fp32 flat gradient (and free it), so at
         most one parameter's gradient exists beside the flat buffer."""
         if self.flat is None:
-            self.flat = torch.zeros(self.flat_numel, dtype=torch.float32, device=self.ctx.device)
+            self.flat = torch.zeros(self.layout.flat_grad_numel, dtype=torch.float32, device=self.ctx.device)
         self.flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.grad.reshape(-1))
         slot.param.grad = None
         self.slots_with_grad.add(id(slot))
@@ -65,7 +64,7 @@ class UnitGradients:
         """This backward's flat fp32 gradient, handed over (zeros where parameters got no gradient)."""
         flat, self.flat = self.flat, None
         if flat is None:
-            flat = torch.zeros(self.flat_numel, dtype=torch.float32, device=self.ctx.device)
+            flat = torch.zeros(self.layout.flat_grad_numel, dtype=torch.float32, device=self.ctx.device)
         return flat
 
     def reduce(self, flat: torch.Tensor) -> Reduction:

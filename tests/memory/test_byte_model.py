@@ -17,6 +17,7 @@ from infinity.memory.plan import Budgets
 from infinity.memory.tier import OPTIMIZER_KINDS, Kind, Tier
 from infinity.models.build import build_model
 from infinity.plan import estimate as est
+from infinity.plan import probe
 
 RATES = LinkRates(nvme_read=2e9, nvme_write=1e9, cpu_adam=5e8, device_adam=5e8, matmul_flops=1e11, source="test")
 SMALL = ModelConfig(n_layer=3, d_model=64, n_head=4, seq_len=16, vocab_size=300)
@@ -42,7 +43,7 @@ def test_planner_estimate_and_memory_report_agree_on_one_runs_working_bytes(tmp_
     `infinity estimate`'s peak terms and in memory_report's plan section; the staging pool the run really
     allocated (update pipeline, read-ahead, fresh copies) stays within them, and all of it within the
     host budget. Planted: a plan without its read-ahead term (the pool outgrows it)."""
-    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(), compiled=None: 0)  # no probe process
+    monkeypatch.setattr(probe, "runtime_rss", lambda remeasure=False, modules=(), compiled=None: 0)  # no probe process
     config = _config(tmp_path, "16MiB")
     predicted = est.estimate(lambda: build_model(SMALL), config, batch_size=2, seq_len=SMALL.seq_len, rates=RATES)
     bundle = build_model(SMALL)

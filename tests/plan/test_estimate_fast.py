@@ -17,6 +17,7 @@ from infinity.memory.cost_model import LinkRates
 from infinity.memory.plan import Budgets
 from infinity.models.build import build_model
 from infinity.plan import estimate as est
+from infinity.plan import probe
 from infinity.plan.search import default_apply
 from infinity.plan.traced import WORK_FIELDS, DeepenedModel, job_depth, model_facts
 
@@ -34,14 +35,14 @@ CASES = {  # model, engine config
 }
 
 
-HOST_TIME = est.host_time  # (the fixture below replaces it)
+HOST_TIME = probe.host_time  # (the fixture below replaces it)
 
 
 @pytest.fixture(autouse=True)
 def fixed_runtime(monkeypatch):
-    monkeypatch.setattr(est, "runtime_rss", lambda *a, **k: 100 << 20)  # both paths: one constant
-    monkeypatch.setattr(est, "host_time", lambda units, *a, **k: (0.0, 0.0))  # no probe process
-    monkeypatch.setattr(est, "op_seconds", lambda *a, **k: 1e-5)
+    monkeypatch.setattr(probe, "runtime_rss", lambda *a, **k: 100 << 20)  # both paths: one constant
+    monkeypatch.setattr(probe, "host_time", lambda units, *a, **k: (0.0, 0.0))  # no probe process
+    monkeypatch.setattr(probe, "op_seconds", lambda *a, **k: 1e-5)
 
 
 def run(model, config, *, deep, budgets=None, search=True, own_llama=False):
@@ -82,7 +83,7 @@ def test_the_estimators_llama_equals_transformers(kv_heads, tmp_path, monkeypatc
     checkpointed, equals the one of transformers' LlamaForCausalLM (the plan search is a function of these), with
     the compute priced by its FLOPs; the operations it runs are within 3% of transformers' (1,973 vs 2,022 here:
     a few views and casts fewer a block), their bytes within 2% (the units' forwards: 5%, Note [compute time])."""
-    monkeypatch.setattr(est, "op_seconds", lambda *a, **k: 0.0)
+    monkeypatch.setattr(probe, "op_seconds", lambda *a, **k: 0.0)
     model = dataclasses.replace(CASES["llama"].values[0], n_kv_head=kv_heads)
     config = infinity.Config.from_dict({**CASES["llama"].values[1], "nvme": {"paths": [str(tmp_path)]}})
     assert type(job_depth(model, own_llama=True).build(2).model).__module__ == "infinity.models.llama"
@@ -131,7 +132,7 @@ def test_a_pretrained_llama_directory_estimates_as_transformers_and_peft(extra, 
     their groups, units, the trace's saves and FLOPs, the table and the plans with the compute priced by its
     FLOPs); its operations and their bytes are near PEFT's (Note [compute time])."""
     from infinity.config.job import LoraConfig
-    monkeypatch.setattr(est, "op_seconds", lambda *a, **k: 0.0)
+    monkeypatch.setattr(probe, "op_seconds", lambda *a, **k: 0.0)
     model = ModelConfig(pretrained=_pretrained_llama(tmp_path / "llama", **extra), tokenizer="bytes", seq_len=16)
     lora_cfg = LoraConfig(**lora)
     config = infinity.Config.from_dict({**CASES["llama"].values[1], "nvme": {"paths": [str(tmp_path)]}})
@@ -274,11 +275,11 @@ def test_host_time_is_the_probes_per_unit_time_times_the_units(monkeypatch):
     """Note [host time]: the probe's steady step less its model's plain forward + backward (and step 1's extra) per
     unit, times the model's units (a formula). Planted: unscaled (the probe's time for any model), this fails; the
     plain forward + backward not taken off (Note [compute time] prices the model's operations), this fails."""
-    probe = {"rss": 1, "units": 4, "step_s": 0.010, "first_step_s": 0.050, "plain_s": 0.004, "op_s": 1e-5}
-    monkeypatch.setattr(est, "runtime_probe", lambda remeasure=False, modules=(), compiled=None: probe)
+    measured = {"rss": 1, "units": 4, "step_s": 0.010, "first_step_s": 0.050, "plain_s": 0.004, "op_s": 1e-5}
+    monkeypatch.setattr(probe, "runtime_probe", lambda remeasure=False, modules=(), compiled=None: measured)
     steady, first = HOST_TIME(12)
     assert steady == pytest.approx(0.018) and first == pytest.approx(0.120)
-    assert est.op_seconds() == 1e-5
+    assert probe.op_seconds() == 1e-5
 
 
 @pytest.mark.slow
@@ -288,5 +289,5 @@ def test_the_runtime_probe_of_a_compiled_run_compiles(tmp_path, monkeypatch):
     estimate was 1.75x under a compiled run's peak without it). Planted: the --compile flag not passed -> the two
     probes measure the same process, the test fails."""
     monkeypatch.setenv("INFINITY_CACHE_DIR", str(tmp_path))
-    eager, compiled = est.runtime_probe(), est.runtime_probe(compiled="inductor")
+    eager, compiled = probe.runtime_probe(), probe.runtime_probe(compiled="inductor")
     assert compiled["rss"] > eager["rss"] + (64 << 20), (eager, compiled)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from infinity.job import cli
-from infinity.plan import estimate as est
-from infinity.plan import largest
+from infinity.plan import largest, probe
 
 LADDER = (largest.Rung("tiny-1", 64, 4, 4, 4, 128, 256), largest.Rung("tiny-2", 128, 4, 4, 4, 256, 256),
           largest.Rung("tiny-3", 256, 4, 4, 4, 512, 256))
@@ -16,8 +15,8 @@ LADDER = (largest.Rung("tiny-1", 64, 4, 4, 4, 128, 256), largest.Rung("tiny-2", 
 
 @pytest.fixture(autouse=True)
 def fixed_runtime(monkeypatch):
-    monkeypatch.setattr(est, "runtime_rss", lambda remeasure=False, modules=(), compiled=None: 64 << 20)
-    monkeypatch.setattr(est, "host_time", lambda units, *a, **k: (0.0, 0.0))  # no probe process
+    monkeypatch.setattr(probe, "runtime_rss", lambda remeasure=False, modules=(), compiled=None: 64 << 20)
+    monkeypatch.setattr(probe, "host_time", lambda units, *a, **k: (0.0, 0.0))  # no probe process
 
 
 def job_args(tmp_path, budget: str):
@@ -166,8 +165,8 @@ def test_the_auto_policy_leaves_the_ram_its_run_needs_beside_the_state(tmp_path,
     from types import SimpleNamespace
 
     import psutil
-    probe = {"rss": 260 << 20, "units": 3, "step_s": 0.012, "first_step_s": 0.009, "plain_s": 0.002, "op_s": 8e-6}
-    monkeypatch.setattr(est, "runtime_probe", lambda remeasure=False, modules=(), compiled=None: probe)
+    measured = {"rss": 260 << 20, "units": 3, "step_s": 0.012, "first_step_s": 0.009, "plain_s": 0.002, "op_s": 8e-6}
+    monkeypatch.setattr(probe, "runtime_probe", lambda remeasure=False, modules=(), compiled=None: measured)
     ram = SimpleNamespace(total=16 * GiB, available=2 * GiB + 1100 * MiB)
     disk = SimpleNamespace(total=100 * GiB, used=0, free=60 * GiB)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: ram)
